@@ -1,0 +1,170 @@
+"""The kernel-graph IR's JSON form: every field spelled out, argument bytes in hex.
+
+A document is ``{"schema": "grape.ir", "version": 1, "buffers": [...], "nodes": [...],
+"edges": [[u, v], ...]}``; each node is its operation's fields plus ``id`` and ``kind``, and a
+conditional node's bodies are nested ``{"nodes", "edges"}`` objects. Decoding checks the shape of
+every field and says which node and field is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from enum import Enum
+from typing import Any
+
+from grape.errors import GraphError, SchemaVersionError, UnknownNodeKindError
+from grape.ir import (
+    OP_TYPES,
+    SCHEMA,
+    SCHEMA_VERSION,
+    Buffer,
+    BufferRole,
+    Conditional,
+    ConditionalKind,
+    Kernel,
+    KernelGraph,
+    Memory,
+    Param,
+    Pointer,
+    Span,
+)
+
+__all__ = ["graph_from_json", "graph_to_json"]
+
+
+def graph_to_json(graph: KernelGraph) -> dict[str, Any]:
+    doc = {"schema": SCHEMA, "version": SCHEMA_VERSION,
+           "buffers": [_encode(b) for b in graph.buffers.values()]}
+    doc.update(_encode_body(graph))
+    return doc
+
+
+def graph_from_json(doc: Any) -> KernelGraph:
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+        raise GraphError(f"expected a {SCHEMA} document, found {found!r}")
+    if doc.get("version") != SCHEMA_VERSION:
+        raise SchemaVersionError(f"expected {SCHEMA} schema version {SCHEMA_VERSION}, "
+                                 f"found {doc.get('version')!r}")
+    graph = _decode_body(doc, "")
+    for i, raw in enumerate(_field(doc, "buffers", list, "")):
+        graph.add_buffer(_decode(Buffer, raw, f"buffer {i}"))
+    return graph
+
+
+_NESTED = {"src": Span, "dst": Span, "target": Span}
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, KernelGraph):
+        return _encode_body(value)
+    if isinstance(value, tuple):
+        return [_encode(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: _encode(getattr(value, f.name)) for f in fields(value)}
+    return value
+
+
+def _encode_body(graph: KernelGraph) -> dict[str, Any]:
+    nodes = [{"id": n, "kind": op.kind, **_encode(op)} if op is not None else {"id": n}
+             for n, op in graph.ops()]
+    return {"nodes": nodes, "edges": [[u, v] for u, v in graph.dag.edges]}
+
+
+def _decode_body(doc: dict, where: str) -> KernelGraph:
+    graph = KernelGraph()
+    for i, raw in enumerate(_field(doc, "nodes", list, where)):
+        at = f"{where}node {i}"
+        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
+            raise GraphError(f"{at}: expected an object with a string 'id', found {raw!r:.80}")
+        at = f"{where}node {raw['id']!r}"
+        op_type = OP_TYPES.get(raw.get("kind"))
+        if op_type is None:
+            raise UnknownNodeKindError(f"{at}: expected a kind among {', '.join(OP_TYPES)}, "
+                                       f"found {raw.get('kind')!r}")
+        body = {k: v for k, v in raw.items() if k not in ("id", "kind")}
+        graph.add(raw["id"], _decode(op_type, body, at))
+    for edge in _field(doc, "edges", list, where):
+        if (not isinstance(edge, list) or len(edge) != 2
+                or any(n not in graph.dag for n in edge)):
+            raise GraphError(f"{where}expected edges between listed nodes, found {edge!r:.80}")
+        graph.dag.add_edge(*edge)
+    return graph
+
+
+def _field(doc: dict, name: str, kind: type, where: str) -> Any:
+    value = doc.get(name)
+    if not isinstance(value, kind):
+        raise GraphError(f"{where}expected a {kind.__name__} field {name!r}, found {value!r:.80}")
+    return value
+
+
+def _decode(cls: type, raw: Any, at: str) -> Any:
+    """Build dataclass ``cls`` from its JSON form, checking every field's shape."""
+    if not isinstance(raw, dict):
+        raise GraphError(f"{at}: expected an object, found {raw!r:.80}")
+    names = {f.name for f in fields(cls)}
+    if unknown := set(raw) - names:
+        raise GraphError(f"{at}: expected fields among {sorted(names)}, found {sorted(unknown)}")
+    values = {}
+    for name, value in raw.items():
+        try:
+            values[name] = _decode_field(cls, name, value, at)
+        except (TypeError, ValueError, KeyError) as e:
+            raise GraphError(f"{at}: expected a valid {name!r}, found {value!r:.80} "
+                             f"({e})") from None
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise GraphError(f"{at}: expected all fields of {cls.__name__}, found {e}") from None
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        raise TypeError("a list of integers")
+    return tuple(value)
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise TypeError("an integer")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError("a string")
+    return value
+
+
+def _decode_field(cls: type, name: str, value: Any, at: str) -> Any:
+    if name in _NESTED:
+        return _decode(_NESTED[name], value, at)
+    if cls is Kernel:
+        if name in ("grid", "block"):
+            return _ints(value)
+        if name == "args":
+            return bytes.fromhex(_str(value))
+        if name == "params":
+            return tuple(_decode(Param, p, at) for p in value)
+        if name == "pointers":
+            return tuple(_decode(Pointer, p, at) for p in value)
+        if name == "attributes":
+            return tuple((_str(k), _int(v) if not isinstance(v, list) else _ints(v))
+                         for k, v in value)
+    if cls is Buffer and name in ("role", "memory"):
+        return BufferRole(value) if name == "role" else Memory(value)
+    if cls is Conditional:
+        if name == "type":
+            return ConditionalKind(value)
+        if name == "bodies":
+            return tuple(_decode_body(b, f"{at} body {i}: ") for i, b in enumerate(value))
+        if name == "default":
+            return None if value is None else _int(value)
+    annotation = {f.name: f.type for f in fields(cls)}[name]
+    return _str(value) if annotation == "str" else _int(value)
+

@@ -1,0 +1,166 @@
+"""Splitting a trace into iterations of the workload.
+
+Three ways, in order of trust: an explicit count from the user; ``ProfilerStep#N`` annotations
+that torch.profiler's schedule writes (and grape's own traces always carry); otherwise the
+smallest period of the launch sequence, where a launch is identified by its call and the GPU work
+it caused (a graph launch and its 290 kernels is one launch).
+
+Host work that issues nothing (framework operators that only reshape, API queries) sits between
+the last launch of one iteration and the first launch of the next. It is divided by comparison
+with the first iteration: the host items that precede the first iteration's first launch are
+that iteration's head, so the same names before a later iteration's first launch are its head,
+and the rest of the gap is the previous iteration's tail. Whatever matches no iteration (set-up
+before the first, synchronisation after the last) is reported as outside every iteration.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections import Counter
+from dataclasses import dataclass
+
+from grape.errors import EmptyTraceError, IterationError
+from grape.kineto import Decoded
+from grape.records import HostCall, Iteration, Launch
+
+__all__ = ["Split", "smallest_period", "split_iterations"]
+
+
+@dataclass(frozen=True)
+class Split:
+    iterations: tuple[Iteration, ...]
+    method: str  # how the iterations were found, for people
+    outside: tuple[HostCall, ...]  # CUDA API calls outside every iteration
+
+
+def smallest_period(seq: list) -> int:
+    """Smallest p dividing len(seq) such that seq repeats every p items (len(seq) if none).
+
+    >>> smallest_period(list("abcabcabc"))
+    3
+    >>> smallest_period(list("abcab"))
+    5
+    """
+    n = len(seq)
+    for p in range(1, n):
+        if n % p == 0 and seq[p:] == seq[:-p]:
+            return p
+    return n
+
+
+def split_iterations(d: Decoded, count: int | None = None, source: str = "trace") -> Split:
+    """Group a decoded trace's launches into iterations with their host windows.
+
+    Raises
+    ------
+    EmptyTraceError
+        No host call in the trace launched GPU work.
+    IterationError
+        ``count`` does not divide the launches evenly.
+    """
+    launches = sorted(d.launches, key=lambda launch: launch.call.ts)
+    if not launches:
+        orphans = f" ({len(d.orphans)} GPU operations had no host call)" if d.orphans else ""
+        raise EmptyTraceError(f"{source}: expected GPU work launched from the host, "
+                              f"found none{orphans}")
+    if count is not None:
+        if count < 1 or len(launches) % count:
+            raise IterationError(f"{source}: expected {len(launches)} launches to divide into "
+                                 f"{count} equal iterations, found a remainder of "
+                                 f"{len(launches) % count if count >= 1 else len(launches)}")
+        period = len(launches) // count
+        method = f"explicit count: {count} iterations of {period} launches"
+    elif d.steps:
+        return _split_by_steps(d, launches)
+    else:
+        period = smallest_period([launch.signature for launch in launches])
+        n = len(launches) // period
+        method = (f"repeating launch sequence: {n} iterations of {period} launches" if n > 1 else
+                  f"no repeating launch sequence: one iteration of {period} launches")
+    groups = [launches[i:i + period] for i in range(0, len(launches), period)]
+    windows = _host_windows(d, groups)
+    return _assemble(d, groups, windows, method)
+
+
+def _split_by_steps(d: Decoded, launches: list[Launch]) -> Split:
+    starts = [launch.call.ts for launch in launches]
+    groups = [launches[bisect_left(starts, s.ts):bisect_left(starts, s.end)] for s in d.steps]
+    windows = [(s.ts, s.end) for s in d.steps]
+    return _assemble(d, groups, windows, f"{len(d.steps)} ProfilerStep annotations")
+
+
+def _assemble(d: Decoded, groups: list[list[Launch]], windows: list[tuple[float, float]],
+              method: str) -> Split:
+    starts = [c.ts for c in d.calls]
+    iterations, inside = [], set()
+    for i, (group, (lo, hi)) in enumerate(zip(groups, windows, strict=True)):
+        a, b = bisect_left(starts, lo), bisect_left(starts, hi)
+        inside.update(range(a, b))
+        iterations.append(Iteration(i, lo, hi, tuple(group), tuple(d.calls[a:b])))
+    outside = tuple(c for i, c in enumerate(d.calls) if i not in inside)
+    return Split(tuple(iterations), method, outside)
+
+
+def _top_level(items: list[HostCall]) -> list[HostCall]:
+    """Items not nested inside an earlier item (``items`` sorted by start, longest first)."""
+    top: list[HostCall] = []
+    for item in items:
+        if not top or item.ts >= top[-1].end:
+            top.append(item)
+    return top
+
+
+def _host_windows(d: Decoded, groups: list[list[Launch]]) -> list[tuple[float, float]]:
+    # Work on the thread that issued most launches; other threads join by time in _assemble.
+    tid = Counter(launch.call.tid for g in groups for launch in g).most_common(1)[0][0]
+    calls = [(launch.call.ts, gi) for gi, g in enumerate(groups) for launch in g
+             if launch.call.tid == tid]
+    calls.sort()
+    call_ts = [ts for ts, _ in calls]
+    items = sorted((c for c in d.ops + d.calls if c.tid == tid), key=lambda c: (c.ts, -c.dur))
+    while True:
+        top = _top_level(items)
+        labels = []
+        wrappers = set()
+        for item in top:
+            inner = {gi for _, gi in calls[bisect_left(call_ts, item.ts):
+                                           bisect_right(call_ts, item.end)]}
+            if len(inner) > 1:  # wraps several iterations (a user's outer annotation): look inside
+                wrappers.add(id(item))
+            labels.append(inner.pop() if len(inner) == 1 else None)
+        if not wrappers:
+            break
+        items = [c for c in items if id(c) not in wrappers]
+    return _windows_from_labels(top, labels, len(groups))
+
+
+def _windows_from_labels(top: list[HostCall], labels: list[int | None],
+                         n: int) -> list[tuple[float, float]]:
+    first = [labels.index(g) for g in range(n)]
+    last = [len(labels) - 1 - labels[::-1].index(g) for g in range(n)]
+    names = [item.name for item in top]
+    head0 = names[:first[0]]
+
+    def matched_head(gap: list[str]) -> int:
+        k = 0
+        while k < min(len(gap), len(head0)) and gap[-1 - k] == head0[-1 - k]:
+            k += 1
+        return k
+
+    heads = [0] * n
+    for g in range(1, n):
+        heads[g] = matched_head(names[last[g - 1] + 1:first[g]])
+    # The first iteration's head is what the later ones agree it is (all of it if alone).
+    heads[0] = heads[1] if n > 1 else len(head0)
+    tail_names = names[last[0] + 1:first[1] - heads[1]] if n > 1 else []
+    after = names[last[-1] + 1:]
+    tail_last = 0
+    while (tail_last < min(len(tail_names), len(after))
+           and after[tail_last] == tail_names[tail_last]):
+        tail_last += 1
+    windows = []
+    for g in range(n):
+        lo = first[g] - heads[g]
+        hi = first[g + 1] - heads[g + 1] - 1 if g + 1 < n else last[g] + tail_last
+        windows.append((top[lo].ts, max(item.end for item in top[lo:hi + 1])))
+    return windows

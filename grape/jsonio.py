@@ -1,0 +1,48 @@
+"""Reading JSON files, gzipped or not, with one-line errors that name the file."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+from grape.errors import GrapeError
+
+__all__ = ["dump_json", "load_json"]
+
+
+def load_json(path: str | Path, error: type[GrapeError] = GrapeError) -> Any:
+    """Parse ``path`` as JSON, un-gzipping it first if it is gzip; failures raise ``error``."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise error(f"{path}: expected a readable file, found {e.strerror}") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise error(f"{path}: expected a complete gzip stream, found {e}") from None
+    elif path.suffix == ".gz":
+        raise error(f"{path}: expected gzip data (the name ends in .gz), found bytes "
+                    f"starting {raw[:8]!r}")
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        raise error(f"{path}: expected UTF-8 JSON text, found binary data") from None
+    except json.JSONDecodeError as e:
+        cut = e.pos >= len(raw.rstrip()) or e.msg.startswith("Unterminated")
+        hint = "; the file looks truncated" if cut else ""
+        raise error(f"{path}: expected JSON, found {e.msg.lower()!r} at line {e.lineno} "
+                    f"column {e.colno}{hint}") from None
+
+
+def dump_json(path: str | Path, doc: Any, *, indent: int | None = None) -> Path:
+    """Write ``doc`` as JSON, gzipped (reproducibly: no timestamp) when ``path`` ends in .gz."""
+    path = Path(path)
+    separators = None if indent is not None else (",", ":")
+    data = json.dumps(doc, indent=indent, separators=separators).encode()
+    path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data + b"\n")
+    return path

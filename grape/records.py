@@ -1,0 +1,142 @@
+"""What a trace is made of: host calls, GPU operations, launches and iterations.
+
+Times are microseconds on the trace's clock, as in the Chrome Trace Event format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+__all__ = ["GRAPH_LAUNCH_CALLS", "SYNC_CALLS", "GpuOp", "HostCall", "Iteration", "Launch"]
+
+# Host calls that block until the GPU (or a stream, or an event) has caught up.
+SYNC_CALLS = frozenset({
+    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+    "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize",
+    "cudaMemcpy", "cuMemcpy", "cuMemcpyDtoH", "cuMemcpyHtoD", "cudaMemset",
+})
+GRAPH_LAUNCH_CALLS = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
+
+
+@dataclass(frozen=True)
+class HostCall:
+    """A span on a host thread: a CUDA runtime or driver call, or a framework operator.
+
+    ``category`` is ``"runtime"`` or ``"driver"`` for CUDA API calls and ``"op"`` for framework
+    operators and user annotations. ``correlation`` ties an API call to the GPU work it caused.
+    """
+
+    name: str
+    category: str
+    ts: float
+    dur: float
+    tid: int
+    correlation: int | None = None
+
+    @property
+    def end(self) -> float:
+        return self.ts + self.dur
+
+    @property
+    def is_sync(self) -> bool:
+        return self.name in SYNC_CALLS
+
+
+@dataclass(frozen=True)
+class GpuOp:
+    """A kernel, copy or memset as the GPU ran it."""
+
+    kind: str  # "kernel", "memcpy" or "memset"
+    name: str
+    ts: float
+    dur: float
+    stream: int
+    correlation: int
+    device: int = 0
+    grid: tuple[int, int, int] | None = None
+    block: tuple[int, int, int] | None = None
+    shared_mem: int | None = None
+    registers: int | None = None
+    bytes: int | None = None
+
+    @property
+    def end(self) -> float:
+        return self.ts + self.dur
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One host call and the GPU operations it caused (many, for a graph launch)."""
+
+    call: HostCall
+    ops: tuple[GpuOp, ...]
+
+    @property
+    def is_graph(self) -> bool:
+        return self.call.name in GRAPH_LAUNCH_CALLS
+
+    @property
+    def signature(self) -> tuple:
+        """What repeats when the same work is issued again: the call and the kernels it ran.
+
+        Launch dimensions stay out: in a dynamic workload they change between iterations (the
+        GPT-2 sample's KV-cache concatenation grows its grid from 66 to 67 blocks).
+        """
+        return (self.call.name, tuple((op.kind, op.name) for op in self.ops))
+
+
+def busy_time(ops: list[GpuOp] | tuple[GpuOp, ...]) -> float:
+    """Microseconds during which at least one of ``ops`` ran (overlaps counted once)."""
+    total, until = 0.0, float("-inf")
+    for op in sorted(ops, key=lambda o: o.ts):
+        if op.end > until:
+            total += op.end - max(op.ts, until)
+            until = op.end
+    return total
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One repetition of the workload: its host window and everything issued in it."""
+
+    index: int
+    start: float
+    end: float
+    launches: tuple[Launch, ...]
+    calls: tuple[HostCall, ...]  # every CUDA API call in the window, launches included
+
+    @cached_property
+    def gpu_ops(self) -> tuple[GpuOp, ...]:
+        return tuple(op for launch in self.launches for op in launch.ops)
+
+    @cached_property
+    def kernels(self) -> tuple[GpuOp, ...]:
+        return tuple(op for op in self.gpu_ops if op.kind == "kernel")
+
+    @property
+    def graph_launches(self) -> tuple[Launch, ...]:
+        return tuple(launch for launch in self.launches if launch.is_graph)
+
+    @property
+    def syncs(self) -> tuple[HostCall, ...]:
+        return tuple(call for call in self.calls if call.is_sync)
+
+    @property
+    def host_time(self) -> float:
+        return self.end - self.start
+
+    @property
+    def host_launch_time(self) -> float:
+        """Host microseconds spent inside the calls that issued GPU work."""
+        return sum(launch.call.dur for launch in self.launches)
+
+    @property
+    def gpu_busy_time(self) -> float:
+        return busy_time(self.gpu_ops)
+
+    @property
+    def gpu_span(self) -> float:
+        """From the first GPU operation's start to the last one's end."""
+        ops = self.gpu_ops
+        return max(op.end for op in ops) - min(op.ts for op in ops) if ops else 0.0

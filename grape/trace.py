@@ -1,0 +1,194 @@
+"""Reading torch.profiler traces and writing grape's own, in the Chrome Trace Event format.
+
+A grape trace is a Kineto-shaped Chrome trace (so Perfetto and ``grape info`` open both alike)
+with a ``"grape"`` block that says what ran where and what the run measured without the
+profiler, and with ``ProfilerStep#N`` annotations that mark its iterations exactly.
+
+Examples
+--------
+>>> t = read_trace("traces/gpt2_small_decode_b1_past64.eager.kineto.json.gz")  # doctest: +SKIP
+>>> len(t.iterations), len(t.iterations[0].kernels)  # doctest: +SKIP
+(3, 247)
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grape.errors import SchemaVersionError, TraceFormatError
+from grape.iterations import split_iterations
+from grape.jsonio import dump_json, load_json
+from grape.kineto import decode, encode
+from grape.records import GpuOp, HostCall, Iteration, Launch
+
+__all__ = [
+    "GRAPE_SCHEMA_VERSION",
+    "GpuOp",
+    "GrapeMeta",
+    "HostCall",
+    "Iteration",
+    "Launch",
+    "Trace",
+    "read_trace",
+    "trace_from_json",
+    "write_trace",
+]
+
+GRAPE_SCHEMA_VERSION = 1
+KINETO_SCHEMA_VERSIONS = (1,)
+
+
+@dataclass(frozen=True)
+class GrapeMeta:
+    """The ``grape`` block of a trace grape wrote."""
+
+    workload: str
+    mode: str  # "eager", "graph", "grape", "simulated", ...
+    device: str
+    driver: str
+    libraries: dict[str, str] = field(default_factory=dict)
+    wall_time_us: tuple[float, ...] = ()  # per iteration, measured without the profiler
+    notes: str = ""
+    schema_version: int = GRAPE_SCHEMA_VERSION
+
+    @property
+    def wall_time_median_us(self) -> float | None:
+        return statistics.median(self.wall_time_us) if self.wall_time_us else None
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["wall_time_us"] = list(self.wall_time_us)
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Any, source: str) -> GrapeMeta:
+        if not isinstance(doc, dict):
+            raise TraceFormatError(f"{source}: expected the 'grape' block to be an object, "
+                                   f"found {type(doc).__name__}")
+        version = doc.get("schema_version")
+        if version != GRAPE_SCHEMA_VERSION:
+            raise SchemaVersionError(f"{source}: expected grape trace schema version "
+                                     f"{GRAPE_SCHEMA_VERSION}, found {version!r}")
+        try:
+            meta = cls(**{**doc, "wall_time_us": tuple(float(t) for t in doc["wall_time_us"])})
+        except (TypeError, KeyError, ValueError) as e:
+            raise TraceFormatError(f"{source}: expected a grape block with workload, mode, "
+                                   f"device, driver and wall_time_us, found {e}") from None
+        return meta
+
+
+@dataclass
+class Trace:
+    """A decoded trace: its records, its iterations, and what is known of where it ran."""
+
+    source: str
+    calls: list[HostCall]
+    ops: list[HostCall]
+    gpu_ops: list[GpuOp]
+    launches: list[Launch]
+    iterations: tuple[Iteration, ...]
+    split_method: str
+    outside: tuple[HostCall, ...]  # API calls outside every iteration
+    orphans: list[GpuOp]  # GPU work no host call in the trace accounts for
+    unknown: dict[str, int]  # event categories grape does not model, with counts
+    device: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, Any] = field(default_factory=dict)
+    grape: GrapeMeta | None = None
+
+    @property
+    def device_name(self) -> str:
+        return self.device.get("name", "unknown device")
+
+    @property
+    def streams(self) -> list[tuple[int, int]]:
+        """(device, stream) pairs that ran work, in order."""
+        return sorted({(op.device, op.stream) for op in self.gpu_ops})
+
+    @property
+    def workload(self) -> str:
+        """The workload's name: from the grape block, else the file name before the mode."""
+        if self.grape:
+            return self.grape.workload
+        return Path(self.source).name.split(".")[0]
+
+    @property
+    def mode(self) -> str:
+        if self.grape:
+            return self.grape.mode
+        return "graph" if any(launch.is_graph for launch in self.launches) else "eager"
+
+
+def read_trace(path: str | Path, iterations: int | None = None) -> Trace:
+    """Read a torch.profiler or grape trace (JSON, gzipped or not) and split its iterations.
+
+    Parameters
+    ----------
+    path
+        A Chrome trace file as ``torch.profiler`` exports it, or as grape writes it.
+    iterations
+        How many iterations the trace holds, where annotations and periodicity should not decide.
+
+    Raises
+    ------
+    TraceFormatError
+        Unreadable, not gzip where named so, not JSON, or not a Chrome trace.
+    SchemaVersionError
+        A Kineto or grape schema version this grape does not read.
+    EmptyTraceError
+        No GPU work launched from the host.
+    IterationError
+        ``iterations`` does not divide the launches evenly.
+    """
+    return trace_from_json(load_json(path, TraceFormatError), path, iterations)
+
+
+def trace_from_json(doc: Any, path: str | Path, iterations: int | None = None) -> Trace:
+    """Like :func:`read_trace`, for a document already parsed; ``path`` names it in errors."""
+    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    if not isinstance(events, list):
+        found = sorted(doc)[:5] if isinstance(doc, dict) else type(doc).__name__
+        raise TraceFormatError(f"{path}: expected a Chrome trace (an object with 'traceEvents' "
+                               f"or a list of events), found {found}")
+    meta = doc if isinstance(doc, dict) else {}
+    version = meta.get("schemaVersion", 1)
+    if version not in KINETO_SCHEMA_VERSIONS:
+        raise SchemaVersionError(f"{path}: expected Kineto schemaVersion "
+                                 f"{' or '.join(map(str, KINETO_SCHEMA_VERSIONS))}, "
+                                 f"found {version!r}")
+    grape = GrapeMeta.from_json(meta["grape"], str(path)) if "grape" in meta else None
+    decoded = decode(events, str(path))
+    split = split_iterations(decoded, iterations, str(path))
+    devices = meta.get("deviceProperties") or [{}]
+    versions = {k: meta[k] for k in ("cuda_driver_version", "cuda_runtime_version",
+                                      "cupti_version") if k in meta}
+    return Trace(source=str(path), calls=decoded.calls, ops=decoded.ops,
+                 gpu_ops=decoded.gpu_ops, launches=decoded.launches,
+                 iterations=split.iterations, split_method=split.method, outside=split.outside,
+                 orphans=decoded.orphans, unknown=decoded.unknown, device=devices[0],
+                 versions=versions, grape=grape)
+
+
+def write_trace(path: str | Path, trace: Trace, meta: GrapeMeta) -> Path:
+    """Write ``trace`` as a grape trace (gzipped when ``path`` ends in ``.gz``).
+
+    Iterations become ``ProfilerStep#N`` annotations, so reading the file back finds exactly
+    the same iterations, whatever their content.
+    """
+    steps = [HostCall(f"ProfilerStep#{it.index}", "op", it.start, it.host_time,
+                      _issuing_tid(it)) for it in trace.iterations]
+    doc = {
+        "schemaVersion": 1,
+        "displayTimeUnit": "ms",
+        "deviceProperties": [trace.device] if trace.device else [],
+        **trace.versions,
+        "grape": meta.to_json(),
+        "traceEvents": encode(trace.calls, trace.ops, steps, trace.gpu_ops),
+    }
+    return dump_json(path, doc)
+
+
+def _issuing_tid(it: Iteration) -> int:
+    return it.launches[0].call.tid if it.launches else 0

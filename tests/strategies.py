@@ -1,0 +1,117 @@
+"""Hypothesis strategies for valid kernel graphs of every node kind."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from grape.ir import (
+    MAX_BLOCK,
+    MAX_THREADS_PER_BLOCK,
+    Buffer,
+    BufferRole,
+    Conditional,
+    ConditionalKind,
+    Empty,
+    EventRecord,
+    EventWait,
+    Kernel,
+    KernelGraph,
+    Memcpy,
+    Memory,
+    Memset,
+    Param,
+    Pointer,
+    Span,
+)
+
+names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_", min_size=1, max_size=8)
+
+buffers = st.builds(Buffer, id=names, size=st.integers(64, 1 << 20),
+                    role=st.sampled_from(BufferRole), memory=st.sampled_from(Memory))
+
+
+@st.composite
+def blocks(draw) -> tuple[int, int, int]:
+    x = draw(st.integers(1, MAX_BLOCK[0]))
+    y = draw(st.integers(1, MAX_THREADS_PER_BLOCK // x))
+    z = draw(st.integers(1, min(MAX_BLOCK[2], MAX_THREADS_PER_BLOCK // (x * y))))
+    return (x, y, z)
+
+
+grids = st.tuples(st.integers(1, 2**31 - 1), st.integers(1, 65535), st.integers(1, 65535))
+attributes = st.lists(st.tuples(st.sampled_from(["priority", "cluster_dim", "cooperative"]),
+                                st.one_of(st.integers(0, 8),
+                                          st.tuples(*[st.integers(1, 4)] * 3))),
+                      unique_by=lambda a: a[0], max_size=2).map(lambda a: tuple(sorted(a)))
+
+
+def spans(table: list[Buffer], extent: int = 1) -> st.SearchStrategy[Span]:
+    return st.sampled_from(table).flatmap(
+        lambda b: st.builds(Span, buffer=st.just(b.id), offset=st.integers(0, b.size - extent)))
+
+
+@st.composite
+def kernels(draw, table: list[Buffer]) -> Kernel:
+    sizes = draw(st.lists(st.sampled_from([1, 2, 4, 8, 8, 16]), max_size=6))
+    params, offset = [], 0
+    for size in sizes:
+        offset = -(-offset // min(size, 8)) * min(size, 8)  # natural alignment, as CUDA packs
+        params.append(Param(offset, size))
+        offset += size
+    args = draw(st.binary(min_size=offset, max_size=offset))
+    pointer_params = [i for i, p in enumerate(params) if p.size == 8] if table else []
+    chosen = draw(st.lists(st.sampled_from(pointer_params), unique=True)) if pointer_params else []
+    pointers = tuple(Pointer(i, draw(spans(table))) for i in sorted(chosen))
+    return Kernel(function=draw(names), name=draw(names), grid=draw(grids), block=draw(blocks()),
+                  shared_mem=draw(st.integers(0, 232448)), attributes=draw(attributes),
+                  args=args, params=tuple(params), pointers=pointers)
+
+
+@st.composite
+def memcpys(draw, table: list[Buffer]) -> Memcpy:
+    size = draw(st.integers(1, 64))
+    return Memcpy(src=draw(spans(table, size)), dst=draw(spans(table, size)), size=size)
+
+
+@st.composite
+def memsets(draw, table: list[Buffer]) -> Memset:
+    element = draw(st.sampled_from([1, 2, 4]))
+    width = draw(st.integers(1, 16))
+    return Memset(dst=draw(spans(table, width * element)), value=draw(st.integers(0, 255)),
+                  element_size=element, width=width)
+
+
+@st.composite
+def conditionals(draw, table: list[Buffer], depth: int) -> Conditional:
+    kind = draw(st.sampled_from(ConditionalKind))
+    count = {ConditionalKind.IF_ELSE: 2, ConditionalKind.SWITCH: draw(st.integers(1, 3))}.get(
+        kind, 1)
+    bodies = tuple(draw(graphs(table=table, depth=depth + 1, max_nodes=3)) for _ in range(count))
+    return Conditional(type=kind, handle=draw(names), bodies=bodies,
+                       default=draw(st.one_of(st.none(), st.integers(0, 3))))
+
+
+def ops(table: list[Buffer], depth: int) -> st.SearchStrategy:
+    choices = [kernels(table), st.just(Empty()), st.builds(EventRecord, names),
+               st.builds(EventWait, names)]
+    if table:
+        choices += [memcpys(table), memsets(table)]
+    if depth < 1:
+        choices.append(conditionals(table, depth))
+    return st.one_of(choices)
+
+
+@st.composite
+def graphs(draw, table: list[Buffer] | None = None, depth: int = 0,
+           max_nodes: int = 10) -> KernelGraph:
+    """A valid graph; bodies of conditionals share the enclosing graph's buffer table."""
+    g = KernelGraph()
+    if table is None:
+        table = draw(st.lists(buffers, unique_by=lambda b: b.id, max_size=4))
+        for b in table:
+            g.add_buffer(b)
+    ids = draw(st.lists(names, unique=True, max_size=max_nodes))
+    for i, node in enumerate(ids):
+        deps = draw(st.lists(st.sampled_from(ids[:i]), unique=True, max_size=3)) if i else []
+        g.add(node, draw(ops(table, depth)), after=deps)
+    return g

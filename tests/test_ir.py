@@ -1,0 +1,302 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from grape.errors import (
+    DanglingBufferError,
+    GraphCycleError,
+    GraphError,
+    LaunchConfigError,
+    SchemaVersionError,
+    UnknownNodeKindError,
+)
+from grape.ir import (
+    Buffer,
+    BufferRole,
+    Conditional,
+    ConditionalKind,
+    Empty,
+    Kernel,
+    KernelGraph,
+    Memcpy,
+    Param,
+    Pointer,
+    Span,
+    fingerprint,
+)
+from tests.strategies import graphs
+
+settings.register_profile("ci", max_examples=150, deadline=None)
+settings.load_profile("ci")
+
+
+def _kernel(function="f", name="k", grid=(1, 1, 1), block=(32, 1, 1), **kw) -> Kernel:
+    return Kernel(function=function, name=name, grid=grid, block=block, **kw)
+
+
+def _relabelled(g: KernelGraph, seed: int) -> KernelGraph:
+    """The same graph with fresh node ids, inserted in another order."""
+    rng = random.Random(seed)
+    nodes = list(g.dag.nodes)
+    fresh = dict(zip(nodes, rng.sample([f"x{i}" for i in range(len(nodes) * 3)], len(nodes)),
+                     strict=True))
+    rng.shuffle(nodes)
+    h = KernelGraph()
+    for b in g.buffers.values():
+        h.add_buffer(b)
+    for n in nodes:
+        h.dag.add_node(fresh[n], op=g.op(n))
+    edges = list(g.dag.edges)
+    rng.shuffle(edges)
+    h.dag.add_edges_from((fresh[u], fresh[v]) for u, v in edges)
+    return h
+
+
+# --- properties over generated graphs -----------------------------------------------------------
+
+
+@given(graphs())
+def test_generated_graphs_are_valid(g):
+    g.validate()
+
+
+@given(graphs())
+def test_json_round_trip_is_lossless(g):
+    text = json.dumps(g.to_json())
+    back = KernelGraph.from_json(json.loads(text))
+    assert back == g
+    assert json.dumps(back.to_json()) == text
+    assert back.fingerprint() == g.fingerprint()
+
+
+@given(graphs(), st.integers(0, 2**32))
+def test_fingerprint_ignores_node_ids_and_order(g, seed):
+    h = _relabelled(g, seed)
+    assert h != g or len(g) == 0
+    assert h.fingerprint() == g.fingerprint()
+    assert h.fingerprint(launch=False) == g.fingerprint(launch=False)
+
+
+@given(graphs(), st.data())
+def test_one_grid_change_changes_the_fingerprint(g, data):
+    kernels = [n for n, _ in g.kernels()]
+    assume(kernels)
+    node = data.draw(st.sampled_from(kernels))
+    k = g.op(node)
+    grid = (k.grid[0] + 1 if k.grid[0] < 2**31 - 1 else k.grid[0] - 1, *k.grid[1:])
+    h = KernelGraph.from_json(g.to_json())
+    h.dag.nodes[node]["op"] = dataclasses.replace(k, grid=grid)
+    assert h.fingerprint() != g.fingerprint()
+    # Kinds and edges alone (what cuGraphExecUpdate needs) do not see launch dimensions.
+    assert h.fingerprint(launch=False) == g.fingerprint(launch=False)
+
+
+@given(graphs(), st.data())
+def test_argument_bytes_and_names_do_not_count(g, data):
+    kernels = [n for n, _ in g.kernels()]
+    assume(kernels)
+    node = data.draw(st.sampled_from(kernels))
+    k = g.op(node)
+    h = KernelGraph.from_json(g.to_json())
+    h.dag.nodes[node]["op"] = dataclasses.replace(
+        k, name=k.name + "_renamed", args=bytes(b ^ 0xFF for b in k.args))
+    assert h.fingerprint() == g.fingerprint()
+
+
+@given(graphs(), st.data())
+def test_another_function_changes_the_fingerprint(g, data):
+    kernels = [n for n, _ in g.kernels()]
+    assume(kernels)
+    node = data.draw(st.sampled_from(kernels))
+    h = KernelGraph.from_json(g.to_json())
+    h.dag.nodes[node]["op"] = dataclasses.replace(g.op(node), function=g.op(node).function + "'")
+    assert h.fingerprint() != g.fingerprint()
+
+
+@given(graphs(), st.data())
+def test_an_added_edge_changes_the_fingerprint(g, data):
+    import networkx as nx
+
+    pairs = [(u, v) for u in g.dag for v in g.dag
+             if u != v and not g.dag.has_edge(u, v) and not nx.has_path(g.dag, v, u)]
+    assume(pairs)
+    u, v = data.draw(st.sampled_from(pairs))
+    h = KernelGraph.from_json(g.to_json())
+    h.dag.add_edge(u, v)
+    assert h.fingerprint() != g.fingerprint()
+
+
+# --- examples ------------------------------------------------------------------------------------
+
+
+def test_kernels_that_share_a_name_are_told_apart_by_function():
+    a, b = KernelGraph(), KernelGraph()
+    a.add("n", _kernel(function="cubin1:attn", name="flash_fwd"))
+    b.add("n", _kernel(function="cubin2:attn", name="flash_fwd"))
+    assert a.fingerprint() != b.fingerprint()
+
+
+def test_two_captures_of_the_same_chain_agree_and_an_order_swap_does_not():
+    def chain(functions, prefix):
+        g = KernelGraph()
+        prev = []
+        for i, f in enumerate(functions):
+            prev = [g.add(f"{prefix}{i}", _kernel(function=f), after=prev)]
+        return g
+
+    assert chain("abcab", "n").fingerprint() == chain("abcab", "m").fingerprint()
+    assert chain("abcab", "n").fingerprint() != chain("abacb", "n").fingerprint()
+
+
+def test_fingerprint_of_conditional_covers_its_bodies():
+    def with_body(grid):
+        body = KernelGraph()
+        body.add("k", _kernel(grid=grid))
+        g = KernelGraph()
+        g.add("c", Conditional(ConditionalKind.WHILE, "h", (body,)))
+        return g
+
+    assert with_body((1, 1, 1)).fingerprint() == with_body((1, 1, 1)).fingerprint()
+    assert with_body((1, 1, 1)).fingerprint() != with_body((2, 1, 1)).fingerprint()
+
+
+def test_cycle_is_rejected_with_the_cycle_named():
+    g = KernelGraph()
+    g.add("a", Empty())
+    g.add("b", Empty(), after=["a"])
+    g.dag.add_edge("b", "a")
+    with pytest.raises(GraphCycleError, match=r"expected an acyclic graph, found the cycle "
+                                              r"(a -> b -> a|b -> a -> b)"):
+        g.validate()
+    with pytest.raises(GraphCycleError):
+        fingerprint(g)
+
+
+def test_dangling_buffer_reference_is_rejected():
+    g = KernelGraph()
+    g.add("k", _kernel(args=bytes(8), params=(Param(0, 8),),
+                       pointers=(Pointer(0, Span("weights")),)))
+    with pytest.raises(DanglingBufferError,
+                       match="node 'k': expected a buffer of the table, found a reference to "
+                             "unknown buffer 'weights'"):
+        g.validate()
+
+
+def test_copy_past_the_end_of_a_buffer_is_rejected():
+    g = KernelGraph()
+    g.add_buffer(Buffer("a", 100, BufferRole.INPUT))
+    g.add_buffer(Buffer("b", 100, BufferRole.OUTPUT))
+    g.add("c", Memcpy(Span("a", 60), Span("b"), 50))
+    with pytest.raises(DanglingBufferError, match=r"within buffer 'a' \(0..100\), found 60..110"):
+        g.validate()
+
+
+def test_dangling_reference_inside_a_conditional_body_names_the_body():
+    body = KernelGraph()
+    body.add("k", _kernel(args=bytes(8), params=(Param(0, 8),),
+                          pointers=(Pointer(0, Span("gone")),)))
+    g = KernelGraph()
+    g.add("c", Conditional(ConditionalKind.IF, "h", (body,)))
+    with pytest.raises(DanglingBufferError, match="node 'c' body 0: node 'k'"):
+        g.validate()
+
+
+@pytest.mark.parametrize("kernel, message", [
+    (_kernel(grid=(0, 1, 1)), r"expected a grid of 3 dimensions within 1..\(2147483647, 65535, "
+                              r"65535\), found \(0, 1, 1\)"),
+    (_kernel(block=(1025, 1, 1)), r"expected a block of 3 dimensions"),
+    (_kernel(block=(32, 32, 2)), r"expected at most 1024 threads per block, found 2048"),
+    (_kernel(shared_mem=-1), r"expected dynamic shared memory within 0..232448 bytes, found -1"),
+    (_kernel(args=bytes(4), params=(Param(0, 8),)), r"expected parameter 0 to follow"),
+    (_kernel(args=bytes(4), params=(Param(0, 4),), pointers=(Pointer(0, Span("x")),)),
+     r"expected pointer arguments to name 8-byte parameters"),
+])
+def test_impossible_launches_are_rejected(kernel, message):
+    g = KernelGraph()
+    g.add_buffer(Buffer("x", 64, BufferRole.INTERNAL))
+    g.add("k", kernel)
+    with pytest.raises(LaunchConfigError, match=message):
+        g.validate()
+
+
+def test_node_without_a_known_operation_is_rejected():
+    g = KernelGraph()
+    g.dag.add_node("mystery", op="tensor core")
+    with pytest.raises(UnknownNodeKindError, match="node 'mystery': expected one of kernel, "
+                                                   "memcpy.*found str"):
+        g.validate()
+
+
+def test_if_else_needs_two_bodies():
+    g = KernelGraph()
+    g.add("c", Conditional(ConditionalKind.IF_ELSE, "h", (KernelGraph(),)))
+    with pytest.raises(GraphError, match="expected 2 bodies for a if_else conditional, found 1"):
+        g.validate()
+
+
+def test_duplicate_ids_are_refused():
+    g = KernelGraph()
+    g.add("a", Empty())
+    with pytest.raises(GraphError, match="found 'a' already in the graph"):
+        g.add("a", Empty())
+    with pytest.raises(GraphError, match="dependencies on existing nodes, found 'z'"):
+        g.add("b", Empty(), after=["z"])
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+
+def _doc() -> dict:
+    g = KernelGraph()
+    g.add_buffer(Buffer("x", 64, BufferRole.INPUT))
+    g.add("k", _kernel(args=bytes(8), params=(Param(0, 8),), pointers=(Pointer(0, Span("x")),)))
+    return g.to_json()
+
+
+def test_save_and_load_round_trip(tmp_path):
+    g = KernelGraph.from_json(_doc())
+    for name in ("g.json", "g.json.gz"):
+        g.save(tmp_path / name)
+        assert KernelGraph.load(tmp_path / name) == g
+
+
+@pytest.mark.parametrize("edit, error, message", [
+    (lambda d: d.update(version=7), SchemaVersionError,
+     "expected grape.ir schema version 1, found 7"),
+    (lambda d: d.update(schema="other"), GraphError, "expected a grape.ir document, found 'other'"),
+    (lambda d: d["nodes"][0].update(kind="tensorcore"), UnknownNodeKindError,
+     "node 'k': expected a kind among kernel, .*found 'tensorcore'"),
+    (lambda d: d["nodes"][0].update(grid="big"), GraphError,
+     "node 'k': expected a valid 'grid', found 'big'"),
+    (lambda d: d["nodes"][0].update(warp_size=32), GraphError,
+     r"node 'k': expected fields among .*found \['warp_size'\]"),
+    (lambda d: d["nodes"][0]["pointers"][0]["target"].update(buffer="y"), DanglingBufferError,
+     "unknown buffer 'y'"),
+    (lambda d: d["edges"].append(["k", "nowhere"]), GraphError,
+     "expected edges between listed nodes"),
+    (lambda d: d["buffers"][0].update(role="scratch"), GraphError,
+     "buffer 0: expected a valid 'role', found 'scratch'"),
+])
+def test_bad_graph_files_give_one_line_naming_the_file(tmp_path, edit, error, message):
+    doc = _doc()
+    edit(doc)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(error, match=message) as info:
+        KernelGraph.load(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert "\n" not in str(info.value)
+
+
+def test_truncated_graph_file(tmp_path):
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps(_doc())[:40])
+    with pytest.raises(GraphError, match=r"cut.json: expected JSON, found 'unterminated string.*' "
+                                         r"at line 1 column 38; the file looks truncated"):
+        KernelGraph.load(path)
