@@ -131,6 +131,9 @@ def _host_windows(d: Decoded, groups: list[list[Launch]]) -> list[tuple[float, f
         if not wrappers:
             break
         items = [c for c in items if id(c) not in wrappers]
+    if set(range(len(groups))) - set(labels):
+        # Some iteration issued nothing from this thread: fall back to the launch calls' own spans.
+        return [(g[0].call.ts, max(launch.call.end for launch in g)) for g in groups]
     return _windows_from_labels(top, labels, len(groups))
 
 
@@ -150,14 +153,16 @@ def _windows_from_labels(top: list[HostCall], labels: list[int | None],
     heads = [0] * n
     for g in range(1, n):
         heads[g] = matched_head(names[last[g - 1] + 1:first[g]])
-    # The first iteration's head is what the later ones agree it is (all of it if alone).
-    heads[0] = heads[1] if n > 1 else len(head0)
-    tail_names = names[last[0] + 1:first[1] - heads[1]] if n > 1 else []
     after = names[last[-1] + 1:]
-    tail_last = 0
-    while (tail_last < min(len(tail_names), len(after))
-           and after[tail_last] == tail_names[tail_last]):
-        tail_last += 1
+    if n == 1:  # nothing to compare with: the whole trace is the iteration
+        heads[0], tail_last = len(head0), len(after)
+    else:  # the first head and the last tail are what the gaps between iterations agree on
+        heads[0] = heads[1]
+        tail_names = names[last[0] + 1:first[1] - heads[1]]
+        tail_last = 0
+        while (tail_last < min(len(tail_names), len(after))
+               and after[tail_last] == tail_names[tail_last]):
+            tail_last += 1
     windows = []
     for g in range(n):
         lo = first[g] - heads[g]

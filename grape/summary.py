@@ -13,7 +13,7 @@ import networkx as nx
 from grape.ir import KernelGraph
 from grape.trace import Trace
 
-__all__ = ["Summary", "trace_summary", "graph_summary"]
+__all__ = ["Summary", "graph_summary", "trace_summary"]
 
 ROWS_SHOWN = 10  # iterations listed one per row; longer traces also get a mean row
 

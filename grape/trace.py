@@ -6,8 +6,8 @@ profiler, and with ``ProfilerStep#N`` annotations that mark its iterations exact
 
 Examples
 --------
->>> t = read_trace("traces/gpt2_small_decode_b1_past64.eager.kineto.json.gz")  # doctest: +SKIP
->>> len(t.iterations), len(t.iterations[0].kernels)  # doctest: +SKIP
+>>> t = read_trace("traces/gpt2_small_decode_b1_past64.eager.kineto.json.gz")
+>>> len(t.iterations), len(t.iterations[0].kernels)
 (3, 247)
 """
 

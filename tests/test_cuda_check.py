@@ -1,0 +1,34 @@
+"""The driver-call checker; CPU tests need cuda-bindings, gpu tests a device."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("cuda.bindings", reason="cuda-bindings is not installed")
+
+from cuda.bindings import driver
+
+from grape.cuda.check import call, device_status
+from grape.errors import CudaError
+
+HAVE_DEVICE, WHY = device_status()
+
+
+@pytest.mark.skipif(HAVE_DEVICE, reason="a CUDA device is present")
+def test_no_driver_is_one_clear_error_at_first_use_not_at_import():
+    assert "while initialising the CUDA driver" in WHY
+    with pytest.raises(CudaError, match="while counting devices$"):
+        call(driver.cuDeviceGetCount, doing="counting devices")
+
+
+@pytest.mark.gpu
+def test_failed_call_names_the_error_and_what_grape_was_doing():
+    call(driver.cuInit, 0, doing="initialising")
+    with pytest.raises(CudaError, match=r"^CUDA_ERROR_INVALID_DEVICE: invalid device ordinal, "
+                                        r"while opening device 9999$"):
+        call(driver.cuDeviceGet, 9999, doing="opening device 9999")
+
+
+@pytest.mark.gpu
+def test_device_status_names_the_device():
+    assert HAVE_DEVICE and WHY.startswith("NVIDIA")

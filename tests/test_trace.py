@@ -1,0 +1,230 @@
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from grape.errors import (
+    EmptyTraceError,
+    IterationError,
+    SchemaVersionError,
+    TraceFormatError,
+)
+from grape.trace import GrapeMeta, read_trace, write_trace
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+EAGER = TRACES / "gpt2_small_decode_b1_past64.eager.kineto.json.gz"
+GRAPH = TRACES / "gpt2_small_decode_b1_past64.graph.kineto.json.gz"
+
+META = GrapeMeta(workload="gpt2_small_decode_b1_past64", mode="eager", device="NVIDIA H200",
+                 driver="580.159.04", libraries={"torch": "2.11.0+cu130"},
+                 wall_time_us=(42740.0, 42700.5))
+
+
+# --- the H200 samples ----------------------------------------------------------------------------
+
+
+def test_eager_sample_holds_three_iterations_of_247_kernels(eager_trace):
+    t = eager_trace
+    assert [len(it.kernels) for it in t.iterations] == [247, 247, 247]
+    assert "repeating launch sequence" in t.split_method
+    assert t.streams == [(0, 7)]
+    assert not any(it.graph_launches for it in t.iterations)
+    # Every kernel belongs to exactly one iteration, each to its own launch call.
+    assert sum(len(it.kernels) for it in t.iterations) == len(t.gpu_ops) == 741
+    assert not t.orphans and not t.unknown
+    # The profiling harness synchronised twice after the last step; no step synchronised.
+    assert [c.name for c in t.outside] == ["cudaDeviceSynchronize"] * 2
+    assert all(not it.syncs for it in t.iterations)
+
+
+def test_eager_iterations_start_where_the_forward_call_starts(eager_trace):
+    its = eager_trace.iterations
+    for prev, it in itertools.pairwise(its):
+        assert prev.end <= it.start
+        # Each step opens with the same host-only work before its first launch.
+        first_launch = it.launches[0].call.ts
+        inside = [c.name for c in it.calls if c.ts < first_launch]
+        assert inside == ["cudaStreamIsCapturing"]
+    for it in its:
+        assert it.gpu_busy_time < it.gpu_span < it.host_time
+        assert 0 < it.host_launch_time < it.host_time
+
+
+def test_graph_sample_is_three_launches_of_290_kernels(graph_trace):
+    t = graph_trace
+    assert len(t.iterations) == 3
+    for it in t.iterations:
+        (launch,) = it.launches
+        assert launch.is_graph and launch.call.name == "cudaGraphLaunch"
+        assert len(launch.ops) == 290
+        assert {op.correlation for op in launch.ops} == {launch.call.correlation}
+
+
+def test_explicit_iteration_count(tmp_path):
+    assert len(read_trace(EAGER, iterations=1).iterations) == 1
+    assert [len(it.kernels) for it in read_trace(EAGER, iterations=3).iterations] == [247] * 3
+    with pytest.raises(IterationError, match="741 launches to divide into 2 equal iterations, "
+                                             "found a remainder of 1"):
+        read_trace(EAGER, iterations=2)
+
+
+# --- grape's own traces --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", [EAGER, GRAPH])
+def test_written_trace_reads_back_the_same(tmp_path, source):
+    t = read_trace(source)
+    out = write_trace(tmp_path / "t.json.gz", t, META)
+    back = read_trace(out)
+    assert back.grape == META
+    assert back.split_method == "3 ProfilerStep annotations"
+    assert back.gpu_ops == t.gpu_ops and back.calls == t.calls and back.ops == t.ops
+    for a, b in zip(t.iterations, back.iterations, strict=True):
+        assert (a.start, a.end, a.launches, a.calls) == (b.start, b.end, b.launches, b.calls)
+    # Reproducible bytes: the same trace written twice is the same file.
+    again = write_trace(tmp_path / "u.json.gz", t, META)
+    assert out.read_bytes() == again.read_bytes()
+
+
+def test_written_trace_is_a_well_formed_chrome_trace(tmp_path, graph_trace):
+    """What Perfetto's JSON importer needs: typed events, complete spans, paired flow arrows."""
+    doc = json.loads(gzip.decompress(write_trace(tmp_path / "t.json.gz", graph_trace,
+                                                 META).read_bytes()))
+    events = doc["traceEvents"]
+    assert doc["displayTimeUnit"] == "ms" and doc["grape"]["schema_version"] == 1
+    for e in events:
+        assert e["ph"] in "XMsf"
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and isinstance(e["ts"], float)
+    starts = {e["id"] for e in events if e["ph"] == "s"}
+    finishes = {e["id"] for e in events if e["ph"] == "f"}
+    assert starts == finishes == {it.launches[0].call.correlation
+                                  for it in graph_trace.iterations}
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "process_name"}
+    assert (0, "GPU 0") in names
+
+
+# --- synthetic traces ----------------------------------------------------------------------------
+
+
+def _x(name, cat, ts, dur, corr=None, **args):
+    a = dict(args)
+    if corr is not None:
+        a["correlation"] = corr
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur,
+            "args": a}
+
+
+def _step(t0: float, corr: int) -> list[dict]:
+    """One iteration: a host-only op, an op launching one kernel, a trailing host-only op."""
+    return [
+        _x("aten::view", "cpu_op", t0, 2),
+        _x("aten::mm", "cpu_op", t0 + 3, 10),
+        _x("cudaLaunchKernel", "cuda_runtime", t0 + 4, 5, corr),
+        _x("gemm", "kernel", t0 + 8, 20, corr, stream=7, grid=[4, 1, 1], block=[128, 1, 1]),
+        _x("aten::detach", "cpu_op", t0 + 14, 1),
+    ]
+
+
+def _write(tmp_path, events, name="t.json", **top) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": events, **top}))
+    return path
+
+
+def test_host_only_work_goes_to_the_iteration_it_precedes(tmp_path):
+    events = [_x("cudaGetDevice", "cuda_runtime", 0, 1)]  # set-up before the first step
+    for i in range(3):
+        events += _step(100 + 50 * i, corr=i)
+    events.append(_x("cudaDeviceSynchronize", "cuda_runtime", 300, 5))
+    t = read_trace(_write(tmp_path, events))
+    assert [(it.start, it.end) for it in t.iterations] == [(100, 115), (150, 165), (200, 215)]
+    assert [c.name for c in t.outside] == ["cudaGetDevice", "cudaDeviceSynchronize"]
+
+
+def test_profiler_steps_decide_iterations(tmp_path):
+    events = []
+    for i in range(2):
+        events.append(_x(f"ProfilerStep#{i}", "user_annotation", 100 * i, 90))
+        events += _step(100 * i + 10, corr=i)
+    # A launch after the last step is in no iteration: the annotations say where steps are.
+    events += _step(500, corr=9)
+    t = read_trace(_write(tmp_path, events))
+    assert t.split_method == "2 ProfilerStep annotations"
+    assert [(it.start, it.end, len(it.kernels)) for it in t.iterations] == [(0, 90, 1),
+                                                                             (100, 190, 1)]
+
+
+def test_multi_stream_copies_and_memsets_are_kept(tmp_path):
+    events = [
+        _x("cudaMemcpyAsync", "cuda_runtime", 0, 3, 1),
+        _x("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 5, 4, 1, stream=13, bytes=4096),
+        _x("cudaMemsetAsync", "cuda_runtime", 6, 2, 2),
+        _x("Memset (Device)", "gpu_memset", 10, 1, 2, stream=7, bytes=64),
+        _x("cudaStreamSynchronize", "cuda_runtime", 9, 8),
+    ]
+    t = read_trace(_write(tmp_path, events))
+    (it,) = t.iterations
+    assert [(op.kind, op.stream, op.bytes) for op in it.gpu_ops] == [("memcpy", 13, 4096),
+                                                                     ("memset", 7, 64)]
+    assert t.streams == [(0, 7), (0, 13)]
+    assert [c.name for c in it.syncs] == ["cudaStreamSynchronize"]
+
+
+def test_unknown_categories_are_counted_not_dropped_silently(tmp_path):
+    events = _step(0, 1) + [_x("mystery", "cuda_sync", 3, 1), _x("x", "cuda_sync", 4, 1)]
+    assert read_trace(_write(tmp_path, events)).unknown == {"cuda_sync": 2}
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def _bad(tmp_path, name: str, data: bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("name, data, error, message", [
+    ("t.json", b'{"traceEvents": [{"ph": "X", ', TraceFormatError,
+     "expected JSON, found .* the file looks truncated"),
+    ("t.json", b"{not json}", TraceFormatError, "expected JSON, found 'expecting property name"),
+    ("t.json.gz", b'{"traceEvents": []}', TraceFormatError,
+     r"expected gzip data \(the name ends in .gz\)"),
+    ("t.json.gz", gzip.compress(b'{"traceEvents": [' * 50)[:-12], TraceFormatError,
+     "expected a complete gzip stream"),
+    ("t.json", b"\xff\xfe\x00binary", TraceFormatError, "expected UTF-8 JSON text"),
+    ("t.json", b'{"events": []}', TraceFormatError,
+     r"expected a Chrome trace \(an object with 'traceEvents' or a list of events\)"),
+    ("t.json", b'{"schemaVersion": 9, "traceEvents": []}', SchemaVersionError,
+     "expected Kineto schemaVersion 1, found 9"),
+    ("t.json", b'{"traceEvents": [], "grape": {"schema_version": 2}}', SchemaVersionError,
+     "expected grape trace schema version 1, found 2"),
+    ("t.json", b'{"traceEvents": [], "grape": {"schema_version": 1}}', TraceFormatError,
+     "expected a grape block with workload, mode, device, driver and wall_time_us"),
+    ("t.json", b'{"traceEvents": [3]}', TraceFormatError,
+     "expected trace events to be objects, found int at index 0"),
+    ("t.json", b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1}]}',
+     TraceFormatError, r"expected event 0 \(kernel\) to have a name, ts, dur and correlation"),
+    ("t.json", json.dumps({"traceEvents": [_x("aten::mm", "cpu_op", 0, 5)]}).encode(),
+     EmptyTraceError, "expected GPU work launched from the host, found none"),
+    ("t.json", json.dumps({"traceEvents": [_x("k", "kernel", 0, 5, 3, stream=7)]}).encode(),
+     EmptyTraceError, r"found none \(1 GPU operations had no host call\)"),
+])
+def test_bad_traces_give_one_line_naming_the_file(tmp_path, name, data, error, message):
+    path = _bad(tmp_path, name, data)
+    with pytest.raises(error, match=message) as info:
+        read_trace(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(TraceFormatError, match="nope.json: expected a readable file, found No "
+                                               "such file or directory"):
+        read_trace(tmp_path / "nope.json")
