@@ -78,3 +78,11 @@ class IterationError(TraceError):
 
 class CudaError(GrapeError):
     """A driver or runtime call failed; the message names the call's purpose and the error code."""
+
+
+class CaptureError(GrapeError):
+    """A capture failed: the message names the offending operation and the line that issued it."""
+
+
+class UnsupportedError(GrapeError):
+    """Something grape does not model yet (a node type, a copy shape); never silently dropped."""

@@ -97,6 +97,7 @@ class Buffer:
     size: int
     role: BufferRole
     memory: Memory = Memory.DEVICE
+    address: int | None = None  # where it lay when captured; rebuilding in that process uses it
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,14 @@ class Param:
 
 @dataclass(frozen=True)
 class Pointer:
-    """A pointer parameter (by index into ``Kernel.params``) and the buffer it points into."""
+    """A device address inside the packed argument bytes, and the buffer it points into.
 
-    param: int
+    ``offset`` is a byte offset into ``Kernel.args``, not a parameter index: PyTorch passes most
+    pointers inside structures (``TensorInfo``, ``Array<char*, N>``), not as parameters of their
+    own.
+    """
+
+    offset: int
     target: Span
 
 
@@ -432,9 +438,9 @@ def _check_kernel(k: Kernel, at: str) -> None:
                                     f"offset {p.offset} size {p.size}")
         end = p.offset + p.size
     for ptr in k.pointers:
-        if not 0 <= ptr.param < len(k.params) or k.params[ptr.param].size != 8:
-            raise LaunchConfigError(f"{at}: expected pointer arguments to name 8-byte parameters "
-                                    f"(0..{len(k.params) - 1}), found parameter {ptr.param}")
+        if not 0 <= ptr.offset <= len(k.args) - 8:
+            raise LaunchConfigError(f"{at}: expected pointers to lie inside the {len(k.args)} "
+                                    f"argument bytes, found one at offset {ptr.offset}")
 
 
 # --- fingerprints -------------------------------------------------------------------------------

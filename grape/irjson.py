@@ -165,6 +165,8 @@ def _decode_field(cls: type, name: str, value: Any, at: str) -> Any:
             return tuple(_decode_body(b, f"{at} body {i}: ") for i, b in enumerate(value))
         if name == "default":
             return None if value is None else _int(value)
+    if name == "address":
+        return None if value is None else _int(value)
     annotation = {f.name: f.type for f in fields(cls)}[name]
     return _str(value) if annotation == "str" else _int(value)
 

@@ -27,7 +27,8 @@ from grape.ir import (
 names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_", min_size=1, max_size=8)
 
 buffers = st.builds(Buffer, id=names, size=st.integers(64, 1 << 20),
-                    role=st.sampled_from(BufferRole), memory=st.sampled_from(Memory))
+                    role=st.sampled_from(BufferRole), memory=st.sampled_from(Memory),
+                    address=st.one_of(st.none(), st.integers(1 << 16, 1 << 48)))
 
 
 @st.composite
@@ -59,9 +60,10 @@ def kernels(draw, table: list[Buffer]) -> Kernel:
         params.append(Param(offset, size))
         offset += size
     args = draw(st.binary(min_size=offset, max_size=offset))
-    pointer_params = [i for i, p in enumerate(params) if p.size == 8] if table else []
-    chosen = draw(st.lists(st.sampled_from(pointer_params), unique=True)) if pointer_params else []
-    pointers = tuple(Pointer(i, draw(spans(table))) for i in sorted(chosen))
+    # Pointers sit at 8-byte aligned places, alone or inside structures.
+    slots = list(range(0, offset - 7, 8)) if table else []
+    chosen = draw(st.lists(st.sampled_from(slots), unique=True)) if slots else []
+    pointers = tuple(Pointer(at, draw(spans(table))) for at in sorted(chosen))
     return Kernel(function=draw(names), name=draw(names), grid=draw(grids), block=draw(blocks()),
                   shared_mem=draw(st.integers(0, 232448)), attributes=draw(attributes),
                   args=args, params=tuple(params), pointers=pointers)

@@ -214,8 +214,8 @@ def test_dangling_reference_inside_a_conditional_body_names_the_body():
     (_kernel(block=(32, 32, 2)), r"expected at most 1024 threads per block, found 2048"),
     (_kernel(shared_mem=-1), r"expected dynamic shared memory within 0..232448 bytes, found -1"),
     (_kernel(args=bytes(4), params=(Param(0, 8),)), r"expected parameter 0 to follow"),
-    (_kernel(args=bytes(4), params=(Param(0, 4),), pointers=(Pointer(0, Span("x")),)),
-     r"expected pointer arguments to name 8-byte parameters"),
+    (_kernel(args=bytes(12), params=(Param(0, 12),), pointers=(Pointer(8, Span("x")),)),
+     r"expected pointers to lie inside the 12 argument bytes, found one at offset 8"),
 ])
 def test_impossible_launches_are_rejected(kernel, message):
     g = KernelGraph()

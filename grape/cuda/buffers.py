@@ -1,0 +1,101 @@
+"""From device addresses to the IR's buffer table.
+
+Named ranges (a frontend's input, output and parameter tensors) are matched first; any other
+address that the driver knows as device memory becomes an internal buffer spanning its whole
+allocation (for PyTorch, a caching-allocator segment).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right, insort
+
+import numpy as np
+from cuda.bindings import driver
+
+from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Pointer, Span
+
+__all__ = ["BufferMap"]
+
+# Canonical user-space addresses of x86-64 and AArch64; smaller words are sizes and flags.
+_LOWEST, _HIGHEST = 1 << 16, 1 << 57
+
+
+class _Ranges:
+    """Disjoint address ranges, each to a buffer, found by bisection."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ranges: dict[int, tuple[int, Buffer]] = {}
+
+    def add(self, start: int, size: int, buffer: Buffer) -> Buffer:
+        if start in self._ranges:  # a second view of the same memory keeps the first name
+            return self._ranges[start][1]
+        insort(self._starts, start)
+        self._ranges[start] = (start + size, buffer)
+        return buffer
+
+    def find(self, address: int) -> tuple[int, Buffer] | None:
+        i = bisect_right(self._starts, address) - 1
+        if i < 0:
+            return None
+        start = self._starts[i]
+        end, buffer = self._ranges[start]
+        return (start, buffer) if address < end else None
+
+
+class BufferMap:
+    """Names the memory a captured graph touches, and finds pointers in argument bytes."""
+
+    def __init__(self) -> None:
+        self._named = _Ranges()
+        self._allocations = _Ranges()
+        self._not_device: set[int] = set()
+        self.used: dict[str, Buffer] = {}
+
+    def name(self, buffer_id: str, address: int, size: int, role: BufferRole,
+             memory: Memory = Memory.DEVICE) -> Buffer:
+        """Declare a range the caller knows (a tensor): ``address`` .. ``address + size``."""
+        return self._named.add(address, size, Buffer(buffer_id, size, role, memory, address))
+
+    def span(self, address: int) -> Span | None:
+        """The buffer and offset ``address`` falls in, or None if it is not device memory."""
+        hit = self._named.find(address) or self._allocations.find(address)
+        if hit is None and address not in self._not_device:
+            status, base, size = driver.cuMemGetAddressRange(address)
+            if status == driver.CUresult.CUDA_SUCCESS:
+                base = int(base)
+                buffer = Buffer(f"alloc@{base:#x}", size, BufferRole.INTERNAL, address=base)
+                hit = (base, self._allocations.add(base, size, buffer))
+            else:
+                self._not_device.add(address)
+        if hit is None:
+            return None
+        start, buffer = hit
+        self.used[buffer.id] = buffer
+        return Span(buffer.id, address - start)
+
+    def host_span(self, address: int, size: int) -> Span:
+        """A span of host memory a copy reads or writes (named ranges first)."""
+        hit = self._named.find(address)
+        if hit is None:
+            buffer = Buffer(f"host@{address:#x}", size, BufferRole.INTERNAL, Memory.HOST, address)
+            hit = (address, self._named.add(address, size, buffer))
+        start, buffer = hit
+        self.used[buffer.id] = buffer
+        return Span(buffer.id, address - start)
+
+    def pointers(self, args: bytes) -> tuple[Pointer, ...]:
+        """Every 8-byte aligned word of ``args`` that points into device memory."""
+        words = np.frombuffer(args[: len(args) // 8 * 8], dtype="<u8")
+        found = []
+        for i in np.flatnonzero((words >= _LOWEST) & (words < _HIGHEST)):
+            span = self.span(int(words[i]))
+            if span is not None:
+                found.append(Pointer(int(i) * 8, span))
+        return tuple(found)
+
+    def install(self, graph: KernelGraph) -> None:
+        """Put every buffer the walk used into ``graph``'s table."""
+        for buffer in self.used.values():
+            if buffer.id not in graph.buffers:
+                graph.add_buffer(buffer)

@@ -1,0 +1,194 @@
+"""Building CUDA graphs from the IR, and the executables instantiated from them.
+
+A :class:`Graph` is the state machine's first stage (built, not yet instantiated); an
+:class:`Executable` is instantiated and uploaded, launches on a stream, and frees its device
+memory on :meth:`Executable.close`, on leaving a ``with`` block, or when collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+import networkx as nx
+import numpy as np
+from cuda.bindings import driver
+
+from grape.cuda.check import call
+from grape.cuda.context import current_context, memory_info, synchronize
+from grape.cuda.functions import resolve
+from grape.cuda.walk import ATTRIBUTES, resolve_event
+from grape.errors import GrapeError, UnsupportedError
+from grape.ir import (
+    Conditional,
+    Empty,
+    EventRecord,
+    EventWait,
+    Kernel,
+    KernelGraph,
+    Memcpy,
+    Memory,
+    Memset,
+    Span,
+)
+
+__all__ = ["Executable", "Graph", "kernel_params"]
+
+
+def kernel_params(k: Kernel) -> tuple[driver.CUDA_KERNEL_NODE_PARAMS, tuple[np.ndarray, ...]]:
+    """Driver parameters for kernel ``k``, and the host arrays they point into.
+
+    The arrays must outlive the call that takes the parameters (the driver copies the argument
+    values then).
+    """
+    p = driver.CUDA_KERNEL_NODE_PARAMS()
+    p.func = resolve(k.function)
+    p.gridDimX, p.gridDimY, p.gridDimZ = k.grid
+    p.blockDimX, p.blockDimY, p.blockDimZ = k.block
+    p.sharedMemBytes = k.shared_mem
+    values = np.frombuffer(bytearray(k.args) or bytearray(1), dtype=np.uint8)
+    slots = np.array([values.ctypes.data + q.offset for q in k.params], dtype=np.uint64)
+    p.kernelParams = int(slots.ctypes.data) if k.params else 0
+    return p, (values, slots)
+
+
+def _keep(handle) -> None:
+    """Finaliser of graphs grape does not own."""
+
+
+def _destroy(destroy, handle) -> None:
+    with contextlib.suppress(Exception):  # the driver may already be gone at interpreter exit
+        destroy(handle)
+
+
+class Graph:
+    """A CUDA graph and the IR that describes it."""
+
+    def __init__(self, ir: KernelGraph, handle: driver.CUgraph, owned: bool = True) -> None:
+        """Wrap ``handle``, the graph ``ir`` describes; use :meth:`build` to make one from IR.
+
+        A graph someone else owns (``owned=False``: PyTorch's) is never destroyed here.
+        """
+        self.ir = ir
+        self.handle = handle
+        self._ctx = current_context()
+        self._finalizer = weakref.finalize(self, _destroy, driver.cuGraphDestroy if owned
+                                           else _keep, handle)
+
+    @classmethod
+    def build(cls, ir: KernelGraph) -> Graph:
+        """A new CUDA graph with one node per IR node, added in dependency order."""
+        ir.validate()
+        graph = cls(ir, call(driver.cuGraphCreate, 0, doing="creating a graph"))
+        nodes: dict[str, driver.CUgraphNode] = {}
+        for node in nx.topological_sort(ir.dag):
+            deps = [nodes[d] for d in ir.dag.predecessors(node)]
+            nodes[node] = graph._add(node, ir.op(node), deps)
+        return graph
+
+    def _address(self, span: Span) -> int:
+        buffer = self.ir.buffers[span.buffer]
+        if buffer.address is None:
+            raise GrapeError(f"expected buffer {buffer.id!r} to have an address to rebuild "
+                             f"against, found none")
+        return buffer.address + span.offset
+
+    def _add(self, node: str, op, deps: list) -> driver.CUgraphNode:
+        doing = f"adding node {node!r} ({op.kind}) to a graph"
+        if isinstance(op, Kernel):
+            params, keep = kernel_params(op)
+            handle = call(driver.cuGraphAddKernelNode, self.handle, deps, len(deps), params,
+                          doing=doing)
+            del keep
+            for name, value in op.attributes:
+                attr, field = ATTRIBUTES[name]
+                v = driver.CUkernelNodeAttrValue()
+                if field == "clusterDim":
+                    v.clusterDim.x, v.clusterDim.y, v.clusterDim.z = value
+                else:
+                    setattr(v, field, value)
+                call(driver.cuGraphKernelNodeSetAttribute, handle, attr, v,
+                     doing=f"setting {name} on node {node!r}")
+            return handle
+        if isinstance(op, Memcpy):
+            return call(driver.cuGraphAddMemcpyNode, self.handle, deps, len(deps),
+                        self._copy(op), self._ctx, doing=doing)
+        if isinstance(op, Memset):
+            p = driver.CUDA_MEMSET_NODE_PARAMS()
+            p.dst = self._address(op.dst)
+            p.value, p.elementSize, p.width = op.value, op.element_size, op.width
+            p.height, p.pitch = op.height, op.pitch
+            return call(driver.cuGraphAddMemsetNode, self.handle, deps, len(deps), p,
+                        self._ctx, doing=doing)
+        if isinstance(op, Empty):
+            return call(driver.cuGraphAddEmptyNode, self.handle, deps, len(deps), doing=doing)
+        if isinstance(op, EventRecord):
+            return call(driver.cuGraphAddEventRecordNode, self.handle, deps, len(deps),
+                        resolve_event(op.event), doing=doing)
+        if isinstance(op, EventWait):
+            return call(driver.cuGraphAddEventWaitNode, self.handle, deps, len(deps),
+                        resolve_event(op.event), doing=doing)
+        if isinstance(op, Conditional):
+            raise UnsupportedError(f"node {node!r}: conditional nodes are built by "
+                                   f"grape.cuda.conditional, not rebuilt from a capture")
+        raise UnsupportedError(f"node {node!r}: expected a buildable operation, found {op!r:.60}")
+
+    def _copy(self, op: Memcpy) -> driver.CUDA_MEMCPY3D:
+        p = driver.CUDA_MEMCPY3D()
+        for side, span in (("src", op.src), ("dst", op.dst)):
+            host = self.ir.buffers[span.buffer].memory == Memory.HOST
+            setattr(p, f"{side}MemoryType", driver.CUmemorytype.CU_MEMORYTYPE_HOST if host
+                    else driver.CUmemorytype.CU_MEMORYTYPE_DEVICE)
+            setattr(p, f"{side}Host" if host else f"{side}Device", self._address(span))
+        p.WidthInBytes, p.Height, p.Depth = op.size, 1, 1
+        return p
+
+    def instantiate(self, stream: Any = 0) -> Executable:
+        return Executable(self.handle, stream, nodes=len(self.ir))
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> Graph:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Executable:
+    """An instantiated, uploaded graph; ``device_bytes`` is what instantiating it took.
+
+    The figure is the drop in free device memory across instantiate and upload, so it is
+    exact only to the driver's allocation granularity: measure many executables together for
+    per-node figures (``grape.cuda.memory``).
+    """
+
+    def __init__(self, graph: driver.CUgraph, stream: Any = 0, nodes: int = 0) -> None:
+        synchronize()
+        free_before, _ = memory_info()
+        self.handle = call(driver.cuGraphInstantiate, graph, 0, doing="instantiating a graph")
+        self._finalizer = weakref.finalize(self, _destroy, driver.cuGraphExecDestroy, self.handle)
+        call(driver.cuGraphUpload, self.handle, stream, doing="uploading an executable graph")
+        synchronize()
+        self.device_bytes = free_before - memory_info()[0]
+        self.nodes = nodes
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def launch(self, stream: Any = 0) -> None:
+        if self.closed:
+            raise GrapeError("expected an open executable to launch, found one already closed")
+        call(driver.cuGraphLaunch, self.handle, stream, doing="launching an executable graph")
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> Executable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,51 @@
+"""Stream capture of work issued through the driver (raw kernels, copies, memsets)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cuda.bindings import driver
+
+from grape.cuda.buffers import BufferMap
+from grape.cuda.build import Graph
+from grape.cuda.check import call
+from grape.cuda.context import current_context
+from grape.cuda.walk import read_graph
+from grape.errors import CaptureError, CudaError
+
+__all__ = ["capture"]
+
+
+def capture(issue: Callable[[Any], None], buffers: BufferMap | None = None,
+            stream: Any = None) -> Graph:
+    """Capture what ``issue(stream)`` enqueues on ``stream`` into a graph and its IR.
+
+    Raises
+    ------
+    CaptureError
+        ``issue`` raised, or the capture was invalidated (a synchronising call, a copy from
+        pageable memory); the capture is ended either way.
+    """
+    current_context()
+    own = stream is None
+    if own:
+        stream = call(driver.cuStreamCreate, driver.CUstream_flags.CU_STREAM_NON_BLOCKING,
+                      doing="creating a capture stream")
+    mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+    call(driver.cuStreamBeginCapture, stream, mode, doing="beginning stream capture")
+    failure: BaseException | None = None
+    try:
+        issue(stream)
+    except (CudaError, RuntimeError) as e:
+        failure = e
+    status, graph = driver.cuStreamEndCapture(stream)
+    if own:
+        driver.cuStreamDestroy(stream)
+    if failure is not None or status != driver.CUresult.CUDA_SUCCESS:
+        if graph is not None and int(graph):
+            driver.cuGraphDestroy(graph)
+        why = failure if failure is not None else status.name
+        raise CaptureError(f"expected the captured work to enqueue asynchronously, found the "
+                           f"capture broken: {why}")
+    return Graph(read_graph(graph, buffers), graph, owned=True)

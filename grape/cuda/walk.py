@@ -1,0 +1,234 @@
+"""Reading a CUDA graph into the IR, node by node, through cuda.bindings.
+
+Kernel arguments are read through ``kernelParams`` (one host pointer per parameter, sized by
+``cuFuncGetParamInfo``) or through the ``extra`` packed buffer, whichever the node holds, and
+packed at the offsets the device-side layout gives. Pointers anywhere in those bytes are mapped to
+buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import numpy as np
+from cuda.bindings import driver
+
+from grape.cuda.buffers import BufferMap
+from grape.cuda.check import call
+from grape.cuda.functions import function_id, param_layout
+from grape.errors import GrapeError, UnsupportedError
+from grape.ir import (
+    Conditional,
+    ConditionalKind,
+    Empty,
+    EventRecord,
+    EventWait,
+    Kernel,
+    KernelGraph,
+    Memcpy,
+    Memset,
+    Op,
+)
+
+__all__ = ["ATTRIBUTES", "event_id", "read_graph", "resolve_event"]
+
+T = driver.CUgraphNodeType
+A = driver.CUkernelNodeAttrID
+
+# Launch attributes that change how a kernel runs, with the value field that holds each and its
+# default (only values other than the default are recorded).
+ATTRIBUTES: dict[str, tuple[driver.CUkernelNodeAttrID, str]] = {
+    "cluster_dim": (A.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, "clusterDim"),
+    "priority": (A.CU_LAUNCH_ATTRIBUTE_PRIORITY, "priority"),
+    "cooperative": (A.CU_LAUNCH_ATTRIBUTE_COOPERATIVE, "cooperative"),
+    "mem_sync_domain": (A.CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN, "memSyncDomain"),
+    "cluster_scheduling_policy": (A.CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE,
+                                  "clusterSchedulingPolicyPreference"),
+}
+
+_events: dict[str, driver.CUevent] = {}
+
+
+def _host_bytes(address: int, size: int) -> bytes:
+    """Copy ``size`` bytes of this process's memory (argument values the driver owns)."""
+    return ctypes.string_at(address, size)
+
+
+def event_id(event: driver.CUevent) -> str:
+    ident = f"event@{int(event):#x}"
+    _events.setdefault(ident, driver.CUevent(int(event)))  # our own handle, not a struct view
+    return ident
+
+
+def resolve_event(ident: str) -> driver.CUevent:
+    """The event behind an IR event identity seen in this process."""
+    event = _events.get(ident)
+    if event is None:
+        raise GrapeError(f"expected an event seen in this process, found {ident!r}")
+    return event
+
+
+def _attribute_value(value: driver.CUkernelNodeAttrValue, field: str) -> int | tuple[int, ...]:
+    v = getattr(value, field)
+    if field == "clusterDim":
+        return (int(v.x), int(v.y), int(v.z))
+    return int(v)
+
+
+def _attributes(node: driver.CUgraphNode) -> tuple:
+    found = []
+    for name, (attr, field) in ATTRIBUTES.items():
+        status, value = driver.cuGraphKernelNodeGetAttribute(node, attr)
+        if status != driver.CUresult.CUDA_SUCCESS:
+            continue  # not applicable to this node
+        v = _attribute_value(value, field)
+        if v not in (0, (0, 0, 0), (1, 1, 1)):
+            found.append((name, v))
+    return tuple(sorted(found))
+
+
+def _args(p: driver.CUDA_KERNEL_NODE_PARAMS, layout) -> bytes:
+    size = max((q.offset + q.size for q in layout), default=0)
+    if int(p.kernelParams):
+        slots = np.frombuffer(_host_bytes(int(p.kernelParams), 8 * len(layout)), dtype="<u8")
+        out = bytearray(size)
+        for q, address in zip(layout, slots, strict=True):
+            out[q.offset:q.offset + q.size] = _host_bytes(int(address), q.size)
+        return bytes(out)
+    if int(p.extra):
+        return _extra_args(int(p.extra), size)
+    if size:
+        raise UnsupportedError(f"expected kernel arguments through kernelParams or a packed "
+                               f"extra buffer, found neither for a kernel taking {size} bytes")
+    return b""
+
+
+def _extra_args(extra: int, size: int) -> bytes:
+    """The packed argument buffer of an ``extra`` array: (key, value) words until END."""
+    pointer_key = int(driver.CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT)
+    size_key = int(driver.CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT)
+    end_key = int(driver.CU_LAUNCH_PARAM_END_AS_INT)
+    buffer, length, seen = None, size, []
+    for i in range(8):  # a handful of pairs at most
+        key, value = (int(w) for w in np.frombuffer(_host_bytes(extra + 16 * i, 16), dtype="<u8"))
+        seen.append(hex(key))
+        if key == end_key:
+            break
+        if key == pointer_key:
+            buffer = value
+        elif key == size_key:
+            length = int(np.frombuffer(_host_bytes(value, 8), dtype="<u8")[0])
+    if buffer is None:
+        raise UnsupportedError(f"expected a CU_LAUNCH_PARAM_BUFFER_POINTER in a kernel's extra "
+                               f"array, found keys {', '.join(seen)}")
+    if length < size:
+        raise UnsupportedError(f"expected {size} argument bytes in a kernel's extra buffer, "
+                               f"found {length}")
+    return _host_bytes(buffer, size)
+
+
+def _kernel(node: driver.CUgraphNode, buffers: BufferMap) -> Kernel:
+    p = call(driver.cuGraphKernelNodeGetParams, node, doing="reading a kernel node")
+    func = p.func
+    if not int(func) and int(p.kern):  # library kernels come as CUkernel handles
+        func = call(driver.cuKernelGetFunction, p.kern, doing="resolving a library kernel")
+    ident, name = function_id(func)
+    layout = param_layout(func)
+    args = _args(p, layout)
+    return Kernel(function=ident, name=name, grid=(p.gridDimX, p.gridDimY, p.gridDimZ),
+                  block=(p.blockDimX, p.blockDimY, p.blockDimZ), shared_mem=p.sharedMemBytes,
+                  attributes=_attributes(node), args=args, params=layout,
+                  pointers=buffers.pointers(args))
+
+
+def _endpoint(buffers: BufferMap, kind, device, host, x: int, size: int):
+    if kind == driver.CUmemorytype.CU_MEMORYTYPE_HOST:
+        return buffers.host_span(int(host) + x, size)
+    span = buffers.span(int(device) + x)
+    if span is None:
+        raise UnsupportedError(f"expected a copy between device allocations, found address "
+                               f"{int(device) + x:#x} that the driver does not know")
+    return span
+
+
+def _memcpy(node: driver.CUgraphNode, buffers: BufferMap) -> Memcpy:
+    p = call(driver.cuGraphMemcpyNodeGetParams, node, doing="reading a memcpy node")
+    if p.Height > 1 or p.Depth > 1:
+        raise UnsupportedError(f"expected one-dimensional copies, found a {p.WidthInBytes} x "
+                               f"{p.Height} x {p.Depth} copy")
+    size = p.WidthInBytes
+    return Memcpy(src=_endpoint(buffers, p.srcMemoryType, p.srcDevice, p.srcHost,
+                                p.srcXInBytes, size),
+                  dst=_endpoint(buffers, p.dstMemoryType, p.dstDevice, p.dstHost,
+                                p.dstXInBytes, size),
+                  size=size)
+
+
+def _memset(node: driver.CUgraphNode, buffers: BufferMap) -> Memset:
+    p = call(driver.cuGraphMemsetNodeGetParams, node, doing="reading a memset node")
+    dst = buffers.span(int(p.dst))
+    if dst is None:
+        raise UnsupportedError(f"expected a memset of device memory, found {int(p.dst):#x}")
+    return Memset(dst=dst, value=p.value, element_size=p.elementSize, width=p.width,
+                  height=p.height, pitch=p.pitch if p.height > 1 else 0)
+
+
+def _conditional(node: driver.CUgraphNode, buffers: BufferMap) -> Conditional:
+    p = call(driver.cuGraphNodeGetParams, node, doing="reading a conditional node").conditional
+    kinds = {driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE: ConditionalKind.WHILE,
+             driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH: ConditionalKind.SWITCH}
+    kind = kinds.get(p.type, ConditionalKind.IF if p.size == 1 else ConditionalKind.IF_ELSE)
+    bodies = tuple(_walk(p.phGraph_out[i], buffers) for i in range(p.size))
+    # The handle's default value cannot be read back from the driver.
+    return Conditional(type=kind, handle=f"cond@{int(p.handle):#x}", bodies=bodies, default=None)
+
+
+_READERS: dict[driver.CUgraphNodeType, Callable[[driver.CUgraphNode, BufferMap], Op]] = {
+    T.CU_GRAPH_NODE_TYPE_KERNEL: _kernel,
+    T.CU_GRAPH_NODE_TYPE_MEMCPY: _memcpy,
+    T.CU_GRAPH_NODE_TYPE_MEMSET: _memset,
+    T.CU_GRAPH_NODE_TYPE_EMPTY: lambda node, buffers: Empty(),
+    T.CU_GRAPH_NODE_TYPE_EVENT_RECORD: lambda node, buffers: EventRecord(event_id(call(
+        driver.cuGraphEventRecordNodeGetEvent, node, doing="reading an event record node"))),
+    T.CU_GRAPH_NODE_TYPE_WAIT_EVENT: lambda node, buffers: EventWait(event_id(call(
+        driver.cuGraphEventWaitNodeGetEvent, node, doing="reading an event wait node"))),
+    T.CU_GRAPH_NODE_TYPE_CONDITIONAL: _conditional,
+}
+
+
+def _walk(graph: driver.CUgraph, buffers: BufferMap) -> KernelGraph:
+    _, count = call(driver.cuGraphGetNodes, graph, 0, doing="counting graph nodes")
+    nodes, _ = call(driver.cuGraphGetNodes, graph, count, doing="listing graph nodes")
+    ir = KernelGraph()
+    names = {}
+    for i, node in enumerate(nodes[:count]):
+        kind = call(driver.cuGraphNodeGetType, node, doing="reading a node's type")
+        reader = _READERS.get(kind)
+        if reader is None:
+            raise UnsupportedError(f"node {i}: expected a kernel, memcpy, memset, empty, event "
+                                   f"or conditional node, found {kind.name}")
+        names[int(node)] = ir.add(f"n{i}", reader(node, buffers))
+    _, _, _, edges = call(driver.cuGraphGetEdges, graph, 0, doing="counting graph edges")
+    if edges:
+        src, dst, _, _ = call(driver.cuGraphGetEdges, graph, edges, doing="listing graph edges")
+        ir.dag.add_edges_from((names[int(u)], names[int(v)]) for u, v in
+                              zip(src[:edges], dst[:edges], strict=True))
+    return ir
+
+
+def read_graph(graph: driver.CUgraph, buffers: BufferMap | None = None) -> KernelGraph:
+    """The IR of a CUDA graph, with a buffer table of every buffer its nodes touch.
+
+    Raises
+    ------
+    UnsupportedError
+        A node type or copy shape grape does not model (host, child-graph, allocation nodes;
+        2D or 3D copies).
+    CudaError
+        A driver call failed.
+    """
+    buffers = buffers or BufferMap()
+    ir = _walk(graph, buffers)
+    buffers.install(ir)
+    return ir

@@ -1,0 +1,129 @@
+"""Capturing PyTorch work into the IR.
+
+``torch.cuda.graph`` does the capture (PyTorch keeps its allocator consistent with the graph);
+``CUDAGraph(keep_graph=True)`` keeps the raw ``cudaGraph_t``, which grape walks with
+cuda.bindings. Tensors the caller names (inputs, parameters, outputs) become buffers with those
+roles; every other address the kernels use becomes an internal buffer.
+"""
+
+from __future__ import annotations
+
+import gc
+import linecache
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from cuda.bindings import driver
+
+from grape.cuda.buffers import BufferMap
+from grape.cuda.build import Graph
+from grape.cuda.walk import read_graph
+from grape.errors import CaptureError
+from grape.ir import BufferRole, KernelGraph
+
+__all__ = ["TorchCapture", "capture"]
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+@dataclass
+class TorchCapture:
+    graph: Graph  # wraps PyTorch's raw graph, which PyTorch owns
+    torch_graph: torch.cuda.CUDAGraph  # keeps the raw graph and its memory pool alive
+    outputs: Any
+    pool_bytes: int  # device memory PyTorch reserved for the capture's pool
+
+    @property
+    def ir(self) -> KernelGraph:
+        return self.graph.ir
+
+    def replay(self) -> None:
+        """Replay through PyTorch (the reference the IR is checked against)."""
+        self.torch_graph.replay()
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _name(buffers: BufferMap, prefix: str, tensors: Iterable[tuple[str, torch.Tensor]],
+          role: BufferRole) -> None:
+    for name, t in tensors:
+        if t.is_cuda:
+            storage = t.untyped_storage()
+            buffers.name(f"{prefix}{name}", storage.data_ptr(), storage.nbytes(), role)
+
+
+def _culprit(error: BaseException) -> str:
+    """The user's line that issued the failing operation: the last frame outside PyTorch."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__]
+    if not frames:
+        return "a line inside PyTorch"
+    f = frames[-1]
+    code = (f.line or linecache.getline(f.filename, f.lineno)).strip()
+    return f"{f.filename}:{f.lineno} ({code})"
+
+
+def _why(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "capturing" in text or "capture" in text:
+        return (f"an operation that synchronises with the host or copies from CPU memory "
+                f"({text})")
+    return text
+
+
+def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tensor] | None = None,
+            pool: Any = None, warmup: int = 1) -> TorchCapture:
+    """Capture ``fn(*args)`` into a CUDA graph and read it into the IR.
+
+    Tensors in ``args`` become input placeholders, ``params`` (for instance
+    ``dict(model.named_parameters())``) parameters, and what ``fn`` returns outputs.
+
+    Raises
+    ------
+    CaptureError
+        ``fn`` did something that cannot be captured; the message names the operation and
+        the line of the caller's code that issued it.
+    """
+    buffers = BufferMap()
+    _name(buffers, "param:", (params or {}).items(), BufferRole.PARAMETER)
+    _name(buffers, "input", ((str(i), t) for i, t in enumerate(_tensors(args))), BufferRole.INPUT)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # lazy initialisation (cuBLAS handles, autotuning) stays out
+        for _ in range(warmup):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    # torch.cuda.graph empties the allocator's cache on entry; do it first so that the pool's
+    # growth is all that the difference below measures.
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    try:
+        with torch.cuda.graph(g, pool=pool):
+            outputs = fn(*args)
+    except Exception as e:
+        first = e.__context__ or e  # capture_end's error hides the one that broke capture
+        raise CaptureError(f"expected work that can be captured, found {_why(first)} issued at "
+                           f"{_culprit(first)}") from None
+    g.instantiate()
+    pool_bytes = torch.cuda.memory_reserved() - reserved
+    _name(buffers, "output", ((str(i), t) for i, t in enumerate(_tensors(outputs))),
+          BufferRole.OUTPUT)
+    raw = driver.CUgraph(g.raw_cuda_graph())
+    return TorchCapture(Graph(read_graph(raw, buffers), raw, owned=False), g, outputs,
+                        pool_bytes)
