@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from grape import __version__
-from grape.errors import GrapeError, TraceFormatError
+from grape.errors import CaptureError, GrapeError, TraceFormatError
 from grape.ir import SCHEMA, KernelGraph
-from grape.jsonio import load_json
-from grape.summary import graph_summary, trace_summary
+from grape.jsonio import dump_json, load_json
+from grape.profile import PROFILE_SCHEMA, profile_from_json
+from grape.summary import graph_summary, profile_summary, trace_summary
 from grape.trace import Trace, read_trace, trace_from_json
 
 __all__ = ["main"]
@@ -36,7 +37,8 @@ def _positive(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grape",
-        description="CUDA graphs for dynamic DNNs: inspect traces and kernel graphs.")
+        description="CUDA graphs for dynamic DNNs: inspect traces, kernel graphs and device "
+                    "profiles; measure a GPU; record workloads.")
     parser.add_argument("--version", action="version", version=f"grape {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = sub.add_parser(
@@ -51,6 +53,34 @@ def _parser() -> argparse.ArgumentParser:
                       help="split each trace into N equal iterations instead of detecting them")
     info.add_argument("--json", action="store_true", help="print one JSON object per file")
     info.set_defaults(run=_info)
+    char = sub.add_parser(
+        "characterize", help="measure this GPU's device profile (needs a GPU)",
+        description="Measure, on the current GPU, the constants the simulator needs (launch, "
+                    "instantiate, update, conditional-node, copy and memory costs, each "
+                    "against what it depends on) and write them as a JSON device profile.")
+    char.add_argument("--out", type=Path, required=True, metavar="FILE",
+                      help="where to write the profile (for example traces/devices/h200.json)")
+    char.add_argument("--reps", type=_positive, default=50, metavar="N",
+                      help="repetitions per measured point (default 50)")
+    char.set_defaults(run=_characterize)
+    rec = sub.add_parser(
+        "record", help="record workloads eagerly and graphed as grape traces (needs a GPU)",
+        description="Run workloads built from Hugging Face configs (random weights, fp16) "
+                    "eagerly and captured in a CUDA graph; for each, measure wall time per "
+                    "step without the profiler and write a torch.profiler trace of a few steps "
+                    "with the measurement in its grape block.")
+    rec.add_argument("specs", nargs="*", metavar="SPEC",
+                     help="gpt2-small:b1:kv32, gpt2-medium:b8:kv1000, wav2vec2-base:16000, ...")
+    rec.add_argument("--suite", action="store_true",
+                     help="the committed set: GPT-2 small and medium decode (batch 1 and 8, "
+                          "KV 32, 128, 512, 1000) and Wav2Vec2-base at three audio lengths")
+    rec.add_argument("--out", type=Path, required=True, metavar="DIR")
+    rec.add_argument("--modes", default="eager,graph", help="comma-separated (eager,graph)")
+    rec.add_argument("--timed", type=_positive, default=30, metavar="N",
+                     help="timed steps per recording (median reported; default 30)")
+    rec.add_argument("--profiled", type=_positive, default=3, metavar="N",
+                     help="steps in each trace (default 3)")
+    rec.set_defaults(run=_record)
     return parser
 
 
@@ -60,6 +90,8 @@ def _info(args: argparse.Namespace) -> None:
         doc = load_json(path, TraceFormatError)
         if isinstance(doc, dict) and doc.get("schema") == SCHEMA:
             summary = graph_summary(_graph(doc, path), path)
+        elif isinstance(doc, dict) and doc.get("schema") == PROFILE_SCHEMA:
+            summary = profile_summary(profile_from_json(doc, path))
         else:
             trace = trace_from_json(doc, path, args.iterations)
             traces.append(trace)
@@ -71,6 +103,56 @@ def _info(args: argparse.Namespace) -> None:
     if not args.json:
         for line in _compare(traces + _eager_siblings(traces, args.iterations)):
             print(line)
+
+
+def _characterize(args: argparse.Namespace) -> None:
+    try:
+        from grape.cuda.characterize import characterize
+    except ModuleNotFoundError as e:
+        raise GrapeError(f"expected cuda-bindings for grape characterize, found {e}") from None
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    profile = characterize(args.reps, progress)
+    try:
+        from grape.torch.characterize import torch_launch_us
+    except ModuleNotFoundError:
+        progress("PyTorch is not installed: the eager launch cost through PyTorch is left out")
+    else:
+        progress("[+] eager launch through PyTorch")
+        profile["eager_launch_us"]["torch"] = torch_launch_us()
+    dump_json(args.out, profile, indent=1)
+    print(profile_summary(profile_from_json(profile, args.out)).text)
+
+
+def _record(args: argparse.Namespace) -> None:
+    try:
+        from grape.torch.record import record
+        from grape.torch.workloads import DEFAULT_SUITE, parse_spec
+    except ModuleNotFoundError as e:
+        raise GrapeError(f"expected torch, transformers and cuda-bindings for grape record, "
+                         f"found {e}") from None
+    specs = list(args.specs) + (list(DEFAULT_SUITE) if args.suite else [])
+    modes = [m for m in args.modes.split(",") if m]
+    if not specs or set(modes) - {"eager", "graph"} or not modes:
+        raise GrapeError(f"expected workload specs (or --suite) and modes among eager,graph, "
+                         f"found specs {specs} and modes {modes}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, spec in enumerate(specs, 1):
+        workload = parse_spec(spec)
+        for mode in modes:
+            print(f"[{i}/{len(specs)}] {spec} {mode}", file=sys.stderr, flush=True)
+            try:
+                r = record(workload, mode, args.out, args.timed, args.profiled)
+            except CaptureError as e:  # report and go on: the eager recording still stands
+                rows.append(f"{spec:<24} {mode:<6} not recorded: {e}")
+                continue
+            nodes = "" if r.graph_nodes is None else f" ({r.graph_nodes} kernel nodes captured)"
+            rows.append(f"{spec:<24} {mode:<6} {r.wall_ms:9.3f} ms/step {r.kernels:5d} kernels"
+                        f"{nodes}  {r.path}")
+    print("\n".join(rows))
 
 
 def _graph(doc: dict, path: Path) -> KernelGraph:

@@ -86,3 +86,7 @@ class CaptureError(GrapeError):
 
 class UnsupportedError(GrapeError):
     """Something grape does not model yet (a node type, a copy shape); never silently dropped."""
+
+
+class ProfileError(GrapeError):
+    """A device profile that is missing, malformed, or of another schema."""

@@ -129,6 +129,18 @@ class Pointer:
     target: Span
 
 
+@dataclass(frozen=True)
+class HandleRef:
+    """A conditional handle passed in the argument bytes, by the name a Conditional gives it.
+
+    Kernels that set a condition (``cudaGraphSetConditional``) take the handle as an argument;
+    a rebuilt graph creates new handles, and these references say where to write them.
+    """
+
+    offset: int
+    handle: str
+
+
 LaunchAttribute = tuple[str, int | tuple[int, ...]]
 
 
@@ -151,6 +163,7 @@ class Kernel:
     args: bytes = b""
     params: tuple[Param, ...] = ()
     pointers: tuple[Pointer, ...] = ()
+    handles: tuple[HandleRef, ...] = ()
 
     def spans(self) -> Iterator[Span]:
         return (p.target for p in self.pointers)
@@ -329,6 +342,7 @@ class KernelGraph:
             Grid, block, shared memory or argument layout beyond what CUDA can launch.
         """
         _validate(self, self.buffers, where="")
+        _check_handles(self)
 
     def fingerprint(self, *, launch: bool = True) -> str:
         """See :func:`fingerprint`."""
@@ -396,6 +410,36 @@ def _validate(graph: KernelGraph, buffers: dict[str, Buffer], where: str) -> Non
         return
     path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
     raise GraphCycleError(f"{where}expected an acyclic graph, found the cycle {path}")
+
+
+def _conditionals(graph: KernelGraph) -> Iterator[Conditional]:
+    for _, op in graph.ops():
+        if isinstance(op, Conditional):
+            yield op
+            for body in op.bodies:
+                yield from _conditionals(body)
+
+
+def _kernels_deep(graph: KernelGraph, where: str = "") -> Iterator[tuple[str, Kernel]]:
+    for node, op in graph.ops():
+        if isinstance(op, Kernel):
+            yield f"{where}node {node!r}", op
+        elif isinstance(op, Conditional):
+            for i, body in enumerate(op.bodies):
+                yield from _kernels_deep(body, f"{where}node {node!r} body {i}: ")
+
+
+def _check_handles(graph: KernelGraph) -> None:
+    handles = {c.handle for c in _conditionals(graph)}
+    for at, k in _kernels_deep(graph):
+        for ref in k.handles:
+            if ref.handle not in handles:
+                raise GraphError(f"{at}: expected handle arguments to name a conditional of the "
+                                 f"graph, found {ref.handle!r}")
+            if not 0 <= ref.offset <= len(k.args) - 8:
+                raise LaunchConfigError(f"{at}: expected handles to lie inside the "
+                                        f"{len(k.args)} argument bytes, found one at offset "
+                                        f"{ref.offset}")
 
 
 def _extent(op: Op, span: Span) -> int:

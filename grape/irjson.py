@@ -21,6 +21,7 @@ from grape.ir import (
     BufferRole,
     Conditional,
     ConditionalKind,
+    HandleRef,
     Kernel,
     KernelGraph,
     Memory,
@@ -153,6 +154,8 @@ def _decode_field(cls: type, name: str, value: Any, at: str) -> Any:
             return tuple(_decode(Param, p, at) for p in value)
         if name == "pointers":
             return tuple(_decode(Pointer, p, at) for p in value)
+        if name == "handles":
+            return tuple(_decode(HandleRef, h, at) for h in value)
         if name == "attributes":
             return tuple((_str(k), _int(v) if not isinstance(v, list) else _ints(v))
                          for k, v in value)

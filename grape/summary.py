@@ -10,10 +10,12 @@ from typing import Any
 
 import networkx as nx
 
+from grape.errors import ProfileError
 from grape.ir import KernelGraph
+from grape.profile import CONSTANTS, DeviceProfile
 from grape.trace import Trace
 
-__all__ = ["Summary", "graph_summary", "trace_summary"]
+__all__ = ["Summary", "graph_summary", "profile_summary", "trace_summary"]
 
 ROWS_SHOWN = 10  # iterations listed one per row; longer traces also get a mean row
 
@@ -156,3 +158,20 @@ def graph_summary(g: KernelGraph, path: str | Path) -> Summary:
         f"  fingerprint: {data['fingerprint']}",
     ])
     return Summary(text, data)
+
+
+def profile_summary(p: DeviceProfile) -> Summary:
+    values: dict[str, float | None] = {}
+    for name in CONSTANTS:
+        try:
+            values[name] = p.get(name)
+        except ProfileError:
+            values[name] = None  # not measured (say, PyTorch was absent)
+    lines = [p.path, f"  grape device profile: {p.device}, driver API "
+             f"{p.doc.get('driver_version')}, measured {p.doc.get('measured', '?')}"]
+    for name, (_, unit, meaning) in CONSTANTS.items():
+        v = values[name]
+        shown = "not measured" if v is None else f"{v:,.3f} {unit}"
+        lines.append(f"  {meaning:<62} {shown}")
+    return Summary("\n".join(lines), {"file": p.path, "kind": "device_profile",
+                                      "device": p.device, "constants": values})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import strategies as st
 
 from grape.ir import (
@@ -14,6 +16,7 @@ from grape.ir import (
     Empty,
     EventRecord,
     EventWait,
+    HandleRef,
     Kernel,
     KernelGraph,
     Memcpy,
@@ -116,4 +119,17 @@ def graphs(draw, table: list[Buffer] | None = None, depth: int = 0,
     for i, node in enumerate(ids):
         deps = draw(st.lists(st.sampled_from(ids[:i]), unique=True, max_size=3)) if i else []
         g.add(node, draw(ops(table, depth)), after=deps)
+    if depth == 0:
+        _set_conditions(draw, g)
     return g
+
+
+def _set_conditions(draw, g: KernelGraph) -> None:
+    """Let some kernels take a conditional's handle as an argument, as condition setters do."""
+    handles = sorted({op.handle for _, op in g.ops() if isinstance(op, Conditional)})
+    if not handles:
+        return
+    for node, k in list(g.kernels()):
+        if len(k.args) >= 8 and draw(st.booleans()):
+            ref = HandleRef(draw(st.integers(0, len(k.args) - 8)), draw(st.sampled_from(handles)))
+            g.dag.nodes[node]["op"] = dataclasses.replace(k, handles=(ref,))

@@ -22,6 +22,7 @@ from grape.ir import (
     Conditional,
     ConditionalKind,
     Empty,
+    HandleRef,
     Kernel,
     KernelGraph,
     Memcpy,
@@ -230,6 +231,21 @@ def test_node_without_a_known_operation_is_rejected():
     g.dag.add_node("mystery", op="tensor core")
     with pytest.raises(UnknownNodeKindError, match="node 'mystery': expected one of kernel, "
                                                    "memcpy.*found str"):
+        g.validate()
+
+
+def test_handle_arguments_must_name_a_conditional():
+    body = KernelGraph()
+    body.add("k", _kernel())
+    g = KernelGraph()
+    g.add("set", _kernel(args=bytes(8), params=(Param(0, 8),),
+                         handles=(HandleRef(0, "loop"),)))
+    g.add("c", Conditional(ConditionalKind.WHILE, "loop", (body,)), after=["set"])
+    g.validate()
+    g.dag.nodes["set"]["op"] = _kernel(args=bytes(8), params=(Param(0, 8),),
+                                       handles=(HandleRef(0, "other"),))
+    with pytest.raises(GraphError, match="node 'set': expected handle arguments to name a "
+                                         "conditional of the graph, found 'other'"):
         g.validate()
 
 

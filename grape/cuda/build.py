@@ -15,6 +15,7 @@ import networkx as nx
 import numpy as np
 from cuda.bindings import driver
 
+from grape.cuda.capability import require
 from grape.cuda.check import call
 from grape.cuda.context import current_context, memory_info, synchronize
 from grape.cuda.functions import resolve
@@ -22,6 +23,7 @@ from grape.cuda.walk import ATTRIBUTES, resolve_event
 from grape.errors import GrapeError, UnsupportedError
 from grape.ir import (
     Conditional,
+    ConditionalKind,
     Empty,
     EventRecord,
     EventWait,
@@ -36,9 +38,11 @@ from grape.ir import (
 __all__ = ["Executable", "Graph", "kernel_params"]
 
 
-def kernel_params(k: Kernel) -> tuple[driver.CUDA_KERNEL_NODE_PARAMS, tuple[np.ndarray, ...]]:
+def kernel_params(k: Kernel, handles: dict[str, int] | None = None
+                  ) -> tuple[driver.CUDA_KERNEL_NODE_PARAMS, tuple[np.ndarray, ...]]:
     """Driver parameters for kernel ``k``, and the host arrays they point into.
 
+    ``handles`` gives the value of each conditional handle the kernel takes as an argument.
     The arrays must outlive the call that takes the parameters (the driver copies the argument
     values then).
     """
@@ -47,7 +51,10 @@ def kernel_params(k: Kernel) -> tuple[driver.CUDA_KERNEL_NODE_PARAMS, tuple[np.n
     p.gridDimX, p.gridDimY, p.gridDimZ = k.grid
     p.blockDimX, p.blockDimY, p.blockDimZ = k.block
     p.sharedMemBytes = k.shared_mem
-    values = np.frombuffer(bytearray(k.args) or bytearray(1), dtype=np.uint8)
+    args = bytearray(k.args) or bytearray(1)
+    for ref in k.handles:
+        args[ref.offset:ref.offset + 8] = handles[ref.handle].to_bytes(8, "little")
+    values = np.frombuffer(args, dtype=np.uint8)
     slots = np.array([values.ctypes.data + q.offset for q in k.params], dtype=np.uint64)
     p.kernelParams = int(slots.ctypes.data) if k.params else 0
     return p, (values, slots)
@@ -78,14 +85,28 @@ class Graph:
 
     @classmethod
     def build(cls, ir: KernelGraph) -> Graph:
-        """A new CUDA graph with one node per IR node, added in dependency order."""
+        """A new CUDA graph with one node per IR node, added in dependency order.
+
+        Conditional nodes get new handles; kernels that take a handle as an argument
+        (``Kernel.handles``) are given the new value.
+        """
         ir.validate()
         graph = cls(ir, call(driver.cuGraphCreate, 0, doing="creating a graph"))
+        graph._fill(graph.handle, ir, {})
+        return graph
+
+    def _fill(self, target: driver.CUgraph, ir: KernelGraph, handles: dict[str, int]) -> None:
+        flag = driver.CU_GRAPH_COND_ASSIGN_DEFAULT
+        for _, op in ir.ops():  # a setter kernel can precede its conditional node
+            if isinstance(op, Conditional):
+                handle = call(driver.cuGraphConditionalHandleCreate, target, self._ctx,
+                              op.default or 0, flag if op.default is not None else 0,
+                              doing=f"creating conditional handle {op.handle!r}")
+                handles[op.handle] = int(handle)
         nodes: dict[str, driver.CUgraphNode] = {}
         for node in nx.topological_sort(ir.dag):
             deps = [nodes[d] for d in ir.dag.predecessors(node)]
-            nodes[node] = graph._add(node, ir.op(node), deps)
-        return graph
+            nodes[node] = self._add(target, node, ir.op(node), deps, handles)
 
     def _address(self, span: Span) -> int:
         buffer = self.ir.buffers[span.buffer]
@@ -94,11 +115,12 @@ class Graph:
                              f"against, found none")
         return buffer.address + span.offset
 
-    def _add(self, node: str, op, deps: list) -> driver.CUgraphNode:
+    def _add(self, target: driver.CUgraph, node: str, op, deps: list,
+             handles: dict[str, int]) -> driver.CUgraphNode:
         doing = f"adding node {node!r} ({op.kind}) to a graph"
         if isinstance(op, Kernel):
-            params, keep = kernel_params(op)
-            handle = call(driver.cuGraphAddKernelNode, self.handle, deps, len(deps), params,
+            params, keep = kernel_params(op, handles)
+            handle = call(driver.cuGraphAddKernelNode, target, deps, len(deps), params,
                           doing=doing)
             del keep
             for name, value in op.attributes:
@@ -112,27 +134,44 @@ class Graph:
                      doing=f"setting {name} on node {node!r}")
             return handle
         if isinstance(op, Memcpy):
-            return call(driver.cuGraphAddMemcpyNode, self.handle, deps, len(deps),
+            return call(driver.cuGraphAddMemcpyNode, target, deps, len(deps),
                         self._copy(op), self._ctx, doing=doing)
         if isinstance(op, Memset):
             p = driver.CUDA_MEMSET_NODE_PARAMS()
             p.dst = self._address(op.dst)
             p.value, p.elementSize, p.width = op.value, op.element_size, op.width
             p.height, p.pitch = op.height, op.pitch
-            return call(driver.cuGraphAddMemsetNode, self.handle, deps, len(deps), p,
+            return call(driver.cuGraphAddMemsetNode, target, deps, len(deps), p,
                         self._ctx, doing=doing)
         if isinstance(op, Empty):
-            return call(driver.cuGraphAddEmptyNode, self.handle, deps, len(deps), doing=doing)
+            return call(driver.cuGraphAddEmptyNode, target, deps, len(deps), doing=doing)
         if isinstance(op, EventRecord):
-            return call(driver.cuGraphAddEventRecordNode, self.handle, deps, len(deps),
+            return call(driver.cuGraphAddEventRecordNode, target, deps, len(deps),
                         resolve_event(op.event), doing=doing)
         if isinstance(op, EventWait):
-            return call(driver.cuGraphAddEventWaitNode, self.handle, deps, len(deps),
+            return call(driver.cuGraphAddEventWaitNode, target, deps, len(deps),
                         resolve_event(op.event), doing=doing)
         if isinstance(op, Conditional):
-            raise UnsupportedError(f"node {node!r}: conditional nodes are built by "
-                                   f"grape.cuda.conditional, not rebuilt from a capture")
+            return self._add_conditional(target, node, op, deps, handles)
         raise UnsupportedError(f"node {node!r}: expected a buildable operation, found {op!r:.60}")
+
+    def _add_conditional(self, target: driver.CUgraph, node: str, op: Conditional, deps: list,
+                         handles: dict[str, int]) -> driver.CUgraphNode:
+        require(op.type)
+        types = driver.CUgraphConditionalNodeType
+        p = driver.CUgraphNodeParams()
+        p.type = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+        p.conditional.handle = handles[op.handle]
+        p.conditional.type = {ConditionalKind.WHILE: types.CU_GRAPH_COND_TYPE_WHILE,
+                              ConditionalKind.SWITCH: types.CU_GRAPH_COND_TYPE_SWITCH}.get(
+                                  op.type, types.CU_GRAPH_COND_TYPE_IF)
+        p.conditional.size = len(op.bodies)
+        p.conditional.ctx = self._ctx
+        handle = call(driver.cuGraphAddNode, target, deps, None, len(deps), p,
+                      doing=f"adding conditional node {node!r} ({op.type.value})")
+        for i, body in enumerate(op.bodies):
+            self._fill(p.conditional.phGraph_out[i], body, handles)
+        return handle
 
     def _copy(self, op: Memcpy) -> driver.CUDA_MEMCPY3D:
         p = driver.CUDA_MEMCPY3D()

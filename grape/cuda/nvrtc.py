@@ -16,7 +16,7 @@ from grape.cuda.functions import function_id, param_layout
 from grape.errors import CudaError, GrapeError
 from grape.ir import Kernel
 
-__all__ = ["Module", "launch", "pack_args"]
+__all__ = ["Module", "kernel_op", "launch", "pack_args"]
 
 
 def _arch() -> str:
@@ -94,13 +94,19 @@ def pack_args(func: driver.CUfunction, values: Sequence[Any]) -> bytes:
     return bytes(out)
 
 
+def kernel_op(func: driver.CUfunction, grid: tuple[int, int, int], block: tuple[int, int, int],
+              values: Sequence[Any], shared_mem: int = 0) -> Kernel:
+    """The IR operation for launching ``func`` with ``values`` (pointers not yet mapped)."""
+    ident, name = function_id(func)
+    return Kernel(function=ident, name=name, grid=grid, block=block, shared_mem=shared_mem,
+                  args=pack_args(func, values), params=param_layout(func))
+
+
 def launch(func: driver.CUfunction, grid: tuple[int, int, int], block: tuple[int, int, int],
            values: Sequence[Any], stream: Any = 0, shared_mem: int = 0) -> None:
     """``cuLaunchKernel`` with arguments packed by :func:`pack_args`."""
-    ident, name = function_id(func)
-    k = Kernel(function=ident, name=name, grid=grid, block=block, shared_mem=shared_mem,
-               args=pack_args(func, values), params=param_layout(func))
+    k = kernel_op(func, grid, block, values, shared_mem)
     p, keep = kernel_params(k)
     call(driver.cuLaunchKernel, func, *grid, *block, shared_mem, stream, p.kernelParams, 0,
-         doing=f"launching {name}")
+         doing=f"launching {k.name}")
     del keep

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from cuda.bindings import driver
@@ -24,6 +25,7 @@ from grape.ir import (
     Empty,
     EventRecord,
     EventWait,
+    HandleRef,
     Kernel,
     KernelGraph,
     Memcpy,
@@ -48,6 +50,12 @@ ATTRIBUTES: dict[str, tuple[driver.CUkernelNodeAttrID, str]] = {
 }
 
 _events: dict[str, driver.CUevent] = {}
+
+
+@dataclass
+class _Walk:
+    buffers: BufferMap
+    handles: dict[int, str]  # conditional handle value -> its name in the IR
 
 
 def _host_bytes(address: int, size: int) -> bytes:
@@ -128,7 +136,15 @@ def _extra_args(extra: int, size: int) -> bytes:
     return _host_bytes(buffer, size)
 
 
-def _kernel(node: driver.CUgraphNode, buffers: BufferMap) -> Kernel:
+def _handle_refs(args: bytes, handles: dict[int, str]) -> tuple[HandleRef, ...]:
+    if not handles:
+        return ()
+    words = np.frombuffer(args[: len(args) // 8 * 8], dtype="<u8")
+    return tuple(HandleRef(int(i) * 8, handles[int(words[i])])
+                 for i in np.flatnonzero(np.isin(words, list(handles))))
+
+
+def _kernel(node: driver.CUgraphNode, walk: _Walk) -> Kernel:
     p = call(driver.cuGraphKernelNodeGetParams, node, doing="reading a kernel node")
     func = p.func
     if not int(func) and int(p.kern):  # library kernels come as CUkernel handles
@@ -139,7 +155,7 @@ def _kernel(node: driver.CUgraphNode, buffers: BufferMap) -> Kernel:
     return Kernel(function=ident, name=name, grid=(p.gridDimX, p.gridDimY, p.gridDimZ),
                   block=(p.blockDimX, p.blockDimY, p.blockDimZ), shared_mem=p.sharedMemBytes,
                   attributes=_attributes(node), args=args, params=layout,
-                  pointers=buffers.pointers(args))
+                  pointers=walk.buffers.pointers(args), handles=_handle_refs(args, walk.handles))
 
 
 def _endpoint(buffers: BufferMap, kind, device, host, x: int, size: int):
@@ -152,7 +168,8 @@ def _endpoint(buffers: BufferMap, kind, device, host, x: int, size: int):
     return span
 
 
-def _memcpy(node: driver.CUgraphNode, buffers: BufferMap) -> Memcpy:
+def _memcpy(node: driver.CUgraphNode, walk: _Walk) -> Memcpy:
+    buffers = walk.buffers
     p = call(driver.cuGraphMemcpyNodeGetParams, node, doing="reading a memcpy node")
     if p.Height > 1 or p.Depth > 1:
         raise UnsupportedError(f"expected one-dimensional copies, found a {p.WidthInBytes} x "
@@ -165,50 +182,75 @@ def _memcpy(node: driver.CUgraphNode, buffers: BufferMap) -> Memcpy:
                   size=size)
 
 
-def _memset(node: driver.CUgraphNode, buffers: BufferMap) -> Memset:
+def _memset(node: driver.CUgraphNode, walk: _Walk) -> Memset:
     p = call(driver.cuGraphMemsetNodeGetParams, node, doing="reading a memset node")
-    dst = buffers.span(int(p.dst))
+    dst = walk.buffers.span(int(p.dst))
     if dst is None:
         raise UnsupportedError(f"expected a memset of device memory, found {int(p.dst):#x}")
     return Memset(dst=dst, value=p.value, element_size=p.elementSize, width=p.width,
                   height=p.height, pitch=p.pitch if p.height > 1 else 0)
 
 
-def _conditional(node: driver.CUgraphNode, buffers: BufferMap) -> Conditional:
-    p = call(driver.cuGraphNodeGetParams, node, doing="reading a conditional node").conditional
-    kinds = {driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE: ConditionalKind.WHILE,
-             driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH: ConditionalKind.SWITCH}
-    kind = kinds.get(p.type, ConditionalKind.IF if p.size == 1 else ConditionalKind.IF_ELSE)
-    bodies = tuple(_walk(p.phGraph_out[i], buffers) for i in range(p.size))
+_COND_KINDS = {
+    driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE: ConditionalKind.WHILE,
+    driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH: ConditionalKind.SWITCH,
+}
+
+
+def _conditional_params(node: driver.CUgraphNode):
+    return call(driver.cuGraphNodeGetParams, node, doing="reading a conditional node").conditional
+
+
+def _conditional(node: driver.CUgraphNode, walk: _Walk) -> Conditional:
+    p = _conditional_params(node)
+    kind = _COND_KINDS.get(p.type, ConditionalKind.IF if p.size == 1 else ConditionalKind.IF_ELSE)
+    bodies = tuple(_walk(p.phGraph_out[i], walk) for i in range(p.size))
     # The handle's default value cannot be read back from the driver.
-    return Conditional(type=kind, handle=f"cond@{int(p.handle):#x}", bodies=bodies, default=None)
+    return Conditional(type=kind, handle=walk.handles[int(p.handle)], bodies=bodies,
+                       default=None)
 
 
-_READERS: dict[driver.CUgraphNodeType, Callable[[driver.CUgraphNode, BufferMap], Op]] = {
+def _nodes(graph: driver.CUgraph) -> list[driver.CUgraphNode]:
+    _, count = call(driver.cuGraphGetNodes, graph, 0, doing="counting graph nodes")
+    nodes, _ = call(driver.cuGraphGetNodes, graph, count, doing="listing graph nodes")
+    return nodes[:count]
+
+
+def _find_handles(graph: driver.CUgraph, found: dict[int, str]) -> dict[int, str]:
+    """Every conditional handle in ``graph`` and its bodies, named in discovery order."""
+    for node in _nodes(graph):
+        kind = call(driver.cuGraphNodeGetType, node, doing="reading a node's type")
+        if kind == T.CU_GRAPH_NODE_TYPE_CONDITIONAL:
+            p = _conditional_params(node)
+            found.setdefault(int(p.handle), f"cond{len(found)}")
+            for i in range(p.size):
+                _find_handles(p.phGraph_out[i], found)
+    return found
+
+
+_READERS: dict[driver.CUgraphNodeType, Callable[[driver.CUgraphNode, _Walk], Op]] = {
     T.CU_GRAPH_NODE_TYPE_KERNEL: _kernel,
     T.CU_GRAPH_NODE_TYPE_MEMCPY: _memcpy,
     T.CU_GRAPH_NODE_TYPE_MEMSET: _memset,
-    T.CU_GRAPH_NODE_TYPE_EMPTY: lambda node, buffers: Empty(),
-    T.CU_GRAPH_NODE_TYPE_EVENT_RECORD: lambda node, buffers: EventRecord(event_id(call(
+    T.CU_GRAPH_NODE_TYPE_EMPTY: lambda node, walk: Empty(),
+    T.CU_GRAPH_NODE_TYPE_EVENT_RECORD: lambda node, walk: EventRecord(event_id(call(
         driver.cuGraphEventRecordNodeGetEvent, node, doing="reading an event record node"))),
-    T.CU_GRAPH_NODE_TYPE_WAIT_EVENT: lambda node, buffers: EventWait(event_id(call(
+    T.CU_GRAPH_NODE_TYPE_WAIT_EVENT: lambda node, walk: EventWait(event_id(call(
         driver.cuGraphEventWaitNodeGetEvent, node, doing="reading an event wait node"))),
     T.CU_GRAPH_NODE_TYPE_CONDITIONAL: _conditional,
 }
 
 
-def _walk(graph: driver.CUgraph, buffers: BufferMap) -> KernelGraph:
-    _, count = call(driver.cuGraphGetNodes, graph, 0, doing="counting graph nodes")
-    nodes, _ = call(driver.cuGraphGetNodes, graph, count, doing="listing graph nodes")
+def _walk(graph: driver.CUgraph, walk: _Walk) -> KernelGraph:
     ir = KernelGraph()
     names = {}
-    for i, node in enumerate(nodes[:count]):
+    for i, node in enumerate(_nodes(graph)):
         kind = call(driver.cuGraphNodeGetType, node, doing="reading a node's type")
         reader = _READERS.get(kind)
         if reader is None:
             raise UnsupportedError(f"node {i}: expected a kernel, memcpy, memset, empty, event "
                                    f"or conditional node, found {kind.name}")
-        names[int(node)] = ir.add(f"n{i}", reader(node, buffers))
+        names[int(node)] = ir.add(f"n{i}", reader(node, walk))
     _, _, _, edges = call(driver.cuGraphGetEdges, graph, 0, doing="counting graph edges")
     if edges:
         src, dst, _, _ = call(driver.cuGraphGetEdges, graph, edges, doing="listing graph edges")
@@ -229,6 +271,6 @@ def read_graph(graph: driver.CUgraph, buffers: BufferMap | None = None) -> Kerne
         A driver call failed.
     """
     buffers = buffers or BufferMap()
-    ir = _walk(graph, buffers)
+    ir = _walk(graph, _Walk(buffers, _find_handles(graph, {})))
     buffers.install(ir)
     return ir

@@ -1,0 +1,280 @@
+"""Measuring the constants the simulator needs, on the current GPU, through cuda.bindings.
+
+Every constant is measured against the quantity it depends on (node count, iterations, bytes)
+and fitted with a line, so the profile says both the points and the model. Host times are
+``perf_counter`` around the driver call as grape's Python makes it; GPU times come from CUDA
+events. Each point is the median of several repetitions after a warm-up.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+from cuda.bindings import driver
+
+from grape.cuda.build import Graph
+from grape.cuda.check import call
+from grape.cuda.conditional import condition_kernels
+from grape.cuda.context import current_context, synchronize
+from grape.cuda.memory import executable_memory, trim
+from grape.cuda.nvrtc import Module, kernel_op
+from grape.ir import (
+    Buffer,
+    BufferRole,
+    Conditional,
+    ConditionalKind,
+    HandleRef,
+    KernelGraph,
+    Pointer,
+    Span,
+)
+
+__all__ = ["characterize"]
+
+EMPTY = r"""
+extern "C" __global__ void grape_empty() {}
+extern "C" __global__ void grape_touch(float* y) { if (threadIdx.x == 0) y[0] += 1.0f; }
+"""
+NODES = (1, 10, 50, 100, 200, 500, 1000)
+
+
+def _stats(samples: Sequence[float]) -> dict[str, float]:
+    q = np.percentile(samples, [10, 50, 90])
+    return {"median": float(q[1]), "p10": float(q[0]), "p90": float(q[2]),
+            "samples": len(samples)}
+
+
+def _fit(x: Sequence[float], y: Sequence[float], intercept: str, slope: str) -> dict[str, float]:
+    b, a = np.polyfit(np.asarray(x, float), np.asarray(y, float), 1)
+    return {intercept: float(a), slope: float(b)}
+
+
+def _host_us(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = None) -> float:
+    samples = []
+    for _ in range(reps):
+        if setup:
+            setup()
+        t = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(samples)
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.start = call(driver.cuEventCreate, 0, doing="creating an event")
+        self.end = call(driver.cuEventCreate, 0, doing="creating an event")
+
+    def gpu_us(self, fn: Callable[[], Any], reps: int) -> float:
+        samples = []
+        for _ in range(reps):
+            call(driver.cuEventRecord, self.start, 0, doing="recording an event")
+            fn()
+            call(driver.cuEventRecord, self.end, 0, doing="recording an event")
+            call(driver.cuEventSynchronize, self.end, doing="waiting for an event")
+            ms = call(driver.cuEventElapsedTime, self.start, self.end, doing="timing events")
+            samples.append(ms * 1000)
+        return statistics.median(samples)
+
+
+def _chain(op, n: int) -> KernelGraph:
+    g = KernelGraph()
+    prev: list[str] = []
+    for i in range(n):
+        prev = [g.add(f"k{i}", op, after=prev)]
+    return g
+
+
+def _eager(module: Module, reps: int) -> dict[str, Any]:
+    func = module.function("grape_empty")
+    samples = []
+    for _ in range(reps // 200):
+        for _ in range(200):  # fewer than the ~1000 the launch queue holds: the host never stalls
+            t = time.perf_counter()
+            call(driver.cuLaunchKernel, func, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0, doing="launching")
+            samples.append((time.perf_counter() - t) * 1e6)
+        synchronize()
+    return _stats(samples)
+
+
+def _graph_launch(empty, events: _Events, reps: int) -> dict[str, Any]:
+    host, gpu = [], []
+    for n in NODES:
+        with Graph.build(_chain(empty, n)) as g, g.instantiate() as exe:
+            exe.launch()
+            synchronize()
+            host.append(_host_us(exe.launch, reps, setup=synchronize))
+            gpu.append(events.gpu_us(exe.launch, reps))
+    return {"nodes": list(NODES), "host_us": host, "gpu_us": gpu,
+            "fit": {**_fit(NODES, host, "host_fixed_us", "host_per_node_us"),
+                    **_fit(NODES, gpu, "gpu_fixed_us", "gpu_per_node_us")}}
+
+
+def _instantiate(empty, reps: int) -> dict[str, Any]:
+    inst, upload = [], []
+    for n in NODES:
+        with Graph.build(_chain(empty, n)) as g:
+            times_i, times_u = [], []
+            for _ in range(reps):
+                synchronize()
+                t = time.perf_counter()
+                exe = call(driver.cuGraphInstantiate, g.handle, 0, doing="instantiating")
+                t1 = time.perf_counter()
+                call(driver.cuGraphUpload, exe, 0, doing="uploading")
+                synchronize()
+                t2 = time.perf_counter()
+                call(driver.cuGraphExecDestroy, exe, doing="destroying an executable")
+                times_i.append((t1 - t) * 1e6)
+                times_u.append((t2 - t1) * 1e6)
+            inst.append(statistics.median(times_i))
+            upload.append(statistics.median(times_u))
+    return {"instantiate": {"nodes": list(NODES), "us": inst,
+                            "fit": _fit(NODES, inst, "fixed_us", "per_node_us")},
+            "upload": {"nodes": list(NODES), "us": upload,
+                       "fit": _fit(NODES, upload, "fixed_us", "per_node_us")}}
+
+
+def _update(module: Module, reps: int) -> dict[str, Any]:
+    """Whole-graph update and one node's set-params, between graphs that differ in pointers."""
+    from grape.cuda.build import kernel_params
+
+    touch = module.function("grape_touch")
+    a = call(driver.cuMemAlloc, 64, doing="allocating")
+    b = call(driver.cuMemAlloc, 64, doing="allocating")
+    whole = []
+    for n in NODES:
+        with Graph.build(_chain(kernel_op(touch, (1, 1, 1), (32, 1, 1), [a]), n)) as ga, \
+                Graph.build(_chain(kernel_op(touch, (1, 1, 1), (32, 1, 1), [b]), n)) as gb, \
+                ga.instantiate() as exe:
+            def update(exe=exe, gb=gb):
+                status, _ = driver.cuGraphExecUpdate(exe.handle, gb.handle)
+                if status != driver.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"cuGraphExecUpdate failed: {status.name}")
+            whole.append(_host_us(update, reps))
+    with Graph.build(_chain(kernel_op(touch, (1, 1, 1), (32, 1, 1), [a]), 1)) as g, \
+            g.instantiate() as exe:
+        node = call(driver.cuGraphGetNodes, g.handle, 1, doing="listing nodes")[0][0]
+        params, keep = kernel_params(kernel_op(touch, (1, 1, 1), (32, 1, 1), [b]))
+        samples = []
+        for _ in range(reps * 20):
+            t = time.perf_counter()
+            call(driver.cuGraphExecKernelNodeSetParams, exe.handle, node, params,
+                 doing="setting a node's parameters")
+            samples.append((time.perf_counter() - t) * 1e6)
+        del keep
+    for ptr in (a, b):
+        driver.cuMemFree(ptr)
+    return {"exec_update": {"nodes": list(NODES), "us": whole,
+                            "fit": _fit(NODES, whole, "fixed_us", "per_node_us")},
+            "kernel_node_set_params_us": _stats(samples)}
+
+
+def _conditional(module: Module, events: _Events, reps: int) -> dict[str, Any]:
+    """GPU time of a WHILE loop against iterations, beside the same kernels unrolled."""
+    conditions = condition_kernels()
+    touch = module.function("grape_touch")
+    y = call(driver.cuMemAlloc, 64, doing="allocating")
+    count = call(driver.cuMemAlloc, 64, doing="allocating")
+    table = {"y": Buffer("y", 64, BufferRole.INTERNAL, address=int(y)),
+             "count": Buffer("count", 64, BufferRole.INTERNAL, address=int(count))}
+    bump = replace(kernel_op(touch, (1, 1, 1), (32, 1, 1), [y]),
+                   pointers=(Pointer(0, Span("y")),))
+    step = replace(kernel_op(conditions.function("grape_count_down"), (1, 1, 1), (1, 1, 1),
+                             [0, count]),
+                   pointers=(Pointer(8, Span("count")),), handles=(HandleRef(0, "loop"),))
+    iterations = (1, 10, 100, 1000)
+    loop_us, unrolled_us = [], []
+    for n in iterations:
+        body = KernelGraph()
+        body.add("bump", bump)
+        body.add("step", step, after=["bump"])
+        g = KernelGraph()
+        for b in table.values():
+            g.add_buffer(b)
+        g.add("loop", Conditional(ConditionalKind.WHILE, "loop", (body,), default=1))
+        plain = _chain(bump, 2 * n)
+        for b in table.values():
+            plain.add_buffer(b)
+
+        def reset(n=n):
+            call(driver.cuMemsetD32Async, count, n, 1, 0, doing="setting the loop count")
+
+        with Graph.build(g) as gw, gw.instantiate() as loop, \
+                Graph.build(plain) as gp, gp.instantiate() as flat:
+            loop_us.append(events.gpu_us(lambda loop=loop, reset=reset: (reset(), loop.launch()),
+                                         reps))
+            unrolled_us.append(events.gpu_us(flat.launch, reps))
+    for ptr in (y, count):
+        driver.cuMemFree(ptr)
+    fit_loop = _fit(iterations, loop_us, "fixed_us", "per_iteration_us")
+    fit_flat = _fit([2 * n for n in iterations], unrolled_us, "fixed_us", "per_node_us")
+    return {"while": {"iterations": list(iterations), "body_kernels": 2, "gpu_us": loop_us,
+                      "fit": fit_loop},
+            "unrolled": {"nodes": [2 * n for n in iterations], "gpu_us": unrolled_us,
+                         "fit": fit_flat},
+            "while_overhead_per_iteration_us": fit_loop["per_iteration_us"]
+            - 2 * fit_flat["per_node_us"]}
+
+
+def _copies(events: _Events, reps: int) -> dict[str, Any]:
+    sizes = [1 << k for k in (16, 20, 24, 26, 28, 30)]
+    src = call(driver.cuMemAlloc, sizes[-1], doing="allocating a copy source")
+    dst = call(driver.cuMemAlloc, sizes[-1], doing="allocating a copy destination")
+    call(driver.cuMemsetD8, src, 7, sizes[-1], doing="filling the copy source")
+    us = [events.gpu_us(lambda n=n: call(driver.cuMemcpyDtoDAsync, dst, src, n, 0,
+                                         doing="copying"), reps) for n in sizes]
+    for ptr in (src, dst):
+        driver.cuMemFree(ptr)
+    fit = _fit(sizes, us, "latency_us", "us_per_byte")
+    return {"bytes": sizes, "gpu_us": us, "fit": {
+        "latency_us": fit["latency_us"],
+        # bytes read plus bytes written, per second
+        "bandwidth_gb_s": 2 / fit["us_per_byte"] / 1e3}}
+
+
+def _memory(empty) -> dict[str, Any]:
+    nodes = (10, 100, 200, 500, 1000)
+    per_exec = []
+    for n in nodes:
+        with Graph.build(_chain(empty, n)) as g:
+            per_exec.append(executable_memory(g, copies=20).per_executable)
+    trim()
+    return {"nodes": list(nodes), "bytes_per_executable": per_exec,
+            "fit": _fit(nodes, per_exec, "fixed_bytes", "per_node_bytes")}
+
+
+def characterize(reps: int = 50, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure the device profile of the current GPU (a minute or two on an H200)."""
+    current_context()
+    dev = call(driver.cuCtxGetDevice, doing="reading the current device")
+    name = call(driver.cuDeviceGetName, 64, dev, doing="naming the device")
+    module = Module(EMPTY, name="grape_characterize.cu")
+    empty = kernel_op(module.function("grape_empty"), (1, 1, 1), (32, 1, 1), [])
+    events = _Events()
+    profile: dict[str, Any] = {
+        "schema": "grape.device", "version": 1,
+        "device": name.split(b"\0")[0].decode(),
+        "driver_version": call(driver.cuDriverGetVersion, doing="reading the driver version"),
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "repetitions": reps,
+    }
+    steps = [("eager launch", lambda: {"eager_launch_us": {"cuLaunchKernel": _eager(
+                  module, reps * 40)}}),
+             ("graph launch", lambda: {"graph_launch": _graph_launch(empty, events, reps)}),
+             ("instantiate and upload", lambda: _instantiate(empty, max(reps // 5, 3))),
+             ("executable update", lambda: _update(module, reps)),
+             ("conditional nodes", lambda: {"conditional": _conditional(module, events, reps)}),
+             ("device-to-device copies", lambda: {"copy_d2d": _copies(events, reps)}),
+             ("executable memory", lambda: {"executable_memory": _memory(empty)})]
+    for i, (label, step) in enumerate(steps, 1):
+        progress(f"[{i}/{len(steps)}] {label}")
+        t = time.perf_counter()
+        profile.update(step())
+        progress(f"      {time.perf_counter() - t:.1f} s")
+    module.close()
+    return profile

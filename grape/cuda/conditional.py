@@ -1,0 +1,39 @@
+"""Conditional nodes: capability checks and the small kernels that set conditions on the GPU.
+
+A conditional node's handle is set on the device with ``cudaGraphSetConditional``, called from
+a kernel that runs before the node (IF, IF/ELSE, SWITCH) or at the end of its body (WHILE), so
+no host synchronisation decides a branch or ends a loop.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from grape.cuda.nvrtc import Module
+
+__all__ = ["SOURCE", "condition_kernels"]
+
+SOURCE = r"""
+typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
+extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
+    cudaGraphConditionalHandle handle, unsigned int value);
+
+// The condition is a GPU value: a bool, or an int (a SWITCH case, or non-zero for IF/WHILE).
+extern "C" __global__ void grape_set_from_bool(cudaGraphConditionalHandle h, const bool* v) {
+    cudaGraphSetConditional(h, *v ? 1u : 0u);
+}
+extern "C" __global__ void grape_set_from_int(cudaGraphConditionalHandle h, const int* v) {
+    cudaGraphSetConditional(h, (unsigned int)*v);
+}
+// A counted loop body's last step: count down and continue while the count is positive.
+extern "C" __global__ void grape_count_down(cudaGraphConditionalHandle h, int* count) {
+    *count -= 1;
+    cudaGraphSetConditional(h, *count > 0 ? 1u : 0u);
+}
+"""
+
+
+@cache
+def condition_kernels() -> Module:
+    """The setter kernels, compiled once per process for the current device."""
+    return Module(SOURCE, name="grape_conditions.cu")

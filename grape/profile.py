@@ -1,0 +1,94 @@
+"""Device profiles: the constants of one GPU that the simulator costs work with.
+
+``grape characterize`` measures them on a GPU (``grape.cuda.characterize``) and writes a JSON
+profile; this module reads one anywhere, without a GPU, and names what each constant means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grape.errors import ProfileError, SchemaVersionError
+from grape.jsonio import load_json
+
+__all__ = ["CONSTANTS", "PROFILE_SCHEMA", "DeviceProfile", "load_profile"]
+
+PROFILE_SCHEMA = "grape.device"
+PROFILE_VERSION = 1
+
+# name -> (path in the profile document, unit, meaning)
+CONSTANTS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "eager_launch": (("eager_launch_us", "cuLaunchKernel", "median"), "us",
+                     "host cost of one cuLaunchKernel from Python"),
+    "torch_launch": (("eager_launch_us", "torch", "median"), "us",
+                     "host cost of one kernel launch through PyTorch"),
+    "graph_launch_fixed": (("graph_launch", "fit", "host_fixed_us"), "us",
+                           "host cost of cuGraphLaunch, fixed part"),
+    "graph_launch_per_node": (("graph_launch", "fit", "host_per_node_us"), "us",
+                              "host cost of cuGraphLaunch per node"),
+    "graph_gpu_per_node": (("graph_launch", "fit", "gpu_per_node_us"), "us",
+                           "GPU time per empty kernel node in a graph"),
+    "instantiate_per_node": (("instantiate", "fit", "per_node_us"), "us",
+                             "cuGraphInstantiate per node"),
+    "upload_per_node": (("upload", "fit", "per_node_us"), "us", "cuGraphUpload per node"),
+    "exec_update_per_node": (("exec_update", "fit", "per_node_us"), "us",
+                             "cuGraphExecUpdate per node"),
+    "set_params": (("kernel_node_set_params_us", "median"), "us",
+                   "cuGraphExecKernelNodeSetParams, one node"),
+    "while_per_iteration": (("conditional", "while_overhead_per_iteration_us"), "us",
+                            "WHILE node overhead per iteration, beyond its body's kernels"),
+    "copy_bandwidth": (("copy_d2d", "fit", "bandwidth_gb_s"), "GB/s",
+                       "device-to-device copy, bytes read plus written"),
+    "copy_latency": (("copy_d2d", "fit", "latency_us"), "us", "device-to-device copy latency"),
+    "executable_bytes_per_node": (("executable_memory", "fit", "per_node_bytes"), "B",
+                                  "device memory per instantiated node"),
+}
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    path: str
+    doc: dict[str, Any]
+
+    @property
+    def device(self) -> str:
+        return self.doc["device"]
+
+    def get(self, name: str) -> float:
+        """A constant by its name in :data:`CONSTANTS`."""
+        keys, _, _ = CONSTANTS[name]
+        value: Any = self.doc
+        for key in keys:
+            if not isinstance(value, dict) or key not in value:
+                raise ProfileError(f"{self.path}: expected {'.'.join(keys)} ({name}), found "
+                                   f"no such entry")
+            value = value[key]
+        return float(value)
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """Read and check a device profile.
+
+    Raises
+    ------
+    ProfileError
+        Not a readable grape device profile.
+    SchemaVersionError
+        A profile version this grape does not read.
+    """
+    doc = load_json(path, ProfileError)
+    return profile_from_json(doc, path)
+
+
+def profile_from_json(doc: Any, path: str | Path) -> DeviceProfile:
+    if not isinstance(doc, dict) or doc.get("schema") != PROFILE_SCHEMA:
+        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+        raise ProfileError(f"{path}: expected a {PROFILE_SCHEMA} document, found {found!r}")
+    if doc.get("version") != PROFILE_VERSION:
+        raise SchemaVersionError(f"{path}: expected {PROFILE_SCHEMA} version {PROFILE_VERSION}, "
+                                 f"found {doc.get('version')!r}")
+    if not isinstance(doc.get("device"), str):
+        raise ProfileError(f"{path}: expected a device name, found {doc.get('device')!r}")
+    return DeviceProfile(str(path), doc)

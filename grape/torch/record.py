@@ -1,0 +1,103 @@
+"""Recording workloads on the GPU, eagerly and graphed, as grape traces.
+
+Each recording is two measurements of the same step: wall time per iteration without the
+profiler (warm-up first, then a synchronised timer around each step, many steps), and a
+torch.profiler trace of a few steps (``ProfilerStep`` marks each one). The trace is written with
+the measured times in its ``grape`` block, since the profiler slows the host side of what it
+watches.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import grape
+from grape.torch.capture import capture
+from grape.torch.workloads import Workload
+from grape.trace import GrapeMeta, read_trace, write_trace
+
+__all__ = ["Recording", "record"]
+
+
+@dataclass(frozen=True)
+class Recording:
+    workload: str
+    mode: str
+    path: Path
+    wall_ms: float  # median
+    kernels: int  # per profiled iteration (the first one)
+    graph_nodes: int | None  # kernel nodes in the captured graph, graphed mode only
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return out.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+def _libraries() -> dict[str, str]:
+    import cuda.bindings
+    import transformers
+
+    return {"grape": grape.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "cuda-bindings": cuda.bindings.__version__,
+            "cuda": str(torch.version.cuda)}
+
+
+def _runner(w: Workload, mode: str) -> tuple[Callable[[], object], int | None]:
+    if mode == "eager":
+        return (lambda: w.step(*w.inputs)), None
+    cap = capture(w.step, *w.inputs, params=w.params)
+    return cap.replay, sum(1 for _ in cap.ir.kernels())
+
+
+def record(w: Workload, mode: str, out_dir: Path, timed: int = 30, profiled: int = 3,
+           warmup: int = 5) -> Recording:
+    """Measure and profile one workload in one mode; write ``<name>.<mode>.json.gz``.
+
+    Raises
+    ------
+    CaptureError
+        Graphed mode, and the step cannot be captured.
+    """
+    run, nodes = _runner(w, mode)
+    for _ in range(warmup):
+        w.refresh()
+        run()
+    wall = []
+    for _ in range(timed):
+        w.refresh()  # fresh inputs, outside the timed region
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall.append((time.perf_counter() - t) * 1e6)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=profiled)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+        for _ in range(1 + profiled):
+            run()
+            torch.cuda.synchronize()  # each profiled step is what each timed step was
+            prof.step()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        trace = read_trace(raw)
+    meta = GrapeMeta(workload=w.name, mode=mode, device=torch.cuda.get_device_name(),
+                     driver=_driver(), libraries=_libraries(), wall_time_us=tuple(wall),
+                     notes=f"{w.spec}; fp16, random weights; wall time: median of {timed} "
+                           f"synchronised steps after {warmup} warm-ups, without the profiler")
+    path = write_trace(out_dir / f"{w.name}.{mode}.json.gz", trace, meta)
+    kernels = len(trace.iterations[0].kernels) if trace.iterations else 0
+    return Recording(w.name, mode, path, statistics.median(wall) / 1000, kernels, nodes)

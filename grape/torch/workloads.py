@@ -1,0 +1,111 @@
+"""The workloads grape records and measures: Hugging Face models built from configs.
+
+Weights are random (seeded); nothing is downloaded. A workload is a model plus one step
+function over static inputs, so that the same step runs eagerly and captured.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+
+from grape.errors import GrapeError
+
+__all__ = ["DEFAULT_SUITE", "Workload", "parse_spec"]
+
+GPT2 = {"gpt2-small": {}, "gpt2-medium": {"n_embd": 1024, "n_layer": 24, "n_head": 16}}
+WAV2VEC2 = {"wav2vec2-base": {}}
+
+DEFAULT_SUITE = (
+    [f"{m}:b{b}:kv{kv}" for m in GPT2 for b in (1, 8) for kv in (32, 128, 512, 1000)]
+    + [f"wav2vec2-base:{n}" for n in (16000, 64000, 160000)]
+)
+
+
+@dataclass
+class Workload:
+    name: str  # file-name friendly: gpt2_small_decode_b1_kv32
+    spec: str
+    step: Callable[..., Any]  # step(*inputs) -> output tensor
+    inputs: tuple[torch.Tensor, ...]
+    params: dict[str, torch.Tensor]
+    refresh: Callable[[], None]  # fresh random values into the static inputs
+
+
+@cache
+def _gpt2(model: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**GPT2[model])
+    return transformers.GPT2LMHeadModel(config).cuda().half().eval()
+
+
+@cache
+def _wav2vec2(model: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(**WAV2VEC2[model])
+    return transformers.Wav2Vec2Model(config).cuda().half().eval()
+
+
+def _decode(model_name: str, batch: int, kv: int) -> Workload:
+    model = _gpt2(model_name)
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        prompt = torch.randint(0, vocab, (batch, kv), device="cuda")
+        cache_ = model(prompt, use_cache=True).past_key_values
+    ids = torch.randint(0, vocab, (batch, 1), device="cuda")
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        # Back to kv cached tokens first (a view, no GPU work), so every call, eager or captured,
+        # decodes one token against the same KV length.
+        cache_.crop(kv)
+        with torch.no_grad():
+            return model(ids, past_key_values=cache_, use_cache=True).logits
+
+    def refresh() -> None:
+        ids.copy_(torch.randint(0, vocab, (batch, 1), device="cuda"))
+
+    name = f"{model_name.replace('-', '_')}_decode_b{batch}_kv{kv}"
+    return Workload(name, f"{model_name}:b{batch}:kv{kv}", step, (ids,),
+                    dict(model.named_parameters()), refresh)
+
+
+def _audio(model_name: str, samples: int) -> Workload:
+    model = _wav2vec2(model_name)
+    audio = torch.randn((1, samples), device="cuda", dtype=torch.float16)
+
+    def step(audio: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(audio).last_hidden_state
+
+    def refresh() -> None:
+        audio.copy_(torch.randn_like(audio))
+
+    name = f"{model_name.replace('-', '_')}_forward_{samples}"
+    return Workload(name, f"{model_name}:{samples}", step, (audio,),
+                    dict(model.named_parameters()), refresh)
+
+
+def parse_spec(spec: str) -> Workload:
+    """``gpt2-small:b1:kv32`` (decode step) or ``wav2vec2-base:16000`` (audio samples)."""
+    if m := re.fullmatch(r"(gpt2-\w+):b(\d+):kv(\d+)", spec):
+        model, batch, kv = m.group(1), int(m.group(2)), int(m.group(3))
+        if model not in GPT2 or not 1 <= kv <= 1022 or batch < 1:
+            raise GrapeError(f"expected a GPT-2 model among {sorted(GPT2)}, a batch of at "
+                             f"least 1 and a KV length in 1..1022, found {spec!r}")
+        return _decode(model, batch, kv)
+    if m := re.fullmatch(r"(wav2vec2-\w+):(\d+)", spec):
+        if m.group(1) not in WAV2VEC2 or int(m.group(2)) < 400:
+            raise GrapeError(f"expected a Wav2Vec2 model among {sorted(WAV2VEC2)} and at least "
+                             f"400 audio samples, found {spec!r}")
+        return _audio(m.group(1), int(m.group(2)))
+    raise GrapeError(f"expected a workload like gpt2-small:b1:kv32 or wav2vec2-base:16000, "
+                     f"found {spec!r}")
