@@ -109,10 +109,17 @@ def test_if_node_follows_a_gpu_flag(env):
 def test_conditional_graph_walks_back_into_the_ir_and_rebuilds(env):
     from grape.cuda.build import Graph
     from grape.cuda.walk import read_graph
+    from grape.errors import UnsupportedError
 
     _, _, mem = env
     built = Graph.build(_graph(env, ConditionalKind.WHILE))
-    walked = read_graph(built.handle)
+    try:
+        walked = read_graph(built.handle)
+    except UnsupportedError as e:
+        # Driver 580 (CUDA 13.0) lacks cuGraphNodeGetParams, the only way to read a conditional
+        # node back: the refusal must say so.
+        assert "lacks cuGraphNodeGetParams" in str(e) and "reading a conditional node" in str(e)
+        pytest.skip(f"this driver cannot read conditional nodes back: {e}")
     walked.validate()
     (cond,) = [op for _, op in walked.ops() if isinstance(op, Conditional)]
     assert cond.type is ConditionalKind.WHILE and len(cond.bodies[0]) == 2

@@ -9,6 +9,8 @@ events. Each point is the median of several repetitions after a warm-up.
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -21,8 +23,9 @@ from grape.cuda.build import Graph
 from grape.cuda.check import call
 from grape.cuda.conditional import condition_kernels
 from grape.cuda.context import current_context, synchronize
-from grape.cuda.memory import executable_memory, trim
+from grape.cuda.memory import executable_memory
 from grape.cuda.nvrtc import Module, kernel_op
+from grape.errors import CudaError
 from grape.ir import (
     Buffer,
     BufferRole,
@@ -237,13 +240,31 @@ def _copies(events: _Events, reps: int) -> dict[str, Any]:
         "bandwidth_gb_s": 2 / fit["us_per_byte"] / 1e3}}
 
 
-def _memory(empty) -> dict[str, Any]:
+def _memory_point(nodes: int, copies: int) -> float:
+    """Bytes per executable of an ``nodes``-kernel chain, in this (fresh) process."""
+    current_context()
+    module = Module(EMPTY, name="grape_characterize.cu")
+    empty = kernel_op(module.function("grape_empty"), (1, 1, 1), (32, 1, 1), [])
+    with Graph.build(_chain(empty, nodes)) as g:
+        return executable_memory(g, copies).per_executable
+
+
+def _memory() -> dict[str, Any]:
+    """Executable memory against node count, each point in a fresh process.
+
+    The driver keeps what destroyed executables held and hands it to the next ones, so points
+    measured one after another in one process under-count; trimming does not release it.
+    """
     nodes = (10, 100, 200, 500, 1000)
     per_exec = []
     for n in nodes:
-        with Graph.build(_chain(empty, n)) as g:
-            per_exec.append(executable_memory(g, copies=20).per_executable)
-    trim()
+        copies = max(20, 40_000 // n)  # tens of megabytes per point, far above the granularity
+        out = subprocess.run([sys.executable, "-m", "grape.cuda.characterize", "memory-point",
+                              str(n), str(copies)], capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise CudaError(f"measuring executable memory in a fresh process failed: "
+                            f"{out.stderr.strip().splitlines()[-1:]}, while measuring {n} nodes")
+        per_exec.append(float(out.stdout.strip().splitlines()[-1]))
     return {"nodes": list(nodes), "bytes_per_executable": per_exec,
             "fit": _fit(nodes, per_exec, "fixed_bytes", "per_node_bytes")}
 
@@ -270,7 +291,7 @@ def characterize(reps: int = 50, progress: Callable[[str], None] = print) -> dic
              ("executable update", lambda: _update(module, reps)),
              ("conditional nodes", lambda: {"conditional": _conditional(module, events, reps)}),
              ("device-to-device copies", lambda: {"copy_d2d": _copies(events, reps)}),
-             ("executable memory", lambda: {"executable_memory": _memory(empty)})]
+             ("executable memory", lambda: {"executable_memory": _memory()})]
     for i, (label, step) in enumerate(steps, 1):
         progress(f"[{i}/{len(steps)}] {label}")
         t = time.perf_counter()
@@ -278,3 +299,7 @@ def characterize(reps: int = 50, progress: Callable[[str], None] = print) -> dic
         progress(f"      {time.perf_counter() - t:.1f} s")
     module.close()
     return profile
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["memory-point"]:
+    print(_memory_point(int(sys.argv[2]), int(sys.argv[3])))

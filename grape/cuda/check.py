@@ -13,7 +13,7 @@ from typing import Any
 
 from cuda.bindings import driver, nvrtc, runtime
 
-from grape.errors import CudaError
+from grape.errors import CudaError, UnsupportedError
 
 __all__ = ["call", "device_status"]
 
@@ -41,11 +41,17 @@ def call(fn: Callable[..., tuple], *args: Any, doing: str) -> Any:
     ------
     CudaError
         The call failed, or the driver or library it needs could not be loaded.
+    UnsupportedError
+        The driver has no such entry point (older than the bindings).
     """
     try:
         status, *values = fn(*args)
     except RuntimeError as e:  # cuda.bindings loads libcuda/libnvrtc lazily, at the first call
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "not found" in first_line and "Function" in first_line:
+            # The library loaded, but this driver predates the entry point.
+            raise UnsupportedError(f"the installed driver lacks {getattr(fn, '__name__', fn)} "
+                                   f"(a newer driver has it), while {doing}") from None
         raise CudaError(f"no usable CUDA library ({first_line}), while {doing}") from None
     if status not in _OK:
         raise CudaError(f"{_describe(status)}, while {doing}")

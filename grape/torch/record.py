@@ -85,14 +85,16 @@ def record(w: Workload, mode: str, out_dir: Path, timed: int = 30, profiled: int
         wall.append((time.perf_counter() - t) * 1e6)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     schedule = torch.profiler.schedule(wait=0, warmup=1, active=profiled)
-    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
-        for _ in range(1 + profiled):
-            run()
-            torch.cuda.synchronize()  # each profiled step is what each timed step was
-            prof.step()
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(raw))
+        # The profiler drops its events when the schedule's cycle ends: export as it does.
+        with torch.profiler.profile(activities=activities, schedule=schedule,
+                                    on_trace_ready=lambda p: p.export_chrome_trace(str(raw))
+                                    ) as prof:
+            for _ in range(1 + profiled):
+                run()
+                torch.cuda.synchronize()  # each profiled step is what each timed step was
+                prof.step()
         trace = read_trace(raw)
     meta = GrapeMeta(workload=w.name, mode=mode, device=torch.cuda.get_device_name(),
                      driver=_driver(), libraries=_libraries(), wall_time_us=tuple(wall),

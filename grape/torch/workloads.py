@@ -66,7 +66,8 @@ def _decode(model_name: str, batch: int, kv: int) -> Workload:
     def step(ids: torch.Tensor) -> torch.Tensor:
         # Back to kv cached tokens first (a view, no GPU work), so every call, eager or captured,
         # decodes one token against the same KV length.
-        cache_.crop(kv)
+        if (extra := cache_.get_seq_length() - kv) > 0:
+            cache_.crop(-extra)
         with torch.no_grad():
             return model(ids, past_key_values=cache_, use_cache=True).logits
 

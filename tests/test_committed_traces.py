@@ -1,0 +1,64 @@
+"""The traces and device profile recorded on the H200 are golden files: each must read, and
+say what traces/README.md says it does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from grape.profile import CONSTANTS, load_profile
+from grape.trace import read_trace
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+RECORDED = sorted((TRACES / "h200").glob("*.json.gz"))
+ALL = sorted(TRACES.rglob("*.json.gz"))
+
+
+def test_the_suite_is_committed():
+    names = {p.name.split(".")[0] for p in RECORDED}
+    assert len(RECORDED) == 38 and len(names) == 19
+    for model in ("gpt2_small", "gpt2_medium"):
+        for batch in (1, 8):
+            for kv in (32, 128, 512, 1000):
+                assert f"{model}_decode_b{batch}_kv{kv}" in names
+    assert {f"wav2vec2_base_forward_{n}" for n in (16000, 64000, 160000)} <= names
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
+def test_every_committed_trace_reads(path):
+    t = read_trace(path)
+    assert len(t.iterations) == 3
+    kernels = {len(it.kernels) for it in t.iterations}
+    assert len(kernels) == 1 and kernels.pop() > 100
+    assert not t.orphans
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name)
+def test_recorded_traces_carry_their_measurement(path):
+    t = read_trace(path)
+    workload, mode = path.name.split(".")[:2]
+    assert (t.grape.workload, t.grape.mode) == (workload, mode)
+    assert t.grape.device == "NVIDIA H200" and len(t.grape.wall_time_us) == 30
+    assert t.split_method == "3 ProfilerStep annotations"
+    graph_launches = [len(it.graph_launches) for it in t.iterations]
+    assert graph_launches == ([1, 1, 1] if mode == "graph" else [0, 0, 0])
+
+
+@pytest.mark.parametrize("workload", sorted({p.name.split(".")[0] for p in RECORDED}))
+def test_graphed_runs_more_kernels_and_is_not_slower(workload):
+    eager = read_trace(TRACES / "h200" / f"{workload}.eager.json.gz")
+    graph = read_trace(TRACES / "h200" / f"{workload}.graph.json.gz")
+    assert len(graph.iterations[0].kernels) > len(eager.iterations[0].kernels)
+    # Measured on the H200, side by side; GPU-bound Wav2Vec2 runs tie within 5%.
+    assert graph.grape.wall_time_median_us < 1.05 * eager.grape.wall_time_median_us
+
+
+def test_device_profile_holds_every_constant():
+    profile = load_profile(TRACES / "devices" / "h200.json")
+    assert profile.device == "NVIDIA H200"
+    values = {name: profile.get(name) for name in CONSTANTS}
+    assert 1 < values["eager_launch"] < values["torch_launch"] < 50
+    assert 0 < values["graph_gpu_per_node"] < 5
+    assert 1000 < values["copy_bandwidth"] < 10_000  # GB/s, read plus write
+    assert 500 < values["executable_bytes_per_node"] < 20_000
