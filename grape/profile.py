@@ -39,6 +39,8 @@ CONSTANTS: dict[str, tuple[tuple[str, ...], str, str]] = {
                    "cuGraphExecKernelNodeSetParams, one node"),
     "while_per_iteration": (("conditional", "while_overhead_per_iteration_us"), "us",
                             "WHILE node overhead per iteration, beyond its body's kernels"),
+    "if_overhead": (("conditional", "if", "overhead_us"), "us",
+                    "IF node taken: GPU time beyond the same two kernels without it"),
     "copy_bandwidth": (("copy_d2d", "fit", "bandwidth_gb_s"), "GB/s",
                        "device-to-device copy, bytes read plus written"),
     "copy_latency": (("copy_d2d", "fit", "latency_us"), "us", "device-to-device copy latency"),

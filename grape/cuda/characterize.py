@@ -178,7 +178,8 @@ def _update(module: Module, reps: int) -> dict[str, Any]:
 
 
 def _conditional(module: Module, events: _Events, reps: int) -> dict[str, Any]:
-    """GPU time of a WHILE loop against iterations, beside the same kernels unrolled."""
+    """GPU time of a WHILE loop against iterations, beside the same kernels unrolled, and of an
+    IF node taken and skipped."""
     conditions = condition_kernels()
     touch = module.function("grape_touch")
     y = call(driver.cuMemAlloc, 64, doing="allocating")
@@ -212,6 +213,23 @@ def _conditional(module: Module, events: _Events, reps: int) -> dict[str, Any]:
             loop_us.append(events.gpu_us(lambda loop=loop, reset=reset: (reset(), loop.launch()),
                                          reps))
             unrolled_us.append(events.gpu_us(flat.launch, reps))
+    # IF: a setter kernel, then the node with one kernel in its body; taken and not taken,
+    # beside two plain kernels (the same work with no condition).
+    setter = replace(kernel_op(conditions.function("grape_set_from_int"), (1, 1, 1), (1, 1, 1),
+                               [0, count]),
+                     pointers=(Pointer(8, Span("count")),), handles=(HandleRef(0, "if"),))
+    body = KernelGraph()
+    body.add("bump", bump)
+    g = KernelGraph()
+    for b in table.values():
+        g.add_buffer(b)
+    g.add("set", setter)
+    g.add("if", Conditional(ConditionalKind.IF, "if", (body,), default=0), after=["set"])
+    if_us = {}
+    with Graph.build(g) as gi, gi.instantiate() as exe:
+        for label, flag in (("taken", 1), ("skipped", 0)):
+            call(driver.cuMemsetD32, count, flag, 1, doing="setting the IF flag")
+            if_us[label] = events.gpu_us(exe.launch, reps)
     for ptr in (y, count):
         driver.cuMemFree(ptr)
     fit_loop = _fit(iterations, loop_us, "fixed_us", "per_iteration_us")
@@ -221,7 +239,10 @@ def _conditional(module: Module, events: _Events, reps: int) -> dict[str, Any]:
             "unrolled": {"nodes": [2 * n for n in iterations], "gpu_us": unrolled_us,
                          "fit": fit_flat},
             "while_overhead_per_iteration_us": fit_loop["per_iteration_us"]
-            - 2 * fit_flat["per_node_us"]}
+            - 2 * fit_flat["per_node_us"],
+            "if": {"taken_gpu_us": if_us["taken"], "skipped_gpu_us": if_us["skipped"],
+                   "two_plain_kernels_gpu_us": unrolled_us[0],
+                   "overhead_us": if_us["taken"] - unrolled_us[0]}}
 
 
 def _copies(events: _Events, reps: int) -> dict[str, Any]:
