@@ -12,7 +12,7 @@ from dataclasses import fields
 from enum import Enum
 from typing import Any
 
-from grape.errors import GraphError, SchemaVersionError, UnknownNodeKindError
+from grape.errors import GraphError, UnknownNodeKindError
 from grape.ir import (
     OP_TYPES,
     SCHEMA,
@@ -29,6 +29,7 @@ from grape.ir import (
     Pointer,
     Span,
 )
+from grape.jsonio import check_schema
 
 __all__ = ["graph_from_json", "graph_to_json"]
 
@@ -41,12 +42,7 @@ def graph_to_json(graph: KernelGraph) -> dict[str, Any]:
 
 
 def graph_from_json(doc: Any) -> KernelGraph:
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
-        raise GraphError(f"expected a {SCHEMA} document, found {found!r}")
-    if doc.get("version") != SCHEMA_VERSION:
-        raise SchemaVersionError(f"expected {SCHEMA} schema version {SCHEMA_VERSION}, "
-                                 f"found {doc.get('version')!r}")
+    check_schema(doc, SCHEMA, SCHEMA_VERSION, GraphError)
     graph = _decode_body(doc, "")
     for i, raw in enumerate(_field(doc, "buffers", list, "")):
         graph.add_buffer(_decode(Buffer, raw, f"buffer {i}"))

@@ -8,7 +8,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from grape.errors import GrapeError
+from grape.errors import GrapeError, SchemaVersionError
 
 __all__ = ["dump_json", "load_json"]
 
@@ -46,3 +46,15 @@ def dump_json(path: str | Path, doc: Any, *, indent: int | None = None) -> Path:
     data = json.dumps(doc, indent=indent, separators=separators).encode()
     path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data + b"\n")
     return path
+
+
+def check_schema(doc: Any, schema: str, version: int, error: type[GrapeError],
+                 where: str = "") -> dict[str, Any]:
+    """``doc`` if it is a ``schema`` document of ``version``; ``where`` prefixes messages."""
+    if not isinstance(doc, dict) or doc.get("schema") != schema:
+        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+        raise error(f"{where}expected a {schema} document, found {found!r}")
+    if doc.get("version") != version:
+        raise SchemaVersionError(f"{where}expected {schema} schema version {version}, found "
+                                 f"{doc.get('version')!r}")
+    return doc

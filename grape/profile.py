@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grape.errors import ProfileError, SchemaVersionError
-from grape.jsonio import load_json
+from grape.errors import ProfileError
+from grape.jsonio import check_schema, load_json
 
 __all__ = ["CONSTANTS", "PROFILE_SCHEMA", "DeviceProfile", "load_profile"]
 
@@ -85,12 +85,7 @@ def load_profile(path: str | Path) -> DeviceProfile:
 
 
 def profile_from_json(doc: Any, path: str | Path) -> DeviceProfile:
-    if not isinstance(doc, dict) or doc.get("schema") != PROFILE_SCHEMA:
-        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
-        raise ProfileError(f"{path}: expected a {PROFILE_SCHEMA} document, found {found!r}")
-    if doc.get("version") != PROFILE_VERSION:
-        raise SchemaVersionError(f"{path}: expected {PROFILE_SCHEMA} version {PROFILE_VERSION}, "
-                                 f"found {doc.get('version')!r}")
+    check_schema(doc, PROFILE_SCHEMA, PROFILE_VERSION, ProfileError, f"{path}: ")
     if not isinstance(doc.get("device"), str):
         raise ProfileError(f"{path}: expected a device name, found {doc.get('device')!r}")
     return DeviceProfile(str(path), doc)

@@ -18,7 +18,7 @@ def _write(tmp_path, doc) -> str:
 @pytest.mark.parametrize("doc, error, message", [
     ({"schema": "other"}, ProfileError, "expected a grape.device document, found 'other'"),
     ({"schema": "grape.device", "version": 3}, SchemaVersionError,
-     "expected grape.device version 1, found 3"),
+     "expected grape.device schema version 1, found 3"),
     ({"schema": "grape.device", "version": 1}, ProfileError, "expected a device name"),
 ])
 def test_bad_profiles(tmp_path, doc, error, message):

@@ -7,8 +7,6 @@ memory on :meth:`Executable.close`, on leaving a ``with`` block, or when collect
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from typing import Any
 
 import networkx as nx
@@ -19,6 +17,7 @@ from grape.cuda.capability import require
 from grape.cuda.check import call
 from grape.cuda.context import current_context, memory_info, synchronize
 from grape.cuda.functions import resolve
+from grape.cuda.resource import Resource
 from grape.cuda.walk import ATTRIBUTES, resolve_event
 from grape.errors import GrapeError, UnsupportedError
 from grape.ir import (
@@ -60,16 +59,7 @@ def kernel_params(k: Kernel, handles: dict[str, int] | None = None
     return p, (values, slots)
 
 
-def _keep(handle) -> None:
-    """Finaliser of graphs grape does not own."""
-
-
-def _destroy(destroy, handle) -> None:
-    with contextlib.suppress(Exception):  # the driver may already be gone at interpreter exit
-        destroy(handle)
-
-
-class Graph:
+class Graph(Resource):
     """A CUDA graph and the IR that describes it."""
 
     def __init__(self, ir: KernelGraph, handle: driver.CUgraph, owned: bool = True) -> None:
@@ -80,8 +70,7 @@ class Graph:
         self.ir = ir
         self.handle = handle
         self._ctx = current_context()
-        self._finalizer = weakref.finalize(self, _destroy, driver.cuGraphDestroy if owned
-                                           else _keep, handle)
+        self._own(handle, driver.cuGraphDestroy if owned else None)
 
     @classmethod
     def build(cls, ir: KernelGraph) -> Graph:
@@ -186,17 +175,8 @@ class Graph:
     def instantiate(self, stream: Any = 0) -> Executable:
         return Executable(self.handle, stream, nodes=len(self.ir))
 
-    def close(self) -> None:
-        self._finalizer()
 
-    def __enter__(self) -> Graph:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Executable:
+class Executable(Resource):
     """An instantiated, uploaded graph; ``device_bytes`` is what instantiating it took.
 
     The figure is the drop in free device memory across instantiate and upload, so it is
@@ -208,26 +188,13 @@ class Executable:
         synchronize()
         free_before, _ = memory_info()
         self.handle = call(driver.cuGraphInstantiate, graph, 0, doing="instantiating a graph")
-        self._finalizer = weakref.finalize(self, _destroy, driver.cuGraphExecDestroy, self.handle)
+        self._own(self.handle, driver.cuGraphExecDestroy)
         call(driver.cuGraphUpload, self.handle, stream, doing="uploading an executable graph")
         synchronize()
         self.device_bytes = free_before - memory_info()[0]
         self.nodes = nodes
 
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
     def launch(self, stream: Any = 0) -> None:
         if self.closed:
             raise GrapeError("expected an open executable to launch, found one already closed")
         call(driver.cuGraphLaunch, self.handle, stream, doing="launching an executable graph")
-
-    def close(self) -> None:
-        self._finalizer()
-
-    def __enter__(self) -> Executable:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

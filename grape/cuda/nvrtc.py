@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +12,7 @@ from grape.cuda.build import kernel_params
 from grape.cuda.check import call
 from grape.cuda.context import current_context
 from grape.cuda.functions import function_id, param_layout
+from grape.cuda.resource import Resource
 from grape.errors import CudaError, GrapeError
 from grape.ir import Kernel
 
@@ -31,7 +31,7 @@ def _arch() -> str:
     return f"sm_{major}{minor}"
 
 
-class Module:
+class Module(Resource):
     """CUDA C++ compiled to a cubin for this device's architecture and loaded."""
 
     def __init__(self, source: str, name: str = "grape_kernels.cu",
@@ -55,7 +55,7 @@ class Module:
             nvrtc.nvrtcDestroyProgram(prog)
         self.name = name
         self.handle = call(driver.cuModuleLoadData, cubin, doing=f"loading {name}")
-        self._finalizer = weakref.finalize(self, driver.cuModuleUnload, self.handle)
+        self._own(self.handle, driver.cuModuleUnload)
 
     def function(self, name: str) -> driver.CUfunction:
         """An ``extern "C"`` kernel of the module, known to the IR by its handle."""
@@ -63,15 +63,6 @@ class Module:
                     doing=f"finding kernel {name} in {self.name}")
         function_id(func)
         return func
-
-    def close(self) -> None:
-        self._finalizer()
-
-    def __enter__(self) -> Module:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def pack_args(func: driver.CUfunction, values: Sequence[Any]) -> bytes:
