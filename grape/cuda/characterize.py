@@ -42,6 +42,10 @@ __all__ = ["characterize"]
 EMPTY = r"""
 extern "C" __global__ void grape_empty() {}
 extern "C" __global__ void grape_touch(float* y) { if (threadIdx.x == 0) y[0] += 1.0f; }
+extern "C" __global__ void grape_spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}
 """
 NODES = (1, 10, 50, 100, 200, 500, 1000)
 
@@ -116,6 +120,24 @@ def _graph_launch(empty, events: _Events, reps: int) -> dict[str, Any]:
     return {"nodes": list(NODES), "host_us": host, "gpu_us": gpu,
             "fit": {**_fit(NODES, host, "host_fixed_us", "host_per_node_us"),
                     **_fit(NODES, gpu, "gpu_fixed_us", "gpu_per_node_us")}}
+
+
+def _gap(module: Module, events: _Events, reps: int, nodes: int = 200) -> dict[str, Any]:
+    """The GPU front end's gap between consecutive kernels of a graph.
+
+    Chains of kernels that spin for C and for 2C cycles take n(D + gap) and n(2D + gap):
+    two equations give the kernel's duration D and the gap, whatever the kernel's own cost.
+    """
+    spin = module.function("grape_spin")
+    per_node = {}
+    for cycles in (2000, 4000):
+        op = kernel_op(spin, (1, 1, 1), (32, 1, 1), [np.int64(cycles)])
+        with Graph.build(_chain(op, nodes)) as g, g.instantiate() as exe:
+            exe.launch()
+            per_node[cycles] = events.gpu_us(exe.launch, reps) / nodes
+    return {"nodes": nodes, "per_node_us": {str(c): v for c, v in per_node.items()},
+            "kernel_us": per_node[4000] - per_node[2000],
+            "gap_us": 2 * per_node[2000] - per_node[4000]}
 
 
 def _instantiate(empty, reps: int) -> dict[str, Any]:
@@ -308,6 +330,7 @@ def characterize(reps: int = 50, progress: Callable[[str], None] = print) -> dic
     steps = [("eager launch", lambda: {"eager_launch_us": {"cuLaunchKernel": _eager(
                   module, reps * 40)}}),
              ("graph launch", lambda: {"graph_launch": _graph_launch(empty, events, reps)}),
+             ("gap between graph kernels", lambda: {"graph_gap": _gap(module, events, reps)}),
              ("instantiate and upload", lambda: _instantiate(empty, max(reps // 5, 3))),
              ("executable update", lambda: _update(module, reps)),
              ("conditional nodes", lambda: {"conditional": _conditional(module, events, reps)}),

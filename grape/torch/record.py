@@ -62,6 +62,18 @@ def _runner(w: Workload, mode: str) -> tuple[Callable[[], object], int | None]:
     return cap.replay, sum(1 for _ in cap.ir.kernels())
 
 
+def _timed(w: Workload, run: Callable[[], object], steps: int) -> list[float]:
+    wall = []
+    for _ in range(steps):
+        w.refresh()  # fresh inputs, outside the timed region
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall.append((time.perf_counter() - t) * 1e6)
+    return wall
+
+
 def record(w: Workload, mode: str, out_dir: Path, timed: int = 30, profiled: int = 3,
            warmup: int = 5) -> Recording:
     """Measure and profile one workload in one mode; write ``<name>.<mode>.json.gz``.
@@ -75,14 +87,10 @@ def record(w: Workload, mode: str, out_dir: Path, timed: int = 30, profiled: int
     for _ in range(warmup):
         w.refresh()
         run()
-    wall = []
-    for _ in range(timed):
-        w.refresh()  # fresh inputs, outside the timed region
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        wall.append((time.perf_counter() - t) * 1e6)
+    # Half the timed steps run just before the profiled ones and half just after, so that the
+    # trace and the measurement see the machine in the same state (a host-bound step's speed
+    # drifts on a shared machine).
+    wall = _timed(w, run, timed // 2)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     schedule = torch.profiler.schedule(wait=0, warmup=1, active=profiled)
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,10 +104,12 @@ def record(w: Workload, mode: str, out_dir: Path, timed: int = 30, profiled: int
                 torch.cuda.synchronize()  # each profiled step is what each timed step was
                 prof.step()
         trace = read_trace(raw)
+    wall += _timed(w, run, timed - timed // 2)
     meta = GrapeMeta(workload=w.name, mode=mode, device=torch.cuda.get_device_name(),
                      driver=_driver(), libraries=_libraries(), wall_time_us=tuple(wall),
-                     notes=f"{w.spec}; fp16, random weights; wall time: median of {timed} "
-                           f"synchronised steps after {warmup} warm-ups, without the profiler")
+                     notes=f"{w.spec}; fp16, random weights; wall time: {timed} synchronised "
+                           f"steps without the profiler after {warmup} warm-ups, half just "
+                           f"before and half just after the profiled ones")
     path = write_trace(out_dir / f"{w.name}.{mode}.json.gz", trace, meta)
     kernels = len(trace.iterations[0].kernels) if trace.iterations else 0
     return Recording(w.name, mode, path, statistics.median(wall) / 1000, kernels, nodes)
