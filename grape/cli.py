@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -22,6 +23,8 @@ from grape.summary import graph_summary, profile_summary, trace_summary
 from grape.trace import Trace, read_trace, trace_from_json
 
 __all__ = ["main"]
+
+DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "traces" / "devices" / "h200.json"
 
 
 def _positive(text: str) -> int:
@@ -81,6 +84,35 @@ def _parser() -> argparse.ArgumentParser:
     rec.add_argument("--profiled", type=_positive, default=3, metavar="N",
                      help="steps in each trace (default 3)")
     rec.set_defaults(run=_record)
+    sim = sub.add_parser(
+        "simulate", help="predict a trace's wall time and what-ifs, with no GPU",
+        description="Turn a trace into a program, replay it in the SimPy model with a device "
+                    "profile's costs, and print measured, predicted and what-if figures side "
+                    "by side.")
+    sim.add_argument("trace", type=Path, metavar="TRACE")
+    sim.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="FILE",
+                     help=f"device profile (default {DEFAULT_PROFILE})")
+    sim.add_argument("--graph", action="store_true",
+                     help="what if each iteration were captured and replayed as one graph")
+    sim.add_argument("--host-scale", type=float, metavar="F",
+                     help="what if every host cost were F times what the trace shows")
+    sim.add_argument("--launch-cost", type=float, metavar="US",
+                     help="what if each eager launch cost US microseconds of host time")
+    sim.add_argument("--chrome", type=Path, metavar="FILE",
+                     help="write the simulated timeline (of the what-if, if any) as a Chrome "
+                          "trace that Perfetto opens")
+    sim.set_defaults(run=_simulate)
+    val = sub.add_parser(
+        "validate", help="predict every recorded trace and compare with the GPU's measurement",
+        description="For every grape trace under the directories given: predict its own wall "
+                    "time from the trace alone, and for workloads recorded eagerly and graphed, "
+                    "the graphed time from the eager trace and the device profile. Prints each "
+                    "error and the median; exits 1 past the bounds.")
+    val.add_argument("dirs", nargs="+", type=Path, metavar="DIR")
+    val.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="FILE")
+    val.add_argument("--median-bound", type=float, default=5.0, metavar="PCT")
+    val.add_argument("--max-bound", type=float, default=15.0, metavar="PCT")
+    val.set_defaults(run=_validate)
     return parser
 
 
@@ -157,6 +189,82 @@ def _record(args: argparse.Namespace) -> None:
             rows.append(f"{spec:<24} {mode:<6} {r.wall_ms:9.3f} ms/step {r.kernels:5d} kernels"
                         f"{nodes}  {r.path}")
     print("\n".join(rows))
+
+
+def _simulate(args: argparse.Namespace) -> None:
+    from grape.profile import load_profile
+    from grape.program import program_from_trace
+    from grape.sim.engine import simulate
+    from grape.sim.timeline import write_timeline
+    from grape.sim.whatif import (
+        costs_from_profile,
+        graph_iterations,
+        overhead_from_profile,
+        profiled_graph_launches,
+        scale_host,
+        set_launch_cost,
+    )
+
+    trace = read_trace(args.trace)
+    profile = load_profile(args.profile)
+    costs = costs_from_profile(profile)
+    program = program_from_trace(trace, overhead_from_profile(profile))
+    if trace.mode == "graph":
+        program = profiled_graph_launches(program, costs)
+    base = simulate(program, costs)
+    what_if, labels = program, []
+    if args.host_scale is not None:
+        what_if, labels = scale_host(what_if, args.host_scale), [f"host x{args.host_scale:g}"]
+    if args.launch_cost is not None:
+        what_if = set_launch_cost(what_if, args.launch_cost)
+        labels.append(f"launch {args.launch_cost:g} us")
+    if args.graph:
+        what_if, labels = graph_iterations(what_if, costs), [*labels, "graphed"]
+    chosen = simulate(what_if, costs, timeline=args.chrome is not None)
+    measured = trace.grape.wall_time_median_us if trace.grape else None
+    rows = [("measured (no profiler)", measured), ("predicted from the trace",
+                                                    statistics.median(base.iteration_times))]
+    if labels:
+        rows.append((f"what if: {', '.join(labels)}", statistics.median(chosen.iteration_times)))
+    print(f"{args.trace}: {trace.workload} ({trace.mode}), {len(program.iterations)} iterations")
+    for label, value in rows:
+        shown = "not recorded" if value is None else f"{value / 1000:10.3f} ms per iteration"
+        extra = ""
+        if value is not None and measured and label != rows[0][0]:
+            extra = f"  ({100 * (value - measured) / measured:+.1f}% against measured)"
+        print(f"  {label:<34} {shown}{extra}")
+    print(f"  GPU busy: {100 * chosen.gpu_busy_fraction:.1f}% of the simulated time"
+          + (f"; host stalled {chosen.host_stall:.0f} us on a full launch queue"
+             if chosen.host_stall else ""))
+    for note in what_if.approximations:
+        print(f"  approximated: {note}")
+    if args.chrome:
+        write_timeline(args.chrome, chosen, what_if.name)
+        print(f"  timeline: {args.chrome} (open in https://ui.perfetto.dev)")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    from grape.profile import load_profile
+    from grape.sim.validate import validate
+
+    paths = [p for d in args.dirs for p in sorted(Path(d).rglob("*.json.gz"))]
+    predictions = validate(paths, load_profile(args.profile),
+                           lambda line: print(line, file=sys.stderr))
+    if not predictions:
+        raise GrapeError(f"expected grape traces with measured wall times under "
+                         f"{[str(d) for d in args.dirs]}, found none")
+    print(f"{'workload':<32} {'question':<16} {'measured ms':>11} {'predicted ms':>12} "
+          f"{'error':>7}")
+    for p in predictions:
+        print(f"{p.workload:<32} {p.question:<16} {p.measured_us / 1000:11.3f} "
+              f"{p.predicted_us / 1000:12.3f} {100 * p.error:+6.1f}%"
+              + (f"  ({p.note})" if p.note else ""))
+    errors = [abs(p.error) * 100 for p in predictions]
+    median, worst = statistics.median(errors), max(errors)
+    print(f"median absolute error {median:.1f}% (bound {args.median_bound:g}%), largest "
+          f"{worst:.1f}% (bound {args.max_bound:g}%), {len(errors)} predictions")
+    if median > args.median_bound or worst > args.max_bound:
+        raise SystemExit(1)
 
 
 def _graph(doc: dict, path: Path) -> KernelGraph:

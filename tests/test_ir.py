@@ -5,7 +5,7 @@ import json
 import random
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from grape.errors import (
@@ -33,8 +33,6 @@ from grape.ir import (
 )
 from tests.strategies import graphs
 
-settings.register_profile("ci", max_examples=150, deadline=None)
-settings.load_profile("ci")
 
 
 def _kernel(function="f", name="k", grid=(1, 1, 1), block=(32, 1, 1), **kw) -> Kernel:
@@ -45,7 +43,7 @@ def _relabelled(g: KernelGraph, seed: int) -> KernelGraph:
     """The same graph with fresh node ids, inserted in another order."""
     rng = random.Random(seed)
     nodes = list(g.dag.nodes)
-    fresh = dict(zip(nodes, rng.sample([f"x{i}" for i in range(len(nodes) * 3)], len(nodes)),
+    fresh = dict(zip(nodes, rng.sample([f"N-{i}" for i in range(len(nodes) * 3)], len(nodes)),
                      strict=True))
     rng.shuffle(nodes)
     h = KernelGraph()

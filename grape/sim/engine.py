@@ -1,0 +1,215 @@
+"""The discrete-event model: one host thread issuing a Program to a GPU's streams.
+
+SimPy processes: the host walks the program's steps, paying their CPU cost; each stream is a
+process that takes work from its queue in order and runs it. Launches wait in a
+driver queue of bounded depth (the host stalls when it is full, as the driver does at about a
+thousand pending launches); a kernel starts no sooner than the launch latency after its launch
+and no sooner than the front end's gap after the stream's previous work; a sync waits for the
+device to drain.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+
+from grape.errors import GrapeError
+from grape.program import GraphLaunch, HostWork, Launch, Program, Sync
+
+__all__ = ["Costs", "Interval", "SimResult", "simulate"]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Device constants, in microseconds (see ``grape.profile`` for where they come from)."""
+
+    launch_latency: float = 5.0  # from a launch call's return to its kernel's earliest start
+    kernel_gap: float = 0.54  # front end's gap between consecutive work on a stream
+    graph_launch_fixed: float = 4.0  # host cost of cuGraphLaunch
+    graph_launch_per_node: float = 0.002
+    queue_depth: int = 1024  # pending launches before the host stalls
+
+    def __post_init__(self) -> None:
+        for name in ("launch_latency", "kernel_gap", "graph_launch_fixed",
+                     "graph_launch_per_node"):
+            if getattr(self, name) < 0:
+                raise GrapeError(f"expected a non-negative {name}, found {getattr(self, name)}")
+        if self.queue_depth < 1:
+            raise GrapeError(f"expected a queue depth of at least 1, found {self.queue_depth}")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Something the simulated GPU or host did, for timelines."""
+
+    track: str  # "host" or "stream N"
+    name: str
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    iteration_times: list[float]  # wall time of each iteration, us
+    gpu_busy: float  # us during which some stream ran work
+    end: float
+    intervals: list[Interval] = field(default_factory=list)  # only when asked for
+    host_stall: float = 0.0  # us the host waited for a full launch queue
+
+    @property
+    def gpu_busy_fraction(self) -> float:
+        return self.gpu_busy / self.end if self.end else 0.0
+
+
+class _Stream:
+    """A stream's queue of work: a deque, and an event only while the stream sits idle.
+
+    A :class:`simpy.Store` would cost a put and a get event per kernel; like SimPy's own
+    resources, this wakes the consumer only when it is waiting, so a busy stream costs one
+    event per kernel (its timeout).
+    """
+
+    __slots__ = ("items", "wake")
+
+    def __init__(self) -> None:
+        self.items: deque[_Item] = deque()
+        self.wake: simpy.Event | None = None
+
+    def put(self, item: _Item) -> None:
+        self.items.append(item)
+        if self.wake is not None:
+            self.wake.succeed()
+            self.wake = None
+
+
+@dataclass(slots=True)
+class _Item:
+    name: str
+    dur: float
+    ready: float  # earliest start: launch latency after the launch call returned
+
+
+class _Machine:
+    def __init__(self, env: simpy.Environment, costs: Costs, timeline: bool) -> None:
+        self.env = env
+        self.costs = costs
+        self.streams: dict[int, simpy.Store] = {}
+        self.pending = 0  # launches queued and not yet started
+        self.slot: simpy.Event | None = None  # fires when a full queue frees a slot
+        self.outstanding = 0  # work not yet finished, for syncs
+        self.drained: simpy.Event | None = None
+        self.busy: list[tuple[float, float]] = []
+        self.timeline: list[Interval] | None = [] if timeline else None
+        self.stall = 0.0
+
+    def stream(self, sid: int) -> _Stream:
+        stream = self.streams.get(sid)
+        if stream is None:
+            stream = self.streams[sid] = _Stream()
+            self.env.process(self._run_stream(sid, stream))
+        return stream
+
+    def _run_stream(self, sid: int, stream: _Stream) -> Generator[Any, Any, None]:
+        env, gap, free = self.env, self.costs.kernel_gap, float("-inf")
+        items = stream.items
+        while True:
+            if not items:
+                stream.wake = env.event()
+                yield stream.wake
+            item = items.popleft()
+            # The front end has taken the launch from the driver's queue: its slot is free.
+            self.pending -= 1
+            if self.slot is not None:
+                self.slot.succeed()
+                self.slot = None
+            start = max(item.ready, free + gap, env.now)
+            yield env.timeout(start - env.now + item.dur)  # one event per kernel: the hot path
+            free = env.now
+            self.busy.append((start, free))
+            if self.timeline is not None:
+                self.timeline.append(Interval(f"stream {sid}", item.name, start, free))
+            self.outstanding -= 1
+            if self.outstanding == 0 and self.drained is not None:
+                self.drained.succeed()
+                self.drained = None
+
+    def wait_for_slot(self) -> Generator[Any, Any, None]:
+        while self.pending >= self.costs.queue_depth:  # the driver's queue is full: stall
+            if self.slot is None:
+                self.slot = self.env.event()
+            t = self.env.now
+            yield self.slot
+            self.stall += self.env.now - t
+
+    def submit(self, sid: int, name: str, dur: float) -> None:
+        """Queue work on a stream (the caller has waited for a free slot)."""
+        self.pending += 1
+        self.outstanding += 1
+        self.stream(sid).put(_Item(name, dur, self.env.now + self.costs.launch_latency))
+
+    def drain(self) -> Generator[Any, Any, None]:
+        if self.outstanding:
+            if self.drained is None:
+                self.drained = self.env.event()
+            yield self.drained
+
+
+def _host(m: _Machine, program: Program, times: list[float]) -> Generator[Any, Any, None]:
+    env, timeline = m.env, m.timeline
+    for steps in program.iterations:
+        began = env.now
+        carried = 0.0  # host work not yet waited for: paid with the next launch's cost
+        for step in steps:
+            t = env.now
+            if isinstance(step, HostWork):
+                if timeline is None:
+                    carried += step.dur
+                    continue
+                yield env.timeout(step.dur)
+            elif isinstance(step, Launch):
+                yield env.timeout(carried + step.cost)
+                carried = 0.0
+                for w in step.work:
+                    if m.pending >= m.costs.queue_depth:
+                        yield from m.wait_for_slot()
+                    m.submit(w.stream, w.name, w.dur)
+            elif isinstance(step, GraphLaunch):
+                yield env.timeout(carried + step.cost)
+                carried = 0.0
+                if m.pending >= m.costs.queue_depth:
+                    yield from m.wait_for_slot()
+                m.submit(step.stream, f"graph ({step.nodes} nodes)", step.gpu_time)
+            elif isinstance(step, Sync):
+                if carried:
+                    yield env.timeout(carried)
+                    carried = 0.0
+                yield from m.drain()
+                yield env.timeout(step.cost)
+            if timeline is not None and env.now > t:
+                timeline.append(Interval("host", type(step).__name__, t, env.now))
+        if carried:
+            yield env.timeout(carried)
+        times.append(env.now - began)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, until = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > until:
+            total += end - max(start, until)
+            until = end
+    return total
+
+
+def simulate(program: Program, costs: Costs | None = None, timeline: bool = False) -> SimResult:
+    """Run ``program``; with ``timeline``, keep every host step and GPU interval."""
+    env = simpy.Environment()
+    m = _Machine(env, costs or Costs(), timeline)
+    times: list[float] = []
+    env.process(_host(m, program, times))
+    env.run()
+    return SimResult(times, _union(m.busy), env.now, m.timeline or [], m.stall)

@@ -1,0 +1,113 @@
+"""What-if transformations of Programs, and the costs a device profile implies.
+
+Each is a plain function ``f(program, ...) -> Program``; none changes its input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from grape.errors import GrapeError
+from grape.profile import DeviceProfile
+from grape.program import GraphLaunch, HostWork, Launch, ProfilerOverhead, Program, Step, Sync
+from grape.sim.engine import Costs
+
+__all__ = [
+    "costs_from_profile",
+    "graph_iterations",
+    "overhead_from_profile",
+    "profiled_graph_launches",
+    "scale_host",
+    "set_launch_cost",
+]
+
+
+def costs_from_profile(profile: DeviceProfile, **overrides: float) -> Costs:
+    values = {"kernel_gap": profile.get("graph_kernel_gap"),
+              "graph_launch_fixed": profile.get("graph_launch_fixed"),
+              "graph_launch_per_node": profile.get("graph_launch_per_node")}
+    return Costs(**{**values, **overrides})
+
+
+def overhead_from_profile(profile: DeviceProfile) -> ProfilerOverhead:
+    return ProfilerOverhead(profile.get("profiler_per_op"), profile.get("profiler_per_call"))
+
+
+def profiled_graph_launches(program: Program, costs: Costs) -> Program:
+    """Graph launches at their unprofiled host cost.
+
+    Under torch.profiler a ``cudaGraphLaunch`` lasts as long as CUPTI takes to instrument every
+    node (hundreds of microseconds for GPT-2); without it the profile's fixed and per-node cost
+    applies.
+    """
+    def fix(step: Step) -> Step:
+        if isinstance(step, GraphLaunch):
+            return replace(step, cost=costs.graph_launch_fixed
+                           + costs.graph_launch_per_node * step.nodes)
+        return step
+    return Program(program.name, [tuple(fix(s) for s in it) for it in program.iterations],
+                   list(program.approximations))
+
+
+def scale_host(program: Program, factor: float) -> Program:
+    """Every host cost (framework work and API calls) times ``factor``."""
+    if factor < 0:
+        raise GrapeError(f"expected a non-negative host scale, found {factor}")
+
+    def scale(step: Step) -> Step:
+        if isinstance(step, HostWork):
+            return HostWork(step.dur * factor)
+        if isinstance(step, (Launch, GraphLaunch, Sync)):
+            return replace(step, cost=step.cost * factor)
+        return step
+    return Program(program.name, [tuple(scale(s) for s in it) for it in program.iterations],
+                   list(program.approximations))
+
+
+def set_launch_cost(program: Program, cost: float) -> Program:
+    """Every eager launch's host cost set to ``cost`` microseconds."""
+    if cost < 0:
+        raise GrapeError(f"expected a non-negative launch cost, found {cost}")
+    return Program(program.name, [tuple(replace(s, cost=cost) if isinstance(s, Launch) else s
+                                        for s in it) for it in program.iterations],
+                   list(program.approximations))
+
+
+def _serial_gpu_time(launches: list[Launch], gap: float) -> tuple[float, int, set[int]]:
+    work = [w for launch in launches for w in launch.work]
+    streams = {w.stream for w in work}
+    return sum(w.dur for w in work) + gap * max(len(work) - 1, 0), len(work), streams
+
+
+def graph_iterations(program: Program, costs: Costs, captured: Program | None = None
+                     ) -> Program:
+    """Each iteration captured as one graph and replayed: what graphs would buy.
+
+    The host keeps only the graph launch (the profile's cost) and the iteration's syncs; the
+    framework's host work and the eager launches disappear. The graph's GPU time is the
+    captured graph's own where a graphed recording of the workload exists (``captured``:
+    capture can change which kernels run), else the eager kernels back to back with the front
+    end's gap between them.
+    """
+    captured_times = []
+    if captured is not None:
+        captured_times = [s.gpu_time for it in captured.iterations for s in it
+                          if isinstance(s, GraphLaunch)]
+        if not captured_times:
+            raise GrapeError(f"expected graph launches in the captured program "
+                             f"{captured.name!r}, found none")
+    out = Program(program.name, [], list(program.approximations))
+    for i, steps in enumerate(program.iterations):
+        launches = [s for s in steps if isinstance(s, Launch)]
+        gpu, nodes, streams = _serial_gpu_time(launches, costs.kernel_gap)
+        if captured_times:
+            gpu = captured_times[i % len(captured_times)]
+        elif len(streams) > 1:
+            out.approximations.append(f"iteration {i}: work on {len(streams)} streams run back "
+                                      f"to back (the graph's parallel branches are unknown)")
+        stream = min(streams) if streams else 0
+        syncs = tuple(s for s in steps if isinstance(s, Sync))
+        launch = GraphLaunch(cost=costs.graph_launch_fixed + costs.graph_launch_per_node * nodes,
+                             nodes=nodes, gpu_time=gpu, stream=stream)
+        out.iterations.append((launch, *syncs))
+    return out

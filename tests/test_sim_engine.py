@@ -1,0 +1,86 @@
+"""The model's pieces on tiny programs, checked against exact event logs (SimPy's own style)."""
+
+from __future__ import annotations
+
+import pytest
+
+from grape.errors import GrapeError
+from grape.program import GpuWork, GraphLaunch, HostWork, Launch, Program, Sync
+from grape.sim.engine import Costs, simulate
+
+COSTS = Costs(launch_latency=2, kernel_gap=1, graph_launch_fixed=3, graph_launch_per_node=0,
+              queue_depth=1024)
+
+
+def _k(dur, stream=7, name="k"):
+    return GpuWork("kernel", name, dur, stream)
+
+
+def _log(program, costs=COSTS):
+    r = simulate(program, costs, timeline=True)
+    return r, [(i.track, i.name, i.start, i.end) for i in
+               sorted(r.intervals, key=lambda i: (i.start, i.track))]
+
+
+def test_launch_then_sync():
+    r, log = _log(Program("p", [(Launch("cudaLaunchKernel", 5, (_k(10),)), Sync("sync", 0))]))
+    assert log == [("host", "Launch", 0, 5), ("host", "Sync", 5, 17),
+                   ("stream 7", "k", 7, 17)]
+    assert r.iteration_times == [17] and r.gpu_busy == 10
+
+
+def test_kernels_queue_behind_each_other_with_the_front_end_gap():
+    p = Program("p", [(Launch("l", 1, (_k(10, name="a"),)), Launch("l", 1, (_k(10, name="b"),)),
+                       Sync("s", 0))])
+    _, log = _log(p)
+    assert [entry for entry in log if entry[0] == "stream 7"] == [
+        ("stream 7", "a", 3, 13), ("stream 7", "b", 14, 24)]
+
+
+def test_host_bound_launches_leave_the_gpu_idle():
+    p = Program("p", [(HostWork(20), Launch("l", 5, (_k(1),)), HostWork(20),
+                       Launch("l", 5, (_k(1),)), Sync("s", 0))])
+    r, log = _log(p)
+    assert [e[2:] for e in log if e[0] == "stream 7"] == [(27, 28), (52, 53)]
+    assert r.iteration_times == [53]
+
+
+def test_streams_run_in_parallel():
+    p = Program("p", [(Launch("l", 1, (_k(10, 7),)), Launch("l", 1, (_k(10, 8),)), Sync("s", 0))])
+    r, log = _log(p)
+    assert [e for e in log if e[0] != "host"] == [("stream 7", "k", 3, 13),
+                                                  ("stream 8", "k", 4, 14)]
+    assert r.gpu_busy == 11 and r.iteration_times == [14]
+
+
+def test_a_full_launch_queue_stalls_the_host():
+    costs = Costs(launch_latency=0, kernel_gap=0, queue_depth=2)
+    p = Program("p", [tuple(Launch("l", 1, (_k(10, name=str(i)),)) for i in range(4))
+                      + (Sync("s", 0),)])
+    r, log = _log(p, costs)
+    starts = [e[2] for e in log if e[0] == "stream 7"]
+    assert starts == [1, 11, 21, 31]
+    # Kernels 2 and 3 wait in the queue; launch 4 finds it full and stalls until kernel 2
+    # starts at t=11.
+    assert [e[2:] for e in log if e[0] == "host"][:4] == [(0, 1), (1, 2), (2, 3), (3, 11)]
+    assert r.host_stall == 11 - 4
+
+
+def test_graph_launch_runs_as_one_unit():
+    p = Program("p", [(GraphLaunch(cost=3, nodes=290, gpu_time=600, stream=7), Sync("s", 0))])
+    _, log = _log(p)
+    assert log == [("host", "GraphLaunch", 0, 3), ("host", "Sync", 3, 605),
+                   ("stream 7", "graph (290 nodes)", 5, 605)]
+
+
+def test_iterations_are_timed_separately():
+    it = (Launch("l", 1, (_k(4),)), Sync("s", 0))
+    r = simulate(Program("p", [it, it, it]), COSTS)
+    assert r.iteration_times == [7, 7, 7]
+
+
+def test_impossible_costs_are_refused():
+    with pytest.raises(GrapeError, match="expected a non-negative launch_latency, found -1"):
+        Costs(launch_latency=-1)
+    with pytest.raises(GrapeError, match="expected a queue depth of at least 1, found 0"):
+        Costs(queue_depth=0)

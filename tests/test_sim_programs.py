@@ -1,0 +1,129 @@
+"""Programs from recorded traces, what-ifs on them, and validation against measurements."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from grape.cli import main
+from grape.errors import GrapeError
+from grape.profile import load_profile
+from grape.program import GraphLaunch, HostWork, Launch, ProfilerOverhead, Sync, program_from_trace
+from grape.sim.engine import simulate
+from grape.sim.validate import validate
+from grape.sim.whatif import (
+    costs_from_profile,
+    graph_iterations,
+    scale_host,
+    set_launch_cost,
+)
+from grape.trace import read_trace
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+EAGER = TRACES / "h200" / "gpt2_small_decode_b1_kv128.eager.json.gz"
+GRAPH = TRACES / "h200" / "gpt2_small_decode_b1_kv128.graph.json.gz"
+PROFILE = load_profile(TRACES / "devices" / "h200.json")
+
+
+def test_eager_program_keeps_every_launch_and_every_microsecond():
+    t = read_trace(EAGER)
+    p = program_from_trace(t)
+    for it, steps in zip(t.iterations, p.iterations, strict=True):
+        launches = [s for s in steps if isinstance(s, Launch)]
+        assert len(launches) == len(it.launches) == 247
+        assert sum(len(s.work) for s in launches) == 247
+        # Without a profiler correction, host work + call costs + sync waits fill the window
+        # (to rounding: calls that overlap by a few nanoseconds in the trace are not doubled).
+        waited = sum(c.dur for c in it.syncs)
+        spent = sum(s.dur if isinstance(s, HostWork) else s.cost for s in steps)
+        assert spent + waited == pytest.approx(it.host_time, abs=0.1)
+
+
+def test_profiler_correction_takes_its_cost_out():
+    t = read_trace(EAGER)
+    plain = simulate(program_from_trace(t)).iteration_times
+    corrected = simulate(program_from_trace(t, ProfilerOverhead(1.0, 2.0))).iteration_times
+    ops = sum(1 for o in t.ops if t.iterations[1].start <= o.ts < t.iterations[1].end)
+    calls = len(t.iterations[1].calls)
+    assert plain[1] - corrected[1] == pytest.approx(ops + 2 * calls, rel=0.05)
+
+
+def test_graph_program_has_one_launch_of_the_captured_nodes():
+    p = program_from_trace(read_trace(GRAPH))
+    for steps in p.iterations:
+        (launch,) = [s for s in steps if isinstance(s, GraphLaunch)]
+        assert launch.nodes == 290 and 500 < launch.gpu_time < 2000
+        assert any(isinstance(s, Sync) for s in steps)
+
+
+def test_graphing_removes_host_work_and_keeps_gpu_work():
+    costs = costs_from_profile(PROFILE)
+    eager = program_from_trace(read_trace(EAGER))
+    graphed = graph_iterations(eager, costs)
+    for steps in graphed.iterations:
+        launch, *rest = steps
+        assert isinstance(launch, GraphLaunch) and launch.nodes == 247
+        assert all(isinstance(s, Sync) for s in rest)
+    eager_time = simulate(eager, costs).iteration_times[1]
+    graph_time = simulate(graphed, costs).iteration_times[1]
+    assert graph_time < eager_time / 5
+    kernels = sum(w.dur for s in eager.iterations[1] if isinstance(s, Launch) for w in s.work)
+    assert graph_time > kernels  # never faster than the kernels back to back
+
+
+def test_host_what_ifs():
+    costs = costs_from_profile(PROFILE)
+    eager = program_from_trace(read_trace(EAGER))
+    base = simulate(eager, costs).iteration_times[1]
+    assert simulate(scale_host(eager, 0.5), costs).iteration_times[1] < 0.6 * base
+    faster = simulate(set_launch_cost(eager, 0.0), costs).iteration_times[1]
+    assert faster < base
+    with pytest.raises(GrapeError, match="expected a non-negative host scale, found -1"):
+        scale_host(eager, -1)
+    with pytest.raises(GrapeError, match="expected a non-negative launch cost, found -2"):
+        set_launch_cost(eager, -2)
+
+
+def test_validate_predicts_both_questions(tmp_path):
+    for path in (EAGER, GRAPH):
+        shutil.copy(path, tmp_path)
+    preds = validate(sorted(tmp_path.iterdir()), PROFILE)
+    assert sorted(p.question for p in preds) == ["eager -> graph", "replay eager",
+                                                 "replay graph"]
+    what_if = next(p for p in preds if p.question == "eager -> graph")
+    assert "capture runs 290 kernels against 247 eagerly" in what_if.note
+    assert all(p.measured_us > 0 and p.predicted_us > 0 for p in preds)
+
+
+def test_validate_command_exits_by_its_bounds(capsys, tmp_path):
+    for path in (EAGER, GRAPH):
+        shutil.copy(path, tmp_path)
+    assert main(["validate", str(tmp_path), "--median-bound", "1000", "--max-bound",
+                 "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "median absolute error" in out and "3 predictions" in out
+    with pytest.raises(SystemExit) as info:
+        main(["validate", str(tmp_path), "--median-bound", "0", "--max-bound", "0"])
+    assert info.value.code == 1
+
+
+def test_simulate_command_prints_side_by_side_and_writes_a_timeline(capsys, tmp_path):
+    out_path = tmp_path / "sim.json"
+    assert main(["simulate", str(EAGER), "--graph", "--chrome", str(out_path)]) == 0
+    out = capsys.readouterr().out
+    assert "measured (no profiler)" in out and "predicted from the trace" in out
+    assert "what if: graphed" in out
+    doc = json.loads(out_path.read_text())
+    tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert tracks == {"host", "stream 7"}
+    assert len(doc["grape"]["iteration_us"]) == 3
+
+
+def test_simulate_refuses_a_bad_profile(capsys, tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text("{}")
+    assert main(["simulate", str(EAGER), "--profile", str(bad)]) == 2
+    assert "expected a grape.device document" in capsys.readouterr().err
