@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--chrome", type=Path, metavar="FILE",
                      help="write the simulated timeline (of the what-if, if any) as a Chrome "
                           "trace that Perfetto opens")
+    sim.add_argument("--plot", type=Path, metavar="FILE",
+                     help="write a PNG: the simulated timeline, and predicted time per "
+                          "iteration against host cost (eager and graphed)")
     sim.set_defaults(run=_simulate)
     val = sub.add_parser(
         "validate", help="predict every recorded trace and compare with the GPU's measurement",
@@ -241,6 +244,19 @@ def _simulate(args: argparse.Namespace) -> None:
     if args.chrome:
         write_timeline(args.chrome, chosen, what_if.name)
         print(f"  timeline: {args.chrome} (open in https://ui.perfetto.dev)")
+    if args.plot:
+        from grape.sim.plot import plot_simulation
+
+        scales = [0.25, 0.5, 0.75, 1.0, 1.5, 2.0]
+        curve = [(label, scales, [statistics.median(simulate(make(scale_host(program, f)),
+                                                             costs).iteration_times) / 1000
+                                  for f in scales])
+                 for label, make in (("as recorded", lambda p: p),
+                                     ("graphed", lambda p: graph_iterations(p, costs)))]
+        shown = chosen if args.chrome else simulate(what_if, costs, timeline=True)
+        plot_simulation(args.plot, shown, trace.workload, curve,
+                        "host cost, times what the trace shows")
+        print(f"  plot: {args.plot}")
 
 
 def _validate(args: argparse.Namespace) -> None:

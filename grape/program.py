@@ -163,6 +163,12 @@ def program_from_trace(trace: Trace, overhead: ProfilerOverhead | None = None) -
     ops_ts = sorted(op.ts for op in trace.ops if op.tid == tid)
     program = Program(trace.workload, [_iteration(it, ops_ts, overhead, tid)
                                        for it in trace.iterations])
+    for category, count in sorted(trace.unknown.items()):
+        program.approximations.append(f"{count} trace events of category {category!r} are not "
+                                      f"modelled: their time counts as host work")
+    if trace.orphans:
+        program.approximations.append(f"{len(trace.orphans)} GPU operations with no host call "
+                                      f"in the trace are left out")
     others = {c.tid for it in trace.iterations for c in it.calls} - {tid}
     if others:
         program.approximations.append(f"API calls on threads {sorted(others)} left out; only "

@@ -34,7 +34,6 @@ from grape.ir import (
 from tests.strategies import graphs
 
 
-
 def _kernel(function="f", name="k", grid=(1, 1, 1), block=(32, 1, 1), **kw) -> Kernel:
     return Kernel(function=function, name=name, grid=grid, block=block, **kw)
 

@@ -17,8 +17,10 @@ from grape.sim.validate import validate
 from grape.sim.whatif import (
     costs_from_profile,
     graph_iterations,
+    loop_on_device,
     scale_host,
     set_launch_cost,
+    update_per_shape,
 )
 from grape.trace import read_trace
 
@@ -127,3 +129,49 @@ def test_simulate_refuses_a_bad_profile(capsys, tmp_path):
     bad.write_text("{}")
     assert main(["simulate", str(EAGER), "--profile", str(bad)]) == 2
     assert "expected a grape.device document" in capsys.readouterr().err
+
+
+def test_a_device_loop_replaces_per_iteration_launches_and_syncs():
+    costs = costs_from_profile(PROFILE)
+    graphed = program_from_trace(read_trace(GRAPH))
+    looped = loop_on_device(graphed, costs)
+    (steps,) = looped.iterations
+    assert [type(s).__name__ for s in steps] == ["GraphLaunch", "Sync"]
+    per_step = sum(s.gpu_time for it in graphed.iterations for s in it
+                   if isinstance(s, GraphLaunch))
+    assert steps[0].gpu_time == pytest.approx(per_step + 3 * costs.while_per_iteration)
+    assert simulate(looped, costs).end < simulate(graphed, costs).end
+    with pytest.raises(GrapeError, match="expected one graph launch per iteration"):
+        loop_on_device(program_from_trace(read_trace(EAGER)), costs)
+
+
+def test_updating_one_executable_per_shape_costs_host_time_per_changed_node():
+    costs = costs_from_profile(PROFILE)
+    graphed = program_from_trace(read_trace(GRAPH))
+    updated = update_per_shape(graphed, costs, changed_nodes=40)
+    steps = updated.iterations[0]
+    launch = next(i for i, s in enumerate(steps) if isinstance(s, GraphLaunch))
+    assert steps[launch - 1] == HostWork(40 * costs.set_params)
+    assert len(steps) == len(graphed.iterations[0]) + 1
+    assert simulate(updated, costs).end > simulate(graphed, costs).end
+    with pytest.raises(GrapeError, match="expected a non-negative number of changed nodes"):
+        update_per_shape(graphed, costs, -1)
+
+
+def test_simulate_plots_a_timeline_and_a_what_if_curve(capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+    out = tmp_path / "sim.png"
+    assert main(["simulate", str(EAGER), "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert f"plot: {out}" in capsys.readouterr().out
+
+
+def test_what_the_model_does_not_know_is_listed(tmp_path):
+    events = json.loads(__import__("gzip").decompress(EAGER.read_bytes()))
+    events["traceEvents"].append({"ph": "X", "cat": "cuda_sync", "name": "wait", "pid": 1,
+                                  "tid": 1, "ts": 1.0, "dur": 1.0, "args": {}})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(events))
+    p = program_from_trace(read_trace(path))
+    assert p.approximations == ["1 trace events of category 'cuda_sync' are not modelled: "
+                                "their time counts as host work"]

@@ -25,7 +25,9 @@ __all__ = [
 def costs_from_profile(profile: DeviceProfile, **overrides: float) -> Costs:
     values = {"kernel_gap": profile.get("graph_kernel_gap"),
               "graph_launch_fixed": profile.get("graph_launch_fixed"),
-              "graph_launch_per_node": profile.get("graph_launch_per_node")}
+              "graph_launch_per_node": profile.get("graph_launch_per_node"),
+              "while_per_iteration": profile.get("while_per_iteration"),
+              "set_params": profile.get("set_params")}
     return Costs(**{**values, **overrides})
 
 
@@ -111,3 +113,37 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
                              nodes=nodes, gpu_time=gpu, stream=stream)
         out.iterations.append((launch, *syncs))
     return out
+
+
+def loop_on_device(program: Program, costs: Costs) -> Program:
+    """All iterations as one WHILE node: one launch, one sync, no host decision per iteration.
+
+    What predication buys a loop whose every iteration ends in a host sync ("has every sequence
+    emitted EOS?"): the iterations' graph launches and syncs become a single graph whose GPU
+    time is theirs plus the WHILE node's cost per iteration.
+    """
+    graphs = [s for it in program.iterations for s in it if isinstance(s, GraphLaunch)]
+    if len(graphs) != len(program.iterations):
+        raise GrapeError(f"expected one graph launch per iteration (graph the program first), "
+                         f"found {len(graphs)} in {len(program.iterations)} iterations")
+    n = len(graphs)
+    loop = GraphLaunch(cost=graphs[0].cost, nodes=graphs[0].nodes,
+                       gpu_time=sum(g.gpu_time for g in graphs) + n * costs.while_per_iteration,
+                       stream=graphs[0].stream)
+    return Program(f"{program.name} (device loop)", [(loop, Sync("cudaStreamSynchronize", 0.0))],
+                   list(program.approximations))
+
+
+def update_per_shape(program: Program, costs: Costs, changed_nodes: int) -> Program:
+    """One executable shared by every shape, brought to each step's shape before its launch.
+
+    Each graph launch is preceded by ``changed_nodes`` per-node parameter updates on the host
+    (``cuGraphExecKernelNodeSetParams``), the price of not keeping one executable per shape.
+    """
+    if changed_nodes < 0:
+        raise GrapeError(f"expected a non-negative number of changed nodes, found "
+                         f"{changed_nodes}")
+    update = HostWork(changed_nodes * costs.set_params)
+    return Program(program.name, [tuple(x for s in it for x in (
+        (update, s) if isinstance(s, GraphLaunch) else (s,))) for it in program.iterations],
+        list(program.approximations))

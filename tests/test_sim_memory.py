@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+
+from grape.errors import GrapeError
+from grape.sim.memory import MB, Pool, family_memory, round_size, segment_size
+
+
+def test_rounding_and_segments_follow_the_caching_allocator():
+    assert [round_size(n) for n in (1, 512, 513, 4096)] == [512, 512, 1024, 4096]
+    assert segment_size(1) == segment_size(MB) == 2 * MB
+    assert segment_size(MB + 1) == segment_size(10 * MB - 1) == 20 * MB
+    assert segment_size(10 * MB + 1) == 12 * MB
+
+
+def test_blocks_split_reuse_and_coalesce():
+    pool = Pool()
+    a = pool.malloc(1000)
+    b = pool.malloc(1000)
+    assert pool.reserved == 2 * MB and pool.allocated == 2048 and a != b
+    pool.free(a)
+    assert pool.malloc(500) == a  # best fit: a's block
+    pool.free(a)
+    pool.free(b)
+    assert pool.allocated == 0
+    assert pool.free_blocks == [(0, 0, 2 * MB)]  # the segment coalesced back into one block
+    assert pool.malloc(MB) == (0, 0) and pool.reserved == 2 * MB
+
+
+def test_small_and_large_requests_use_their_own_segments():
+    pool = Pool()
+    pool.malloc(100)
+    pool.malloc(3 * MB)
+    assert pool.segments == [2 * MB, 20 * MB]
+    with pytest.raises(GrapeError, match="expected an allocated block"):
+        pool.free((5, 0))
+
+
+def _shape(length: int) -> list[tuple[str, int, int]]:
+    """A decode step's allocations: activations that grow with the KV length, all freed."""
+    sizes = [length * 64 * 1024, 4 * MB, length * 2 * 1024]
+    return ([("malloc", i, s) for i, s in enumerate(sizes)]
+            + [("free", i, 0) for i in range(len(sizes))])
+
+
+def test_one_shared_pool_captured_largest_first_keeps_only_the_largest_shape():
+    shapes = [_shape(n) for n in (100, 300, 200)]
+    private = family_memory(shapes, [290] * 3, 3000, shared_pool=False, shared_executable=False)
+    shared = family_memory(shapes, [290] * 3, 3000, shared_pool=True, shared_executable=True)
+    largest = Pool().run(_shape(300)).reserved
+    assert private.pool_bytes == sum(Pool().run(s).reserved for s in shapes) > 2 * largest
+    assert shared.pool_bytes == largest
+    assert (private.graph_bytes, shared.graph_bytes) == (3 * 290 * 3000, 290 * 3000)
+    assert shared.executables == 1 and private.executables == 3
+
+
+def test_smallest_first_can_cost_more_than_largest_first():
+    shapes = [_shape(n) for n in (10, 100, 300)]
+    first_small = family_memory(shapes, [1] * 3, 0, shared_pool=True, shared_executable=True,
+                                largest_first=False)
+    first_large = family_memory(shapes, [1] * 3, 0, shared_pool=True, shared_executable=True)
+    assert first_large.pool_bytes <= first_small.pool_bytes
