@@ -155,11 +155,13 @@ def _characterize(args: argparse.Namespace) -> None:
     except ModuleNotFoundError:
         progress("PyTorch is not installed: the eager launch cost through PyTorch is left out")
     else:
-        from grape.torch.characterize import profiler_overhead_us
+        from grape.torch.characterize import profiler_overhead_us, replay_us
 
         progress("[+] eager launch through PyTorch")
         profile["eager_launch_us"]["torch"] = torch_launch_us()
-        progress("[+] torch.profiler overhead per recorded operator and API call")
+        progress("[+] CUDAGraph.replay() host cost against node count")
+        profile["torch_replay"] = replay_us()
+        progress("[+] torch.profiler's host cost per recorded event, on a small BERT")
         profile["profiler_overhead_us"] = profiler_overhead_us()
     dump_json(args.out, profile, indent=1)
     print(profile_summary(profile_from_json(profile, args.out)).text)

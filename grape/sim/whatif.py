@@ -23,31 +23,36 @@ __all__ = [
 
 
 def costs_from_profile(profile: DeviceProfile, **overrides: float) -> Costs:
+    """Costs for PyTorch workloads: a graph launch costs what ``CUDAGraph.replay()`` does."""
     values = {"kernel_gap": profile.get("graph_kernel_gap"),
-              "graph_launch_fixed": profile.get("graph_launch_fixed"),
-              "graph_launch_per_node": profile.get("graph_launch_per_node"),
+              "graph_launch_fixed": profile.get("replay_fixed"),
+              "graph_launch_per_node": profile.get("replay_per_node"),
               "while_per_iteration": profile.get("while_per_iteration"),
               "set_params": profile.get("set_params")}
     return Costs(**{**values, **overrides})
 
 
 def overhead_from_profile(profile: DeviceProfile) -> ProfilerOverhead:
-    return ProfilerOverhead(profile.get("profiler_per_op"), profile.get("profiler_per_call"))
+    per_event = profile.get("profiler_per_event")
+    return ProfilerOverhead(per_event, per_event)
 
 
 def profiled_graph_launches(program: Program, costs: Costs) -> Program:
     """Graph launches at their unprofiled host cost.
 
     Under torch.profiler a ``cudaGraphLaunch`` lasts as long as CUPTI takes to instrument every
-    node (hundreds of microseconds for GPT-2); without it the profile's fixed and per-node cost
-    applies.
+    node (hundreds of microseconds for GPT-2); without it, what ``CUDAGraph.replay()`` costs
+    by the profile applies. The replay's other host work in the trace (its
+    ``cudaStreamIsCapturing`` check and Python) is then part of that cost, so it goes too.
     """
-    def fix(step: Step) -> Step:
-        if isinstance(step, GraphLaunch):
-            return replace(step, cost=costs.graph_launch_fixed
-                           + costs.graph_launch_per_node * step.nodes)
-        return step
-    return Program(program.name, [tuple(fix(s) for s in it) for it in program.iterations],
+    def fix(steps: tuple[Step, ...]) -> tuple[Step, ...]:
+        if not any(isinstance(s, GraphLaunch) for s in steps):
+            return steps
+        return tuple(replace(s, cost=costs.graph_launch_fixed
+                             + costs.graph_launch_per_node * s.nodes)
+                     if isinstance(s, GraphLaunch) else s
+                     for s in steps if not isinstance(s, HostWork))
+    return Program(program.name, [fix(it) for it in program.iterations],
                    list(program.approximations))
 
 
