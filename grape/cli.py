@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 from grape import __version__
-from grape.errors import CaptureError, GrapeError, TraceFormatError
+from grape.errors import GrapeError, TraceFormatError
 from grape.ir import SCHEMA, KernelGraph
 from grape.jsonio import dump_json, load_json
 from grape.profile import PROFILE_SCHEMA, profile_from_json
@@ -169,8 +170,7 @@ def _characterize(args: argparse.Namespace) -> None:
 
 def _record(args: argparse.Namespace) -> None:
     try:
-        from grape.torch.record import record
-        from grape.torch.workloads import DEFAULT_SUITE, parse_spec
+        from grape.torch.workloads import DEFAULT_SUITE, check_spec
     except ModuleNotFoundError as e:
         raise GrapeError(f"expected torch, transformers and cuda-bindings for grape record, "
                          f"found {e}") from None
@@ -179,20 +179,30 @@ def _record(args: argparse.Namespace) -> None:
     if not specs or set(modes) - {"eager", "graph"} or not modes:
         raise GrapeError(f"expected workload specs (or --suite) and modes among eager,graph, "
                          f"found specs {specs} and modes {modes}")
+    for spec in specs:  # refuse a bad spec before any GPU work starts
+        check_spec(spec)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, spec in enumerate(specs, 1):
-        workload = parse_spec(spec)
-        for mode in modes:
-            print(f"[{i}/{len(specs)}] {spec} {mode}", file=sys.stderr, flush=True)
-            try:
-                r = record(workload, mode, args.out, args.timed, args.profiled)
-            except CaptureError as e:  # report and go on: the eager recording still stands
-                rows.append(f"{spec:<24} {mode:<6} not recorded: {e}")
+        print(f"[{i}/{len(specs)}] {spec}", file=sys.stderr, flush=True)
+        # A fresh process per workload: torch.profiler slows a process for good once it ran.
+        done = subprocess.run([sys.executable, "-m", "grape.torch.record", spec, "--modes",
+                               ",".join(modes), "--out", str(args.out), "--timed",
+                               str(args.timed), "--profiled", str(args.profiled)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            rows.append(f"{spec:<24} failed: {last}")
+            continue
+        for line in done.stdout.splitlines():
+            r = json.loads(line)
+            if "failed" in r:
+                rows.append(r["failed"])
                 continue
-            nodes = "" if r.graph_nodes is None else f" ({r.graph_nodes} kernel nodes captured)"
-            rows.append(f"{spec:<24} {mode:<6} {r.wall_ms:9.3f} ms/step {r.kernels:5d} kernels"
-                        f"{nodes}  {r.path}")
+            nodes = ("" if r["graph_nodes"] is None else
+                     f" ({r['graph_nodes']} kernel nodes captured)")
+            rows.append(f"{spec:<24} {r['mode']:<6} {r['wall_ms']:9.3f} ms/step "
+                        f"{r['kernels']:5d} kernels{nodes}  {r['path']}")
     print("\n".join(rows))
 
 

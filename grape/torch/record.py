@@ -4,7 +4,8 @@ Each recording is two measurements of the same step: wall time per iteration wit
 profiler (warm-up first, then a synchronised timer around each step, many steps), and a
 torch.profiler trace of a few steps (``ProfilerStep`` marks each one). The trace is written with
 the measured times in its ``grape`` block, since the profiler slows the host side of what it
-watches.
+watches, and keeps slowing it after it stops: every workload is recorded in a fresh process,
+timed before the profiler first runs.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import grape
+from grape.errors import CaptureError
 from grape.torch.capture import capture
 from grape.torch.workloads import Workload
-from grape.trace import GrapeMeta, read_trace, write_trace
+from grape.trace import GrapeMeta, Trace, read_trace, write_trace
 
 __all__ = ["Recording", "record"]
 
@@ -74,23 +76,7 @@ def _timed(w: Workload, run: Callable[[], object], steps: int) -> list[float]:
     return wall
 
 
-def record(w: Workload, mode: str, out_dir: Path, timed: int = 30, profiled: int = 3,
-           warmup: int = 5) -> Recording:
-    """Measure and profile one workload in one mode; write ``<name>.<mode>.json.gz``.
-
-    Raises
-    ------
-    CaptureError
-        Graphed mode, and the step cannot be captured.
-    """
-    run, nodes = _runner(w, mode)
-    for _ in range(warmup):
-        w.refresh()
-        run()
-    # Half the timed steps run just before the profiled ones and half just after, so that the
-    # trace and the measurement see the machine in the same state (a host-bound step's speed
-    # drifts on a shared machine).
-    wall = _timed(w, run, timed // 2)
+def _profile(run: Callable[[], object], profiled: int) -> Trace:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     schedule = torch.profiler.schedule(wait=0, warmup=1, active=profiled)
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,13 +89,67 @@ def record(w: Workload, mode: str, out_dir: Path, timed: int = 30, profiled: int
                 run()
                 torch.cuda.synchronize()  # each profiled step is what each timed step was
                 prof.step()
-        trace = read_trace(raw)
-    wall += _timed(w, run, timed - timed // 2)
-    meta = GrapeMeta(workload=w.name, mode=mode, device=torch.cuda.get_device_name(),
-                     driver=_driver(), libraries=_libraries(), wall_time_us=tuple(wall),
-                     notes=f"{w.spec}; fp16, random weights; wall time: {timed} synchronised "
-                           f"steps without the profiler after {warmup} warm-ups, half just "
-                           f"before and half just after the profiled ones")
-    path = write_trace(out_dir / f"{w.name}.{mode}.json.gz", trace, meta)
-    kernels = len(trace.iterations[0].kernels) if trace.iterations else 0
-    return Recording(w.name, mode, path, statistics.median(wall) / 1000, kernels, nodes)
+        return read_trace(raw)
+
+
+def record(w: Workload, modes: Sequence[str], out_dir: Path, timed: int = 30,
+           profiled: int = 3, warmup: int = 5) -> list[Recording | str]:
+    """Measure and profile one workload in each mode; write ``<name>.<mode>.json.gz``.
+
+    Every mode is timed before the profiler runs at all: once torch.profiler has run in a
+    process, host-bound steps stay slower there (seen on the H200: 6.5 ms per GPT-2 step before
+    a profiling session, 11.8 ms after it). Call this in a fresh process (``grape record`` does).
+    A mode that cannot run (a graph whose capture breaks) gives a line saying why instead.
+    """
+    runs: dict[str, tuple[Callable[[], object], int | None]] = {}
+    results: list[Recording | str] = []
+    for mode in modes:
+        try:
+            runs[mode] = _runner(w, mode)
+        except CaptureError as e:
+            results.append(f"{w.spec} {mode}: not recorded: {e}")
+    walls = {}
+    for mode, (run, _) in runs.items():
+        for _ in range(warmup):
+            w.refresh()
+            run()
+        walls[mode] = _timed(w, run, timed)
+    for mode, (run, nodes) in runs.items():
+        trace = _profile(run, profiled)
+        meta = GrapeMeta(workload=w.name, mode=mode, device=torch.cuda.get_device_name(),
+                         driver=_driver(), libraries=_libraries(),
+                         wall_time_us=tuple(walls[mode]),
+                         notes=f"{w.spec}; fp16, random weights; wall time: {timed} "
+                               f"synchronised steps after {warmup} warm-ups, in a process "
+                               f"where the profiler had not yet run")
+        path = write_trace(out_dir / f"{w.name}.{mode}.json.gz", trace, meta)
+        kernels = len(trace.iterations[0].kernels) if trace.iterations else 0
+        results.append(Recording(w.name, mode, path, statistics.median(walls[mode]) / 1000,
+                                 kernels, nodes))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """One workload, every mode, in this (fresh) process; one JSON line per result."""
+    import argparse
+    import json
+
+    from grape.torch.workloads import parse_spec
+
+    parser = argparse.ArgumentParser(prog="python -m grape.torch.record")
+    parser.add_argument("spec")
+    parser.add_argument("--modes", default="eager,graph")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--timed", type=int, default=30)
+    parser.add_argument("--profiled", type=int, default=3)
+    args = parser.parse_args(argv)
+    for r in record(parse_spec(args.spec), args.modes.split(","), args.out, args.timed,
+                    args.profiled):
+        line = ({"failed": r} if isinstance(r, str) else
+                {"workload": r.workload, "mode": r.mode, "path": str(r.path),
+                 "wall_ms": r.wall_ms, "kernels": r.kernels, "graph_nodes": r.graph_nodes})
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

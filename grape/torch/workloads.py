@@ -95,18 +95,26 @@ def _audio(model_name: str, samples: int) -> Workload:
                     dict(model.named_parameters()), refresh)
 
 
-def parse_spec(spec: str) -> Workload:
-    """``gpt2-small:b1:kv32`` (decode step) or ``wav2vec2-base:16000`` (audio samples)."""
+def check_spec(spec: str) -> tuple[str, ...]:
+    """The parts of a workload spec, or a GrapeError saying what a spec looks like."""
     if m := re.fullmatch(r"(gpt2-\w+):b(\d+):kv(\d+)", spec):
         model, batch, kv = m.group(1), int(m.group(2)), int(m.group(3))
         if model not in GPT2 or not 1 <= kv <= 1022 or batch < 1:
             raise GrapeError(f"expected a GPT-2 model among {sorted(GPT2)}, a batch of at "
                              f"least 1 and a KV length in 1..1022, found {spec!r}")
-        return _decode(model, batch, kv)
+        return ("decode", model, str(batch), str(kv))
     if m := re.fullmatch(r"(wav2vec2-\w+):(\d+)", spec):
         if m.group(1) not in WAV2VEC2 or int(m.group(2)) < 400:
             raise GrapeError(f"expected a Wav2Vec2 model among {sorted(WAV2VEC2)} and at least "
                              f"400 audio samples, found {spec!r}")
-        return _audio(m.group(1), int(m.group(2)))
+        return ("audio", m.group(1), m.group(2))
     raise GrapeError(f"expected a workload like gpt2-small:b1:kv32 or wav2vec2-base:16000, "
                      f"found {spec!r}")
+
+
+def parse_spec(spec: str) -> Workload:
+    """``gpt2-small:b1:kv32`` (decode step) or ``wav2vec2-base:16000`` (audio samples)."""
+    kind, *parts = check_spec(spec)
+    if kind == "decode":
+        return _decode(parts[0], int(parts[1]), int(parts[2]))
+    return _audio(parts[0], int(parts[1]))
