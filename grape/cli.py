@@ -95,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
                      help=f"device profile (default {DEFAULT_PROFILE})")
     sim.add_argument("--graph", action="store_true",
                      help="what if each iteration were captured and replayed as one graph")
+    sim.add_argument("--graph-region", metavar="A:B",
+                     help="what if eager launches A to B of each iteration (from 0, inclusive) "
+                          "were captured as one graph")
     sim.add_argument("--host-scale", type=float, metavar="F",
                      help="what if every host cost were F times what the trace shows")
     sim.add_argument("--launch-cost", type=float, metavar="US",
@@ -214,6 +217,7 @@ def _simulate(args: argparse.Namespace) -> None:
     from grape.sim.whatif import (
         costs_from_profile,
         graph_iterations,
+        graph_region,
         overhead_from_profile,
         profiled_graph_launches,
         scale_host,
@@ -233,6 +237,13 @@ def _simulate(args: argparse.Namespace) -> None:
     if args.launch_cost is not None:
         what_if = set_launch_cost(what_if, args.launch_cost)
         labels.append(f"launch {args.launch_cost:g} us")
+    if args.graph_region:
+        first, _, last = args.graph_region.partition(":")
+        if not (first.isdigit() and last.isdigit()):
+            raise GrapeError(f"expected --graph-region A:B with launch numbers, found "
+                             f"{args.graph_region!r}")
+        what_if = graph_region(what_if, costs, int(first), int(last))
+        labels.append(f"launches {first} to {last} graphed")
     if args.graph:
         what_if, labels = graph_iterations(what_if, costs), [*labels, "graphed"]
     chosen = simulate(what_if, costs, timeline=args.chrome is not None)

@@ -17,6 +17,7 @@ from grape.sim.validate import validate
 from grape.sim.whatif import (
     costs_from_profile,
     graph_iterations,
+    graph_region,
     loop_on_device,
     scale_host,
     set_launch_cost,
@@ -175,3 +176,27 @@ def test_what_the_model_does_not_know_is_listed(tmp_path):
     p = program_from_trace(read_trace(path))
     assert p.approximations == ["1 trace events of category 'cuda_sync' are not modelled: "
                                 "their time counts as host work"]
+
+
+def test_graphing_a_region_keeps_the_rest_eager():
+    costs = costs_from_profile(PROFILE)
+    eager = program_from_trace(read_trace(EAGER))
+    region = graph_region(eager, costs, 10, 109)
+    assert len(region.iterations) == len(eager.iterations)
+    for steps in region.iterations:
+        launches = [s for s in steps if isinstance(s, Launch)]
+        (graph,) = [s for s in steps if isinstance(s, GraphLaunch)]
+        assert len(launches) == 247 - 100 and graph.nodes == 100
+    full = simulate(eager, costs).iteration_times[1]
+    part = simulate(region, costs).iteration_times[1]
+    whole = simulate(graph_iterations(eager, costs), costs).iteration_times[1]
+    assert whole < part < full
+    with pytest.raises(GrapeError, match=r"expected a region of launches within 0..246 in "
+                                         r"iteration 0, found 200..300"):
+        graph_region(eager, costs, 200, 300)
+
+
+def test_simulate_refuses_a_malformed_region(capsys):
+    assert main(["simulate", str(EAGER), "--graph-region", "ten:20"]) == 2
+    assert "expected --graph-region A:B with launch numbers, found 'ten:20'" in (
+        capsys.readouterr().err)

@@ -152,3 +152,24 @@ def update_per_shape(program: Program, costs: Costs, changed_nodes: int) -> Prog
     return Program(program.name, [tuple(x for s in it for x in (
         (update, s) if isinstance(s, GraphLaunch) else (s,))) for it in program.iterations],
         list(program.approximations))
+
+
+def graph_region(program: Program, costs: Costs, first: int, last: int) -> Program:
+    """Launches ``first`` to ``last`` (inclusive, counted from 0 in each iteration) captured as
+    one graph; the host work between them goes, the rest of the iteration stays eager."""
+    out = Program(program.name, [], list(program.approximations))
+    for i, steps in enumerate(program.iterations):
+        index = [j for j, s in enumerate(steps) if isinstance(s, Launch)]
+        if not 0 <= first <= last < len(index):
+            raise GrapeError(f"expected a region of launches within 0..{len(index) - 1} in "
+                             f"iteration {i}, found {first}..{last}")
+        lo, hi = index[first], index[last]
+        inside = [s for s in steps[lo:hi + 1] if isinstance(s, Launch)]
+        if any(isinstance(s, Sync) for s in steps[lo:hi + 1]):
+            raise GrapeError(f"expected no sync inside the region to graph, found one in "
+                             f"iteration {i} (a host sync cannot be captured)")
+        gpu, nodes, streams = _serial_gpu_time(inside, costs.kernel_gap)
+        launch = GraphLaunch(cost=costs.graph_launch_fixed + costs.graph_launch_per_node * nodes,
+                             nodes=nodes, gpu_time=gpu, stream=min(streams) if streams else 0)
+        out.iterations.append((*steps[:lo], launch, *steps[hi + 1:]))
+    return out
