@@ -211,7 +211,7 @@ def _record(args: argparse.Namespace) -> None:
 
 def _simulate(args: argparse.Namespace) -> None:
     from grape.profile import load_profile
-    from grape.program import program_from_trace
+    from grape.program import GraphLaunch, program_from_trace
     from grape.sim.engine import simulate
     from grape.sim.timeline import write_timeline
     from grape.sim.whatif import (
@@ -259,9 +259,16 @@ def _simulate(args: argparse.Namespace) -> None:
         if value is not None and measured and label != rows[0][0]:
             extra = f"  ({100 * (value - measured) / measured:+.1f}% against measured)"
         print(f"  {label:<34} {shown}{extra}")
-    print(f"  GPU busy: {100 * chosen.gpu_busy_fraction:.1f}% of the simulated time"
-          + (f"; host stalled {chosen.host_stall:.0f} us on a full launch queue"
-             if chosen.host_stall else ""))
+    busy = 100 * chosen.gpu_busy_fraction
+    print(f"  critical path: GPU busy {busy:.1f}% of the time, idle waiting on the host "
+          f"{100 - busy:.1f}%" + (f"; host stalled {chosen.host_stall:.0f} us on a full launch "
+                                   f"queue" if chosen.host_stall else ""))
+    nodes = max((s.nodes for s in what_if.steps() if isinstance(s, GraphLaunch)), default=0)
+    if nodes:
+        per_node = profile.get("executable_bytes_per_node")
+        print(f"  graph memory: one executable of {nodes} nodes takes about "
+              f"{nodes * per_node / 2**20:.2f} MiB of device memory "
+              f"({per_node:.0f} B per node by the profile)")
     for note in what_if.approximations:
         print(f"  approximated: {note}")
     if args.chrome:

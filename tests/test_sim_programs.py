@@ -118,7 +118,8 @@ def test_simulate_command_prints_side_by_side_and_writes_a_timeline(capsys, tmp_
     assert main(["simulate", str(EAGER), "--graph", "--chrome", str(out_path)]) == 0
     out = capsys.readouterr().out
     assert "measured (no profiler)" in out and "predicted from the trace" in out
-    assert "what if: graphed" in out
+    assert "what if: graphed" in out and "critical path: GPU busy" in out
+    assert "graph memory: one executable of 247 nodes" in out
     doc = json.loads(out_path.read_text())
     tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert tracks == {"host", "stream 7"}

@@ -99,7 +99,7 @@ class _Machine:
     def __init__(self, env: simpy.Environment, costs: Costs, timeline: bool) -> None:
         self.env = env
         self.costs = costs
-        self.streams: dict[int, simpy.Store] = {}
+        self.streams: dict[int, _Stream] = {}
         self.pending = 0  # launches queued and not yet started
         self.slot: simpy.Event | None = None  # fires when a full queue frees a slot
         self.outstanding = 0  # work not yet finished, for syncs
