@@ -511,7 +511,7 @@ def _label(graph: KernelGraph, op: Op, launch: bool) -> tuple:
     return (op.kind,)
 
 
-def _fingerprint(graph: KernelGraph, buffers_from: KernelGraph, launch: bool) -> str:
+def _node_hashes(graph: KernelGraph, buffers_from: KernelGraph, launch: bool) -> dict[Any, str]:
     dag = graph.dag
     label = {n: _label(buffers_from, op, launch) for n, op in dag.nodes(data="op")}
     order = list(nx.topological_sort(dag))
@@ -523,8 +523,21 @@ def _fingerprint(graph: KernelGraph, buffers_from: KernelGraph, launch: bool) ->
     down: dict[Any, str] = {}
     for n in reversed(order):
         down[n] = _digest(label[n], sorted(down[s] for s in dag.successors(n)))
-    node = {n: _digest(up[n], down[n]) for n in order}
-    edges = sorted((node[u], node[v]) for u, v in dag.edges)
+    return {n: _digest(up[n], down[n]) for n in order}
+
+
+def node_hashes(graph: KernelGraph, *, launch: bool = True) -> dict[Any, str]:
+    """Each node's place in the graph as a hash (see :func:`fingerprint`): equal for nodes that
+    correspond in two captures of the same work."""
+    try:
+        return _node_hashes(graph, graph, launch)
+    except nx.NetworkXUnfeasible:
+        raise GraphCycleError("expected an acyclic graph to hash, found a cycle") from None
+
+
+def _fingerprint(graph: KernelGraph, buffers_from: KernelGraph, launch: bool) -> str:
+    node = _node_hashes(graph, buffers_from, launch)
+    edges = sorted((node[u], node[v]) for u, v in graph.dag.edges)
     return _digest("grape-fingerprint-1", launch, sorted(node.values()), edges)
 
 

@@ -1,0 +1,116 @@
+"""Parameter deltas: what one shape's graph changes in its group's template.
+
+A :class:`ShapeDelta` lists, for each template node whose parameters differ in the shape's
+graph, the new kernel function, launch dimensions, attributes and arguments (the arguments as a
+coded XOR against the template's), or a whole replacement for copy and memset nodes. Applying
+a delta to the template gives back the shape's graph, node for node; comparing two shapes'
+deltas gives the nodes an executable must update to go from one to the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from grape.errors import GraphError
+from grape.ir import Kernel, KernelGraph, Op
+from grape.passes.compress import best, decode, encode, xor
+from grape.passes.families import match
+
+__all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "delta"]
+
+# Kernel fields a delta carries whole when they differ (args get their own coding).
+_WHOLE = ("function", "name", "grid", "block", "shared_mem", "attributes", "params", "pointers",
+          "handles")
+
+
+@dataclass(frozen=True)
+class KernelDelta:
+    fields: tuple[tuple[str, object], ...]  # (name, new value) for fields that differ
+    args_codec: str | None = None  # None: arguments unchanged
+    args: bytes = b""  # coded XOR against the template's arguments (or raw, if lengths differ)
+    args_length: int = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes the delta keeps for the arguments (the part that dominates)."""
+        return len(self.args)
+
+
+@dataclass(frozen=True)
+class NodeDelta:
+    node: str  # the template's node
+    kernel: KernelDelta | None = None
+    replacement: Op | None = None  # a copy, memset or event node's new operation
+
+
+@dataclass(frozen=True)
+class ShapeDelta:
+    nodes: tuple[NodeDelta, ...]
+    mapping: tuple[tuple[str, str], ...]  # template node -> the shape's own node id
+
+    @property
+    def args_bytes(self) -> int:
+        return sum(d.kernel.size for d in self.nodes if d.kernel)
+
+
+def _kernel_delta(t: Kernel, o: Kernel, codec: str | None) -> KernelDelta | None:
+    changed = tuple((name, getattr(o, name)) for name in _WHOLE
+                    if getattr(o, name) != getattr(t, name))
+    if o.args == t.args:
+        return KernelDelta(changed) if changed else None
+    if len(o.args) != len(t.args):  # another function's layout: keep its arguments whole
+        return KernelDelta(changed, "raw", o.args, len(o.args))
+    x = xor(t.args, o.args)
+    name, blob = best(x) if codec is None else (codec, encode(x, codec))
+    return KernelDelta(changed, name, blob, len(x))
+
+
+def delta(template: KernelGraph, other: KernelGraph, codec: str | None = None) -> ShapeDelta:
+    """What ``other`` changes in ``template`` (``codec`` None: the smallest coding per node).
+
+    Raises
+    ------
+    GraphError
+        The graphs differ in structure, or a node would change kind.
+    """
+    pairs = match(template, other)
+    nodes = []
+    for t_node, o_node in pairs.items():
+        t_op, o_op = template.op(t_node), other.op(o_node)
+        if type(t_op) is not type(o_op):
+            raise GraphError(f"expected node {t_node!r} to keep its kind, found {t_op.kind} "
+                             f"becoming {o_op.kind}")
+        if isinstance(t_op, Kernel):
+            d = _kernel_delta(t_op, o_op, codec)
+            if d is not None:
+                nodes.append(NodeDelta(t_node, kernel=d))
+        elif o_op != t_op:
+            nodes.append(NodeDelta(t_node, replacement=o_op))
+    return ShapeDelta(tuple(nodes), tuple(pairs.items()))
+
+
+def _apply_kernel(t: Kernel, d: KernelDelta) -> Kernel:
+    k = replace(t, **dict(d.fields))
+    if d.args_codec == "raw" and d.args_length != len(t.args):
+        return replace(k, args=d.args)
+    if d.args_codec is not None:
+        return replace(k, args=xor(t.args, decode(d.args, d.args_codec, d.args_length)))
+    return k
+
+
+def apply(template: KernelGraph, d: ShapeDelta) -> dict[str, Op]:
+    """Every template node's operation as the shape has it."""
+    ops = dict(template.ops())
+    for nd in d.nodes:
+        t = template.op(nd.node)
+        ops[nd.node] = nd.replacement if nd.replacement is not None else _apply_kernel(t, nd.kernel)
+    return ops
+
+
+def changed_nodes(template: KernelGraph, current: ShapeDelta, target: ShapeDelta) -> list[str]:
+    """Template nodes whose parameters differ between two shapes: what an executable holding
+    ``current`` must update to run ``target``."""
+    a, b = apply(template, current), apply(template, target)
+    return [n for n in a if a[n] != b[n]]
+
+

@@ -1,0 +1,73 @@
+"""Families of graphs: one per input shape, grouped so that a group shares one executable.
+
+Graphs whose structure (node kinds and edges) is the same can share one instantiated executable:
+``cuGraphExecUpdate`` and per-node set-params change kernel functions, launch dimensions and
+arguments but not structure. :func:`group` puts shapes with the same structure together,
+:func:`match` pairs each node of one graph with its counterpart in another.
+
+Examples
+--------
+>>> from grape.ir import Empty, Kernel, KernelGraph
+>>> def step(grid):
+...     g = KernelGraph()
+...     g.add("a", Kernel("f", "k", (grid, 1, 1), (32, 1, 1)))
+...     g.add("b", Empty(), after=["a"])
+...     return g
+>>> groups = group({1: step(1), 2: step(2)})
+>>> list(groups.values())
+[[1, 2]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+
+import networkx as nx
+
+from grape.errors import GraphError
+from grape.ir import KernelGraph, fingerprint, node_hashes
+
+__all__ = ["canonical_order", "group", "match"]
+
+
+def group(graphs: Mapping[Hashable, KernelGraph]) -> dict[str, list[Hashable]]:
+    """Shapes by structure fingerprint, each group's shapes in the order given."""
+    groups: dict[str, list[Hashable]] = {}
+    for shape, graph in graphs.items():
+        groups.setdefault(fingerprint(graph, launch=False), []).append(shape)
+    return groups
+
+
+def canonical_order(graph: KernelGraph) -> list[str]:
+    """Nodes in an order that corresponds between graphs of one structure.
+
+    A topological order whose ties go to the node's structural hash, then to its id (captures
+    number nodes in the order they were recorded, so identical places get matching ids).
+    """
+    hashes = node_hashes(graph, launch=False)
+    return list(nx.lexicographical_topological_sort(graph.dag, key=lambda n: (hashes[n], n)))
+
+
+def match(template: KernelGraph, other: KernelGraph) -> dict[str, str]:
+    """Each node of ``template`` and the node of ``other`` in its place.
+
+    Raises
+    ------
+    GraphError
+        The two graphs differ in structure (a node's kind, or an edge), so no executable of one
+        can be brought to the other by updating parameters.
+    """
+    if fingerprint(template, launch=False) != fingerprint(other, launch=False):
+        kinds = sorted((op.kind for _, op in template.ops()))
+        other_kinds = sorted((op.kind for _, op in other.ops()))
+        what = ("node kinds" if kinds != other_kinds else "dependencies")
+        raise GraphError(f"expected graphs of one structure, found different {what} "
+                         f"({len(template)} and {len(other)} nodes, "
+                         f"{template.dag.number_of_edges()} and {other.dag.number_of_edges()} "
+                         f"edges)")
+    pairs = dict(zip(canonical_order(template), canonical_order(other), strict=True))
+    for u, v in template.dag.edges:  # certain, not just likely: the mapping keeps every edge
+        if not other.dag.has_edge(pairs[u], pairs[v]):
+            raise GraphError(f"expected node {u!r} -> {v!r} to map onto an edge, found "
+                             f"{pairs[u]!r} -> {pairs[v]!r} unconnected")
+    return pairs

@@ -1,0 +1,125 @@
+"""Families, deltas and their coding: passes over the IR, with no GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from grape.errors import GrapeError, GraphError
+from grape.ir import Buffer, BufferRole, Empty, Kernel, KernelGraph, Memcpy, Span
+from grape.passes.compress import CODECS, best, decode, encode, xor
+from grape.passes.delta import apply, changed_nodes, delta
+from grape.passes.families import canonical_order, group, match
+from tests.strategies import graphs
+
+sparse = st.lists(st.one_of(st.just(0), st.just(0), st.just(0), st.integers(0, 255)),
+                  max_size=600).map(bytes)
+
+
+@given(sparse, st.sampled_from(sorted(CODECS)))
+def test_codecs_round_trip(data, codec):
+    assert decode(encode(data, codec), codec, len(data)) == data
+
+
+@given(sparse)
+def test_best_is_the_smallest_and_zero_coding_size_is_exact(data):
+    name, blob = best(data)
+    assert len(blob) == min(len(encode(data, c)) for c in CODECS)
+    assert decode(blob, name, len(data)) == data
+    assert len(encode(data, "zero")) == (len(data) + 7) // 8 + sum(1 for b in data if b)
+
+
+def test_bad_codings_are_refused():
+    with pytest.raises(GrapeError, match="expected a codec among"):
+        encode(b"x", "lz77")
+    with pytest.raises(GrapeError, match="expected 3 bytes from a run-length coded delta"):
+        decode(encode(b"\x00\x01", "rle"), "rle", 3)
+    with pytest.raises(GrapeError, match="expected argument blocks of one length"):
+        xor(b"ab", b"a")
+
+
+def _mutated(g: KernelGraph, data) -> KernelGraph:
+    """``g`` with some kernels' grids, functions and argument bytes changed, same ids."""
+    h = KernelGraph.from_json(g.to_json())
+    for node, k in list(h.kernels()):
+        change = data.draw(st.sampled_from(["none", "grid", "args", "function"]))
+        if change == "grid":
+            k = dataclasses.replace(k, grid=(k.grid[0] % 1000 + 1, *k.grid[1:]))
+        elif change == "args" and k.args:
+            i = data.draw(st.integers(0, len(k.args) - 1))
+            k = dataclasses.replace(k, args=k.args[:i] + bytes([k.args[i] ^ 0x5A]) +
+                                    k.args[i + 1:])
+        elif change == "function":
+            k = dataclasses.replace(k, function=k.function + "'", name=k.name + "'")
+        h.dag.nodes[node]["op"] = k
+    return h
+
+
+@given(graphs(), st.data())
+def test_applying_a_delta_gives_back_the_shape(g, data):
+    h = _mutated(g, data)
+    assert group({"g": g, "h": h}) == {next(iter(group({"g": g}))): ["g", "h"]}
+    d = delta(g, h)
+    pairs = dict(d.mapping)
+    ops = apply(g, d)
+    assert all(ops[n] == h.op(pairs[n]) for n in g.dag)
+    changed = {n for n in g.dag if g.op(n) != h.op(pairs[n])}
+    assert {nd.node for nd in d.nodes} == changed
+    assert changed_nodes(g, delta(g, g), d) == [n for n in ops if n in changed]
+
+
+@given(graphs())
+def test_matching_survives_relabelling(g):
+    h = KernelGraph()
+    for b in g.buffers.values():
+        h.add_buffer(b)
+    for n in g.dag:
+        h.dag.add_node(f"N-{n}", op=g.op(n))
+    h.dag.add_edges_from((f"N-{u}", f"N-{v}") for u, v in g.dag.edges)
+    pairs = match(g, h)
+    assert sorted(pairs) == sorted(g.dag) and sorted(pairs.values()) == sorted(h.dag)
+    # The prefix keeps the ids' order, so even nodes tied by position pair with their copies.
+    assert all(h.op(pairs[n]) == g.op(n) for n in g.dag)
+    assert len(canonical_order(g)) == len(g)
+
+
+def _decode_step(kv: int) -> KernelGraph:
+    """A toy decode step: the attention kernel's grid and a length argument follow kv."""
+    g = KernelGraph()
+    g.add("embed", Kernel("f_embed", "embed", (1, 1, 1), (128, 1, 1), args=bytes(8)))
+    g.add("attn", Kernel("f_attn", "attn", (kv // 64 + 1, 1, 1), (128, 1, 1),
+                         args=kv.to_bytes(8, "little") + bytes(24)), after=["embed"])
+    g.add("mlp", Kernel("f_mlp", "mlp", (12, 1, 1), (256, 1, 1), args=bytes(16)),
+          after=["attn"])
+    return g
+
+
+def test_consecutive_lengths_touch_few_nodes_and_code_small():
+    template = _decode_step(100)
+    deltas = {kv: delta(template, _decode_step(kv)) for kv in (100, 101, 130)}
+    assert deltas[100].nodes == ()
+    assert changed_nodes(template, deltas[100], deltas[101]) == ["attn"]
+    (nd,) = deltas[101].nodes
+    assert nd.kernel.fields == () and nd.kernel.args_length == 32
+    assert len(nd.kernel.args) <= 5  # one changed byte of 32, coded
+    grid_change = dict(deltas[130].nodes[0].kernel.fields)
+    assert grid_change == {"grid": (3, 1, 1)}
+
+
+def test_a_change_of_structure_or_kind_is_refused():
+    a = _decode_step(100)
+    b = _decode_step(100)
+    b.dag.remove_edge("attn", "mlp")
+    with pytest.raises(GraphError, match="expected graphs of one structure, found different "
+                                         "dependencies"):
+        delta(a, b)
+    c = KernelGraph()
+    c.add("x", Empty())
+    d = KernelGraph()
+    d.add_buffer(Buffer("b", 64, BufferRole.INTERNAL))
+    d.add("x", Memcpy(Span("b"), Span("b"), 8))
+    with pytest.raises(GraphError, match="found different node kinds"):
+        delta(c, d)
