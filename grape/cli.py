@@ -249,9 +249,9 @@ def _simulate(args: argparse.Namespace) -> None:
     chosen = simulate(what_if, costs, timeline=args.chrome is not None)
     measured = trace.grape.wall_time_median_us if trace.grape else None
     rows = [("measured (no profiler)", measured), ("predicted from the trace",
-                                                    statistics.median(base.iteration_times))]
+                                                    base.per_iteration)]
     if labels:
-        rows.append((f"what if: {', '.join(labels)}", statistics.median(chosen.iteration_times)))
+        rows.append((f"what if: {', '.join(labels)}", chosen.per_iteration))
     print(f"{args.trace}: {trace.workload} ({trace.mode}), {len(program.iterations)} iterations")
     for label, value in rows:
         shown = "not recorded" if value is None else f"{value / 1000:10.3f} ms per iteration"
@@ -278,9 +278,8 @@ def _simulate(args: argparse.Namespace) -> None:
         from grape.sim.plot import plot_simulation
 
         scales = [0.25, 0.5, 0.75, 1.0, 1.5, 2.0]
-        curve = [(label, scales, [statistics.median(simulate(make(scale_host(program, f)),
-                                                             costs).iteration_times) / 1000
-                                  for f in scales])
+        curve = [(label, scales, [simulate(make(scale_host(program, f)), costs).per_iteration
+                                  / 1000 for f in scales])
                  for label, make in (("as recorded", lambda p: p),
                                      ("graphed", lambda p: graph_iterations(p, costs)))]
         shown = chosen if args.chrome else simulate(what_if, costs, timeline=True)

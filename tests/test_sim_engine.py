@@ -84,3 +84,13 @@ def test_impossible_costs_are_refused():
         Costs(launch_latency=-1)
     with pytest.raises(GrapeError, match="expected a queue depth of at least 1, found 0"):
         Costs(queue_depth=0)
+
+
+def test_without_syncs_the_host_runs_ahead_and_the_gpu_sets_the_pace():
+    it = (Launch("l", 1, (_k(10),)),)
+    r = simulate(Program("p", [it, it, it]), COSTS)
+    assert r.iteration_times == [1, 1, 1] and not r.synchronised
+    # Kernels start at 3, 14, 25 (latency 2, gap 1): the run ends at 35.
+    assert r.end == 35 and r.per_iteration == 35 / 3
+    synced = simulate(Program("p", [it + (Sync("s", 0),)] * 3), COSTS)
+    assert synced.synchronised and synced.per_iteration == 13

@@ -10,6 +10,7 @@ device to drain.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -56,11 +57,22 @@ class Interval:
 
 @dataclass
 class SimResult:
-    iteration_times: list[float]  # wall time of each iteration, us
+    iteration_times: list[float]  # host time of each iteration, us
     gpu_busy: float  # us during which some stream ran work
     end: float
     intervals: list[Interval] = field(default_factory=list)  # only when asked for
     host_stall: float = 0.0  # us the host waited for a full launch queue
+    synchronised: bool = True  # every iteration waits for the GPU before the next begins
+
+    @property
+    def per_iteration(self) -> float:
+        """Time per iteration: the median iteration where each ends in a sync; otherwise the
+        host runs ahead of the GPU and the run's length over its iterations is what counts."""
+        if not self.iteration_times:
+            return 0.0
+        if self.synchronised:
+            return statistics.median(self.iteration_times)
+        return self.end / len(self.iteration_times)
 
     @property
     def gpu_busy_fraction(self) -> float:
@@ -214,4 +226,5 @@ def simulate(program: Program, costs: Costs | None = None, timeline: bool = Fals
     times: list[float] = []
     env.process(_host(m, program, times))
     env.run()
-    return SimResult(times, _union(m.busy), env.now, m.timeline or [], m.stall)
+    synced = all(any(isinstance(s, Sync) for s in steps) for steps in program.iterations)
+    return SimResult(times, _union(m.busy), env.now, m.timeline or [], m.stall, synced)

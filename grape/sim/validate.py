@@ -9,7 +9,6 @@ which kernels run.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ def _predict(trace: Trace, profile: DeviceProfile) -> float:
     program = program_from_trace(trace, overhead_from_profile(profile))
     if trace.mode == "graph":
         program = profiled_graph_launches(program, costs)
-    return statistics.median(simulate(program, costs).iteration_times)
+    return simulate(program, costs).per_iteration
 
 
 def validate(paths: Iterable[Path], profile: DeviceProfile,
@@ -74,7 +73,7 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
                     f"GPU time from the captured set")
             what_if = graph_iterations(program_from_trace(trace, overhead), costs,
                                        captured=program_from_trace(graph, overhead))
-            predicted = statistics.median(simulate(what_if, costs).iteration_times)
+            predicted = simulate(what_if, costs).per_iteration
             out.append(Prediction(workload, "eager -> graph", graph.grape.wall_time_median_us,
                                   predicted, note))
     return out
