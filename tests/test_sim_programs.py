@@ -11,7 +11,15 @@ import pytest
 from grape.cli import main
 from grape.errors import GrapeError
 from grape.profile import load_profile
-from grape.program import GraphLaunch, HostWork, Launch, ProfilerOverhead, Sync, program_from_trace
+from grape.program import (
+    GraphLaunch,
+    HostWork,
+    Launch,
+    ProfilerOverhead,
+    Program,
+    Sync,
+    program_from_trace,
+)
 from grape.sim.engine import simulate
 from grape.sim.validate import validate
 from grape.sim.whatif import (
@@ -201,3 +209,12 @@ def test_simulate_refuses_a_malformed_region(capsys):
     assert main(["simulate", str(EAGER), "--graph-region", "ten:20"]) == 2
     assert "expected --graph-region A:B with launch numbers, found 'ten:20'" in (
         capsys.readouterr().err)
+
+
+def test_graphing_a_graphed_program_changes_nothing():
+    costs = costs_from_profile(PROFILE)
+    graphed = program_from_trace(read_trace(GRAPH))
+    assert graph_iterations(graphed, costs).iterations == graphed.iterations
+    mixed = Program("m", [graphed.iterations[0] + (Launch("l", 1.0, ()),)])
+    with pytest.raises(GrapeError, match="expected iteration 0 to be all eager or all graphed"):
+        graph_iterations(mixed, costs)

@@ -106,6 +106,13 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
     out = Program(program.name, [], list(program.approximations))
     for i, steps in enumerate(program.iterations):
         launches = [s for s in steps if isinstance(s, Launch)]
+        graphed = any(isinstance(s, GraphLaunch) for s in steps)
+        if graphed and launches:
+            raise GrapeError(f"expected iteration {i} to be all eager or all graphed, found "
+                             f"both (graph a region of its eager launches instead)")
+        if not launches:  # already graphed, or nothing to launch: as it is
+            out.iterations.append(steps)
+            continue
         gpu, nodes, streams = _serial_gpu_time(launches, costs.kernel_gap)
         if captured_times:
             gpu = captured_times[i % len(captured_times)]
