@@ -203,6 +203,9 @@ def test_graphing_a_region_keeps_the_rest_eager():
     with pytest.raises(GrapeError, match=r"expected a region of launches within 0..246 in "
                                          r"iteration 0, found 200..300"):
         graph_region(eager, costs, 200, 300)
+    with pytest.raises(GrapeError, match="expected eager launches to graph in iteration 0, "
+                                         "found none"):
+        graph_region(program_from_trace(read_trace(GRAPH)), costs, 0, 1)
 
 
 def test_simulate_refuses_a_malformed_region(capsys):

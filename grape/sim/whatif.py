@@ -167,6 +167,8 @@ def graph_region(program: Program, costs: Costs, first: int, last: int) -> Progr
     out = Program(program.name, [], list(program.approximations))
     for i, steps in enumerate(program.iterations):
         index = [j for j, s in enumerate(steps) if isinstance(s, Launch)]
+        if not index:
+            raise GrapeError(f"expected eager launches to graph in iteration {i}, found none")
         if not 0 <= first <= last < len(index):
             raise GrapeError(f"expected a region of launches within 0..{len(index) - 1} in "
                              f"iteration {i}, found {first}..{last}")
