@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grape.records import GpuOp, Iteration
+from grape.records import GpuOp, Iteration, span
 from grape.trace import Trace
 
 __all__ = [
@@ -105,14 +105,14 @@ class Program:
     def steps(self) -> list[Step]:
         return [s for it in self.iterations for s in it]
 
+    def with_iterations(self, iterations: list[tuple[Step, ...]]) -> Program:
+        """The same program (name, approximations so far) doing ``iterations`` instead."""
+        return Program(self.name, iterations, list(self.approximations))
+
 
 def _work(ops: tuple[GpuOp, ...]) -> tuple[GpuWork, ...]:
     return tuple(GpuWork(op.kind, op.name, op.dur, op.stream)
                  for op in sorted(ops, key=lambda o: o.ts))
-
-
-def _span(ops: tuple[GpuOp, ...]) -> float:
-    return max(op.end for op in ops) - min(op.ts for op in ops) if ops else 0.0
 
 
 def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
@@ -134,7 +134,7 @@ def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
             streams = {op.stream for op in launch.ops}
             # Under the profiler a graph launch call lasts as long as CUPTI takes to instrument
             # its nodes; the unprofiled cost is the device profile's (set by the caller).
-            steps.append(GraphLaunch(cost=cost, nodes=len(kernels), gpu_time=_span(launch.ops),
+            steps.append(GraphLaunch(cost=cost, nodes=len(kernels), gpu_time=span(launch.ops),
                                      stream=min(streams), work=_work(launch.ops)))
         elif launch is not None:
             steps.append(Launch(call.name, cost, _work(launch.ops)))

@@ -5,6 +5,7 @@ Times are microseconds on the trace's clock, as in the Chrome Trace Event format
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -86,14 +87,24 @@ class Launch:
         return (self.call.name, tuple((op.kind, op.name) for op in self.ops))
 
 
-def busy_time(ops: list[GpuOp] | tuple[GpuOp, ...]) -> float:
-    """Microseconds during which at least one of ``ops`` ran (overlaps counted once)."""
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length covered by (start, end) intervals, overlaps counted once."""
     total, until = 0.0, float("-inf")
-    for op in sorted(ops, key=lambda o: o.ts):
-        if op.end > until:
-            total += op.end - max(op.ts, until)
-            until = op.end
+    for start, end in sorted(intervals):
+        if end > until:
+            total += end - max(start, until)
+            until = end
     return total
+
+
+def busy_time(ops: Iterable[GpuOp]) -> float:
+    """Microseconds during which at least one of ``ops`` ran (overlaps counted once)."""
+    return union_length((op.ts, op.end) for op in ops)
+
+
+def span(ops: Sequence[GpuOp]) -> float:
+    """From the first operation's start to the last one's end (0 for none)."""
+    return max(op.end for op in ops) - min(op.ts for op in ops) if ops else 0.0
 
 
 @dataclass(frozen=True)
@@ -138,5 +149,4 @@ class Iteration:
     @property
     def gpu_span(self) -> float:
         """From the first GPU operation's start to the last one's end."""
-        ops = self.gpu_ops
-        return max(op.end for op in ops) - min(op.ts for op in ops) if ops else 0.0
+        return span(self.gpu_ops)

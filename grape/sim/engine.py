@@ -20,6 +20,7 @@ import simpy
 
 from grape.errors import GrapeError
 from grape.program import GraphLaunch, HostWork, Launch, Program, Sync
+from grape.records import union_length
 
 __all__ = ["Costs", "Interval", "SimResult", "simulate"]
 
@@ -210,15 +211,6 @@ def _host(m: _Machine, program: Program, times: list[float]) -> Generator[Any, A
         times.append(env.now - began)
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, until = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > until:
-            total += end - max(start, until)
-            until = end
-    return total
-
-
 def simulate(program: Program, costs: Costs | None = None, timeline: bool = False) -> SimResult:
     """Run ``program``; with ``timeline``, keep every host step and GPU interval."""
     env = simpy.Environment()
@@ -227,4 +219,4 @@ def simulate(program: Program, costs: Costs | None = None, timeline: bool = Fals
     env.process(_host(m, program, times))
     env.run()
     synced = all(any(isinstance(s, Sync) for s in steps) for steps in program.iterations)
-    return SimResult(times, _union(m.busy), env.now, m.timeline or [], m.stall, synced)
+    return SimResult(times, union_length(m.busy), env.now, m.timeline or [], m.stall, synced)

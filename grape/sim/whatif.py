@@ -52,8 +52,7 @@ def profiled_graph_launches(program: Program, costs: Costs) -> Program:
                              + costs.graph_launch_per_node * s.nodes)
                      if isinstance(s, GraphLaunch) else s
                      for s in steps if not isinstance(s, HostWork))
-    return Program(program.name, [fix(it) for it in program.iterations],
-                   list(program.approximations))
+    return program.with_iterations([fix(it) for it in program.iterations])
 
 
 def scale_host(program: Program, factor: float) -> Program:
@@ -67,17 +66,15 @@ def scale_host(program: Program, factor: float) -> Program:
         if isinstance(step, (Launch, GraphLaunch, Sync)):
             return replace(step, cost=step.cost * factor)
         return step
-    return Program(program.name, [tuple(scale(s) for s in it) for it in program.iterations],
-                   list(program.approximations))
+    return program.with_iterations([tuple(scale(s) for s in it) for it in program.iterations])
 
 
 def set_launch_cost(program: Program, cost: float) -> Program:
     """Every eager launch's host cost set to ``cost`` microseconds."""
     if cost < 0:
         raise GrapeError(f"expected a non-negative launch cost, found {cost}")
-    return Program(program.name, [tuple(replace(s, cost=cost) if isinstance(s, Launch) else s
-                                        for s in it) for it in program.iterations],
-                   list(program.approximations))
+    return program.with_iterations([tuple(replace(s, cost=cost) if isinstance(s, Launch) else s
+                                          for s in it) for it in program.iterations])
 
 
 def _serial_gpu_time(launches: list[Launch], gap: float) -> tuple[float, int, set[int]]:
@@ -103,7 +100,7 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
         if not captured_times:
             raise GrapeError(f"expected graph launches in the captured program "
                              f"{captured.name!r}, found none")
-    out = Program(program.name, [], list(program.approximations))
+    out = program.with_iterations([])
     for i, steps in enumerate(program.iterations):
         launches = [s for s in steps if isinstance(s, Launch)]
         graphed = any(isinstance(s, GraphLaunch) for s in steps)
@@ -156,15 +153,14 @@ def update_per_shape(program: Program, costs: Costs, changed_nodes: int) -> Prog
         raise GrapeError(f"expected a non-negative number of changed nodes, found "
                          f"{changed_nodes}")
     update = HostWork(changed_nodes * costs.set_params)
-    return Program(program.name, [tuple(x for s in it for x in (
-        (update, s) if isinstance(s, GraphLaunch) else (s,))) for it in program.iterations],
-        list(program.approximations))
+    return program.with_iterations([tuple(x for s in it for x in (
+        (update, s) if isinstance(s, GraphLaunch) else (s,))) for it in program.iterations])
 
 
 def graph_region(program: Program, costs: Costs, first: int, last: int) -> Program:
     """Launches ``first`` to ``last`` (inclusive, counted from 0 in each iteration) captured as
     one graph; the host work between them goes, the rest of the iteration stays eager."""
-    out = Program(program.name, [], list(program.approximations))
+    out = program.with_iterations([])
     for i, steps in enumerate(program.iterations):
         index = [j for j, s in enumerate(steps) if isinstance(s, Launch)]
         if not index:
