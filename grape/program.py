@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grape.records import GpuOp, Iteration, span
+from grape.records import GpuOp, Iteration, span, union_length
 from grape.trace import Trace
 
 __all__ = [
@@ -66,7 +66,10 @@ class GraphLaunch:
     """A graph launch: ``nodes`` kernels that take ``gpu_time`` on the device as one unit.
 
     ``gpu_time`` is the graph's critical path on the GPU (kernels, gaps and whatever parallel
-    branches overlap); ``work`` keeps the kernels for timelines.
+    branches overlap); ``work`` keeps the kernels for timelines. ``busy``, where a trace gave
+    it, is the union of the kernels' intervals as CUPTI timed them: CUPTI stretches the gaps
+    between a graph's kernels by an amount that varies between recordings, so the simulator
+    prices the gaps with the device profile instead (``grape.sim.whatif``).
     """
 
     cost: float
@@ -74,6 +77,7 @@ class GraphLaunch:
     gpu_time: float
     stream: int
     work: tuple[GpuWork, ...] = ()
+    busy: float | None = None
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,8 @@ def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
             # Under the profiler a graph launch call lasts as long as CUPTI takes to instrument
             # its nodes; the unprofiled cost is the device profile's (set by the caller).
             steps.append(GraphLaunch(cost=cost, nodes=len(kernels), gpu_time=span(launch.ops),
-                                     stream=min(streams), work=_work(launch.ops)))
+                                     stream=min(streams), work=_work(launch.ops),
+                                     busy=union_length([(op.ts, op.end) for op in launch.ops])))
         elif launch is not None:
             steps.append(Launch(call.name, cost, _work(launch.ops)))
         elif call.is_sync:

@@ -53,6 +53,9 @@ class GrapeMeta:
     wall_time_us: tuple[float, ...] = ()  # per iteration, measured without the profiler
     notes: str = ""
     schema_version: int = GRAPE_SCHEMA_VERSION
+    # Profiled iterations in the trace, for traces without ProfilerStep marks (recorded with
+    # CUDA activity only); None where the marks or the launch sequence's period split it.
+    iterations: int | None = None
 
     @property
     def wall_time_median_us(self) -> float | None:
@@ -160,6 +163,8 @@ def trace_from_json(doc: Any, path: str | Path, iterations: int | None = None) -
                                  f"found {version!r}")
     grape = GrapeMeta.from_json(meta["grape"], str(path)) if "grape" in meta else None
     decoded = decode(events, str(path))
+    if iterations is None and grape is not None and not decoded.steps:
+        iterations = grape.iterations
     split = split_iterations(decoded, iterations, str(path))
     devices = meta.get("deviceProperties") or [{}]
     versions = {k: meta[k] for k in ("cuda_driver_version", "cuda_runtime_version",

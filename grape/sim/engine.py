@@ -31,6 +31,7 @@ class Costs:
 
     launch_latency: float = 5.0  # from a launch call's return to its kernel's earliest start
     kernel_gap: float = 0.54  # front end's gap between consecutive work on a stream
+    graph_node_overhead: float = 0.35  # GPU time a graph adds per node beyond its kernels
     graph_launch_fixed: float = 4.0  # host cost of cuGraphLaunch
     graph_launch_per_node: float = 0.002
     while_per_iteration: float = 3.0  # GPU time a WHILE node adds per iteration
@@ -38,7 +39,7 @@ class Costs:
     queue_depth: int = 1024  # pending launches before the host stalls
 
     def __post_init__(self) -> None:
-        for name in ("launch_latency", "kernel_gap", "graph_launch_fixed",
+        for name in ("launch_latency", "kernel_gap", "graph_node_overhead", "graph_launch_fixed",
                      "graph_launch_per_node", "while_per_iteration", "set_params"):
             if getattr(self, name) < 0:
                 raise GrapeError(f"expected a non-negative {name}, found {getattr(self, name)}")

@@ -14,14 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grape.profile import DeviceProfile
-from grape.program import program_from_trace
 from grape.sim.engine import simulate
-from grape.sim.whatif import (
-    costs_from_profile,
-    graph_iterations,
-    overhead_from_profile,
-    profiled_graph_launches,
-)
+from grape.sim.whatif import costs_from_profile, graph_iterations, unprofiled_program
 from grape.trace import Trace, read_trace
 
 __all__ = ["Prediction", "validate"]
@@ -40,14 +34,6 @@ class Prediction:
         return (self.predicted_us - self.measured_us) / self.measured_us
 
 
-def _predict(trace: Trace, profile: DeviceProfile) -> float:
-    costs = costs_from_profile(profile)
-    program = program_from_trace(trace, overhead_from_profile(profile))
-    if trace.mode == "graph":
-        program = profiled_graph_launches(program, costs)
-    return simulate(program, costs).per_iteration
-
-
 def validate(paths: Iterable[Path], profile: DeviceProfile,
              progress: Callable[[str], None] = lambda line: None) -> list[Prediction]:
     """Predictions for every grape trace in ``paths`` that carries a measured wall time."""
@@ -60,10 +46,11 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
         traces[(trace.workload, trace.mode)] = trace
     out = []
     costs = costs_from_profile(profile)
-    overhead = overhead_from_profile(profile)
     for (workload, mode), trace in traces.items():
         measured = trace.grape.wall_time_median_us
-        out.append(Prediction(workload, f"replay {mode}", measured, _predict(trace, profile)))
+        program = unprofiled_program(trace, profile)
+        out.append(Prediction(workload, f"replay {mode}", measured,
+                              simulate(program, costs).per_iteration))
         graph = traces.get((workload, "graph"))
         if mode == "eager" and graph is not None:
             eager_kernels = len(trace.iterations[0].kernels)
@@ -71,8 +58,8 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
             note = ("" if eager_kernels == graph_kernels else
                     f"capture runs {graph_kernels} kernels against {eager_kernels} eagerly: "
                     f"GPU time from the captured set")
-            what_if = graph_iterations(program_from_trace(trace, overhead), costs,
-                                       captured=program_from_trace(graph, overhead))
+            what_if = graph_iterations(program, costs,
+                                       captured=unprofiled_program(graph, profile))
             predicted = simulate(what_if, costs).per_iteration
             out.append(Prediction(workload, "eager -> graph", graph.grape.wall_time_median_us,
                                   predicted, note))

@@ -9,8 +9,18 @@ from dataclasses import replace
 
 from grape.errors import GrapeError
 from grape.profile import DeviceProfile
-from grape.program import GraphLaunch, HostWork, Launch, ProfilerOverhead, Program, Step, Sync
+from grape.program import (
+    GraphLaunch,
+    HostWork,
+    Launch,
+    ProfilerOverhead,
+    Program,
+    Step,
+    Sync,
+    program_from_trace,
+)
 from grape.sim.engine import Costs
+from grape.trace import Trace
 
 __all__ = [
     "costs_from_profile",
@@ -19,12 +29,14 @@ __all__ = [
     "profiled_graph_launches",
     "scale_host",
     "set_launch_cost",
+    "unprofiled_program",
 ]
 
 
 def costs_from_profile(profile: DeviceProfile, **overrides: float) -> Costs:
     """Costs for PyTorch workloads: a graph launch costs what ``CUDAGraph.replay()`` does."""
     values = {"kernel_gap": profile.get("graph_kernel_gap"),
+              "graph_node_overhead": profile.get("graph_node_overhead"),
               "graph_launch_fixed": profile.get("replay_fixed"),
               "graph_launch_per_node": profile.get("replay_per_node"),
               "while_per_iteration": profile.get("while_per_iteration"),
@@ -32,25 +44,41 @@ def costs_from_profile(profile: DeviceProfile, **overrides: float) -> Costs:
     return Costs(**{**values, **overrides})
 
 
-def overhead_from_profile(profile: DeviceProfile) -> ProfilerOverhead:
-    per_event = profile.get("profiler_per_event")
-    return ProfilerOverhead(per_event, per_event)
+def overhead_from_profile(profile: DeviceProfile, trace: Trace) -> ProfilerOverhead:
+    """What the profiler added to ``trace``'s host side: per operator and API call where it
+    recorded PyTorch operators, per API call alone where it recorded CUDA activity only."""
+    if trace.ops:
+        per_event = profile.get("profiler_per_event")
+        return ProfilerOverhead(per_event, per_event)
+    return ProfilerOverhead(0.0, profile.get("profiler_per_call"))
+
+
+def unprofiled_program(trace: Trace, profile: DeviceProfile) -> Program:
+    """``trace`` as the simulator should run it: the program without the profiler's costs."""
+    program = program_from_trace(trace, overhead_from_profile(profile, trace))
+    return profiled_graph_launches(program, costs_from_profile(profile))
 
 
 def profiled_graph_launches(program: Program, costs: Costs) -> Program:
-    """Graph launches at their unprofiled host cost.
+    """Graph launches at their unprofiled host cost and GPU time.
 
     Under torch.profiler a ``cudaGraphLaunch`` lasts as long as CUPTI takes to instrument every
     node (hundreds of microseconds for GPT-2); without it, what ``CUDAGraph.replay()`` costs
     by the profile applies. The replay's other host work in the trace (its
     ``cudaStreamIsCapturing`` check and Python) is then part of that cost, so it goes too.
+    On the GPU, the kernels keep their traced time and the gaps between them cost the profile's
+    per-node overhead: the gaps CUPTI shows inside a graph vary between recordings.
     """
+    def unprofiled(launch: GraphLaunch) -> GraphLaunch:
+        gpu = (launch.gpu_time if launch.busy is None else
+               launch.busy + costs.graph_node_overhead * launch.nodes)
+        return replace(launch, gpu_time=gpu, cost=costs.graph_launch_fixed
+                       + costs.graph_launch_per_node * launch.nodes)
+
     def fix(steps: tuple[Step, ...]) -> tuple[Step, ...]:
         if not any(isinstance(s, GraphLaunch) for s in steps):
             return steps
-        return tuple(replace(s, cost=costs.graph_launch_fixed
-                             + costs.graph_launch_per_node * s.nodes)
-                     if isinstance(s, GraphLaunch) else s
+        return tuple(unprofiled(s) if isinstance(s, GraphLaunch) else s
                      for s in steps if not isinstance(s, HostWork))
     return program.with_iterations([fix(it) for it in program.iterations])
 
@@ -77,10 +105,10 @@ def set_launch_cost(program: Program, cost: float) -> Program:
                                           for s in it) for it in program.iterations])
 
 
-def _serial_gpu_time(launches: list[Launch], gap: float) -> tuple[float, int, set[int]]:
+def _serial_gpu_time(launches: list[Launch], per_node: float) -> tuple[float, int, set[int]]:
     work = [w for launch in launches for w in launch.work]
     streams = {w.stream for w in work}
-    return sum(w.dur for w in work) + gap * max(len(work) - 1, 0), len(work), streams
+    return sum(w.dur for w in work) + per_node * len(work), len(work), streams
 
 
 def graph_iterations(program: Program, costs: Costs, captured: Program | None = None
@@ -89,9 +117,9 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
 
     The host keeps only the graph launch (the profile's cost) and the iteration's syncs; the
     framework's host work and the eager launches disappear. The graph's GPU time is the
-    captured graph's own where a graphed recording of the workload exists (``captured``:
-    capture can change which kernels run), else the eager kernels back to back with the front
-    end's gap between them.
+    captured graph's own where a graphed recording of the workload exists (``captured``, as
+    :func:`unprofiled_program` gives it: capture can change which kernels run), else the eager
+    kernels back to back with the graph's per-node overhead between them.
     """
     captured_times = []
     if captured is not None:
@@ -110,7 +138,7 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
         if not launches:  # already graphed, or nothing to launch: as it is
             out.iterations.append(steps)
             continue
-        gpu, nodes, streams = _serial_gpu_time(launches, costs.kernel_gap)
+        gpu, nodes, streams = _serial_gpu_time(launches, costs.graph_node_overhead)
         if captured_times:
             gpu = captured_times[i % len(captured_times)]
         elif len(streams) > 1:
@@ -173,7 +201,7 @@ def graph_region(program: Program, costs: Costs, first: int, last: int) -> Progr
         if any(isinstance(s, Sync) for s in steps[lo:hi + 1]):
             raise GrapeError(f"expected no sync inside the region to graph, found one in "
                              f"iteration {i} (a host sync cannot be captured)")
-        gpu, nodes, streams = _serial_gpu_time(inside, costs.kernel_gap)
+        gpu, nodes, streams = _serial_gpu_time(inside, costs.graph_node_overhead)
         launch = GraphLaunch(cost=costs.graph_launch_fixed + costs.graph_launch_per_node * nodes,
                              nodes=nodes, gpu_time=gpu, stream=min(streams) if streams else 0)
         out.iterations.append((*steps[:lo], launch, *steps[hi + 1:]))

@@ -2,10 +2,15 @@
 
 Each recording is two measurements of the same step: wall time per iteration without the
 profiler (warm-up first, then a synchronised timer around each step, many steps), and a
-torch.profiler trace of a few steps (``ProfilerStep`` marks each one). The trace is written with
-the measured times in its ``grape`` block, since the profiler slows the host side of what it
-watches, and keeps slowing it after it stops: every workload is recorded in a fresh process,
-timed before the profiler first runs.
+torch.profiler trace of a few steps. The trace is written with the measured times in its
+``grape`` block, since the profiler slows the host side of what it watches, and keeps slowing it
+after it stops: every workload is recorded in a fresh process, timed before the profiler first
+runs.
+
+By default the profiler records CUDA activity only (API calls, kernels, copies), which is all the
+simulator uses: recording every PyTorch operator as well costs 1-5 us of host time per operator,
+and how much varies between models by more than the simulator's error bound, so traces meant
+for validation leave operators out (``cpu_ops=True`` keeps them, for people reading the trace).
 """
 
 from __future__ import annotations
@@ -76,8 +81,10 @@ def _timed(w: Workload, run: Callable[[], object], steps: int) -> list[float]:
     return wall
 
 
-def _profile(run: Callable[[], object], profiled: int) -> Trace:
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+def _profile(run: Callable[[], object], profiled: int, cpu_ops: bool = False) -> Trace:
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if cpu_ops:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
     schedule = torch.profiler.schedule(wait=0, warmup=1, active=profiled)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
@@ -89,11 +96,12 @@ def _profile(run: Callable[[], object], profiled: int) -> Trace:
                 run()
                 torch.cuda.synchronize()  # each profiled step is what each timed step was
                 prof.step()
-        return read_trace(raw)
+        # Without CPU activity there are no ProfilerStep marks: the step count splits instead.
+        return read_trace(raw, iterations=None if cpu_ops else profiled)
 
 
 def record(w: Workload, modes: Sequence[str], out_dir: Path, timed: int = 30,
-           profiled: int = 3, warmup: int = 5) -> list[Recording | str]:
+           profiled: int = 3, warmup: int = 5, cpu_ops: bool = False) -> list[Recording | str]:
     """Measure and profile one workload in each mode; write ``<name>.<mode>.json.gz``.
 
     Every mode is timed before the profiler runs at all: once torch.profiler has run in a
@@ -115,13 +123,15 @@ def record(w: Workload, modes: Sequence[str], out_dir: Path, timed: int = 30,
             run()
         walls[mode] = _timed(w, run, timed)
     for mode, (run, nodes) in runs.items():
-        trace = _profile(run, profiled)
+        trace = _profile(run, profiled, cpu_ops)
         meta = GrapeMeta(workload=w.name, mode=mode, device=torch.cuda.get_device_name(),
                          driver=_driver(), libraries=_libraries(),
                          wall_time_us=tuple(walls[mode]),
                          notes=f"{w.spec}; fp16, random weights; wall time: {timed} "
                                f"synchronised steps after {warmup} warm-ups, in a process "
-                               f"where the profiler had not yet run")
+                               f"where the profiler had not yet run; profiled: "
+                               f"{'operators and ' if cpu_ops else ''}CUDA activity",
+                         iterations=len(trace.iterations))
         path = write_trace(out_dir / f"{w.name}.{mode}.json.gz", trace, meta)
         kernels = len(trace.iterations[0].kernels) if trace.iterations else 0
         results.append(Recording(w.name, mode, path, statistics.median(walls[mode]) / 1000,
@@ -142,9 +152,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timed", type=int, default=30)
     parser.add_argument("--profiled", type=int, default=3)
+    parser.add_argument("--cpu-ops", action="store_true")
     args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     for r in record(parse_spec(args.spec), args.modes.split(","), args.out, args.timed,
-                    args.profiled):
+                    args.profiled, cpu_ops=args.cpu_ops):
         line = ({"failed": r} if isinstance(r, str) else
                 {"workload": r.workload, "mode": r.mode, "path": str(r.path),
                  "wall_ms": r.wall_ms, "kernels": r.kernels, "graph_nodes": r.graph_nodes})
