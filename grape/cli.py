@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="what if every host cost were F times what the trace shows")
     sim.add_argument("--launch-cost", type=float, metavar="US",
                      help="what if each eager launch cost US microseconds of host time")
+    sim.add_argument("--update-nodes", type=float, metavar="N",
+                     help="what if one executable served every shape, updating N nodes before "
+                          "each graph launch (a graph family; see the trace's counters)")
     sim.add_argument("--chrome", type=Path, metavar="FILE",
                      help="write the simulated timeline (of the what-if, if any) as a Chrome "
                           "trace that Perfetto opens")
@@ -238,6 +241,7 @@ def _simulate(args: argparse.Namespace) -> None:
         scale_host,
         set_launch_cost,
         unprofiled_program,
+        update_per_shape,
     )
 
     trace = read_trace(args.trace)
@@ -260,6 +264,12 @@ def _simulate(args: argparse.Namespace) -> None:
         labels.append(f"launches {first} to {last} graphed")
     if args.graph:
         what_if, labels = graph_iterations(what_if, costs), [*labels, "graphed"]
+    if args.update_nodes is not None:
+        if not any(isinstance(s, GraphLaunch) for s in what_if.steps()):
+            raise GrapeError("expected graph launches to update per shape (a graphed trace, or "
+                             "--graph), found none")
+        what_if = update_per_shape(what_if, costs, args.update_nodes)
+        labels.append(f"{args.update_nodes:g} nodes updated per launch")
     chosen = simulate(what_if, costs, timeline=args.chrome is not None)
     measured = trace.grape.wall_time_median_us if trace.grape else None
     rows = [("measured (no profiler)", measured), ("predicted from the trace",
@@ -312,11 +322,11 @@ def _validate(args: argparse.Namespace) -> None:
     if not predictions:
         raise GrapeError(f"expected grape traces with measured wall times under "
                          f"{[str(d) for d in args.dirs]}, found none")
-    print(f"{'workload':<32} {'question':<16} {'measured ms':>11} {'predicted ms':>12} "
+    print(f"{'workload':<32} {'question':<16} {'measured':>11} {'predicted':>11} {'':<3}"
           f"{'error':>7}")
     for p in predictions:
-        print(f"{p.workload:<32} {p.question:<16} {p.measured_us / 1000:11.3f} "
-              f"{p.predicted_us / 1000:12.3f} {100 * p.error:+6.1f}%"
+        print(f"{p.workload:<32} {p.question:<16} {p.measured:11.3f} "
+              f"{p.predicted:11.3f} {p.unit:<3}{100 * p.error:+6.1f}%"
               + (f"  ({p.note})" if p.note else ""))
     for question in dict.fromkeys(p.question for p in predictions):
         errs = [abs(p.error) * 100 for p in predictions if p.question == question]

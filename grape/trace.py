@@ -56,6 +56,9 @@ class GrapeMeta:
     # Profiled iterations in the trace, for traces without ProfilerStep marks (recorded with
     # CUDA activity only); None where the marks or the launch sequence's period split it.
     iterations: int | None = None
+    # Figures measured beside the trace that predictions of it need (for a graph family: its
+    # shapes, nodes updated per step, executable bytes), by name.
+    counters: dict[str, float] = field(default_factory=dict)
 
     @property
     def wall_time_median_us(self) -> float | None:

@@ -28,9 +28,11 @@ def test_the_suite_is_committed():
 @pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
 def test_every_committed_trace_reads(path):
     t = read_trace(path)
-    assert len(t.iterations) == 3
+    family = path.parent.name == "h200_families"
+    assert len(t.iterations) == (32 if family else 3)
     kernels = {len(it.kernels) for it in t.iterations}
-    assert len(kernels) == 1 and kernels.pop() > 100
+    # A family trace steps through lengths, across the topology change at KV 512.
+    assert kernels == {292, 316} if family else (len(kernels) == 1 and kernels.pop() > 100)
     assert not t.orphans
 
 
@@ -43,6 +45,17 @@ def test_recorded_traces_carry_their_measurement(path):
     assert t.split_method == "3 ProfilerStep annotations"
     graph_launches = [len(it.graph_launches) for it in t.iterations]
     assert graph_launches == ([1, 1, 1] if mode == "graph" else [0, 0, 0])
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_family_traces_carry_the_family_beside_them(batch):
+    t = read_trace(TRACES / "h200_families" / f"gpt2_small_family_b{batch}.graph.json.gz")
+    assert len(t.grape.wall_time_us) == 32 and t.grape.iterations == 32
+    assert all(len(it.graph_launches) == 1 for it in t.iterations)
+    c = t.grape.counters
+    assert c["shapes"] == 128 and c["topologies"] == 2
+    assert c["naive_graph_bytes"] > 40 * c["family_graph_bytes"] > 0
+    assert 0 < c["changed_nodes_per_step"] < c["nodes"]
 
 
 @pytest.mark.parametrize("workload", sorted({p.name.split(".")[0] for p in RECORDED}))

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grape.errors import GrapeError, GraphError
 from grape.ir import Buffer, BufferRole, Empty, Kernel, KernelGraph, Memcpy, Span
 from grape.passes.compress import CODECS, best, decode, encode, xor
-from grape.passes.delta import apply, changed_nodes, delta
+from grape.passes.delta import apply, changed_nodes, delta, transition
 from grape.passes.families import canonical_order, group, match
 from tests.strategies import graphs
 
@@ -123,3 +124,14 @@ def test_a_change_of_structure_or_kind_is_refused():
     d.add("x", Memcpy(Span("b"), Span("b"), 8))
     with pytest.raises(GraphError, match="found different node kinds"):
         delta(c, d)
+
+
+@settings(max_examples=40)
+@given(st.lists(st.integers(1, 400), min_size=2, max_size=6))
+def test_transition_agrees_with_applying_every_node(lengths):
+    template = _decode_step(max(lengths))
+    deltas = [delta(template, _decode_step(kv)) for kv in lengths]
+    for a, b in itertools.pairwise(deltas):
+        ops = transition(template, a, b)
+        assert sorted(ops) == sorted(changed_nodes(template, a, b))
+        assert all(ops[n] == apply(template, b)[n] for n in ops)

@@ -120,7 +120,7 @@ def test_validate_predicts_both_questions(tmp_path):
                                                  "replay graph"]
     what_if = next(p for p in preds if p.question == "eager -> graph")
     assert "capture runs 290 kernels against 247 eagerly" in what_if.note
-    assert all(p.measured_us > 0 and p.predicted_us > 0 for p in preds)
+    assert all(p.measured > 0 and p.predicted > 0 for p in preds)
 
 
 def test_validate_command_exits_by_its_bounds(capsys, tmp_path):
@@ -235,3 +235,17 @@ def test_graphing_a_graphed_program_changes_nothing():
     mixed = Program("m", [graphed.iterations[0] + (Launch("l", 1.0, ()),)])
     with pytest.raises(GrapeError, match="expected iteration 0 to be all eager or all graphed"):
         graph_iterations(mixed, costs)
+
+
+def test_simulate_prices_a_family_update_per_launch(capsys):
+    family = TRACES / "h200_families" / "gpt2_small_family_b1.graph.json.gz"
+    assert main(["simulate", str(family), "--update-nodes", "100"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split(" ms per")[0].rsplit(None, 1)[0].strip(): float(
+        line.split(" ms per")[0].rsplit(None, 1)[1]) for line in out.splitlines()
+        if "ms per iteration" in line}
+    added = (lines["what if: 100 nodes updated per launch"]
+             - lines["predicted from the trace"]) * 1000
+    assert added == pytest.approx(100 * PROFILE.get("set_params"), rel=0.02)
+    assert main(["simulate", str(EAGER), "--update-nodes", "3"]) == 2
+    assert "expected graph launches to update per shape" in capsys.readouterr().err

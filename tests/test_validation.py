@@ -44,3 +44,16 @@ def test_graphed_predictions_meet_the_bounds(predictions, question):
 
 def test_median_over_every_prediction_meets_the_bound(predictions):
     assert statistics.median(_errors(predictions)) <= 0.05
+
+
+def test_graph_families_are_predicted_within_the_bound():
+    """Per-shape graphs of GPT-2 decode with a PrefixCache (a workload the constants were not
+    fitted on) and the executable memory of per-shape graphs against a family."""
+    paths = sorted((TRACES / "h200_families").glob("*.json.gz"))
+    found = validate(paths, load_profile(TRACES / "devices" / "h200.json"))
+    assert {p.question for p in found} == {"replay graph", "per-shape memory", "family memory"}
+    assert len(found) == 3 * len(paths) == 6
+    worst = max(found, key=lambda p: abs(p.error))
+    assert abs(worst.error) <= 0.15, f"{worst.workload} {worst.question}: {worst.error:+.1%}"
+    memory = {p.question: p.measured for p in found if p.workload.endswith("b1")}
+    assert memory["per-shape memory"] > 40 * memory["family memory"]

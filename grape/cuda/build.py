@@ -7,6 +7,8 @@ memory on :meth:`Executable.close`, on leaving a ``with`` block, or when collect
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
@@ -34,7 +36,7 @@ from grape.ir import (
     Span,
 )
 
-__all__ = ["Executable", "Graph", "kernel_params"]
+__all__ = ["Executable", "Graph", "Update", "kernel_params"]
 
 
 def kernel_params(k: Kernel, handles: dict[str, int] | None = None
@@ -69,6 +71,7 @@ class Graph(Resource):
         """
         self.ir = ir
         self.handle = handle
+        self.nodes: dict[str, driver.CUgraphNode] = {}  # IR node -> its node, for graphs built here
         self._ctx = current_context()
         self._own(handle, driver.cuGraphDestroy if owned else None)
 
@@ -81,10 +84,11 @@ class Graph(Resource):
         """
         ir.validate()
         graph = cls(ir, call(driver.cuGraphCreate, 0, doing="creating a graph"))
-        graph._fill(graph.handle, ir, {})
+        graph.nodes = graph._fill(graph.handle, ir, {})
         return graph
 
-    def _fill(self, target: driver.CUgraph, ir: KernelGraph, handles: dict[str, int]) -> None:
+    def _fill(self, target: driver.CUgraph, ir: KernelGraph,
+              handles: dict[str, int]) -> dict[str, driver.CUgraphNode]:
         flag = driver.CU_GRAPH_COND_ASSIGN_DEFAULT
         for _, op in ir.ops():  # a setter kernel can precede its conditional node
             if isinstance(op, Conditional):
@@ -96,6 +100,7 @@ class Graph(Resource):
         for node in nx.topological_sort(ir.dag):
             deps = [nodes[d] for d in ir.dag.predecessors(node)]
             nodes[node] = self._add(target, node, ir.op(node), deps, handles)
+        return nodes
 
     def _address(self, span: Span) -> int:
         buffer = self.ir.buffers[span.buffer]
@@ -126,11 +131,7 @@ class Graph(Resource):
             return call(driver.cuGraphAddMemcpyNode, target, deps, len(deps),
                         self._copy(op), self._ctx, doing=doing)
         if isinstance(op, Memset):
-            p = driver.CUDA_MEMSET_NODE_PARAMS()
-            p.dst = self._address(op.dst)
-            p.value, p.elementSize, p.width = op.value, op.element_size, op.width
-            p.height, p.pitch = op.height, op.pitch
-            return call(driver.cuGraphAddMemsetNode, target, deps, len(deps), p,
+            return call(driver.cuGraphAddMemsetNode, target, deps, len(deps), self._memset(op),
                         self._ctx, doing=doing)
         if isinstance(op, Empty):
             return call(driver.cuGraphAddEmptyNode, target, deps, len(deps), doing=doing)
@@ -162,6 +163,13 @@ class Graph(Resource):
             self._fill(p.conditional.phGraph_out[i], body, handles)
         return handle
 
+    def _memset(self, op: Memset) -> driver.CUDA_MEMSET_NODE_PARAMS:
+        p = driver.CUDA_MEMSET_NODE_PARAMS()
+        p.dst = self._address(op.dst)
+        p.value, p.elementSize, p.width = op.value, op.element_size, op.width
+        p.height, p.pitch = op.height, op.pitch
+        return p
+
     def _copy(self, op: Memcpy) -> driver.CUDA_MEMCPY3D:
         p = driver.CUDA_MEMCPY3D()
         for side, span in (("src", op.src), ("dst", op.dst)):
@@ -174,6 +182,55 @@ class Graph(Resource):
 
     def instantiate(self, stream: Any = 0) -> Executable:
         return Executable(self.handle, stream, nodes=len(self.ir))
+
+    def prepare(self, ops: dict[str, Kernel | Memcpy | Memset]) -> list[Update]:
+        """Driver calls that give an executable of this graph new parameters for some nodes.
+
+        Preparing is the slow part (argument arrays, parameter structs); :meth:`apply` then
+        only calls the driver, so callers keep prepared updates for shapes they revisit. Only
+        kernels, copies and memsets change in place; a kernel's attributes (cluster shape,
+        priority) cannot, and are refused.
+        """
+        updates = []
+        for node, op in ops.items():
+            handle = self.nodes.get(node)
+            if handle is None:
+                raise GrapeError(f"expected node {node!r} of a graph built from IR, found no "
+                                 f"such node")
+            if isinstance(op, Kernel):
+                if op.attributes != self.ir.op(node).attributes:
+                    raise UnsupportedError(f"node {node!r}: kernel attributes cannot change "
+                                           f"in an executable, found {op.attributes}")
+                params, keep = kernel_params(op)
+                updates.append(Update(node, driver.cuGraphExecKernelNodeSetParams,
+                                      (handle, params), keep))
+            elif isinstance(op, Memset):
+                updates.append(Update(node, driver.cuGraphExecMemsetNodeSetParams,
+                                      (handle, self._memset(op), self._ctx)))
+            elif isinstance(op, Memcpy):
+                updates.append(Update(node, driver.cuGraphExecMemcpyNodeSetParams,
+                                      (handle, self._copy(op), self._ctx)))
+            else:
+                raise UnsupportedError(f"node {node!r}: expected a kernel, copy or memset to "
+                                       f"update, found {op.kind}")
+        return updates
+
+    @staticmethod
+    def apply(executable: Executable, updates: list[Update]) -> None:
+        """Run prepared updates on ``executable``. Launches in flight keep the parameters they
+        started with; the next launch uses the new ones."""
+        for u in updates:
+            call(u.fn, executable.handle, *u.args, doing=f"updating node {u.node!r}")
+
+
+@dataclass(frozen=True)
+class Update:
+    """One prepared driver call that changes one node of an executable."""
+
+    node: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    keep: tuple[Any, ...] = ()  # host arrays the parameters point into
 
 
 class Executable(Resource):

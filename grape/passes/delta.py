@@ -16,7 +16,8 @@ from grape.ir import Kernel, KernelGraph, Op
 from grape.passes.compress import best, decode, encode, xor
 from grape.passes.families import match
 
-__all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "delta"]
+__all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "delta",
+           "transition"]
 
 # Kernel fields a delta carries whole when they differ (args get their own coding).
 _WHOLE = ("function", "name", "grid", "block", "shared_mem", "attributes", "params", "pointers",
@@ -114,3 +115,28 @@ def changed_nodes(template: KernelGraph, current: ShapeDelta, target: ShapeDelta
     return [n for n in a if a[n] != b[n]]
 
 
+
+
+def transition(template: KernelGraph, current: ShapeDelta, target: ShapeDelta) -> dict[str, Op]:
+    """The template nodes whose operation differs between two shapes, as ``target`` has them:
+    what an executable holding ``current`` must update to run ``target``.
+
+    Only the nodes either delta mentions are looked at, and two equal node deltas mean equal
+    operations (the coding is a function of the bytes), so a step between neighbouring shapes
+    decodes only the few nodes that differ. Both deltas must be against ``template``.
+    """
+    before = {nd.node: nd for nd in current.nodes}
+    after = {nd.node: nd for nd in target.nodes}
+    ops = {}
+    for node in before.keys() | after.keys():
+        nd = after.get(node)
+        if before.get(node) == nd:
+            continue
+        t = template.op(node)
+        if nd is None:
+            ops[node] = t  # back to the template's own parameters
+        elif nd.replacement is not None:
+            ops[node] = nd.replacement
+        else:
+            ops[node] = _apply_kernel(t, nd.kernel)
+    return ops

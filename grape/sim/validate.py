@@ -24,14 +24,15 @@ __all__ = ["Prediction", "validate"]
 @dataclass(frozen=True)
 class Prediction:
     workload: str
-    question: str  # "replay eager", "replay graph", "eager -> graph"
-    measured_us: float
-    predicted_us: float
+    question: str  # "replay eager", "replay graph", "eager -> graph", "... memory"
+    measured: float
+    predicted: float
     note: str = ""
+    unit: str = "ms"  # of measured and predicted: "ms" per iteration, or "MB" of device memory
 
     @property
     def error(self) -> float:
-        return (self.predicted_us - self.measured_us) / self.measured_us
+        return (self.predicted - self.measured) / self.measured
 
 
 def validate(paths: Iterable[Path], profile: DeviceProfile,
@@ -49,8 +50,9 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
     for (workload, mode), trace in traces.items():
         measured = trace.grape.wall_time_median_us
         program = unprofiled_program(trace, profile)
-        out.append(Prediction(workload, f"replay {mode}", measured,
-                              simulate(program, costs).per_iteration))
+        out.append(Prediction(workload, f"replay {mode}", measured / 1000,
+                              simulate(program, costs).per_iteration / 1000))
+        out.extend(_family_memory(trace, profile))
         graph = traces.get((workload, "graph"))
         if mode == "eager" and graph is not None:
             eager_kernels = len(trace.iterations[0].kernels)
@@ -61,6 +63,26 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
             what_if = graph_iterations(program, costs,
                                        captured=unprofiled_program(graph, profile))
             predicted = simulate(what_if, costs).per_iteration
-            out.append(Prediction(workload, "eager -> graph", graph.grape.wall_time_median_us,
-                                  predicted, note))
+            out.append(Prediction(workload, "eager -> graph",
+                                  graph.grape.wall_time_median_us / 1000, predicted / 1000, note))
     return out
+
+
+_FAMILY_COUNTERS = ("shapes", "topologies", "nodes", "naive_graph_bytes", "family_graph_bytes")
+
+
+def _family_memory(trace: Trace, profile: DeviceProfile) -> list[Prediction]:
+    """Executable memory of per-shape graphs and of a graph family, where the trace was
+    recorded beside both (its ``counters``): one executable per shape against one per
+    topology, at the profile's bytes per node (the largest topology's node count for all)."""
+    counters = trace.grape.counters if trace.grape else {}
+    if not all(name in counters for name in _FAMILY_COUNTERS):
+        return []
+    per_node = profile.get("executable_bytes_per_node")
+    nodes = counters["nodes"]
+    note = (f"{counters['shapes']:.0f} shapes, {counters['topologies']:.0f} topologies, "
+            f"{nodes:.0f} nodes, {per_node:.0f} B per node")
+    return [Prediction(trace.workload, "per-shape memory", counters["naive_graph_bytes"] / 1e6,
+                       counters["shapes"] * nodes * per_node / 1e6, note, "MB"),
+            Prediction(trace.workload, "family memory", counters["family_graph_bytes"] / 1e6,
+                       counters["topologies"] * nodes * per_node / 1e6, note, "MB")]

@@ -171,7 +171,7 @@ def loop_on_device(program: Program, costs: Costs) -> Program:
                    list(program.approximations))
 
 
-def update_per_shape(program: Program, costs: Costs, changed_nodes: int) -> Program:
+def update_per_shape(program: Program, costs: Costs, changed_nodes: float) -> Program:
     """One executable shared by every shape, brought to each step's shape before its launch.
 
     Each graph launch is preceded by ``changed_nodes`` per-node parameter updates on the host

@@ -85,11 +85,16 @@ def _why(error: BaseException) -> str:
 
 
 def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tensor] | None = None,
-            pool: Any = None, warmup: int = 1) -> TorchCapture:
+            pool: Any = None, warmup: int = 1, instantiate: bool = True,
+            collect: bool = True) -> TorchCapture:
     """Capture ``fn(*args)`` into a CUDA graph and read it into the IR.
 
     Tensors in ``args`` become input placeholders, ``params`` (for instance
-    ``dict(model.named_parameters())``) parameters, and what ``fn`` returns outputs.
+    ``dict(model.named_parameters())``) parameters, and what ``fn`` returns outputs. Without
+    ``instantiate`` PyTorch's graph is only captured (``replay`` would instantiate it first):
+    for callers that build their own executables from the IR. ``collect`` empties Python's
+    garbage and the allocator's cache first, so that ``pool_bytes`` is the capture's alone;
+    families, capturing many shapes into one pool, skip it (it dominates their capture time).
 
     Raises
     ------
@@ -109,8 +114,9 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     # torch.cuda.graph empties the allocator's cache on entry; do it first so that the pool's
     # growth is all that the difference below measures.
     torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
+    if collect:
+        gc.collect()
+        torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved()
     g = torch.cuda.CUDAGraph(keep_graph=True)
     try:
@@ -120,7 +126,8 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         first = e.__context__ or e  # capture_end's error hides the one that broke capture
         raise CaptureError(f"expected work that can be captured, found {_why(first)} issued at "
                            f"{_culprit(first)}") from None
-    g.instantiate()
+    if instantiate:
+        g.instantiate()
     pool_bytes = torch.cuda.memory_reserved() - reserved
     _name(buffers, "output", ((str(i), t) for i, t in enumerate(_tensors(outputs))),
           BufferRole.OUTPUT)

@@ -1,0 +1,285 @@
+"""Graph families against per-shape graphs: GPT-2 small decode over KV lengths (GPU).
+
+For each batch size, in one process, side by side: one ``torch.cuda.CUDAGraph`` per KV length
+(the naive way, each with its own pool), and one ``grape.torch.family`` over the same lengths
+(one executable per topology, per-shape deltas, one shared pool, captured largest first). Both
+run the same step: a ``PrefixCache`` preallocated to 1024 tokens, set to the length, one
+decode step, logits copied into a static tensor. Measured:
+
+- device memory: executables (free memory's drop beyond the pools' growth) and pools;
+- capture time for all lengths (naive: capture and instantiate; family: capture, read into the
+  IR, delta, instantiate one executable per topology);
+- step time over the lengths in generation order, back to back (one sync at the end) and with
+  a sync after each step, and the family's host time per step for applying deltas (prepared
+  updates cached after the first pass; both passes reported);
+- bitwise equality of the logits, family against per-shape graph, on a sample of lengths.
+
+Writes benchmarks/results/families_h200.json (or --out). Run on a GPU, one batch size per
+process (executable memory is measured before any executable is destroyed):
+python benchmarks/families.py [--lengths 1:1023] [--batches 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from grape.errors import GrapeError
+from grape.torch.cache import PrefixCache
+from grape.torch.family import capture_family
+from grape.torch.workloads import _gpt2
+
+MAX_LEN = 1024
+ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _device_bytes() -> tuple[int, int]:
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    return free, torch.cuda.memory_reserved()
+
+
+def _steps(run, lengths, sync_each: bool) -> float:
+    """ms per step over ``lengths`` in order."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for n in lengths:
+        run(n)
+        if sync_each:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3 / len(lengths)
+
+
+def _synced_us(run, lengths) -> list[float]:
+    """Each step's wall time, synchronised on both sides (us)."""
+    times = []
+    for n in lengths:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        run(n)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e6)
+    return times
+
+
+def _record(out_dir: Path, batch: int, window: list[int], runs: dict, counters: dict) -> None:
+    """Traces over ``window`` (CUDA activity only), with each step's wall time measured first,
+    without the profiler.
+
+    Only the per-shape graphs can be traced: torch.profiler does not record the driver calls
+    cuda-python makes (``cuGraphLaunch``, the node updates), so a family's kernels come back
+    with no host call and the trace cannot be read (seen on the H200).
+    """
+    from grape.torch.record import _driver, _libraries, _profile
+    from grape.trace import GrapeMeta, write_trace
+
+    walls = {mode: _synced_us(run, window) for mode, run in runs.items()}
+    how = {"graph": "one torch.cuda.CUDAGraph per length"}
+    for mode, run in runs.items():
+        lengths = iter([window[0], *window])  # the profiler's warm-up step, then the window
+
+        def step(run=run, lengths=lengths) -> None:
+            run(next(lengths))
+
+        trace = _profile(step, len(window))
+        meta = GrapeMeta(workload=f"gpt2_small_family_b{batch}", mode=mode,
+                         device=torch.cuda.get_device_name(), driver=_driver(),
+                         libraries=_libraries(), wall_time_us=tuple(walls[mode]),
+                         notes=f"gpt2-small decode, batch {batch}, PrefixCache of {MAX_LEN}, KV "
+                               f"{window[0]}..{window[-1]}, one step per length; {how[mode]}",
+                         iterations=len(trace.iterations), counters=counters)
+        write_trace(out_dir / f"gpt2_small_family_b{batch}.{mode}.json.gz", trace, meta)
+
+
+def _changed(family, a: int, b: int) -> dict[str, object]:
+    """Which nodes differ between two lengths, and how (for people reading the result)."""
+    from grape.ir import Kernel
+    from grape.passes.delta import transition
+
+    key = family.group_of[a]
+    if family.group_of[b] != key:
+        return {"lengths": [a, b], "note": "different topologies"}
+    group = family.groups[key]
+    before = dict(group.template.ops())
+    for n, op in transition(group.template, family.deltas[group.template_shape],
+                            family.deltas[a]).items():
+        before[n] = op
+    rows = []
+    for n, op in transition(group.template, family.deltas[a], family.deltas[b]).items():
+        old = before[n]
+        if isinstance(op, Kernel) and isinstance(old, Kernel):
+            fields = [f for f in ("function", "grid", "block", "shared_mem") if
+                      getattr(op, f) != getattr(old, f)]
+            diff = sum(x != y for x, y in zip(op.args, old.args, strict=False))
+            rows.append(f"{op.name[:60]} fields={fields} arg_bytes={diff}")
+        else:
+            rows.append(f"{op.kind}")
+    return {"lengths": [a, b], "nodes": len(rows), "which": sorted(rows)}
+
+
+def measure(batch: int, lengths: list[int], trace_dir: Path | None = None) -> dict[str, object]:
+    model = _gpt2("gpt2-small")
+    cache = PrefixCache(model.config.n_layer, MAX_LEN)
+    torch.manual_seed(batch)
+    with torch.no_grad():
+        model(torch.randint(0, 50257, (batch, MAX_LEN - 1), device="cuda"),
+              past_key_values=cache, use_cache=True)  # every position holds real keys/values
+    ids = torch.randint(0, 50257, (batch, 1), device="cuda")
+    out = torch.empty(batch, 1, model.config.vocab_size, device="cuda", dtype=torch.float16)
+
+    def step(n: int) -> None:
+        cache.set_length(n)
+        # Attention that reads the cache's strided prefix in place (on the GPU, Hugging Face
+        # passes GPT-2 a mask, so memory-efficient attention). The cuDNN backend, which PyTorch
+        # otherwise picked here, switched generated kernels between lengths, and 71 nodes of
+        # 302 differed between KV 513 and 577 with it.
+        with torch.no_grad(), sdpa_kernel(ATTENTION):
+            out.copy_(model(ids, past_key_values=cache, use_cache=True).logits)
+
+    # The family first, in a process that has destroyed no executable yet: the driver hands
+    # what destroyed executables held to the next ones, which hides their memory.
+    reserved_a = torch.cuda.memory_reserved()
+    family = capture_family(step, sorted(lengths, reverse=True),
+                            params=dict(model.named_parameters()),
+                            progress=lambda line: _log(f"  b{batch} family: {line}"))
+    _log(f"  b{batch} family: {len(family.groups)} topologies in {family.capture_s:.1f} s")
+    # One or two executables sit below the driver's allocation granularity, so their memory is
+    # the drop in free memory over many copies of each topology's executable (kept alive until
+    # the naive graphs are measured too).
+    copies = 16
+    free_a, _ = _device_bytes()
+    extra = [g.graph.instantiate() for g in family.groups.values() for _ in range(copies)]
+    free_b, _ = _device_bytes()
+    family_graph = (free_a - free_b) / copies
+    mid = lengths[len(lengths) // 2]
+    neighbours = _changed(family, mid, lengths[len(lengths) // 2 + 1])
+
+    side = torch.cuda.Stream()
+    free0, reserved0 = _device_bytes()
+    t = time.perf_counter()
+    naive: dict[int, torch.cuda.CUDAGraph] = {}
+    for i, n in enumerate(sorted(lengths, reverse=True)):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(n)  # warm-up outside capture, as torch.cuda.graph's users do
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step(n)
+        naive[n] = g
+        if (i + 1) % 100 == 0:
+            _log(f"  b{batch} naive: {i + 1}/{len(lengths)}")
+    naive_capture_s = time.perf_counter() - t
+    _log(f"  b{batch} naive: {len(lengths)} graphs in {naive_capture_s:.1f} s")
+    free1, reserved1 = _device_bytes()
+    naive_pool = reserved1 - reserved0
+    naive_graph = (free0 - free1) - naive_pool
+    reserved2 = reserved_a + family.pool_bytes
+
+    sample = sorted({lengths[0], lengths[-1], *lengths[:: max(len(lengths) // 12, 1)]})
+    identical = []
+    for n in sample:
+        naive[n].replay()
+        torch.cuda.synchronize()
+        expected = out.clone()
+        out.zero_()
+        family.run(n)
+        torch.cuda.synchronize()
+        identical.append(bool(torch.equal(out, expected)))
+    order = sorted(lengths)  # generation order: one more token each step
+    family.update_s, family.updated_nodes = 0.0, 0
+    family_cold = _steps(family.run, order, sync_each=False)
+    cold_update_us = family.update_s * 1e6 / len(order)
+    family.update_s, family.updated_nodes = 0.0, 0
+    family_ms = _steps(family.run, order, sync_each=False)
+    update_us = family.update_s * 1e6 / len(order)
+    nodes_per_step = family.updated_nodes / len(order)
+    naive_ms = _steps(lambda n: naive[n].replay(), order, sync_each=False)
+    naive_sync = _steps(lambda n: naive[n].replay(), order, sync_each=True)
+    family_sync = _steps(family.run, order, sync_each=True)
+    nodes = [len(g.template) for g in family.groups.values()]
+    result = {
+        "workload": f"gpt2-small decode b{batch}", "batch": batch, "shapes": len(lengths),
+        "kv_lengths": [lengths[0], lengths[-1]],
+        "naive_graph_bytes": naive_graph, "naive_pool_bytes": naive_pool,
+        "family_graph_bytes": family_graph, "family_pool_bytes": family.pool_bytes,
+        "family_graph_bytes_first_instantiation": family.graph_bytes,
+        "memory_ratio": naive_graph / family_graph,
+        "pool_ratio": naive_pool / max(family.pool_bytes, 1),
+        "naive_capture_s": naive_capture_s, "family_capture_s": family.capture_s,
+        "topologies": len(family.groups), "nodes_per_topology": nodes,
+        "delta_host_bytes": family.delta_bytes,
+        "changed_nodes_per_step": nodes_per_step,
+        "changed_between_neighbours": neighbours,
+        "delta_apply_us_per_step": update_us, "delta_apply_us_per_step_first_pass": cold_update_us,
+        "step_ms_naive": naive_ms, "step_ms_family": family_ms,
+        "step_ms_family_first_pass": family_cold,
+        "step_ms_naive_synced": naive_sync, "step_ms_family_synced": family_sync,
+        "bitwise_identical": {str(n): same for n, same in zip(sample, identical, strict=True)},
+        "reserved_after_family": reserved2,
+    }
+    if trace_dir is not None:
+        window = order[len(order) // 2:len(order) // 2 + 32]
+        counters = {k: float(result[k]) for k in (
+            "shapes", "topologies", "changed_nodes_per_step", "naive_graph_bytes",
+            "family_graph_bytes", "naive_pool_bytes", "family_pool_bytes")}
+        counters["nodes"] = float(max(nodes))
+        try:
+            _record(trace_dir, batch, window, {"graph": lambda n: naive[n].replay()}, counters)
+        except GrapeError as e:  # the measurements above stand without the trace
+            _log(f"  b{batch}: no trace: {e}")
+    for e in extra:
+        e.close()
+    family.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="1:1023", help="first:last[:stride] KV lengths")
+    parser.add_argument("--batches", default="1")
+    parser.add_argument("--traces", type=Path, default=None, metavar="DIR",
+                        help="also write a trace of the per-shape graphs over 32 lengths, with "
+                             "the family's figures as counters, into DIR")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "families_h200.json")
+    args = parser.parse_args()
+    first, last, *stride = (int(x) for x in args.lengths.split(":"))
+    lengths = list(range(first, last + 1, stride[0] if stride else 1))
+    if not 1 <= first <= last < MAX_LEN:
+        raise SystemExit(f"expected KV lengths within 1..{MAX_LEN - 1}, found {args.lengths}")
+    results = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        _log(f"[+] GPT-2 small decode, batch {batch}, {len(lengths)} KV lengths")
+        results.append(measure(batch, lengths, args.traces))
+        _log(json.dumps({k: v for k, v in results[-1].items()
+                         if k != "changed_between_neighbours"}))
+        _log(json.dumps(results[-1]["changed_between_neighbours"]))
+        torch.cuda.empty_cache()
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "command": " ".join(sys.argv), "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    keys = ("shapes", "topologies", "memory_ratio", "naive_capture_s", "family_capture_s",
+            "changed_nodes_per_step", "delta_apply_us_per_step", "step_ms_naive",
+            "step_ms_family", "step_ms_naive_synced", "step_ms_family_synced")
+    for r in results:
+        same = statistics.mean(r["bitwise_identical"].values())
+        print(r["workload"], " ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else
+                                      f"{k}={r[k]}" for k in keys), f"bitwise={same:.0%}")
+
+
+if __name__ == "__main__":
+    main()

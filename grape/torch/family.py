@@ -1,0 +1,156 @@
+"""Graph families: one executable per topology, brought to each shape by its parameter delta.
+
+``capture_family(step, shapes)`` captures ``step(shape)`` for every shape, in the order given
+(largest first: every shape's activations then live in the memory the largest one took),
+into one shared memory pool, and reads each capture into the IR. Shapes group by topology
+fingerprint (``grape.passes.families``); each group instantiates one executable, from its
+first shape's graph (the template), and every other shape keeps only its delta against the
+template (``grape.passes.delta``, coded by ``grape.passes.compress``). ``family.run(shape)``
+updates the executable's nodes that differ from the shape it holds (``transition``) and
+launches it. A shape outside the family runs ``step`` eagerly, with a warning.
+
+``step`` must keep its buffers in place across shapes (a preallocated cache such as
+``grape.torch.cache.PrefixCache``, outputs written into a static tensor): what it returns is
+dropped, so that one shape's outputs do not push the next shape's allocations elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grape.cuda.build import Executable, Graph, Update
+from grape.errors import GrapeError, UnsupportedError
+from grape.ir import KernelGraph, fingerprint
+from grape.passes.delta import ShapeDelta, delta, transition
+from grape.torch.capture import capture
+
+__all__ = ["Family", "capture_family"]
+
+
+@dataclass
+class _Group:
+    template_shape: Hashable
+    template: KernelGraph
+    graph: Graph
+    executable: Executable
+    holds: Hashable  # the shape whose parameters the executable holds now
+
+
+@dataclass
+class Family:
+    step: Callable[[Hashable], Any]
+    groups: dict[str, _Group]
+    group_of: dict[Hashable, str]
+    deltas: dict[Hashable, ShapeDelta]
+    pool_bytes: int  # the shared pool's growth over the whole capture
+    capture_s: float  # capture, reading into the IR, deltas and instantiation, all shapes
+    keep: list[Any] = field(default_factory=list)  # the torch graph that holds the pool
+    _prepared: dict[tuple[Hashable, Hashable], list[Update]] = field(default_factory=dict)
+    _warned: set[Hashable] = field(default_factory=set)
+    update_s: float = 0.0  # host time spent bringing executables to shapes, all runs
+    updated_nodes: int = 0
+
+    @property
+    def graph_bytes(self) -> int:
+        """Device memory of the family's executables (one per topology)."""
+        return sum(g.executable.device_bytes for g in self.groups.values())
+
+    @property
+    def delta_bytes(self) -> int:
+        """Host bytes the coded argument deltas keep, all shapes."""
+        return sum(d.args_bytes for d in self.deltas.values())
+
+    def run(self, shape: Hashable, stream: int | None = None) -> None:
+        """Run ``step(shape)``: the family's executable brought to ``shape``, or eagerly (with
+        a warning, once per shape) when ``shape`` was never captured."""
+        name = self.group_of.get(shape)
+        if name is None:
+            if shape not in self._warned:
+                self._warned.add(shape)
+                warnings.warn(f"shape {shape!r} is not in the family (captured: "
+                              f"{len(self.group_of)} shapes): running it eagerly", stacklevel=2)
+            self.step(shape)
+            return
+        group = self.groups[name]
+        if group.holds != shape:
+            t = time.perf_counter()
+            key = (group.holds, shape)
+            updates = self._prepared.get(key)
+            if updates is None:
+                ops = transition(group.template, self.deltas[group.holds], self.deltas[shape])
+                updates = self._prepared[key] = group.graph.prepare(ops)
+            Graph.apply(group.executable, updates)
+            group.holds = shape
+            self.update_s += time.perf_counter() - t
+            self.updated_nodes += len(updates)
+        group.executable.launch(torch.cuda.current_stream().cuda_stream
+                                if stream is None else stream)
+
+    def close(self) -> None:
+        for g in self.groups.values():
+            g.executable.close()
+            g.graph.close()
+
+
+def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
+                   params: Mapping[str, torch.Tensor] | None = None,
+                   progress: Callable[[str], None] = lambda line: None) -> Family:
+    """Capture ``step(shape)`` for each shape (largest first) into one family.
+
+    Raises
+    ------
+    CaptureError
+        ``step`` cannot be captured for some shape (the message names the user's line).
+    GrapeError
+        No shapes, or a shape given twice.
+    """
+    shapes = list(shapes)
+    if not shapes or len(set(shapes)) != len(shapes):
+        raise GrapeError(f"expected distinct shapes to capture, found {len(shapes)} with "
+                         f"{len(shapes) - len(set(shapes))} repeated")
+    began = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
+    reserved = torch.cuda.memory_reserved()
+    groups: dict[str, _Group] = {}
+    group_of: dict[Hashable, str] = {}
+    deltas: dict[Hashable, ShapeDelta] = {}
+    keep: list[Any] = []
+    for i, shape in enumerate(shapes):
+        cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
+                      collect=False)
+        ir = cap.ir
+        key = fingerprint(ir, launch=False)
+        group = groups.get(key)
+        if group is None:
+            graph = Graph.build(ir)
+            group = groups[key] = _Group(shape, ir, graph, graph.instantiate(), shape)
+            keep.append(cap.torch_graph)  # keeps the shared pool's memory for the family
+        try:
+            deltas[shape] = delta(group.template, ir)
+            _check_updatable(group.template, deltas[shape], shape)
+        except UnsupportedError as e:
+            raise UnsupportedError(f"shape {shape!r}: {e}") from None
+        group_of[shape] = key
+        if (i + 1) % 50 == 0 or i + 1 == len(shapes):
+            progress(f"captured {i + 1}/{len(shapes)} shapes, {len(groups)} topologies")
+    torch.cuda.synchronize()
+    return Family(step, groups, group_of, deltas,
+                  torch.cuda.memory_reserved() - reserved, time.perf_counter() - began, keep)
+
+
+def _check_updatable(template: KernelGraph, d: ShapeDelta, shape: Hashable) -> None:
+    """Refuse, at capture, a shape whose delta an executable cannot take in place."""
+    for nd in d.nodes:
+        if nd.kernel is not None and "attributes" in dict(nd.kernel.fields):
+            raise UnsupportedError(f"node {nd.node!r} changes kernel attributes, which an "
+                                   f"executable cannot update in place")
+        op = template.op(nd.node)
+        if nd.replacement is not None and op.kind not in ("memcpy", "memset"):
+            raise UnsupportedError(f"node {nd.node!r} ({op.kind}) changes, and only kernels, "
+                                   f"copies and memsets update in place")

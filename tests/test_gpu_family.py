@@ -1,0 +1,99 @@
+"""Graph families on a real GPU: one executable per topology, brought to each KV length."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+from grape.torch.cache import PrefixCache  # noqa: E402
+
+LENGTHS = [60, 59, 58, 33, 32, 9, 1]  # largest first, as a family is captured
+
+
+@pytest.fixture(scope="module")
+def decode():
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=256, n_layer=2, n_head=4, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).cuda().half().eval()
+    cache = PrefixCache(config.n_layer, 64)
+    with torch.no_grad():
+        model(torch.randint(0, 1000, (2, 63), device="cuda"), past_key_values=cache)
+    ids = torch.randint(0, 1000, (2, 1), device="cuda")
+    out = torch.empty(2, 1, config.vocab_size, device="cuda", dtype=torch.float16)
+
+    def step(n):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        cache.set_length(n)
+        in_place = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        with torch.no_grad(), sdpa_kernel(in_place):
+            out.copy_(model(ids, past_key_values=cache).logits)
+
+    return model, step, out
+
+
+@pytest.fixture(scope="module")
+def family(decode):
+    from grape.torch.family import capture_family
+
+    model, step, _ = decode
+    fam = capture_family(step, LENGTHS, params=dict(model.named_parameters()))
+    yield fam
+    fam.close()
+
+
+def _graph_of(step, n):
+    g = torch.cuda.CUDAGraph()
+    step(n)  # warm-up
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        step(n)
+    return g
+
+
+def test_every_length_computes_bitwise_what_its_own_graph_computes(decode, family):
+    _, step, out = decode
+    graphs = {n: _graph_of(step, n) for n in LENGTHS}
+    for n in [1, 58, 59, 60, 9, 33, 32, 1]:  # back and forth across the family
+        graphs[n].replay()
+        torch.cuda.synchronize()
+        expected = out.clone()
+        out.zero_()
+        family.run(n)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), f"KV length {n}"
+
+
+def test_neighbouring_lengths_update_few_nodes(family):
+    assert len(family.groups) <= 2
+    family.run(58)
+    family.updated_nodes = 0
+    family.run(59)
+    nodes = min(len(g.template) for g in family.groups.values())
+    # 25 of 64 on the H200: the attention kernels, the index fill, and kernels whose scratch
+    # moved because the attention mask Hugging Face builds grows with the length.
+    assert 0 < family.updated_nodes < nodes / 2
+
+
+def test_family_keeps_one_executable_per_topology(family):
+    assert set(family.group_of) == set(LENGTHS) == set(family.deltas)
+    templates = {g.template_shape for g in family.groups.values()}
+    assert max(LENGTHS) in templates  # captured first, so the first template
+    assert all(family.deltas[s].nodes == () for s in templates)
+
+
+def test_a_length_never_captured_runs_eagerly_with_a_warning(decode, family):
+    _, step, out = decode
+    step(20)
+    torch.cuda.synchronize()
+    expected = out.clone()
+    out.zero_()
+    with pytest.warns(UserWarning, match="not in the family"):
+        family.run(20)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
