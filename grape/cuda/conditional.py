@@ -30,6 +30,13 @@ extern "C" __global__ void grape_count_down(cudaGraphConditionalHandle h, int* c
     *count -= 1;
     cudaGraphSetConditional(h, *count > 0 ? 1u : 0u);
 }
+// A data-dependent loop's last step, with a bound: go on while the body says so and the
+// iterations left (counted down here) are not spent.
+extern "C" __global__ void grape_while_bounded(cudaGraphConditionalHandle h, const bool* go,
+                                               int* remaining) {
+    *remaining -= 1;
+    cudaGraphSetConditional(h, (*go && *remaining > 0) ? 1u : 0u);
+}
 """
 
 

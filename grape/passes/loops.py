@@ -1,0 +1,50 @@
+"""A bounded WHILE loop around a captured body, as IR (no GPU work).
+
+The loop's condition lives on the device: a setter kernel before the conditional node reads the
+body's "go on" flag into the node's handle, and one at the end of each iteration counts the
+bound down and sets the handle again (``grape.cuda.conditional`` compiles both). The kernels
+are given, already carrying a reference to the handle named ``handle``.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from grape.errors import GrapeError
+from grape.ir import Buffer, Conditional, ConditionalKind, Kernel, KernelGraph, Memset, Span
+
+__all__ = ["while_loop_graph"]
+
+
+def while_loop_graph(body: KernelGraph, remaining: Buffer, max_iterations: int, *,
+                     handle: str, start: Kernel, step: Kernel,
+                     extra: tuple[Buffer, ...] = ()) -> KernelGraph:
+    """``memset(remaining = max_iterations) -> start -> WHILE handle { body; step }``.
+
+    ``start`` sets the handle before the first iteration; ``step`` runs after every sink of
+    ``body`` and sets it for the next. ``extra`` buffers (the flag the setters read) join the
+    table beside the body's.
+    """
+    if not isinstance(max_iterations, int) or isinstance(max_iterations, bool) \
+            or max_iterations < 1:
+        raise GrapeError(f"expected a loop bound of at least 1 iteration (a loop without one "
+                         f"is refused), found {max_iterations!r}")
+    for k in (start, step):
+        if not any(ref.handle == handle for ref in k.handles):
+            raise GrapeError(f"expected setter kernel {k.name!r} to take handle {handle!r}, "
+                             f"found handles {[ref.handle for ref in k.handles]}")
+    inner = KernelGraph()
+    for node in nx.topological_sort(body.dag):
+        inner.add(node, body.op(node), after=body.dag.predecessors(node))
+    sinks = [n for n in body.dag if body.dag.out_degree(n) == 0]
+    inner.add("grape:step", step, after=sinks)
+    outer = KernelGraph()
+    for buffer in (*body.buffers.values(), remaining, *extra):
+        if buffer.id not in outer.buffers:
+            outer.add_buffer(buffer)
+    outer.add("grape:remaining", Memset(Span(remaining.id), max_iterations, 4, 1))
+    outer.add("grape:start", start, after=["grape:remaining"])
+    outer.add("grape:while", Conditional(ConditionalKind.WHILE, handle, (inner,), default=0),
+              after=["grape:start"])
+    outer.validate()
+    return outer

@@ -1,0 +1,81 @@
+"""Loops that run on the device: a captured PyTorch body inside a WHILE conditional node.
+
+``DeviceLoop(body, running, max_iterations)`` captures ``body`` (work on CUDA tensors that
+updates its own state in place, and writes whether to go on into ``running``, a CUDA boolean
+scalar) into the IR, and builds one graph around it:
+
+    memset(remaining = max_iterations) -> set(loop, running) -> WHILE loop { body; next }
+
+where ``set`` and ``next`` are grape's NVRTC setter kernels (``grape.cuda.conditional``):
+``next`` counts ``remaining`` down and continues while ``running`` holds and iterations are left.
+One :meth:`DeviceLoop.launch` runs the whole loop; the host does not synchronise per
+iteration, and it learns the outcome by reading the state back once, when it wants it.
+
+The body is captured as it is called, so it must have run eagerly at least once before (lazy
+initialisation, such as cuBLAS handles, cannot happen inside a capture), and its tensors must
+keep their shapes and addresses: an in-place state, such as ``grape.torch.generate``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from grape.cuda.build import Executable, Graph
+from grape.cuda.conditional import condition_kernels
+from grape.cuda.nvrtc import kernel_op
+from grape.errors import GrapeError
+from grape.ir import Buffer, BufferRole, HandleRef, Kernel
+from grape.passes.loops import while_loop_graph
+from grape.torch.capture import capture
+
+__all__ = ["DeviceLoop"]
+
+_HANDLE = "grape:loop"
+
+
+def _setter(name: str, *pointers: int) -> Kernel:
+    """One of grape's setter kernels, its first argument the loop's conditional handle (the
+    builder writes the handle's value there)."""
+    k = kernel_op(condition_kernels().function(name), (1, 1, 1), (1, 1, 1), [0, *pointers])
+    return dataclasses.replace(k, handles=(HandleRef(0, _HANDLE),))
+
+
+class DeviceLoop:
+    """``while running and iterations remain: body()``, as one graph launch."""
+
+    def __init__(self, body: Callable[[], Any], running: torch.Tensor, max_iterations: int,
+                 params: Mapping[str, torch.Tensor] | None = None) -> None:
+        if not (isinstance(running, torch.Tensor) and running.is_cuda
+                and running.dtype == torch.bool and running.numel() == 1):
+            found = (f"{running.dtype} of shape {tuple(running.shape)} on {running.device}"
+                     if isinstance(running, torch.Tensor) else type(running).__name__)
+            raise GrapeError(f"expected the loop condition to be a CUDA boolean scalar, found "
+                             f"{found}")
+        if not isinstance(max_iterations, int) or max_iterations < 1:
+            raise GrapeError(f"expected a loop bound of at least 1 iteration (a loop without "
+                             f"one is refused), found {max_iterations!r}")  # before capturing
+        self.running = running
+        self.remaining = torch.zeros(1, dtype=torch.int32, device=running.device)
+        # No warm-up: it would run the body once more on the caller's state.
+        self.capture = capture(body, params=params, warmup=0, instantiate=False)
+        go = Buffer("grape:running", 1, BufferRole.INTERNAL, address=running.data_ptr())
+        left = Buffer("grape:remaining", 4, BufferRole.INTERNAL,
+                      address=self.remaining.data_ptr())
+        self.ir = while_loop_graph(
+            self.capture.ir, left, max_iterations, handle=_HANDLE, extra=(go,),
+            start=_setter("grape_set_from_bool", go.address),
+            step=_setter("grape_while_bounded", go.address, left.address))
+        self.graph = Graph.build(self.ir)
+        self.executable: Executable = self.graph.instantiate()
+
+    def launch(self, stream: int | None = None) -> None:
+        self.executable.launch(torch.cuda.current_stream().cuda_stream
+                               if stream is None else stream)
+
+    def close(self) -> None:
+        self.executable.close()
+        self.graph.close()

@@ -1,0 +1,88 @@
+"""Loops on the device: a WHILE node around a captured PyTorch body, on a real GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+from grape.errors import GrapeError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+
+
+def _counter(limit):
+    x = torch.zeros(1, device="cuda")
+    running = torch.ones((), dtype=torch.bool, device="cuda")
+
+    def body():
+        x.add_(1)
+        torch.lt(x[0], limit, out=running)
+
+    body()  # eager warm-up, then back to the start
+    x.zero_()
+    running.fill_(True)
+    return x, running, body
+
+
+@pytest.mark.parametrize(("limit", "bound", "expected"), [(10, 100, 10), (10, 3, 3), (1, 5, 1)])
+def test_a_device_loop_runs_until_its_condition_or_its_bound(cuda, limit, bound, expected):
+    from grape.torch.loop import DeviceLoop
+
+    x, running, body = _counter(limit)
+    loop = DeviceLoop(body, running, bound)
+    try:
+        for _ in range(2):  # launches repeat: the bound is reset by the graph itself
+            x.zero_()
+            running.fill_(True)
+            loop.launch()
+            torch.cuda.synchronize()
+            assert x.item() == expected
+    finally:
+        loop.close()
+
+
+def test_bad_conditions_and_bounds_are_refused(cuda):
+    from grape.torch.loop import DeviceLoop
+
+    x, running, body = _counter(3)
+    with pytest.raises(GrapeError, match="CUDA boolean scalar, found torch.float32"):
+        DeviceLoop(body, x, 4)
+    with pytest.raises(GrapeError, match="a loop without one is refused"):
+        DeviceLoop(body, running, 0)
+
+
+@pytest.mark.parametrize("eos_at", [None, 5], ids=["no EOS", "EOS"])
+def test_greedy_generation_on_the_device_matches_generate(cuda, eos_at):
+    from grape.torch.generate import GreedyDecoder, generate_host_loop
+    from grape.torch.loop import DeviceLoop
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=256, n_layer=2, n_head=4, n_positions=256)
+    model = transformers.GPT2LMHeadModel(config).cuda().half().eval()
+    prompt = torch.randint(0, 50000, (2, 16), device="cuda")
+    new = 48
+    host = generate_host_loop(GreedyDecoder(model, prompt, new, None, 0))
+    eos = None if eos_at is None else int(host[0, eos_at])
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=new, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=0)[:, prompt.shape[1]:]
+    decoder = GreedyDecoder(model, prompt, new, eos, 0)
+    decoder.prefill()
+    decoder.step()  # warm-up outside capture
+    decoder.prefill()
+    loop = DeviceLoop(decoder.step, decoder.running, new,
+                      params=dict(model.named_parameters()))
+    try:
+        decoder.prefill()
+        loop.launch()  # the whole generation: one launch, read back once below
+        got = decoder.generated()
+    finally:
+        loop.close()
+    assert torch.equal(got, expected)
