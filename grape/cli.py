@@ -109,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--update-nodes", type=float, metavar="N",
                      help="what if one executable served every shape, updating N nodes before "
                           "each graph launch (a graph family; see the trace's counters)")
+    sim.add_argument("--device-loop", action="store_true",
+                     help="what if every iteration ran inside one WHILE node on the device: one "
+                          "launch and one sync for the whole run (needs graphed iterations: a "
+                          "graphed trace, or --graph)")
     sim.add_argument("--chrome", type=Path, metavar="FILE",
                      help="write the simulated timeline (of the what-if, if any) as a Chrome "
                           "trace that Perfetto opens")
@@ -238,6 +242,7 @@ def _simulate(args: argparse.Namespace) -> None:
         costs_from_profile,
         graph_iterations,
         graph_region,
+        loop_on_device,
         scale_host,
         set_launch_cost,
         unprofiled_program,
@@ -270,12 +275,17 @@ def _simulate(args: argparse.Namespace) -> None:
                              "--graph), found none")
         what_if = update_per_shape(what_if, costs, args.update_nodes)
         labels.append(f"{args.update_nodes:g} nodes updated per launch")
+    looped = 1  # iterations one simulated iteration stands for
+    if args.device_loop:
+        looped = len(what_if.iterations)
+        what_if = loop_on_device(what_if, costs)
+        labels.append("one device loop")
     chosen = simulate(what_if, costs, timeline=args.chrome is not None)
     measured = trace.grape.wall_time_median_us if trace.grape else None
     rows = [("measured (no profiler)", measured), ("predicted from the trace",
                                                     base.per_iteration)]
     if labels:
-        rows.append((f"what if: {', '.join(labels)}", chosen.per_iteration))
+        rows.append((f"what if: {', '.join(labels)}", chosen.per_iteration / looped))
     print(f"{args.trace}: {trace.workload} ({trace.mode}), {len(program.iterations)} iterations")
     for label, value in rows:
         shown = "not recorded" if value is None else f"{value / 1000:10.3f} ms per iteration"

@@ -249,3 +249,18 @@ def test_simulate_prices_a_family_update_per_launch(capsys):
     assert added == pytest.approx(100 * PROFILE.get("set_params"), rel=0.02)
     assert main(["simulate", str(EAGER), "--update-nodes", "3"]) == 2
     assert "expected graph launches to update per shape" in capsys.readouterr().err
+
+
+def test_simulate_prices_a_loop_on_the_device(capsys):
+    family = TRACES / "h200_families" / "gpt2_small_family_b1.graph.json.gz"
+    assert main(["simulate", str(family), "--device-loop"]) == 0
+    out = capsys.readouterr().out
+    per = {line.split(" ms per")[0].rsplit(None, 1)[0].strip(): float(
+        line.split(" ms per")[0].rsplit(None, 1)[1]) for line in out.splitlines()
+        if "ms per iteration" in line}
+    # One launch and one sync for all 32 steps: no host gap between steps, a WHILE iteration's
+    # cost instead; faster per step than a launch and a sync each.
+    assert per["what if: one device loop"] < per["predicted from the trace"]
+    assert "GPU busy 100.0%" in out
+    assert main(["simulate", str(EAGER), "--device-loop"]) == 2
+    assert "expected one graph launch per iteration" in capsys.readouterr().err
