@@ -237,13 +237,21 @@ def test_graphing_a_graphed_program_changes_nothing():
         graph_iterations(mixed, costs)
 
 
+def _per_iteration(out: str) -> dict[str, float]:
+    """grape simulate's rows: label -> ms per iteration."""
+    rows = {}
+    for line in out.splitlines():
+        if "ms per iteration" in line:
+            label, value = line.split(" ms per")[0].rsplit(None, 1)
+            rows[label.strip()] = float(value)
+    return rows
+
+
 def test_simulate_prices_a_family_update_per_launch(capsys):
     family = TRACES / "h200_families" / "gpt2_small_family_b1.graph.json.gz"
     assert main(["simulate", str(family), "--update-nodes", "100"]) == 0
     out = capsys.readouterr().out
-    lines = {line.split(" ms per")[0].rsplit(None, 1)[0].strip(): float(
-        line.split(" ms per")[0].rsplit(None, 1)[1]) for line in out.splitlines()
-        if "ms per iteration" in line}
+    lines = _per_iteration(out)
     added = (lines["what if: 100 nodes updated per launch"]
              - lines["predicted from the trace"]) * 1000
     assert added == pytest.approx(100 * PROFILE.get("set_params"), rel=0.02)
@@ -255,9 +263,7 @@ def test_simulate_prices_a_loop_on_the_device(capsys):
     family = TRACES / "h200_families" / "gpt2_small_family_b1.graph.json.gz"
     assert main(["simulate", str(family), "--device-loop"]) == 0
     out = capsys.readouterr().out
-    per = {line.split(" ms per")[0].rsplit(None, 1)[0].strip(): float(
-        line.split(" ms per")[0].rsplit(None, 1)[1]) for line in out.splitlines()
-        if "ms per iteration" in line}
+    per = _per_iteration(out)
     # One launch and one sync for all 32 steps: no host gap between steps, a WHILE iteration's
     # cost instead; faster per step than a launch and a sync each.
     assert per["what if: one device loop"] < per["predicted from the trace"]
