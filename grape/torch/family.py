@@ -58,7 +58,10 @@ class Family:
 
     @property
     def graph_bytes(self) -> int:
-        """Device memory of the family's executables (one per topology)."""
+        """Device memory the family's executables took at instantiation (one per topology),
+        as free memory's drop: one or two executables can sit below the driver's allocation
+        granularity and read 0 (they did on the H200), so measure over many copies for a
+        figure (``benchmarks/families.py`` does)."""
         return sum(g.executable.device_bytes for g in self.groups.values())
 
     @property
