@@ -86,3 +86,19 @@ def test_greedy_generation_on_the_device_matches_generate(cuda, eos_at):
     finally:
         loop.close()
     assert torch.equal(got, expected)
+
+
+def test_while_loop_on_the_device_matches_the_eager_loop(cuda):
+    from grape.torch.control import while_loop
+
+    def run(on_device):
+        x = torch.zeros(4, device="cuda")
+        n = torch.zeros((), dtype=torch.long, device="cuda")
+        cond = lambda a, k: a.sum() < 50  # noqa: E731
+        body = lambda a, k: (a + torch.arange(4, device="cuda"), k + 1)  # noqa: E731
+        body(x, n)  # warm-up: nothing may initialise lazily inside a capture
+        return while_loop(cond, body, (x, n), 100, on_device=on_device)
+
+    eager, device = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, device, strict=True))
+    assert device[1].item() == 9  # 6 per iteration: 54 after the ninth

@@ -39,3 +39,31 @@ def test_predicates_that_are_not_integer_or_boolean_scalars_are_refused(bad):
         cond(bad, lambda: 1, lambda: 2)
     with pytest.raises(GrapeError, match="boolean or integer scalar tensor"), predicate(bad):
         pass
+
+
+def test_while_loop_runs_until_the_condition_or_the_bound():
+    from grape.torch.control import while_loop
+
+    (x,) = while_loop(lambda t: t.sum() < 10, lambda t: (t + 3,), (torch.zeros(1),), 100)
+    assert x.item() == 12
+    (x,) = while_loop(lambda t: t.sum() < 10, lambda t: (t + 3,), (torch.zeros(1),), 2)
+    assert x.item() == 6
+    (x,) = while_loop(lambda t: t.sum() < 0, lambda t: (t + 3,), (torch.zeros(1),), 5)
+    assert x.item() == 0  # the condition is checked before the first iteration
+
+
+def test_while_loop_refuses_bodies_that_change_the_state_and_loops_without_a_bound():
+    from grape.torch.control import while_loop
+
+    state = (torch.zeros(2), torch.zeros((), dtype=torch.long))
+    with pytest.raises(GrapeError, match=r"keep state 0 at \(2,\) torch.float32, found \(3,\)"):
+        while_loop(lambda a, n: n < 3, lambda a, n: (torch.zeros(3), n + 1), state, 10)
+    with pytest.raises(GrapeError, match=r"keep state 1 at \(\) torch.int64, found \(\) "
+                                         r"torch.float32"):
+        while_loop(lambda a, n: n < 3, lambda a, n: (a, n + 0.5), state, 10)
+    with pytest.raises(GrapeError, match="return 2 tensors"):
+        while_loop(lambda a, n: n < 3, lambda a, n: (a,), state, 10)
+    with pytest.raises(GrapeError, match="a loop without one is refused"):
+        while_loop(lambda a, n: n < 3, lambda a, n: (a, n + 1), state, 0)
+    with pytest.raises(GrapeError, match="boolean or integer scalar tensor"):
+        while_loop(lambda a, n: a, lambda a, n: (a, n + 1), state, 3)

@@ -12,9 +12,12 @@ every replay. Nested regions nest their nodes.
         if taken:          # eagerly: flag's value; under capture: True, into the IF body
             x.add_(1)
 
-Loops live in ``grape.torch.loop.DeviceLoop`` (a whole loop as one graph); see also
-``grape.torch.generate``. Graphs holding IF nodes replay through PyTorch; grape cannot read them
-into its IR on drivers without ``cuGraphNodeGetParams`` (driver 580 among them).
+``while_loop(cond_fn, body_fn, state, max_iterations)`` loops over a tuple of tensors: eagerly
+with one sync per iteration, or, with ``on_device=True``, as one graph launch whose WHILE node
+decides on the GPU (``grape.torch.loop.DeviceLoop``, which callers that loop many times should
+keep and relaunch); see also ``grape.torch.generate``. Graphs holding IF nodes replay through
+PyTorch; grape cannot read them into its IR on drivers without ``cuGraphNodeGetParams`` (driver
+580 among them).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from grape.errors import GrapeError, UnsupportedError
 
-__all__ = ["cond", "predicate"]
+__all__ = ["cond", "predicate", "while_loop"]
 
 _PREDICATE_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -121,3 +124,67 @@ def predicate(pred: torch.Tensor) -> Generator[bool, None, None]:
         return
     with _if_body(_graph(pred), pred):
         yield True
+
+
+def _same_layout(state: tuple[torch.Tensor, ...], new: Any) -> tuple[torch.Tensor, ...]:
+    new = tuple(new) if isinstance(new, (tuple, list)) else (new,)
+    if len(new) != len(state):
+        raise GrapeError(f"expected the loop body to return {len(state)} tensors, as many as "
+                         f"the state, found {len(new)}")
+    for i, (old, got) in enumerate(zip(state, new, strict=True)):
+        if not isinstance(got, torch.Tensor) or got.shape != old.shape \
+                or got.dtype != old.dtype:
+            found = (f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor)
+                     else type(got).__name__)
+            raise GrapeError(f"expected the loop body to keep state {i} at "
+                             f"{tuple(old.shape)} {old.dtype}, found {found}")
+    return new
+
+
+def while_loop(cond_fn: Callable[..., torch.Tensor], body_fn: Callable[..., Any],
+               state: tuple[torch.Tensor, ...], max_iterations: int, *,
+               on_device: bool = False) -> tuple[torch.Tensor, ...]:
+    """``while cond_fn(*state): state = body_fn(*state)``, at most ``max_iterations`` times.
+
+    The body must keep every state tensor's shape and dtype (it is refused otherwise), and a
+    loop needs its bound. With ``on_device`` the state tensors are updated in place by one
+    graph launch (``DeviceLoop``) and returned; the body must have run eagerly before, so that
+    nothing initialises lazily inside the capture.
+    """
+    state = tuple(state)
+    if not state or not all(isinstance(t, torch.Tensor) for t in state):
+        raise GrapeError(f"expected the loop state to be a non-empty tuple of tensors, found "
+                         f"{[type(t).__name__ for t in state]}")
+    if not isinstance(max_iterations, int) or isinstance(max_iterations, bool) \
+            or max_iterations < 1:
+        raise GrapeError(f"expected a loop bound of at least 1 iteration (a loop without one "
+                         f"is refused), found {max_iterations!r}")
+    if on_device:
+        return _device_while(cond_fn, body_fn, state, max_iterations)
+    for _ in range(max_iterations):
+        if not bool(_check(cond_fn(*state))):
+            break
+        state = _same_layout(state, body_fn(*state))
+    return state
+
+
+def _device_while(cond_fn: Callable[..., torch.Tensor], body_fn: Callable[..., Any],
+                  state: tuple[torch.Tensor, ...], max_iterations: int
+                  ) -> tuple[torch.Tensor, ...]:
+    from grape.torch.loop import DeviceLoop
+
+    running = torch.zeros((), dtype=torch.bool, device=state[0].device)
+
+    def body() -> None:
+        for old, new in zip(state, _same_layout(state, body_fn(*state)), strict=True):
+            old.copy_(new)
+        running.copy_(_check(cond_fn(*state)).bool().reshape(()))
+
+    running.copy_(_check(cond_fn(*state)).bool().reshape(()))
+    loop = DeviceLoop(body, running, max_iterations)
+    try:
+        loop.launch()
+    finally:
+        torch.cuda.synchronize()
+        loop.close()
+    return state
