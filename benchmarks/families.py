@@ -82,7 +82,7 @@ def _record(out_dir: Path, batch: int, window: list[int], runs: dict, counters: 
     cuda-python makes (``cuGraphLaunch``, the node updates), so a family's kernels come back
     with no host call and the trace cannot be read (seen on the H200).
     """
-    from grape.torch.record import _driver, _libraries, _profile
+    from grape.torch.record import _driver, _libraries, profile_steps
     from grape.trace import GrapeMeta, write_trace
 
     walls = {mode: _synced_us(run, window) for mode, run in runs.items()}
@@ -93,7 +93,7 @@ def _record(out_dir: Path, batch: int, window: list[int], runs: dict, counters: 
         def step(run=run, lengths=lengths) -> None:
             run(next(lengths))
 
-        trace = _profile(step, len(window))
+        trace = profile_steps(step, len(window))
         meta = GrapeMeta(workload=f"gpt2_small_family_b{batch}", mode=mode,
                          device=torch.cuda.get_device_name(), driver=_driver(),
                          libraries=_libraries(), wall_time_us=tuple(walls[mode]),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from grape.errors import EmptyTraceError, IterationError
 from grape.kineto import Decoded
-from grape.records import HostCall, Iteration, Launch
+from grape.records import HostCall, Iteration, Launch, top_level
 
 __all__ = ["Split", "smallest_period", "split_iterations"]
 
@@ -101,15 +101,6 @@ def _assemble(d: Decoded, groups: list[list[Launch]], windows: list[tuple[float,
     return Split(tuple(iterations), method, outside)
 
 
-def _top_level(items: list[HostCall]) -> list[HostCall]:
-    """Items not nested inside an earlier item (``items`` sorted by start, longest first)."""
-    top: list[HostCall] = []
-    for item in items:
-        if not top or item.ts >= top[-1].end:
-            top.append(item)
-    return top
-
-
 def _host_windows(d: Decoded, groups: list[list[Launch]]) -> list[tuple[float, float]]:
     # Work on the thread that issued most launches; other threads join by time in _assemble.
     tid = Counter(launch.call.tid for g in groups for launch in g).most_common(1)[0][0]
@@ -119,7 +110,7 @@ def _host_windows(d: Decoded, groups: list[list[Launch]]) -> list[tuple[float, f
     call_ts = [ts for ts, _ in calls]
     items = sorted((c for c in d.ops + d.calls if c.tid == tid), key=lambda c: (c.ts, -c.dur))
     while True:
-        top = _top_level(items)
+        top = top_level(items)
         labels = []
         wrappers = set()
         for item in top:

@@ -9,7 +9,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["GRAPH_LAUNCH_CALLS", "SYNC_CALLS", "GpuOp", "HostCall", "Iteration", "Launch"]
+__all__ = ["GRAPH_LAUNCH_CALLS", "SYNC_CALLS", "GpuOp", "HostCall", "Iteration", "Launch",
+           "busy_time", "span", "top_level", "union_length"]
 
 # Host calls that block until the GPU (or a stream, or an event) has caught up.
 SYNC_CALLS = frozenset({
@@ -150,3 +151,12 @@ class Iteration:
     def gpu_span(self) -> float:
         """From the first GPU operation's start to the last one's end."""
         return span(self.gpu_ops)
+
+
+def top_level(items: list[HostCall]) -> list[HostCall]:
+    """Items not nested inside an earlier item (``items`` sorted by start, longest first)."""
+    top: list[HostCall] = []
+    for item in items:
+        if not top or item.ts >= top[-1].end:
+            top.append(item)
+    return top

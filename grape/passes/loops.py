@@ -13,7 +13,16 @@ import networkx as nx
 from grape.errors import GrapeError
 from grape.ir import Buffer, Conditional, ConditionalKind, Kernel, KernelGraph, Memset, Span
 
-__all__ = ["while_loop_graph"]
+__all__ = ["check_bound", "while_loop_graph"]
+
+
+def check_bound(max_iterations: object) -> int:
+    """``max_iterations`` if it is a loop bound (an int of at least 1), else a GrapeError."""
+    if not isinstance(max_iterations, int) or isinstance(max_iterations, bool) \
+            or max_iterations < 1:
+        raise GrapeError(f"expected a loop bound of at least 1 iteration (a loop without one "
+                         f"is refused), found {max_iterations!r}")
+    return max_iterations
 
 
 def while_loop_graph(body: KernelGraph, remaining: Buffer, max_iterations: int, *,
@@ -25,10 +34,7 @@ def while_loop_graph(body: KernelGraph, remaining: Buffer, max_iterations: int, 
     ``body`` and sets it for the next. ``extra`` buffers (the flag the setters read) join the
     table beside the body's.
     """
-    if not isinstance(max_iterations, int) or isinstance(max_iterations, bool) \
-            or max_iterations < 1:
-        raise GrapeError(f"expected a loop bound of at least 1 iteration (a loop without one "
-                         f"is refused), found {max_iterations!r}")
+    check_bound(max_iterations)
     for k in (start, step):
         if not any(ref.handle == handle for ref in k.handles):
             raise GrapeError(f"expected setter kernel {k.name!r} to take handle {handle!r}, "

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from grape.records import top_level
+from grape.torch.record import profile_steps
 
 if TYPE_CHECKING:
     from grape.trace import Trace
@@ -55,23 +56,6 @@ def _bert(layers: int = 4) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.randint(0, config.vocab_size, (1, 64), device="cuda")
 
 
-def _profile_trace(run: Callable[[], object], steps: int,
-                   cpu_ops: bool) -> tuple[Trace, list[float]]:
-    """A trace of ``steps`` synchronised calls of ``run``, read back by grape, and each call's
-    wall time under the profiler."""
-    from grape.trace import read_trace
-
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    if cpu_ops:
-        activities.append(torch.profiler.ProfilerActivity.CPU)
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "trace.json"
-        with torch.profiler.profile(activities=activities) as prof:
-            times = _timed(run, steps)
-        prof.export_chrome_trace(str(raw))
-        return read_trace(raw, iterations=steps), times
-
-
 def _timed(run: Callable[[], object], steps: int) -> list[float]:
     samples = []
     for _ in range(steps):
@@ -86,11 +70,19 @@ def _timed(run: Callable[[], object], steps: int) -> list[float]:
 def _top_level_calls(trace: Trace) -> int:
     """API calls on the issuing thread not nested in another (driver under runtime)."""
     tid = max({c.tid for c in trace.calls}, key=[c.tid for c in trace.calls].count)
-    count, end = 0, float("-inf")
-    for call in sorted((c for c in trace.calls if c.tid == tid), key=lambda c: c.ts):
-        if call.ts >= end:
-            count, end = count + 1, call.end
-    return count
+    return len(top_level(sorted((c for c in trace.calls if c.tid == tid),
+                                key=lambda c: (c.ts, -c.dur))))
+
+
+def _profiled(run: Callable[[], object], steps: int, cpu_ops: bool) -> tuple[Trace, list[float]]:
+    """A trace of ``steps`` calls of ``run``, and each call's wall time under the profiler."""
+    times: list[float] = []
+
+    def timed() -> None:
+        times.extend(_timed(run, 1))
+
+    trace = profile_steps(timed, steps, cpu_ops)
+    return trace, times[1:]  # the first call is the profiler's warm-up, not in the trace
 
 
 def profiler_overhead_us(steps: int = 30, cpu_ops: bool = True) -> dict[str, float | str]:
@@ -109,7 +101,7 @@ def profiler_overhead_us(steps: int = 30, cpu_ops: bool = True) -> dict[str, flo
 
     _timed(step, 10)
     plain = _timed(step, steps)
-    trace, profiled = _profile_trace(step, steps, cpu_ops)
+    trace, profiled = _profiled(step, steps, cpu_ops)
     events = (len(trace.ops) + len(trace.calls)) if cpu_ops else _top_level_calls(trace)
     per_step = events / steps
     added = float(np.median(profiled) - np.median(plain))
@@ -193,7 +185,7 @@ def graph_node_overhead_us(families: tuple[str, ...] = ("bert", "opt", "llama"),
         for (f, g, _), wall in zip(graphs, walls, strict=True):
             if f != family:
                 continue
-            trace, _ = _profile_trace(g.replay, profiled, cpu_ops=False)
+            trace = profile_steps(g.replay, profiled)
             per_it = [[op for launch in it.launches for op in launch.ops if op.kind == "kernel"]
                       for it in trace.iterations]
             kernels.append(len(per_it[0]))

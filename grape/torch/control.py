@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from grape.errors import GrapeError, UnsupportedError
+from grape.passes.loops import check_bound
 
 __all__ = ["cond", "predicate", "while_loop"]
 
@@ -155,10 +156,7 @@ def while_loop(cond_fn: Callable[..., torch.Tensor], body_fn: Callable[..., Any]
     if not state or not all(isinstance(t, torch.Tensor) for t in state):
         raise GrapeError(f"expected the loop state to be a non-empty tuple of tensors, found "
                          f"{[type(t).__name__ for t in state]}")
-    if not isinstance(max_iterations, int) or isinstance(max_iterations, bool) \
-            or max_iterations < 1:
-        raise GrapeError(f"expected a loop bound of at least 1 iteration (a loop without one "
-                         f"is refused), found {max_iterations!r}")
+    check_bound(max_iterations)
     if on_device:
         return _device_while(cond_fn, body_fn, state, max_iterations)
     for _ in range(max_iterations):

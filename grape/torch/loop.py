@@ -29,7 +29,7 @@ from grape.cuda.conditional import condition_kernels
 from grape.cuda.nvrtc import kernel_op
 from grape.errors import GrapeError
 from grape.ir import Buffer, BufferRole, HandleRef, Kernel
-from grape.passes.loops import while_loop_graph
+from grape.passes.loops import check_bound, while_loop_graph
 from grape.torch.capture import capture
 
 __all__ = ["DeviceLoop"]
@@ -55,9 +55,7 @@ class DeviceLoop:
                      if isinstance(running, torch.Tensor) else type(running).__name__)
             raise GrapeError(f"expected the loop condition to be a CUDA boolean scalar, found "
                              f"{found}")
-        if not isinstance(max_iterations, int) or max_iterations < 1:
-            raise GrapeError(f"expected a loop bound of at least 1 iteration (a loop without "
-                             f"one is refused), found {max_iterations!r}")  # before capturing
+        check_bound(max_iterations)  # before the capture's cost
         self.running = running
         self.remaining = torch.zeros(1, dtype=torch.int32, device=running.device)
         # No warm-up: it would run the body once more on the caller's state.

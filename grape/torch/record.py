@@ -31,7 +31,7 @@ from grape.torch.capture import capture
 from grape.torch.workloads import Workload
 from grape.trace import GrapeMeta, Trace, read_trace, write_trace
 
-__all__ = ["Recording", "record"]
+__all__ = ["Recording", "profile_steps", "record"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,9 @@ def _timed(w: Workload, run: Callable[[], object], steps: int) -> list[float]:
     return wall
 
 
-def _profile(run: Callable[[], object], profiled: int, cpu_ops: bool = False) -> Trace:
+def profile_steps(run: Callable[[], object], profiled: int, cpu_ops: bool = False) -> Trace:
+    """A trace of ``profiled`` synchronised calls of ``run`` (after one warm-up call the
+    profiler drops), each marked by a ``ProfilerStep`` annotation, read back by grape."""
     activities = [torch.profiler.ProfilerActivity.CUDA]
     if cpu_ops:
         activities.append(torch.profiler.ProfilerActivity.CPU)
@@ -96,8 +98,7 @@ def _profile(run: Callable[[], object], profiled: int, cpu_ops: bool = False) ->
                 run()
                 torch.cuda.synchronize()  # each profiled step is what each timed step was
                 prof.step()
-        # Without CPU activity there are no ProfilerStep marks: the step count splits instead.
-        return read_trace(raw, iterations=None if cpu_ops else profiled)
+        return read_trace(raw)  # ProfilerStep marks split it, with or without CPU activity
 
 
 def record(w: Workload, modes: Sequence[str], out_dir: Path, timed: int = 30,
@@ -123,7 +124,7 @@ def record(w: Workload, modes: Sequence[str], out_dir: Path, timed: int = 30,
             run()
         walls[mode] = _timed(w, run, timed)
     for mode, (run, nodes) in runs.items():
-        trace = _profile(run, profiled, cpu_ops)
+        trace = profile_steps(run, profiled, cpu_ops)
         meta = GrapeMeta(workload=w.name, mode=mode, device=torch.cuda.get_device_name(),
                          driver=_driver(), libraries=_libraries(),
                          wall_time_us=tuple(walls[mode]),
