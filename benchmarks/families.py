@@ -1,10 +1,13 @@
-"""Graph families against per-shape graphs: GPT-2 small decode over KV lengths (GPU).
+"""Graph families against per-shape graphs: GPT-2 small decode over KV lengths and
+Wav2Vec2-base over audio lengths (GPU).
 
-For each batch size, in one process, side by side: one ``torch.cuda.CUDAGraph`` per KV length
-(the naive way, each with its own pool), and one ``grape.torch.family`` over the same lengths
-(one executable per topology, per-shape deltas, one shared pool, captured largest first). Both
-run the same step: a ``PrefixCache`` preallocated to 1024 tokens, set to the length, one
-decode step, logits copied into a static tensor. Measured:
+For each workload, in one process, side by side: one ``torch.cuda.CUDAGraph`` per shape (the
+naive way, each with its own pool), and one ``grape.torch.family`` over the same shapes (one
+executable per topology, per-shape deltas, one shared pool, captured largest first). Both run
+the same step. GPT-2: a ``PrefixCache`` preallocated to 1024 tokens, set to the length, one
+decode step, logits copied into a static tensor. Wav2Vec2: the first n samples of a buffer
+preallocated to the longest audio, encoded, the hidden states copied into the prefix of a
+static tensor. Measured:
 
 - device memory: executables (free memory's drop beyond the pools' growth) and pools;
 - capture time for all lengths (naive: capture and instantiate; family: capture, read into the
@@ -14,9 +17,11 @@ decode step, logits copied into a static tensor. Measured:
   updates cached after the first pass; both passes reported);
 - bitwise equality of the logits, family against per-shape graph, on a sample of lengths.
 
-Writes benchmarks/results/families_h200.json (or --out). Run on a GPU, one batch size per
-process (executable memory is measured before any executable is destroyed):
+Writes benchmarks/results/families_h200.json (or --out; with --append, entries of other
+workloads already there are kept). Run on a GPU, one workload per process (executable memory
+is measured before any executable is destroyed):
 python benchmarks/families.py [--lengths 1:1023] [--batches 1]
+python benchmarks/families.py --audio 16000:160000:1440
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,7 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from grape.errors import GrapeError
 from grape.torch.cache import PrefixCache
 from grape.torch.family import capture_family
-from grape.torch.workloads import _gpt2
+from grape.torch.workloads import _gpt2, _wav2vec2
 
 MAX_LEN = 1024
 ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
@@ -74,7 +81,8 @@ def _synced_us(run, lengths) -> list[float]:
     return times
 
 
-def _record(out_dir: Path, batch: int, window: list[int], runs: dict, counters: dict) -> None:
+def _record(out_dir: Path, w: Workload, window: list[int], runs: dict,
+            counters: dict) -> None:
     """Traces over ``window`` (CUDA activity only), with each step's wall time measured first,
     without the profiler.
 
@@ -85,22 +93,23 @@ def _record(out_dir: Path, batch: int, window: list[int], runs: dict, counters: 
     from grape.torch.record import _driver, _libraries, profile_steps
     from grape.trace import GrapeMeta, write_trace
 
+    out_dir.mkdir(parents=True, exist_ok=True)
     walls = {mode: _synced_us(run, window) for mode, run in runs.items()}
-    how = {"graph": "one torch.cuda.CUDAGraph per length"}
+    how = {"graph": f"one torch.cuda.CUDAGraph per {w.shape_name}"}
     for mode, run in runs.items():
-        lengths = iter([window[0], *window])  # the profiler's warm-up step, then the window
+        shapes = iter([window[0], *window])  # the profiler's warm-up step, then the window
 
-        def step(run=run, lengths=lengths) -> None:
-            run(next(lengths))
+        def step(run=run, shapes=shapes) -> None:
+            run(next(shapes))
 
         trace = profile_steps(step, len(window))
-        meta = GrapeMeta(workload=f"gpt2_small_family_b{batch}", mode=mode,
+        meta = GrapeMeta(workload=w.slug, mode=mode,
                          device=torch.cuda.get_device_name(), driver=_driver(),
                          libraries=_libraries(), wall_time_us=tuple(walls[mode]),
-                         notes=f"gpt2-small decode, batch {batch}, PrefixCache of {MAX_LEN}, KV "
-                               f"{window[0]}..{window[-1]}, one step per length; {how[mode]}",
+                         notes=f"{w.notes}, {w.shape_name} {window[0]}..{window[-1]}, one step "
+                               f"per shape; {how[mode]}",
                          iterations=len(trace.iterations), counters=counters)
-        write_trace(out_dir / f"gpt2_small_family_b{batch}.{mode}.json.gz", trace, meta)
+        write_trace(out_dir / f"{w.slug}.{mode}.json.gz", trace, meta)
 
 
 def _changed(family, a: int, b: int) -> dict[str, object]:
@@ -129,7 +138,22 @@ def _changed(family, a: int, b: int) -> dict[str, object]:
     return {"lengths": [a, b], "nodes": len(rows), "which": sorted(rows)}
 
 
-def measure(batch: int, lengths: list[int], trace_dir: Path | None = None) -> dict[str, object]:
+@dataclass
+class Workload:
+    """One step over a set of shapes, writing into ``out``, which the checks compare."""
+
+    name: str  # in the results: "gpt2-small decode b1"
+    slug: str  # trace file names: "gpt2_small_family_b1"
+    shape_name: str  # "KV length", "audio samples"
+    shapes: list[int]
+    step: Callable[[int], None]
+    out: torch.Tensor
+    params: dict[str, torch.Tensor]
+    notes: str
+    extra: dict[str, object] = field(default_factory=dict)  # copied into the results
+
+
+def gpt2_decode(batch: int, lengths: list[int]) -> Workload:
     model = _gpt2("gpt2-small")
     cache = PrefixCache(model.config.n_layer, MAX_LEN)
     torch.manual_seed(batch)
@@ -148,13 +172,44 @@ def measure(batch: int, lengths: list[int], trace_dir: Path | None = None) -> di
         with torch.no_grad(), sdpa_kernel(ATTENTION):
             out.copy_(model(ids, past_key_values=cache, use_cache=True).logits)
 
+    return Workload(f"gpt2-small decode b{batch}", f"gpt2_small_family_b{batch}", "KV length",
+                    lengths, step, out, dict(model.named_parameters()),
+                    f"gpt2-small decode, batch {batch}, PrefixCache of {MAX_LEN}",
+                    {"batch": batch, "kv_lengths": [lengths[0], lengths[-1]]})
+
+
+def wav2vec2_audio(lengths: list[int]) -> Workload:
+    model = _wav2vec2("wav2vec2-base")
+    longest = max(lengths)
+    torch.manual_seed(0)
+    audio = torch.randn(1, longest, device="cuda", dtype=torch.float16)
+    frames = int(model._get_feat_extract_output_lengths(longest))
+    out = torch.zeros(1, frames, model.config.hidden_size, device="cuda", dtype=torch.float16)
+
+    def step(n: int) -> None:
+        # The first n samples of one preallocated buffer: a view, so no copy into a placeholder.
+        # PyTorch's own choice of attention: flash and memory-efficient attention alone found
+        # no kernel for this encoder on the H200 (CaptureError at Hugging Face's sdpa call).
+        with torch.no_grad():
+            hidden = model(audio[:, :n]).last_hidden_state
+        out[:, :hidden.shape[1]].copy_(hidden)
+
+    return Workload("wav2vec2-base audio", "wav2vec2_base_family", "audio samples", lengths,
+                    step, out, dict(model.named_parameters()),
+                    f"wav2vec2-base encoder, batch 1, audio buffer of {longest} samples",
+                    {"batch": 1, "audio_samples": [lengths[0], lengths[-1]]})
+
+
+def measure(w: Workload, trace_dir: Path | None = None) -> dict[str, object]:
+    lengths, step, out, label = w.shapes, w.step, w.out, w.name
+
     # The family first, in a process that has destroyed no executable yet: the driver hands
     # what destroyed executables held to the next ones, which hides their memory.
     reserved_a = torch.cuda.memory_reserved()
     family = capture_family(step, sorted(lengths, reverse=True),
-                            params=dict(model.named_parameters()),
-                            progress=lambda line: _log(f"  b{batch} family: {line}"))
-    _log(f"  b{batch} family: {len(family.groups)} topologies in {family.capture_s:.1f} s")
+                            params=w.params,
+                            progress=lambda line: _log(f"  {label} family: {line}"))
+    _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
     # One or two executables sit below the driver's allocation granularity, so their memory is
     # the drop in free memory over many copies of each topology's executable (kept alive until
     # the naive graphs are measured too).
@@ -180,9 +235,9 @@ def measure(batch: int, lengths: list[int], trace_dir: Path | None = None) -> di
             step(n)
         naive[n] = g
         if (i + 1) % 100 == 0:
-            _log(f"  b{batch} naive: {i + 1}/{len(lengths)}")
+            _log(f"  {label} naive: {i + 1}/{len(lengths)}")
     naive_capture_s = time.perf_counter() - t
-    _log(f"  b{batch} naive: {len(lengths)} graphs in {naive_capture_s:.1f} s")
+    _log(f"  {label} naive: {len(lengths)} graphs in {naive_capture_s:.1f} s")
     free1, reserved1 = _device_bytes()
     naive_pool = reserved1 - reserved0
     naive_graph = (free0 - free1) - naive_pool
@@ -191,6 +246,7 @@ def measure(batch: int, lengths: list[int], trace_dir: Path | None = None) -> di
     sample = sorted({lengths[0], lengths[-1], *lengths[:: max(len(lengths) // 12, 1)]})
     identical = []
     for n in sample:
+        out.zero_()  # a shorter shape writes only a prefix of ``out``
         naive[n].replay()
         torch.cuda.synchronize()
         expected = out.clone()
@@ -198,7 +254,7 @@ def measure(batch: int, lengths: list[int], trace_dir: Path | None = None) -> di
         family.run(n)
         torch.cuda.synchronize()
         identical.append(bool(torch.equal(out, expected)))
-    order = sorted(lengths)  # generation order: one more token each step
+    order = sorted(lengths)  # generation order, for decode: one more token each step
     family.update_s, family.updated_nodes = 0.0, 0
     family_cold = _steps(family.run, order, sync_each=False)
     cold_update_us = family.update_s * 1e6 / len(order)
@@ -211,15 +267,16 @@ def measure(batch: int, lengths: list[int], trace_dir: Path | None = None) -> di
     family_sync = _steps(family.run, order, sync_each=True)
     nodes = [len(g.template) for g in family.groups.values()]
     result = {
-        "workload": f"gpt2-small decode b{batch}", "batch": batch, "shapes": len(lengths),
-        "kv_lengths": [lengths[0], lengths[-1]],
+        "workload": label, **w.extra, "shapes": len(lengths),
         "naive_graph_bytes": naive_graph, "naive_pool_bytes": naive_pool,
         "family_graph_bytes": family_graph, "family_pool_bytes": family.pool_bytes,
         "family_graph_bytes_first_instantiation": family.graph_bytes,
         "memory_ratio": naive_graph / family_graph,
         "pool_ratio": naive_pool / max(family.pool_bytes, 1),
         "naive_capture_s": naive_capture_s, "family_capture_s": family.capture_s,
+        # Executables: one per topology, more where a kernel's attributes change with the shape.
         "topologies": len(family.groups), "nodes_per_topology": nodes,
+        "fingerprints": len({k.split("#")[0] for k in family.groups}),
         "delta_host_bytes": family.delta_bytes,
         "changed_nodes_per_step": nodes_per_step,
         "changed_between_neighbours": neighbours,
@@ -237,39 +294,64 @@ def measure(batch: int, lengths: list[int], trace_dir: Path | None = None) -> di
             "family_graph_bytes", "naive_pool_bytes", "family_pool_bytes")}
         counters["nodes"] = float(max(nodes))
         try:
-            _record(trace_dir, batch, window, {"graph": lambda n: naive[n].replay()}, counters)
-        except GrapeError as e:  # the measurements above stand without the trace
-            _log(f"  b{batch}: no trace: {e}")
+            _record(trace_dir, w, window, {"graph": lambda n: naive[n].replay()}, counters)
+        except (GrapeError, OSError) as e:  # the measurements above stand without the trace
+            _log(f"  {label}: no trace: {e}")
     for e in extra:
         e.close()
     family.close()
     return result
 
 
+def _range(text: str, what: str, lowest: int, highest: int) -> list[int]:
+    try:
+        first, last, *stride = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"expected {what} as first:last[:stride], found {text!r}") from None
+    if not lowest <= first <= last <= highest or (stride and stride[0] < 1):
+        raise SystemExit(f"expected {what} within {lowest}..{highest}, found {text!r}")
+    return list(range(first, last + 1, stride[0] if stride else 1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1:1023", help="first:last[:stride] KV lengths")
     parser.add_argument("--batches", default="1")
+    parser.add_argument("--audio", default=None, metavar="FIRST:LAST[:STRIDE]",
+                        help="Wav2Vec2-base over these audio lengths (samples at 16 kHz) "
+                             "instead of GPT-2 decode")
     parser.add_argument("--traces", type=Path, default=None, metavar="DIR",
-                        help="also write a trace of the per-shape graphs over 32 lengths, with "
+                        help="also write a trace of the per-shape graphs over 32 shapes, with "
                              "the family's figures as counters, into DIR")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "families_h200.json")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the entries of other workloads already in --out")
     args = parser.parse_args()
-    first, last, *stride = (int(x) for x in args.lengths.split(":"))
-    lengths = list(range(first, last + 1, stride[0] if stride else 1))
-    if not 1 <= first <= last < MAX_LEN:
-        raise SystemExit(f"expected KV lengths within 1..{MAX_LEN - 1}, found {args.lengths}")
+    if args.audio is not None:
+        # Below 400 samples the feature extractor's convolutions have nothing to slide over.
+        loads = [lambda: wav2vec2_audio(_range(args.audio, "audio lengths", 400, 480000))]
+    else:
+        lengths = _range(args.lengths, "KV lengths", 1, MAX_LEN - 1)
+        loads = [lambda b=int(b): gpt2_decode(b, lengths) for b in args.batches.split(",")]
     results = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        _log(f"[+] GPT-2 small decode, batch {batch}, {len(lengths)} KV lengths")
-        results.append(measure(batch, lengths, args.traces))
+    for load in loads:
+        w = load()
+        _log(f"[+] {w.name}, {len(w.shapes)} shapes ({w.shape_name} {w.shapes[0]}.."
+             f"{w.shapes[-1]})")
+        results.append(measure(w, args.traces))
         _log(json.dumps({k: v for k, v in results[-1].items()
                          if k != "changed_between_neighbours"}))
         _log(json.dumps(results[-1]["changed_between_neighbours"]))
         torch.cuda.empty_cache()
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "command": " ".join(sys.argv), "results": results}
+           "commands": [" ".join(sys.argv)], "results": results}
+    if args.append and args.out.exists():
+        old = json.loads(args.out.read_text())
+        ours = {r["workload"] for r in results}
+        doc["commands"] = [*old.get("commands", []), *doc["commands"]]
+        doc["results"] = [r for r in old.get("results", []) if r["workload"] not in ours] \
+            + results
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     keys = ("shapes", "topologies", "memory_ratio", "naive_capture_s", "family_capture_s",

@@ -9,10 +9,11 @@ GPT-2 small (fp16, random weights, built from its config), a prompt of 32 random
 - ``device loop``: the same step inside a WHILE conditional node (``grape.torch.loop``): one
   launch for the whole generation.
 
-Host syncs are counted with PyTorch's sync debug mode (a warning per synchronising call) for
-``generate`` and the host loop; the device loop makes one launch and one read-back. Tokens are
-compared with ``generate``'s, on a run without EOS and one where EOS occurs. The GPU time of
-the kernels is the per-step graph's, by CUDA events over back-to-back replays.
+Host syncs are counted with PyTorch's sync debug mode (a warning per synchronising call, the
+read-back of the tokens included). Tokens are compared with ``generate``'s, on a run without EOS
+and one where EOS occurs. Times are end to end (prefill included, as ``generate``'s are) and,
+for the two graphed ways, of the decode alone, against the GPU time of the step's kernels: the
+per-step graph replayed back to back, by CUDA events.
 
 Writes benchmarks/results/predication_h200.json (or --out). Run on a GPU:
 python benchmarks/predication.py [--new 128] [--batches 1,8]
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 import warnings
@@ -48,9 +50,13 @@ def _syncs(fn) -> tuple[object, int]:
     return out, sum("synchroniz" in str(w.message) for w in seen)
 
 
-def _timed(fn, reps: int = 3) -> tuple[object, float]:
+def _timed(fn, before=None, reps: int = 3) -> tuple[object, float]:
+    """fn's result and its best wall time over ``reps`` runs, each after ``before()`` (not
+    timed) and a sync."""
     best, out = float("inf"), None
     for _ in range(reps):
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         t = time.perf_counter()
         out = fn()
@@ -59,68 +65,182 @@ def _timed(fn, reps: int = 3) -> tuple[object, float]:
     return out, best
 
 
-def _run(model, prompt: torch.Tensor, new: int, eos: int | None) -> list[tuple]:
-    """(way, tokens, seconds, syncs) for each way, and the step's GPU time (ms)."""
-    def hf():
+class Ways:
+    """The three ways of generating for one model, prompt and EOS id, built once."""
+
+    def __init__(self, model, prompt: torch.Tensor, new: int, eos: int | None) -> None:
+        self.model, self.prompt, self.new, self.eos = model, prompt, new, eos
+        decoder = self.decoder = GreedyDecoder(model, prompt, new, eos, 0)
+        decoder.prefill()
+        decoder.step()  # warm-up outside capture: nothing may initialise lazily inside one
+        decoder.prefill()
+        self.step_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.step_graph):
+            decoder.step()
+        self.loop = DeviceLoop(decoder.step, decoder.running, new,
+                               params=dict(model.named_parameters()))
+
+    def generate(self) -> torch.Tensor:
         with torch.no_grad():
-            return model.generate(prompt, max_new_tokens=new, do_sample=False,
-                                  eos_token_id=eos, pad_token_id=0)[:, PROMPT:]
+            return self.model.generate(self.prompt, max_new_tokens=self.new, do_sample=False,
+                                       eos_token_id=self.eos, pad_token_id=0)[:, PROMPT:]
 
-    expected, hf_s = _timed(hf)
-    _, hf_syncs = _syncs(hf)
-    decoder = GreedyDecoder(model, prompt, new, eos, 0)
-    decoder.prefill()
-    decoder.step()  # warm-up outside capture
-    decoder.prefill()
-    step_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(step_graph):
-        decoder.step()
-    loop = DeviceLoop(decoder.step, decoder.running, new, params=dict(model.named_parameters()))
+    def host_decode(self) -> torch.Tensor:
+        while bool(self.decoder.running):
+            self.step_graph.replay()
+        return self.decoder.generated()
 
-    def host_loop():
-        decoder.prefill()
-        while bool(decoder.running):
-            step_graph.replay()
-        return decoder.generated()
+    def device_decode(self) -> torch.Tensor:
+        self.loop.launch()
+        return self.decoder.generated()
 
-    def device_loop():
-        decoder.prefill()
-        loop.launch()
-        return decoder.generated()
+    def host_loop(self) -> torch.Tensor:
+        self.decoder.prefill()
+        return self.host_decode()
 
-    host_tokens, host_s = _timed(host_loop)
-    _, host_syncs = _syncs(host_loop)
-    device_tokens, device_s = _timed(device_loop)
+    def device_loop(self) -> torch.Tensor:
+        self.decoder.prefill()
+        return self.device_decode()
+
+    def floor_ms(self, steps: int) -> float:
+        """The step's kernels' GPU time: ``steps`` step replays back to back, by CUDA events
+        (the GPU never waits on the host between them)."""
+        self.decoder.prefill()
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        for _ in range(steps):
+            self.step_graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / steps
+
+
+def _run(ways: Ways) -> dict[str, object]:
+    """Every way's tokens, end-to-end time, decode time (after the prefill) and host syncs."""
+    expected, hf_s = _timed(ways.generate)
+    _, hf_syncs = _syncs(ways.generate)
+    host_tokens, host_s = _timed(ways.host_loop)
+    _, host_syncs = _syncs(ways.host_loop)
+    device_tokens, device_s = _timed(ways.device_loop)
+    _, host_decode_s = _timed(ways.host_decode, before=ways.decoder.prefill)
+    _, device_decode_s = _timed(ways.device_decode, before=ways.decoder.prefill)
+    ways.decoder.prefill()
+    _, device_syncs = _syncs(ways.device_decode)
     n = expected.shape[1]
-    # The kernels' own time: n - 1 step replays back to back, by CUDA events.
-    decoder.prefill()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n - 1):
-        step_graph.replay()
-    end.record()
+    return {"tokens": n, "expected": expected, "floor_ms": ways.floor_ms(max(n - 1, 1)),
+            "ways": [("generate", expected, hf_s, hf_syncs, None),
+                     ("host loop", host_tokens, host_s, host_syncs, host_decode_s),
+                     ("device loop", device_tokens, device_s, device_syncs, device_decode_s)]}
+
+
+def _record(ways: Ways, out_dir: Path, name: str, counters: dict[str, float],
+            steps: int = 32, rounds: int = 5) -> None:
+    """Traces, recorded after every timing (the profiler slows a process's host side for
+    good): the host loop token by token (a grape trace, CUDA activity only), and one
+    device-loop generation as torch.profiler exported it (its launch is a cuda-python driver
+    call the profiler does not record, so only its kernels are there: open it in Perfetto).
+
+    Right before the profiler starts, ``rounds`` times in turn: the host loop's tokens one by
+    one and the device loop's decode, so that the trace's wall times and the device loop's
+    figure (a counter, which ``grape validate`` predicts from the trace) come from one window:
+    the GPU's own pace drifted by up to 17% over one process (H200, step graph replayed back to
+    back: 0.71 ms early, 0.83 ms later)."""
+    import gzip
+    import tempfile
+
+    from grape.torch.record import _driver, _libraries, profile_steps
+    from grape.trace import GrapeMeta, write_trace
+
+    def token() -> None:
+        ways.step_graph.replay()
+        bool(ways.decoder.running)
+
+    walls, device, floor = [], [], []
+    for _ in range(rounds):
+        ways.decoder.prefill()
+        torch.cuda.synchronize()
+        for _ in range(steps):
+            t = time.perf_counter()
+            token()
+            walls.append((time.perf_counter() - t) * 1e6)
+        ways.decoder.prefill()
+        tokens, seconds = _timed(ways.device_decode, reps=1)
+        device.append(seconds * 1e3 / (tokens.shape[1] - 1))
+        floor.append(ways.floor_ms(steps))
+    counters = counters | {"device_loop_decode_ms_per_token": statistics.median(device),
+                           "step_gpu_ms": statistics.median(floor),
+                           "device_loop_decode_ms_per_token_spread": max(device) - min(device)}
+    ways.decoder.prefill()
+    trace = profile_steps(token, steps)
+    meta = GrapeMeta(workload=name, mode="graph", device=torch.cuda.get_device_name(),
+                     driver=_driver(), libraries=_libraries(), wall_time_us=tuple(walls),
+                     notes="greedy decoding, one token per iteration: a torch.cuda.CUDAGraph "
+                           "of GreedyDecoder.step replayed, then its running flag read back",
+                     iterations=len(trace.iterations), counters=counters)
+    write_trace(out_dir / f"{name}.graph.json.gz", trace, meta)
+    ways.decoder.prefill()
     torch.cuda.synchronize()
-    floor_ms = start.elapsed_time(end) / max(n - 1, 1)
-    loop.close()
-    return [("generate", expected, hf_s, hf_syncs, expected, floor_ms),
-            ("host loop", host_tokens, host_s, host_syncs, expected, floor_ms),
-            ("device loop", device_tokens, device_s, 1, expected, floor_ms)]
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            ways.device_decode()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(str(raw))
+        doc = first_iterations(json.loads(raw.read_text()), steps)
+    with gzip.open(out_dir / f"{name}.device_loop.gpu_only.json.gz", "wt") as f:
+        json.dump(doc, f)
 
 
-def measure(batch: int, new: int) -> list[dict[str, object]]:
+def first_iterations(doc: dict, iterations: int) -> dict:
+    """A Kineto trace of a device loop cut after its first ``iterations`` iterations (each ends
+    with grape's ``grape_while_bounded`` setter kernel), so that the committed file stays small;
+    the cut is said in the trace's ``grape_note``. Keeps the whole trace where it holds fewer."""
+    gpu = ("kernel", "gpu_memcpy", "gpu_memset")
+    ends = sorted(e["ts"] + e["dur"] for e in doc["traceEvents"]
+                  if e.get("cat") == "kernel" and e.get("name") == "grape_while_bounded")
+    if len(ends) <= iterations:
+        return doc
+    cut = ends[iterations - 1]
+    kept = [e for e in doc["traceEvents"] if e.get("cat") not in gpu or e["ts"] < cut]
+    return doc | {"traceEvents": kept,
+                  "grape_note": f"GPU activity of the first {iterations} of {len(ends)} loop "
+                                f"iterations; the rest cut to keep the file small"}
+
+
+def measure(batch: int, new: int, trace_dir: Path | None) -> list[dict[str, object]]:
     model = _gpt2("gpt2-small")
     torch.manual_seed(batch)
     prompt = torch.randint(0, 50257, (batch, PROMPT), device="cuda")
     free_run = generate_host_loop(GreedyDecoder(model, prompt, new, None, 0))
-    rows = []
+    rows, kept = [], None
     for label, eos in (("no EOS", None), ("EOS", int(free_run[0, new // 2]))):
-        for way, tokens, seconds, syncs, expected, floor_ms in _run(model, prompt, new, eos):
-            n = expected.shape[1]
-            rows.append({"batch": batch, "run": label, "way": way, "tokens": n,
-                         "ms_per_token": seconds * 1e3 / n,
-                         "host_syncs_per_token": syncs / n,
-                         "tokens_identical": bool(torch.equal(tokens, expected)),
-                         "step_gpu_ms": floor_ms})
+        ways = Ways(model, prompt, new, eos)
+        got = _run(ways)
+        n, floor = got["tokens"], got["floor_ms"]
+        for way, tokens, seconds, syncs, decode_s in got["ways"]:
+            row = {"batch": batch, "run": label, "way": way, "tokens": n,
+                   "ms_per_token": seconds * 1e3 / n,
+                   "host_syncs": syncs, "host_syncs_per_token": syncs / n,
+                   "tokens_identical": bool(torch.equal(tokens, got["expected"])),
+                   "step_gpu_ms": floor}
+            if decode_s is not None and n > 1:
+                # Decode alone (the prefill's token excluded) against its kernels' time.
+                row["decode_ms_per_token"] = decode_s * 1e3 / (n - 1)
+                row["decode_x_floor"] = row["decode_ms_per_token"] / floor
+                row["overhead_us_per_token"] = (row["decode_ms_per_token"] - floor) * 1e3
+            rows.append(row)
+        if eos is None:
+            kept = (ways, {f"{r['way'].replace(' ', '_')}_ms_per_token": r["ms_per_token"]
+                           for r in rows} | {
+                "host_loop_decode_ms_per_token": rows[-2]["decode_ms_per_token"],
+                "tokens": float(n), "step_gpu_ms": floor})
+        else:
+            ways.loop.close()
+    ways, counters = kept
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        _record(ways, trace_dir, f"gpt2_small_greedy_b{batch}", counters)
+    ways.loop.close()
     return rows
 
 
@@ -130,21 +250,25 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "predication_h200.json")
+    parser.add_argument("--traces", type=Path, default=None, metavar="DIR",
+                        help="also record traces of the host loop and the device loop here")
     args = parser.parse_args()
     rows = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for batch in (int(b) for b in args.batches.split(",")):
         print(f"[+] batch {batch}", file=sys.stderr, flush=True)
-        rows.extend(measure(batch, args.new))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                    "command": " ".join(sys.argv), "results": rows},
-                                   indent=1) + "\n")
+        rows.extend(measure(batch, args.new, args.traces))
+        # Written after every batch, so that a run cut short keeps what it measured.
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                        "command": " ".join(sys.argv), "results": rows},
+                                       indent=1) + "\n")
     print(f"{'batch':>5} {'run':<7} {'way':<12} {'ms/token':>9} {'syncs/token':>11} "
-          f"{'same':>5} {'x floor':>8}")
+          f"{'same':>5} {'decode ms':>9} {'x floor':>8}")
     for r in rows:
+        decode = (f"{r['decode_ms_per_token']:9.3f} {r['decode_x_floor']:8.3f}"
+                  if "decode_ms_per_token" in r else f"{'':>9} {'':>8}")
         print(f"{r['batch']:>5} {r['run']:<7} {r['way']:<12} {r['ms_per_token']:9.3f} "
-              f"{r['host_syncs_per_token']:11.2f} {r['tokens_identical']!s:>5} "
-              f"{r['ms_per_token'] / r['step_gpu_ms']:8.2f}")
+              f"{r['host_syncs_per_token']:11.2f} {r['tokens_identical']!s:>5} {decode}")
 
 
 if __name__ == "__main__":

@@ -3,16 +3,25 @@ say what traces/README.md says it does."""
 
 from __future__ import annotations
 
+import gzip
+import json
 from pathlib import Path
 
 import pytest
 
 from grape.profile import CONSTANTS, load_profile
+from grape.sim.validate import RAW_SUFFIX
 from grape.trace import read_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 RECORDED = sorted((TRACES / "h200").glob("*.json.gz"))
-ALL = sorted(TRACES.rglob("*.json.gz"))
+RAW = sorted(TRACES.rglob(f"*{RAW_SUFFIX}"))
+ALL = sorted(p for p in TRACES.rglob("*.json.gz") if p not in RAW)
+# Kernels per iteration, by trace: a GPT-2 family trace steps through lengths, across the
+# topology change at KV 512; the other traces repeat one step.
+KERNELS = {"gpt2_small_family_b1": {292, 316}, "gpt2_small_family_b5": {292, 316},
+           "wav2vec2_base_family": {481}, "gpt2_small_greedy_b1": {337},
+           "gpt2_small_greedy_b8": {336}}
 
 
 def test_the_suite_is_committed():
@@ -28,12 +37,23 @@ def test_the_suite_is_committed():
 @pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
 def test_every_committed_trace_reads(path):
     t = read_trace(path)
-    family = path.parent.name == "h200_families"
-    assert len(t.iterations) == (32 if family else 3)
+    name = path.name.split(".")[0]
     kernels = {len(it.kernels) for it in t.iterations}
-    # A family trace steps through lengths, across the topology change at KV 512.
-    assert kernels == {292, 316} if family else (len(kernels) == 1 and kernels.pop() > 100)
+    if name in KERNELS:
+        assert len(t.iterations) == 32 and kernels == KERNELS[name]
+    else:
+        assert len(t.iterations) == 3 and len(kernels) == 1 and kernels.pop() > 100
     assert not t.orphans
+
+
+@pytest.mark.parametrize("path", RAW, ids=lambda p: p.name)
+def test_raw_profiler_exports_open_as_chrome_traces(path):
+    """A device loop as torch.profiler saw it: kernels, with no host call that launched them
+    (cuda-python's graph launch is not recorded), and the note of how it was cut."""
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    kernels = [e for e in doc["traceEvents"] if e.get("cat") == "kernel"]
+    assert sum(e["name"] == "grape_while_bounded" for e in kernels) == 32
+    assert "first 32 of 127 loop iterations" in doc["grape_note"]
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name)

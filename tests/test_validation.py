@@ -46,14 +46,45 @@ def test_median_over_every_prediction_meets_the_bound(predictions):
     assert statistics.median(_errors(predictions)) <= 0.05
 
 
-def test_graph_families_are_predicted_within_the_bound():
-    """Per-shape graphs of GPT-2 decode with a PrefixCache (a workload the constants were not
-    fitted on) and the executable memory of per-shape graphs against a family."""
+def _families():
     paths = sorted((TRACES / "h200_families").glob("*.json.gz"))
-    found = validate(paths, load_profile(TRACES / "devices" / "h200.json"))
+    return paths, validate(paths, load_profile(TRACES / "devices" / "h200.json"))
+
+
+def test_graph_families_are_predicted_within_the_bound():
+    """Per-shape graphs of GPT-2 decode with a PrefixCache and of Wav2Vec2 over audio lengths
+    (workloads the constants were not fitted on), and the executable memory of GPT-2's
+    per-shape graphs against its family."""
+    paths, found = _families()
     assert {p.question for p in found} == {"replay graph", "per-shape memory", "family memory"}
-    assert len(found) == 3 * len(paths) == 6
-    worst = max(found, key=lambda p: abs(p.error))
+    assert len(found) == 3 * len(paths) == 9
+    held = [p for p in found if p.question == "replay graph" or p.workload.startswith("gpt2")]
+    worst = max(held, key=lambda p: abs(p.error))
     assert abs(worst.error) <= 0.15, f"{worst.workload} {worst.question}: {worst.error:+.1%}"
     memory = {p.question: p.measured for p in found if p.workload.endswith("b1")}
     assert memory["per-shape memory"] > 40 * memory["family memory"]
+
+
+@pytest.mark.xfail(strict=True, reason="the profile prices an executable at 2520 B per node "
+                   "(fitted on small kernel graphs); Wav2Vec2's took about 10 KB per node on the "
+                   "H200, so its memory is predicted 75% low")
+def test_wav2vec2_family_memory_is_predicted_within_the_bound():
+    _, found = _families()
+    memory = [p for p in found if p.workload.startswith("wav2vec2") and p.unit == "MB"]
+    assert len(memory) == 2
+    assert all(abs(p.error) <= 0.15 for p in memory)
+
+
+def test_the_device_loop_is_predicted_from_the_host_loop_it_replaces():
+    """Greedy generation (GPT-2 small, batch 1 and 8): the host loop's per-token graph replays
+    from its trace, and the on-device WHILE loop from the same trace plus the device profile's
+    per-iteration cost, against what the device loop measured beside the trace."""
+    paths = sorted((TRACES / "h200_predication").glob("*.json.gz"))
+    found = validate(paths, load_profile(TRACES / "devices" / "h200.json"))
+    questions = [p.question for p in found]
+    assert questions.count("host loop -> device loop") == 2
+    assert questions.count("replay graph") == 2
+    worst = max(found, key=lambda p: abs(p.error))
+    assert abs(worst.error) <= 0.15, f"{worst.workload} {worst.question}: {worst.error:+.1%}"
+    looped = [abs(p.error) for p in found if p.question == "host loop -> device loop"]
+    assert statistics.median(looped) <= 0.05

@@ -15,10 +15,20 @@ from pathlib import Path
 
 from grape.profile import DeviceProfile
 from grape.sim.engine import simulate
-from grape.sim.whatif import costs_from_profile, graph_iterations, unprofiled_program
+from grape.sim.whatif import (
+    Costs,
+    costs_from_profile,
+    graph_iterations,
+    loop_on_device,
+    unprofiled_program,
+)
 from grape.trace import Trace, read_trace
 
-__all__ = ["Prediction", "validate"]
+__all__ = ["RAW_SUFFIX", "Prediction", "validate"]
+
+# GPU activity alone, as torch.profiler exported it (grape reads no trace without the host calls
+# that launched the work): a device loop, whose launch the profiler cannot see, to open in Perfetto.
+RAW_SUFFIX = ".gpu_only.json.gz"
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,9 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
     """Predictions for every grape trace in ``paths`` that carries a measured wall time."""
     traces: dict[tuple[str, str], Trace] = {}
     for path in sorted(paths):
+        if path.name.endswith(RAW_SUFFIX):
+            progress(f"skipped {path}: a raw torch.profiler export, kept to be viewed")
+            continue
         trace = read_trace(path)
         if trace.grape is None or not trace.grape.wall_time_us:
             progress(f"skipped {path}: no wall time measured without the profiler")
@@ -53,6 +66,7 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
         out.append(Prediction(workload, f"replay {mode}", measured / 1000,
                               simulate(program, costs).per_iteration / 1000))
         out.extend(_family_memory(trace, profile))
+        out.extend(_device_loop(trace, program, costs))
         graph = traces.get((workload, "graph"))
         if mode == "eager" and graph is not None:
             eager_kernels = len(trace.iterations[0].kernels)
@@ -86,3 +100,18 @@ def _family_memory(trace: Trace, profile: DeviceProfile) -> list[Prediction]:
                        counters["shapes"] * nodes * per_node / 1e6, note, "MB"),
             Prediction(trace.workload, "family memory", counters["family_graph_bytes"] / 1e6,
                        counters["topologies"] * nodes * per_node / 1e6, note, "MB")]
+
+
+def _device_loop(trace: Trace, program, costs: Costs) -> list[Prediction]:
+    """The device loop's time per token, predicted from a trace of the host loop it replaces
+    (one graph launch and one read-back per token), where the trace was recorded beside a
+    measured device loop (its ``counters``): every launch and sync become one WHILE node."""
+    counters = trace.grape.counters if trace.grape else {}
+    if "device_loop_decode_ms_per_token" not in counters:
+        return []
+    looped = simulate(loop_on_device(program, costs), costs).per_iteration
+    return [Prediction(trace.workload, "host loop -> device loop",
+                       counters["device_loop_decode_ms_per_token"],
+                       looped / len(program.iterations) / 1000,
+                       f"{len(program.iterations)} tokens of the host loop's trace, "
+                       f"{costs.while_per_iteration:.2f} us per WHILE iteration")]

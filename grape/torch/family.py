@@ -5,7 +5,9 @@
 into one shared memory pool, and reads each capture into the IR. Shapes group by topology
 fingerprint (``grape.passes.families``); each group instantiates one executable, from its
 first shape's graph (the template), and every other shape keeps only its delta against the
-template (``grape.passes.delta``, coded by ``grape.passes.compress``). ``family.run(shape)``
+template (``grape.passes.delta``, coded by ``grape.passes.compress``). A shape whose delta an
+executable cannot take in place (a kernel's attributes change) starts another executable of
+its topology instead. ``family.run(shape)``
 updates the executable's nodes that differ from the shape it holds (``transition``) and
 launches it. A shape outside the family runs ``step`` eagerly, with a warning.
 
@@ -128,23 +130,47 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
                       collect=False)
         ir = cap.ir
-        key = fingerprint(ir, launch=False)
-        group = groups.get(key)
-        if group is None:
+        key, deltas[shape] = _place(groups, fingerprint(ir, launch=False), ir, shape)
+        if key not in groups:
             graph = Graph.build(ir)
-            group = groups[key] = _Group(shape, ir, graph, graph.instantiate(), shape)
+            groups[key] = _Group(shape, ir, graph, graph.instantiate(), shape)
             keep.append(cap.torch_graph)  # keeps the shared pool's memory for the family
-        try:
-            deltas[shape] = delta(group.template, ir)
-            _check_updatable(group.template, deltas[shape], shape)
-        except UnsupportedError as e:
-            raise UnsupportedError(f"shape {shape!r}: {e}") from None
         group_of[shape] = key
         if (i + 1) % 50 == 0 or i + 1 == len(shapes):
-            progress(f"captured {i + 1}/{len(shapes)} shapes, {len(groups)} topologies")
+            progress(f"captured {i + 1}/{len(shapes)} shapes, {len(groups)} executables")
     torch.cuda.synchronize()
     return Family(step, groups, group_of, deltas,
                   torch.cuda.memory_reserved() - reserved, time.perf_counter() - began, keep)
+
+
+def _place(groups: Mapping[str, _Group], topology: str, ir: KernelGraph, shape: Hashable
+           ) -> tuple[str, ShapeDelta]:
+    """The group a shape joins, and its delta against the group's template: the first
+    executable of its topology that can take the shape by updates in place. Where none can (a
+    kernel whose attributes change with the shape, as the H200's convolution kernels for
+    Wav2Vec2 did), the shape starts another executable of that topology, keyed
+    ``topology#n``, and its delta is empty."""
+    variants = [k for k in groups if k.split("#")[0] == topology]
+    for key in variants:
+        template = groups[key].template
+        d = delta(template, ir)
+        clash = [b for b in ir.buffers.values()
+                 if b.id in template.buffers and template.buffers[b.id] != b]
+        try:
+            _check_updatable(template, d, shape)
+        except UnsupportedError:
+            continue
+        if clash:
+            continue
+        # The shape's nodes may write memory the template's never touched (the shared pool
+        # handed its capture another block): the executable's builder resolves addresses
+        # through the template's table, so the table takes the shape's buffers too.
+        for b in ir.buffers.values():
+            if b.id not in template.buffers:
+                template.add_buffer(b)
+        return key, d
+    key = f"{topology}#{len(variants)}" if variants else topology
+    return key, delta(ir, ir)
 
 
 def _check_updatable(template: KernelGraph, d: ShapeDelta, shape: Hashable) -> None:
