@@ -7,7 +7,9 @@ GPT-2 small (fp16, random weights, built from its config), a prompt of 32 random
 - ``host loop``: ``grape.torch.generate.GreedyDecoder.step`` captured once as a
   ``torch.cuda.CUDAGraph`` and replayed, the host reading ``running`` back after each token;
 - ``device loop``: the same step inside a WHILE conditional node (``grape.torch.loop``): one
-  launch for the whole generation.
+  launch for the whole decode, after the prompt's eager prefill;
+- ``one launch``: the prefill captured too, ahead of the loop in the same graph: one launch
+  for the whole generation.
 
 Host syncs are counted with PyTorch's sync debug mode (a warning per synchronising call, the
 read-back of the tokens included). Tokens are compared with ``generate``'s, on a run without EOS
@@ -79,6 +81,8 @@ class Ways:
             decoder.step()
         self.loop = DeviceLoop(decoder.step, decoder.running, new,
                                params=dict(model.named_parameters()))
+        self.whole = DeviceLoop(decoder.step, decoder.running, new,
+                                params=dict(model.named_parameters()), prologue=decoder.prefill)
 
     def generate(self) -> torch.Tensor:
         with torch.no_grad():
@@ -102,6 +106,14 @@ class Ways:
         self.decoder.prefill()
         return self.device_decode()
 
+    def one_launch(self) -> torch.Tensor:
+        self.whole.launch()
+        return self.decoder.generated()
+
+    def close(self) -> None:
+        self.loop.close()
+        self.whole.close()
+
     def floor_ms(self, steps: int) -> float:
         """The step's kernels' GPU time: ``steps`` step replays back to back, by CUDA events
         (the GPU never waits on the host between them)."""
@@ -122,6 +134,8 @@ def _run(ways: Ways) -> dict[str, object]:
     host_tokens, host_s = _timed(ways.host_loop)
     _, host_syncs = _syncs(ways.host_loop)
     device_tokens, device_s = _timed(ways.device_loop)
+    whole_tokens, whole_s = _timed(ways.one_launch)
+    _, whole_syncs = _syncs(ways.one_launch)
     _, host_decode_s = _timed(ways.host_decode, before=ways.decoder.prefill)
     _, device_decode_s = _timed(ways.device_decode, before=ways.decoder.prefill)
     ways.decoder.prefill()
@@ -130,7 +144,8 @@ def _run(ways: Ways) -> dict[str, object]:
     return {"tokens": n, "expected": expected, "floor_ms": ways.floor_ms(max(n - 1, 1)),
             "ways": [("generate", expected, hf_s, hf_syncs, None),
                      ("host loop", host_tokens, host_s, host_syncs, host_decode_s),
-                     ("device loop", device_tokens, device_s, device_syncs, device_decode_s)]}
+                     ("device loop", device_tokens, device_s, device_syncs, device_decode_s),
+                     ("one launch", whole_tokens, whole_s, whole_syncs, None)]}
 
 
 def _record(ways: Ways, out_dir: Path, name: str, counters: dict[str, float],
@@ -232,15 +247,16 @@ def measure(batch: int, new: int, trace_dir: Path | None) -> list[dict[str, obje
         if eos is None:
             kept = (ways, {f"{r['way'].replace(' ', '_')}_ms_per_token": r["ms_per_token"]
                            for r in rows} | {
-                "host_loop_decode_ms_per_token": rows[-2]["decode_ms_per_token"],
+                "host_loop_decode_ms_per_token": next(
+                    r["decode_ms_per_token"] for r in rows if r["way"] == "host loop"),
                 "tokens": float(n), "step_gpu_ms": floor})
         else:
-            ways.loop.close()
+            ways.close()
     ways, counters = kept
     if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
         _record(ways, trace_dir, f"gpt2_small_greedy_b{batch}", counters)
-    ways.loop.close()
+    ways.close()
     return rows
 
 

@@ -58,8 +58,9 @@ def test_bad_conditions_and_bounds_are_refused(cuda):
         DeviceLoop(body, running, 0)
 
 
+@pytest.mark.parametrize("prefill_inside", [False, True], ids=["loop", "prefill and loop"])
 @pytest.mark.parametrize("eos_at", [None, 5], ids=["no EOS", "EOS"])
-def test_greedy_generation_on_the_device_matches_generate(cuda, eos_at):
+def test_greedy_generation_on_the_device_matches_generate(cuda, eos_at, prefill_inside):
     from grape.torch.generate import GreedyDecoder, generate_host_loop
     from grape.torch.loop import DeviceLoop
 
@@ -77,15 +78,18 @@ def test_greedy_generation_on_the_device_matches_generate(cuda, eos_at):
     decoder.prefill()
     decoder.step()  # warm-up outside capture
     decoder.prefill()
-    loop = DeviceLoop(decoder.step, decoder.running, new,
-                      params=dict(model.named_parameters()))
+    loop = DeviceLoop(decoder.step, decoder.running, new, params=dict(model.named_parameters()),
+                      prologue=decoder.prefill if prefill_inside else None)
     try:
-        decoder.prefill()
-        loop.launch()  # the whole generation: one launch, read back once below
-        got = decoder.generated()
+        for _ in range(2):  # a second generation from the same graph
+            decoder.tokens.fill_(-7)  # whatever the last run left is overwritten
+            if not prefill_inside:
+                decoder.prefill()
+            loop.launch()  # the whole generation: one launch, read back once below
+            got = decoder.generated()
+            assert torch.equal(got, expected)
     finally:
         loop.close()
-    assert torch.equal(got, expected)
 
 
 def test_while_loop_on_the_device_matches_the_eager_loop(cuda):

@@ -72,3 +72,28 @@ def test_setters_must_take_the_loops_handle():
     with pytest.raises(GrapeError, match="expected setter kernel 'start' to take handle 'h'"):
         while_loop_graph(_body(), REMAINING, 4, handle="h", start=_setter("start", "other"),
                          step=_setter("step"))
+
+
+def _prologue(state=Buffer("state", 64, BufferRole.INTERNAL, address=0x3000)):
+    g = KernelGraph()
+    g.add_buffer(state)
+    g.add_buffer(Buffer("prompt", 32, BufferRole.INTERNAL, address=0x4000))
+    g.add("a", Kernel("fp", "prefill", (1, 1, 1), (32, 1, 1), args=bytes(8)))
+    g.add("b", Kernel("fq", "first token", (1, 1, 1), (32, 1, 1), args=bytes(8)), after=["a"])
+    return g
+
+
+def test_a_prologue_runs_first_in_the_same_graph():
+    g = _loop(prologue=_prologue())
+    assert list(g.dag.predecessors("grape:remaining")) == ["prologue:b"]
+    assert list(g.dag.predecessors("prologue:b")) == ["prologue:a"]
+    assert g.op("prologue:a").name == "prefill"
+    # The body's names are free to repeat the prologue's: each sits in its own graph.
+    assert set(g.op("grape:while").bodies[0].dag) == {"a", "b", "c", "grape:step"}
+    assert set(g.buffers) == {"state", "left", "go", "prompt"}
+
+
+def test_a_prologue_that_names_a_buffer_otherwise_is_refused():
+    moved = Buffer("state", 64, BufferRole.INTERNAL, address=0x9000)
+    with pytest.raises(GrapeError, match="expected buffer 'state' to be one memory"):
+        _loop(prologue=_prologue(moved))

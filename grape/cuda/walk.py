@@ -33,7 +33,8 @@ from grape.ir import (
     Op,
 )
 
-__all__ = ["ATTRIBUTES", "event_id", "read_graph", "resolve_event"]
+__all__ = ["ATTRIBUTES", "CreatedConditional", "created_params", "event_id", "read_graph",
+           "remember_conditional", "resolve_event"]
 
 T = driver.CUgraphNodeType
 A = driver.CUkernelNodeAttrID
@@ -197,7 +198,37 @@ _COND_KINDS = {
 }
 
 
+@dataclass(frozen=True)
+class CreatedConditional:
+    """What ``cuGraphNodeGetParams`` would say of a conditional node grape added (fields named
+    as the driver's structure's, so that the walker reads either)."""
+
+    type: driver.CUgraphConditionalNodeType
+    size: int
+    handle: int
+    phGraph_out: tuple[driver.CUgraph, ...]
+
+
+# Conditional nodes grape added to captures (``grape.cuda.regions``), by node handle. Entries
+# outlive their graphs only as stale keys: a node at a reused address overwrites its entry.
+_CREATED: dict[int, CreatedConditional] = {}
+
+
+def remember_conditional(node: driver.CUgraphNode, params: CreatedConditional) -> None:
+    _CREATED[int(node)] = params
+
+
+def created_params(node: driver.CUgraphNode) -> CreatedConditional | None:
+    """The parameters of a conditional node grape added, or None."""
+    return _CREATED.get(int(node))
+
+
 def _conditional_params(node: driver.CUgraphNode):
+    # Nodes grape added during a capture are known without the driver (which may lack
+    # cuGraphNodeGetParams).
+    made = created_params(node)
+    if made is not None:
+        return made
     return call(driver.cuGraphNodeGetParams, node, doing="reading a conditional node").conditional
 
 

@@ -27,12 +27,15 @@ def check_bound(max_iterations: object) -> int:
 
 def while_loop_graph(body: KernelGraph, remaining: Buffer, max_iterations: int, *,
                      handle: str, start: Kernel, step: Kernel,
-                     extra: tuple[Buffer, ...] = ()) -> KernelGraph:
-    """``memset(remaining = max_iterations) -> start -> WHILE handle { body; step }``.
+                     extra: tuple[Buffer, ...] = (),
+                     prologue: KernelGraph | None = None) -> KernelGraph:
+    """``[prologue ->] memset(remaining = max_iterations) -> start -> WHILE handle { body;
+    step }``.
 
     ``start`` sets the handle before the first iteration; ``step`` runs after every sink of
     ``body`` and sets it for the next. ``extra`` buffers (the flag the setters read) join the
-    table beside the body's.
+    table beside the body's. A ``prologue`` (work that sets the loop's state up, such as a
+    prompt's prefill) runs first, in the same graph; its nodes are named ``prologue:<node>``.
     """
     check_bound(max_iterations)
     for k in (start, step):
@@ -45,10 +48,24 @@ def while_loop_graph(body: KernelGraph, remaining: Buffer, max_iterations: int, 
     sinks = [n for n in body.dag if body.dag.out_degree(n) == 0]
     inner.add("grape:step", step, after=sinks)
     outer = KernelGraph()
-    for buffer in (*body.buffers.values(), remaining, *extra):
-        if buffer.id not in outer.buffers:
-            outer.add_buffer(buffer)
-    outer.add("grape:remaining", Memset(Span(remaining.id), max_iterations, 4, 1))
+    tables = [body.buffers.values(), (remaining, *extra)]
+    if prologue is not None:
+        tables.append(prologue.buffers.values())
+    for table in tables:
+        for buffer in table:
+            held = outer.buffers.get(buffer.id)
+            if held is None:
+                outer.add_buffer(buffer)
+            elif held != buffer:
+                raise GrapeError(f"expected buffer {buffer.id!r} to be one memory in the loop "
+                                 f"and its prologue, found {held} and {buffer}")
+    first: list[str] = []
+    if prologue is not None:
+        for node in nx.topological_sort(prologue.dag):
+            outer.add(f"prologue:{node}", prologue.op(node),
+                      after=[f"prologue:{d}" for d in prologue.dag.predecessors(node)])
+        first = [f"prologue:{n}" for n in prologue.dag if prologue.dag.out_degree(n) == 0]
+    outer.add("grape:remaining", Memset(Span(remaining.id), max_iterations, 4, 1), after=first)
     outer.add("grape:start", start, after=["grape:remaining"])
     outer.add("grape:while", Conditional(ConditionalKind.WHILE, handle, (inner,), default=0),
               after=["grape:start"])

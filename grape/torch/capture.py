@@ -24,6 +24,7 @@ from grape.cuda.build import Graph
 from grape.cuda.walk import read_graph
 from grape.errors import CaptureError
 from grape.ir import BufferRole, KernelGraph
+from grape.torch.control import graph
 
 __all__ = ["TorchCapture", "capture"]
 
@@ -120,7 +121,7 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     reserved = torch.cuda.memory_reserved()
     g = torch.cuda.CUDAGraph(keep_graph=True)
     try:
-        with torch.cuda.graph(g, pool=pool):
+        with graph(g, pool=pool):  # remembers the pool, for IF nodes in ``fn``
             outputs = fn(*args)
     except Exception as e:
         first = e.__context__ or e  # capture_end's error hides the one that broke capture

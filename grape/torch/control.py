@@ -15,15 +15,21 @@ every replay. Nested regions nest their nodes.
 ``while_loop(cond_fn, body_fn, state, max_iterations)`` loops over a tuple of tensors: eagerly
 with one sync per iteration, or, with ``on_device=True``, as one graph launch whose WHILE node
 decides on the GPU (``grape.torch.loop.DeviceLoop``, which callers that loop many times should
-keep and relaunch); see also ``grape.torch.generate``. Graphs holding IF nodes replay through
-PyTorch; grape cannot read them into its IR on drivers without ``cuGraphNodeGetParams`` (driver
-580 among them).
+keep and relaunch); see also ``grape.torch.generate``.
+
+Where PyTorch has no ``begin_capture_to_if_node`` (2.11 has none), grape adds the IF node itself
+(``grape.cuda.regions``) and points PyTorch's allocator at the capture's memory pool while the
+body is captured; that needs the pool, which a capture through :func:`graph` (a
+``torch.cuda.graph`` that remembers it) or through ``grape.torch.capture`` provides. After a
+body, the capture's allocations go to the pool from the capturing stream alone (PyTorch's own
+rule also follows streams joined into the capture).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -31,7 +37,10 @@ import torch
 from grape.errors import GrapeError, UnsupportedError
 from grape.passes.loops import check_bound
 
-__all__ = ["cond", "predicate", "while_loop"]
+__all__ = ["cond", "graph", "predicate", "while_loop"]
+
+# The memory pool of the capture under way, where it went through :func:`graph`.
+_POOL: ContextVar[Any] = ContextVar("grape_capture_pool", default=None)
 
 _PREDICATE_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -50,26 +59,78 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _graph(pred: torch.Tensor) -> Any:
-    if not pred.is_cuda:
-        raise GrapeError(f"expected a CUDA predicate inside a graph capture (the GPU decides "
-                         f"the branch), found one on {pred.device}")
-    capturing = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
-    graph = capturing() if capturing is not None else None
-    if graph is None or not hasattr(graph, "begin_capture_to_if_node"):
-        raise UnsupportedError(f"expected a PyTorch that captures IF nodes "
-                               f"(CUDAGraph.begin_capture_to_if_node), found {torch.__version__}"
-                               f" without it")
-    return graph
+@contextmanager
+def graph(cuda_graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
+    """``torch.cuda.graph(cuda_graph, **kwargs)``, remembering the capture's memory pool, so
+    that :func:`cond` and :func:`predicate` capture IF nodes on any PyTorch."""
+    with torch.cuda.graph(cuda_graph, **kwargs):
+        token = _POOL.set(cuda_graph.pool())
+        try:
+            yield
+        finally:
+            _POOL.reset(token)
+
+
+def _torch_if_capture() -> Any:
+    """PyTorch's capturing graph where PyTorch captures IF nodes itself, else None."""
+    current = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
+    if current is None or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        return None
+    return current()
+
+
+def _allocator(name: str, old: str) -> Callable[..., None]:
+    fn = getattr(torch._C, name, None) or getattr(torch._C, old, None)
+    if fn is None:
+        raise UnsupportedError(f"expected PyTorch's allocator to take {name} (to place an IF "
+                               f"body's memory in the capture's pool), found {torch.__version__} "
+                               f"without it")
+    return fn
 
 
 @contextmanager
-def _if_body(graph: Any, pred: torch.Tensor) -> Iterator[None]:
-    graph.begin_capture_to_if_node(pred.bool() if pred.dtype != torch.bool else pred)
+def _if_body(pred: torch.Tensor) -> Iterator[None]:
+    """Work issued inside goes into an IF node on ``pred``, in the capture under way."""
+    if not pred.is_cuda:
+        raise GrapeError(f"expected a CUDA predicate inside a graph capture (the GPU decides "
+                         f"the branch), found one on {pred.device}")
+    flag = pred.reshape(()) if pred.dtype == torch.bool else (pred.reshape(()) != 0)
+    capturing = _torch_if_capture()
+    if capturing is not None:
+        capturing.begin_capture_to_if_node(flag)
+        try:
+            yield
+        finally:
+            capturing.end_capture_to_conditional_node()
+        return
+    pool = _POOL.get()
+    if pool is None:
+        raise UnsupportedError(f"expected a capture through grape.torch.control.graph or "
+                               f"grape.torch.capture (which know the capture's memory pool) on "
+                               f"PyTorch {torch.__version__}, which cannot capture IF nodes "
+                               f"itself; found a plain torch.cuda.graph capture")
+    from grape.cuda import regions
+
+    begin = _allocator("_cuda_beginAllocateCurrentStreamToPool", "_cuda_beginAllocateToPool")
+    end = _allocator("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool")
+    device, outer = torch.cuda.current_device(), torch.cuda.current_stream()
+    body = torch.cuda.Stream()  # from PyTorch's pool, made before the capture began
+    if body.cuda_stream == outer.cuda_stream:
+        body = torch.cuda.Stream()
+    region = regions.begin_if(outer.cuda_stream, flag.data_ptr(), body.cuda_stream)
+    # The body's stream is another capture (its own id), which the pool's rule for the outer
+    # capture does not cover: send what the body allocates from its stream to the same pool.
+    end(device, pool)
     try:
-        yield
+        with torch.cuda.stream(body):
+            begin(device, pool)
+            try:
+                yield
+            finally:
+                end(device, pool)
     finally:
-        graph.end_capture_to_conditional_node()
+        regions.end_region(region)
+        begin(device, pool)  # on the outer stream again
 
 
 def cond(pred: torch.Tensor, true_fn: Callable[..., Any], false_fn: Callable[..., Any],
@@ -84,14 +145,11 @@ def cond(pred: torch.Tensor, true_fn: Callable[..., Any], false_fn: Callable[...
     _check(pred)
     if not _capturing():
         return true_fn(*operands) if bool(pred) else false_fn(*operands)
-    graph = _graph(pred)
-    with _if_body(graph, pred):
+    with _if_body(pred):
         taken = true_fn(*operands)
-    negated = torch.logical_not(pred)
-    with _if_body(graph, negated):
+    with _if_body(torch.logical_not(pred)):
         other = false_fn(*operands)
-        pairs = _pairs(taken, other)
-        for a, b in pairs:
+        for a, b in _pairs(taken, other):
             a.copy_(b)
     return taken
 
@@ -123,7 +181,7 @@ def predicate(pred: torch.Tensor) -> Generator[bool, None, None]:
     if not _capturing():
         yield bool(pred)
         return
-    with _if_body(_graph(pred), pred):
+    with _if_body(pred):
         yield True
 
 

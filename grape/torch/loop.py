@@ -9,7 +9,9 @@ scalar) into the IR, and builds one graph around it:
 where ``set`` and ``next`` are grape's NVRTC setter kernels (``grape.cuda.conditional``):
 ``next`` counts ``remaining`` down and continues while ``running`` holds and iterations are left.
 One :meth:`DeviceLoop.launch` runs the whole loop; the host does not synchronise per
-iteration, and it learns the outcome by reading the state back once, when it wants it.
+iteration, and it learns the outcome by reading the state back once, when it wants it. A
+``prologue`` (work that sets the state up, such as a prompt's prefill and its first token) is
+captured too and runs first in the same graph, so that a whole generation is one launch.
 
 The body is captured as it is called, so it must have run eagerly at least once before (lazy
 initialisation, such as cuBLAS handles, cannot happen inside a capture), and its tensors must
@@ -48,7 +50,8 @@ class DeviceLoop:
     """``while running and iterations remain: body()``, as one graph launch."""
 
     def __init__(self, body: Callable[[], Any], running: torch.Tensor, max_iterations: int,
-                 params: Mapping[str, torch.Tensor] | None = None) -> None:
+                 params: Mapping[str, torch.Tensor] | None = None,
+                 prologue: Callable[[], Any] | None = None) -> None:
         if not (isinstance(running, torch.Tensor) and running.is_cuda
                 and running.dtype == torch.bool and running.numel() == 1):
             found = (f"{running.dtype} of shape {tuple(running.shape)} on {running.device}"
@@ -60,13 +63,16 @@ class DeviceLoop:
         self.remaining = torch.zeros(1, dtype=torch.int32, device=running.device)
         # No warm-up: it would run the body once more on the caller's state.
         self.capture = capture(body, params=params, warmup=0, instantiate=False)
+        self.prologue = None if prologue is None else capture(
+            prologue, params=params, warmup=0, instantiate=False)
         go = Buffer("grape:running", 1, BufferRole.INTERNAL, address=running.data_ptr())
         left = Buffer("grape:remaining", 4, BufferRole.INTERNAL,
                       address=self.remaining.data_ptr())
         self.ir = while_loop_graph(
             self.capture.ir, left, max_iterations, handle=_HANDLE, extra=(go,),
             start=_setter("grape_set_from_bool", go.address),
-            step=_setter("grape_while_bounded", go.address, left.address))
+            step=_setter("grape_while_bounded", go.address, left.address),
+            prologue=None if self.prologue is None else self.prologue.ir)
         self.graph = Graph.build(self.ir)
         self.executable: Executable = self.graph.instantiate()
 
