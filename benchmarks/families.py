@@ -13,8 +13,9 @@ static tensor. Measured:
 - capture time for all lengths (naive: capture and instantiate; family: capture, read into the
   IR, delta, instantiate one executable per topology);
 - step time over the lengths in generation order, back to back (one sync at the end) and with
-  a sync after each step, and the family's host time per step for applying deltas (prepared
-  updates cached after the first pass; both passes reported);
+  a sync after each step, and the family's host time per step for bringing its executable to
+  the shape (``--update nodes``: prepared per-node updates, cached after the first pass, both
+  passes reported; ``--update graph``: one ``cuGraphExecUpdate`` from the shape's graph);
 - bitwise equality of the logits, family against per-shape graph, on a sample of lengths.
 
 Writes benchmarks/results/families_h200.json (or --out; with --append, entries of other
@@ -200,14 +201,16 @@ def wav2vec2_audio(lengths: list[int]) -> Workload:
                     {"batch": 1, "audio_samples": [lengths[0], lengths[-1]]})
 
 
-def measure(w: Workload, trace_dir: Path | None = None) -> dict[str, object]:
-    lengths, step, out, label = w.shapes, w.step, w.out, w.name
+def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes"
+            ) -> dict[str, object]:
+    lengths, step, out = w.shapes, w.step, w.out
+    label = w.name if update == "nodes" else f"{w.name} (whole-graph updates)"
 
     # The family first, in a process that has destroyed no executable yet: the driver hands
     # what destroyed executables held to the next ones, which hides their memory.
     reserved_a = torch.cuda.memory_reserved()
     family = capture_family(step, sorted(lengths, reverse=True),
-                            params=w.params,
+                            params=w.params, update=update,
                             progress=lambda line: _log(f"  {label} family: {line}"))
     _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
     # One or two executables sit below the driver's allocation granularity, so their memory is
@@ -267,7 +270,7 @@ def measure(w: Workload, trace_dir: Path | None = None) -> dict[str, object]:
     family_sync = _steps(family.run, order, sync_each=True)
     nodes = [len(g.template) for g in family.groups.values()]
     result = {
-        "workload": label, **w.extra, "shapes": len(lengths),
+        "workload": label, **w.extra, "update": update, "shapes": len(lengths),
         "naive_graph_bytes": naive_graph, "naive_pool_bytes": naive_pool,
         "family_graph_bytes": family_graph, "family_pool_bytes": family.pool_bytes,
         "family_graph_bytes_first_instantiation": family.graph_bytes,
@@ -325,6 +328,9 @@ def main() -> None:
                              "the family's figures as counters, into DIR")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "families_h200.json")
+    parser.add_argument("--update", choices=("nodes", "graph"), default="nodes",
+                        help="bring executables to shapes node by node from the deltas, or "
+                             "whole, from each shape's graph kept on the host")
     parser.add_argument("--append", action="store_true",
                         help="keep the entries of other workloads already in --out")
     args = parser.parse_args()
@@ -339,7 +345,7 @@ def main() -> None:
         w = load()
         _log(f"[+] {w.name}, {len(w.shapes)} shapes ({w.shape_name} {w.shapes[0]}.."
              f"{w.shapes[-1]})")
-        results.append(measure(w, args.traces))
+        results.append(measure(w, args.traces, args.update))
         _log(json.dumps({k: v for k, v in results[-1].items()
                          if k != "changed_between_neighbours"}))
         _log(json.dumps(results[-1]["changed_between_neighbours"]))

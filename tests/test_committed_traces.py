@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -52,8 +53,9 @@ def test_raw_profiler_exports_open_as_chrome_traces(path):
     (cuda-python's graph launch is not recorded), and the note of how it was cut."""
     doc = json.loads(gzip.decompress(path.read_bytes()))
     kernels = [e for e in doc["traceEvents"] if e.get("cat") == "kernel"]
-    assert sum(e["name"] == "grape_while_bounded" for e in kernels) == 32
-    assert "first 32 of 127 loop iterations" in doc["grape_note"]
+    kept = re.search(r"first (\d+) of 127 loop iterations", doc["grape_note"])
+    assert kept is not None
+    assert sum(e["name"] == "grape_while_bounded" for e in kernels) == int(kept.group(1)) > 0
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name)

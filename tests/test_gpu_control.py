@@ -26,7 +26,7 @@ def test_a_captured_cond_follows_the_predicate_on_each_replay(cuda, dtype):
     x = torch.ones(4, device="cuda")
     flag = torch.ones((), dtype=dtype, device="cuda")
     cond(flag, lambda t: t * 3, lambda t: t - 2, x)  # eager warm-up of both sides
-    cond(flag - 1, lambda t: t * 3, lambda t: t - 2, x)
+    cond(torch.zeros_like(flag), lambda t: t * 3, lambda t: t - 2, x)
     g = torch.cuda.CUDAGraph()
     with graph(g):
         out = cond(flag, lambda t: t * 3, lambda t: t - 2, x)

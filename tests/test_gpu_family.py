@@ -1,4 +1,5 @@
-"""Graph families on a real GPU: one executable per topology, brought to each KV length."""
+"""Graph families on a real GPU: one executable per topology, brought to each KV length node
+by node from the deltas, or whole from each length's graph."""
 
 from __future__ import annotations
 
@@ -37,12 +38,13 @@ def decode():
     return model, step, out
 
 
-@pytest.fixture(scope="module")
-def family(decode):
+@pytest.fixture(scope="module", params=["nodes", "graph"])
+def family(decode, request):
     from grape.torch.family import capture_family
 
     model, step, _ = decode
-    fam = capture_family(step, LENGTHS, params=dict(model.named_parameters()))
+    fam = capture_family(step, LENGTHS, params=dict(model.named_parameters()),
+                         update=request.param)
     yield fam
     fam.close()
 
@@ -82,6 +84,8 @@ def test_neighbouring_lengths_update_few_nodes(family):
 
 def test_family_keeps_one_executable_per_topology(family):
     assert set(family.group_of) == set(LENGTHS) == set(family.deltas)
+    # Whole-graph updates keep every shape's graph on the host; node updates keep none.
+    assert set(family.graphs) == (set(LENGTHS) if family.update == "graph" else set())
     templates = {g.template_shape for g in family.groups.values()}
     assert max(LENGTHS) in templates  # captured first, so the first template
     assert all(family.deltas[s].nodes == () for s in templates)

@@ -74,7 +74,10 @@ def test_setters_must_take_the_loops_handle():
                          step=_setter("step"))
 
 
-def _prologue(state=Buffer("state", 64, BufferRole.INTERNAL, address=0x3000)):
+STATE = Buffer("state", 64, BufferRole.INTERNAL, address=0x3000)
+
+
+def _prologue(state=STATE):
     g = KernelGraph()
     g.add_buffer(state)
     g.add_buffer(Buffer("prompt", 32, BufferRole.INTERNAL, address=0x4000))

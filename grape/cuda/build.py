@@ -251,6 +251,21 @@ class Executable(Resource):
         self.device_bytes = free_before - memory_info()[0]
         self.nodes = nodes
 
+    def update(self, graph: Graph) -> None:
+        """Give every node of this executable the parameters of ``graph``'s (one driver call,
+        ``cuGraphExecUpdate``): a graph of the same topology, built the same way as the one
+        instantiated. Launches in flight keep what they started with.
+
+        Raises
+        ------
+        UnsupportedError
+            The driver refused the update (its reason is named); the executable is unchanged.
+        """
+        status, info = driver.cuGraphExecUpdate(self.handle, graph.handle)
+        if status != driver.CUresult.CUDA_SUCCESS:
+            raise UnsupportedError(f"expected an executable update the driver takes, found "
+                                   f"{info.result.name} ({status.name})")
+
     def launch(self, stream: Any = 0) -> None:
         if self.closed:
             raise GrapeError("expected an open executable to launch, found one already closed")

@@ -12,7 +12,7 @@ from grape.cuda.build import Graph
 from grape.cuda.check import call
 from grape.cuda.context import current_context
 from grape.cuda.walk import read_graph
-from grape.errors import CaptureError, CudaError
+from grape.errors import CaptureError
 
 __all__ = ["capture"]
 
@@ -37,7 +37,7 @@ def capture(issue: Callable[[Any], None], buffers: BufferMap | None = None,
     failure: BaseException | None = None
     try:
         issue(stream)
-    except (CudaError, RuntimeError) as e:
+    except Exception as e:  # whatever broke it, the capture must end before anything else
         failure = e
     status, graph = driver.cuStreamEndCapture(stream)
     if own:

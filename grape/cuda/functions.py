@@ -38,6 +38,16 @@ def function_id(func: driver.CUfunction) -> tuple[str, str]:
     return ident, name
 
 
+def forget(func: driver.CUfunction) -> None:
+    """Drop what is remembered about the function at ``func``'s address: a module loaded
+    where an unloaded one was can hand out another kernel at the same address (seen on the
+    H200: a one-parameter kernel's layout served for a two-parameter one)."""
+    address = int(func)
+    _layouts.pop(address, None)
+    for ident in [i for i, f in _seen.items() if int(f) == address]:
+        del _seen[ident]
+
+
 def param_layout(func: driver.CUfunction) -> tuple[Param, ...]:
     """Offsets and sizes of ``func``'s parameters in the packed argument bytes.
 

@@ -11,7 +11,7 @@ from cuda.bindings import driver, nvrtc
 from grape.cuda.build import kernel_params
 from grape.cuda.check import call
 from grape.cuda.context import current_context
-from grape.cuda.functions import function_id, param_layout
+from grape.cuda.functions import forget, function_id, param_layout
 from grape.cuda.resource import Resource
 from grape.errors import CudaError, GrapeError
 from grape.ir import Kernel
@@ -61,6 +61,7 @@ class Module(Resource):
         """An ``extern "C"`` kernel of the module, known to the IR by its handle."""
         func = call(driver.cuModuleGetFunction, self.handle, name.encode(),
                     doing=f"finding kernel {name} in {self.name}")
+        forget(func)  # the address may have been another module's kernel
         function_id(func)
         return func
 

@@ -9,8 +9,9 @@ which kernels run.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from grape.profile import DeviceProfile
@@ -48,8 +49,9 @@ class Prediction:
 def validate(paths: Iterable[Path], profile: DeviceProfile,
              progress: Callable[[str], None] = lambda line: None) -> list[Prediction]:
     """Predictions for every grape trace in ``paths`` that carries a measured wall time."""
-    traces: dict[tuple[str, str], Trace] = {}
-    for path in sorted(paths):
+    # By folder too: recordings of one workload from two machines stay two.
+    traces: dict[tuple[Path, str, str], Trace] = {}
+    for path in sorted(Path(p) for p in paths):
         if path.name.endswith(RAW_SUFFIX):
             progress(f"skipped {path}: a raw torch.profiler export, kept to be viewed")
             continue
@@ -57,17 +59,18 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
         if trace.grape is None or not trace.grape.wall_time_us:
             progress(f"skipped {path}: no wall time measured without the profiler")
             continue
-        traces[(trace.workload, trace.mode)] = trace
+        traces[(path.parent, trace.workload, trace.mode)] = trace
     out = []
     costs = costs_from_profile(profile)
-    for (workload, mode), trace in traces.items():
+    folders = Counter(workload for _, workload in {(f, w) for f, w, _ in traces})
+    for (folder, workload, mode), trace in traces.items():
         measured = trace.grape.wall_time_median_us
         program = unprofiled_program(trace, profile)
-        out.append(Prediction(workload, f"replay {mode}", measured / 1000,
-                              simulate(program, costs).per_iteration / 1000))
-        out.extend(_family_memory(trace, profile))
-        out.extend(_device_loop(trace, program, costs))
-        graph = traces.get((workload, "graph"))
+        found = [Prediction(workload, f"replay {mode}", measured / 1000,
+                            simulate(program, costs).per_iteration / 1000)]
+        found.extend(_family_memory(trace, profile))
+        found.extend(_device_loop(trace, program, costs))
+        graph = traces.get((folder, workload, "graph"))
         if mode == "eager" and graph is not None:
             eager_kernels = len(trace.iterations[0].kernels)
             graph_kernels = len(graph.iterations[0].kernels)
@@ -77,8 +80,12 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
             what_if = graph_iterations(program, costs,
                                        captured=unprofiled_program(graph, profile))
             predicted = simulate(what_if, costs).per_iteration
-            out.append(Prediction(workload, "eager -> graph",
-                                  graph.grape.wall_time_median_us / 1000, predicted / 1000, note))
+            found.append(Prediction(workload, "eager -> graph",
+                                    graph.grape.wall_time_median_us / 1000, predicted / 1000,
+                                    note))
+        if folders[workload] > 1:  # recorded in several folders: say which one this is
+            found = [replace(p, workload=f"{folder.name}/{workload}") for p in found]
+        out.extend(found)
     return out
 
 

@@ -63,8 +63,10 @@ def _capturing() -> bool:
 def graph(cuda_graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
     """``torch.cuda.graph(cuda_graph, **kwargs)``, remembering the capture's memory pool, so
     that :func:`cond` and :func:`predicate` capture IF nodes on any PyTorch."""
-    with torch.cuda.graph(cuda_graph, **kwargs):
-        token = _POOL.set(cuda_graph.pool())
+    # A pool named up front: PyTorch 2.11 refuses CUDAGraph.pool() until the capture ends.
+    pool = kwargs.pop("pool", None) or torch.cuda.graph_pool_handle()
+    with torch.cuda.graph(cuda_graph, pool=pool, **kwargs):
+        token = _POOL.set(pool)
         try:
             yield
         finally:

@@ -57,6 +57,11 @@ class Family:
     _warned: set[Hashable] = field(default_factory=set)
     update_s: float = 0.0  # host time spent bringing executables to shapes, all runs
     updated_nodes: int = 0
+    # update="graph": every shape's own graph, built as its executable's was (host memory);
+    # an executable is brought to a shape by one cuGraphExecUpdate from it.
+    graphs: dict[Hashable, Graph] = field(default_factory=dict)
+    update: str = "nodes"  # how executables are brought to shapes: "nodes" or "graph"
+    _changed: dict[tuple[Hashable, Hashable], int] = field(default_factory=dict)
 
     @property
     def graph_bytes(self) -> int:
@@ -84,16 +89,27 @@ class Family:
             return
         group = self.groups[name]
         if group.holds != shape:
-            t = time.perf_counter()
             key = (group.holds, shape)
-            updates = self._prepared.get(key)
-            if updates is None:
-                ops = transition(group.template, self.deltas[group.holds], self.deltas[shape])
-                updates = self._prepared[key] = group.graph.prepare(ops)
-            Graph.apply(group.executable, updates)
+            if self.update == "graph":
+                t = time.perf_counter()
+                group.executable.update(self.graphs[shape])
+                self.update_s += time.perf_counter() - t
+                changed = self._changed.get(key)
+                if changed is None:  # counted for reports, outside the timed update
+                    changed = self._changed[key] = len(transition(
+                        group.template, self.deltas[group.holds], self.deltas[shape]))
+            else:
+                t = time.perf_counter()
+                updates = self._prepared.get(key)
+                if updates is None:
+                    ops = transition(group.template, self.deltas[group.holds],
+                                     self.deltas[shape])
+                    updates = self._prepared[key] = group.graph.prepare(ops)
+                Graph.apply(group.executable, updates)
+                self.update_s += time.perf_counter() - t
+                changed = len(updates)
             group.holds = shape
-            self.update_s += time.perf_counter() - t
-            self.updated_nodes += len(updates)
+            self.updated_nodes += changed
         group.executable.launch(torch.cuda.current_stream().cuda_stream
                                 if stream is None else stream)
 
@@ -101,20 +117,33 @@ class Family:
         for g in self.groups.values():
             g.executable.close()
             g.graph.close()
+        for graph in self.graphs.values():
+            if all(graph is not g.graph for g in self.groups.values()):
+                graph.close()
 
 
 def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                    params: Mapping[str, torch.Tensor] | None = None,
-                   progress: Callable[[str], None] = lambda line: None) -> Family:
+                   progress: Callable[[str], None] = lambda line: None,
+                   update: str = "nodes") -> Family:
     """Capture ``step(shape)`` for each shape (largest first) into one family.
+
+    ``update`` says how an executable is brought to a shape: ``"nodes"`` updates the nodes
+    that differ, one driver call each, from the coded deltas; ``"graph"`` keeps every shape's
+    graph on the host and updates the whole executable from it in one ``cuGraphExecUpdate``. A
+    shape the driver refuses, or whose kernels' launch attributes change, starts another
+    executable, as with ``"nodes"`` (the driver took attribute changes on the H200, and the
+    kernels then stopped on an illegal instruction).
 
     Raises
     ------
     CaptureError
         ``step`` cannot be captured for some shape (the message names the user's line).
     GrapeError
-        No shapes, or a shape given twice.
+        No shapes, a shape given twice, or an unknown ``update``.
     """
+    if update not in ("nodes", "graph"):
+        raise GrapeError(f"expected update 'nodes' or 'graph', found {update!r}")
     shapes = list(shapes)
     if not shapes or len(set(shapes)) != len(shapes):
         raise GrapeError(f"expected distinct shapes to capture, found {len(shapes)} with "
@@ -125,22 +154,57 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
     deltas: dict[Hashable, ShapeDelta] = {}
+    graphs: dict[Hashable, Graph] = {}
     keep: list[Any] = []
     for i, shape in enumerate(shapes):
         cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
                       collect=False)
         ir = cap.ir
-        key, deltas[shape] = _place(groups, fingerprint(ir, launch=False), ir, shape)
+        topology = fingerprint(ir, launch=False)
+        if update == "graph":
+            graphs[shape] = Graph.build(ir)
+            key, deltas[shape] = _place_whole(groups, topology, ir, graphs[shape])
+        else:
+            key, deltas[shape] = _place(groups, topology, ir, shape)
         if key not in groups:
-            graph = Graph.build(ir)
+            graph = graphs.get(shape) or Graph.build(ir)
             groups[key] = _Group(shape, ir, graph, graph.instantiate(), shape)
             keep.append(cap.torch_graph)  # keeps the shared pool's memory for the family
+        elif update == "graph":
+            groups[key].holds = shape  # _place_whole brought the executable to it
         group_of[shape] = key
         if (i + 1) % 50 == 0 or i + 1 == len(shapes):
             progress(f"captured {i + 1}/{len(shapes)} shapes, {len(groups)} executables")
     torch.cuda.synchronize()
     return Family(step, groups, group_of, deltas,
-                  torch.cuda.memory_reserved() - reserved, time.perf_counter() - began, keep)
+                  torch.cuda.memory_reserved() - reserved, time.perf_counter() - began, keep,
+                  graphs=graphs, update=update)
+
+
+def _place_whole(groups: Mapping[str, _Group], topology: str, ir: KernelGraph,
+                 graph: Graph) -> tuple[str, ShapeDelta]:
+    """The group a shape joins under whole-graph updates: the first executable of its
+    topology that the driver updates to the shape's graph (tried here, so that a refusal shows
+    at capture, not at run time), or a new one."""
+    variants = [k for k in groups if k.split("#")[0] == topology]
+    for key in variants:
+        d = delta(groups[key].template, ir)
+        if _attributes_change(d):
+            # cuGraphExecUpdate took such changes on the H200 and the kernels then hit an
+            # illegal instruction (Wav2Vec2's, whose cluster shapes vary with the length).
+            continue
+        try:
+            groups[key].executable.update(graph)
+        except UnsupportedError:
+            continue
+        return key, d
+    key = f"{topology}#{len(variants)}" if variants else topology
+    return key, delta(ir, ir)
+
+
+def _attributes_change(d: ShapeDelta) -> bool:
+    return any(nd.kernel is not None and "attributes" in dict(nd.kernel.fields)
+               for nd in d.nodes)
 
 
 def _place(groups: Mapping[str, _Group], topology: str, ir: KernelGraph, shape: Hashable
@@ -175,10 +239,10 @@ def _place(groups: Mapping[str, _Group], topology: str, ir: KernelGraph, shape: 
 
 def _check_updatable(template: KernelGraph, d: ShapeDelta, shape: Hashable) -> None:
     """Refuse, at capture, a shape whose delta an executable cannot take in place."""
+    if _attributes_change(d):
+        raise UnsupportedError("a kernel's launch attributes change, which an executable "
+                               "cannot take in place")
     for nd in d.nodes:
-        if nd.kernel is not None and "attributes" in dict(nd.kernel.fields):
-            raise UnsupportedError(f"node {nd.node!r} changes kernel attributes, which an "
-                                   f"executable cannot update in place")
         op = template.op(nd.node)
         if nd.replacement is not None and op.kind not in ("memcpy", "memset"):
             raise UnsupportedError(f"node {nd.node!r} ({op.kind}) changes, and only kernels, "
