@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -82,35 +82,53 @@ def _synced_us(run, lengths) -> list[float]:
     return times
 
 
-def _record(out_dir: Path, w: Workload, window: list[int], runs: dict,
+def _record(out_dir: Path, w: Workload, window: list[int], naive: dict, family,
             counters: dict) -> None:
     """Traces over ``window`` (CUDA activity only), with each step's wall time measured first,
-    without the profiler.
-
-    Only the per-shape graphs can be traced: torch.profiler does not record the driver calls
-    cuda-python makes (``cuGraphLaunch``, the node updates), so a family's kernels come back
-    with no host call and the trace cannot be read (seen on the H200).
+    without the profiler, both ways: the per-shape graphs as a grape trace, whose counters take
+    the family's figures over the same window, and the family as torch.profiler exported it
+    (``*.family.gpu_only.json.gz``): the driver calls cuda-python makes (``cuGraphLaunch``, the
+    updates) are not among what the profiler records, so its kernels come with no host call
+    and grape does not read that file; open it in Perfetto.
     """
+    import gzip
+    import tempfile
+
     from grape.torch.record import _driver, _libraries, profile_steps
     from grape.trace import GrapeMeta, write_trace
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    walls = {mode: _synced_us(run, window) for mode, run in runs.items()}
-    how = {"graph": f"one torch.cuda.CUDAGraph per {w.shape_name}"}
-    for mode, run in runs.items():
-        shapes = iter([window[0], *window])  # the profiler's warm-up step, then the window
-
-        def step(run=run, shapes=shapes) -> None:
-            run(next(shapes))
-
-        trace = profile_steps(step, len(window))
-        meta = GrapeMeta(workload=w.slug, mode=mode,
-                         device=torch.cuda.get_device_name(), driver=_driver(),
-                         libraries=_libraries(), wall_time_us=tuple(walls[mode]),
-                         notes=f"{w.notes}, {w.shape_name} {window[0]}..{window[-1]}, one step "
-                               f"per shape; {how[mode]}",
-                         iterations=len(trace.iterations), counters=counters)
-        write_trace(out_dir / f"{w.slug}.{mode}.json.gz", trace, meta)
+    walls = _synced_us(lambda n: naive[n].replay(), window)
+    family.run(window[0])  # the executable holds the window's first shape
+    family.update_s, family.updated_nodes = 0.0, 0
+    family_walls = _synced_us(family.run, window[1:])
+    counters = counters | {
+        "family_step_synced_us": statistics.median(family_walls),
+        "family_update_us_per_step": family.update_s * 1e6 / (len(window) - 1),
+        "window_changed_nodes_per_step": family.updated_nodes / (len(window) - 1),
+        "whole_graph_update": float(family.update == "graph")}
+    shapes = iter([window[0], *window])  # the profiler's warm-up step, then the window
+    trace = profile_steps(lambda: naive[next(shapes)].replay(), len(window))
+    meta = GrapeMeta(workload=w.slug, mode="graph",
+                     device=torch.cuda.get_device_name(), driver=_driver(),
+                     libraries=_libraries(), wall_time_us=tuple(walls),
+                     notes=f"{w.notes}, {w.shape_name} {window[0]}..{window[-1]}, one step "
+                           f"per shape; one torch.cuda.CUDAGraph per {w.shape_name}; the "
+                           f"family's figures over the same window in the counters",
+                     iterations=len(trace.iterations), counters=counters)
+    write_trace(out_dir / f"{w.slug}.graph.json.gz", trace, meta)
+    family.run(window[0])
+    torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for n in window[1:]:
+                family.run(n)
+                torch.cuda.synchronize()
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as f, gzip.open(out_dir / f"{w.slug}.family.gpu_only.json.gz",
+                                            "wb") as g:
+            g.write(f.read())
 
 
 def _changed(family, a: int, b: int) -> dict[str, object]:
@@ -203,8 +221,9 @@ def wav2vec2_audio(lengths: list[int]) -> Workload:
 
 def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes"
             ) -> dict[str, object]:
-    lengths, step, out = w.shapes, w.step, w.out
-    label = w.name if update == "nodes" else f"{w.name} (whole-graph updates)"
+    if update == "graph":
+        w = replace(w, name=f"{w.name} (whole-graph updates)", slug=f"{w.slug}_whole")
+    lengths, step, out, label = w.shapes, w.step, w.out, w.name
 
     # The family first, in a process that has destroyed no executable yet: the driver hands
     # what destroyed executables held to the next ones, which hides their memory.
@@ -297,7 +316,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes"
             "family_graph_bytes", "naive_pool_bytes", "family_pool_bytes")}
         counters["nodes"] = float(max(nodes))
         try:
-            _record(trace_dir, w, window, {"graph": lambda n: naive[n].replay()}, counters)
+            _record(trace_dir, w, window, naive, family, counters)
         except (GrapeError, OSError) as e:  # the measurements above stand without the trace
             _log(f"  {label}: no trace: {e}")
     for e in extra:

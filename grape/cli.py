@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--update-nodes", type=float, metavar="N",
                      help="what if one executable served every shape, updating N nodes before "
                           "each graph launch (a graph family; see the trace's counters)")
+    sim.add_argument("--update-whole", action="store_true",
+                     help="what if one executable served every shape, brought to each by one "
+                          "cuGraphExecUpdate from the shape's graph before each launch")
     sim.add_argument("--device-loop", action="store_true",
                      help="what if every iteration ran inside one WHILE node on the device: one "
                           "launch and one sync for the whole run (needs graphed iterations: a "
@@ -247,6 +250,7 @@ def _simulate(args: argparse.Namespace) -> None:
         set_launch_cost,
         unprofiled_program,
         update_per_shape,
+        update_whole_graph,
     )
 
     trace = read_trace(args.trace)
@@ -269,12 +273,19 @@ def _simulate(args: argparse.Namespace) -> None:
         labels.append(f"launches {first} to {last} graphed")
     if args.graph:
         what_if, labels = graph_iterations(what_if, costs), [*labels, "graphed"]
+    if args.update_nodes is not None and args.update_whole:
+        raise GrapeError("expected one way of updating per shape, found both --update-nodes "
+                         "and --update-whole")
+    updating = args.update_nodes is not None or args.update_whole
+    if updating and not any(isinstance(s, GraphLaunch) for s in what_if.steps()):
+        raise GrapeError("expected graph launches to update per shape (a graphed trace, or "
+                         "--graph), found none")
     if args.update_nodes is not None:
-        if not any(isinstance(s, GraphLaunch) for s in what_if.steps()):
-            raise GrapeError("expected graph launches to update per shape (a graphed trace, or "
-                             "--graph), found none")
         what_if = update_per_shape(what_if, costs, args.update_nodes)
         labels.append(f"{args.update_nodes:g} nodes updated per launch")
+    if args.update_whole:
+        what_if = update_whole_graph(what_if, costs)
+        labels.append("one whole-graph update per launch")
     looped = 1  # iterations one simulated iteration stands for
     if args.device_loop:
         looped = len(what_if.iterations)

@@ -47,17 +47,19 @@ def test_median_over_every_prediction_meets_the_bound(predictions):
 
 
 def _families():
-    paths = sorted((TRACES / "h200_families").glob("*.json.gz"))
+    paths = sorted((TRACES / "h200_families").glob("*.graph.json.gz"))
     return paths, validate(paths, load_profile(TRACES / "devices" / "h200.json"))
 
 
 def test_graph_families_are_predicted_within_the_bound():
     """Per-shape graphs of GPT-2 decode with a PrefixCache and of Wav2Vec2 over audio lengths
-    (workloads the constants were not fitted on), and the executable memory of GPT-2's
-    per-shape graphs against its family."""
+    (workloads the constants were not fitted on), the executable memory of GPT-2's per-shape
+    graphs against its family, and the family's synchronised step (node by node and whole)."""
     paths, found = _families()
-    assert {p.question for p in found} == {"replay graph", "per-shape memory", "family memory"}
-    assert len(found) == 3 * len(paths) == 9
+    assert {p.question for p in found} == {"replay graph", "per-shape memory", "family memory",
+                                           "per-shape -> family"}
+    # Every trace three ways; the two recorded beside a family's run also its step.
+    assert len(found) == 3 * len(paths) + 2 == 14
     held = [p for p in found if p.question == "replay graph" or p.workload.startswith("gpt2")]
     worst = max(held, key=lambda p: abs(p.error))
     assert abs(worst.error) <= 0.15, f"{worst.workload} {worst.question}: {worst.error:+.1%}"

@@ -36,11 +36,13 @@ class Costs:
     graph_launch_per_node: float = 0.002
     while_per_iteration: float = 3.0  # GPU time a WHILE node adds per iteration
     set_params: float = 1.0  # host cost of updating one node of an executable
+    exec_update_per_node: float = 0.05  # host cost of cuGraphExecUpdate, per node of the graph
     queue_depth: int = 1024  # pending launches before the host stalls
 
     def __post_init__(self) -> None:
         for name in ("launch_latency", "kernel_gap", "graph_node_overhead", "graph_launch_fixed",
-                     "graph_launch_per_node", "while_per_iteration", "set_params"):
+                     "graph_launch_per_node", "while_per_iteration", "set_params",
+                     "exec_update_per_node"):
             if getattr(self, name) < 0:
                 raise GrapeError(f"expected a non-negative {name}, found {getattr(self, name)}")
         if self.queue_depth < 1:

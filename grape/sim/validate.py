@@ -22,6 +22,8 @@ from grape.sim.whatif import (
     graph_iterations,
     loop_on_device,
     unprofiled_program,
+    update_per_shape,
+    update_whole_graph,
 )
 from grape.trace import Trace, read_trace
 
@@ -70,6 +72,7 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
                             simulate(program, costs).per_iteration / 1000)]
         found.extend(_family_memory(trace, profile))
         found.extend(_device_loop(trace, program, costs))
+        found.extend(_family_step(trace, program, costs))
         graph = traces.get((folder, workload, "graph"))
         if mode == "eager" and graph is not None:
             eager_kernels = len(trace.iterations[0].kernels)
@@ -122,3 +125,23 @@ def _device_loop(trace: Trace, program, costs: Costs) -> list[Prediction]:
                        looped / len(program.iterations) / 1000,
                        f"{len(program.iterations)} tokens of the host loop's trace, "
                        f"{costs.while_per_iteration:.2f} us per WHILE iteration")]
+
+
+def _family_step(trace: Trace, program, costs: Costs) -> list[Prediction]:
+    """A family's synchronised step, predicted from the trace of the per-shape graphs it
+    replaces, where the family ran over the same shapes beside it (its ``counters``): each
+    launch preceded by the nodes it changed, one update call each, or by one whole-graph
+    update."""
+    counters = trace.grape.counters if trace.grape else {}
+    if "family_step_synced_us" not in counters:
+        return []
+    if counters.get("whole_graph_update"):
+        what_if, how = update_whole_graph(program, costs), "one cuGraphExecUpdate per step"
+    else:
+        changed = counters["window_changed_nodes_per_step"]
+        what_if = update_per_shape(program, costs, changed)
+        how = f"{changed:.1f} nodes updated per step"
+    predicted = simulate(what_if, costs).per_iteration
+    return [Prediction(trace.workload, "per-shape -> family",
+                       counters["family_step_synced_us"] / 1000, predicted / 1000,
+                       f"{how}; measured update {counters['family_update_us_per_step']:.0f} us")]

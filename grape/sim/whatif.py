@@ -30,6 +30,8 @@ __all__ = [
     "scale_host",
     "set_launch_cost",
     "unprofiled_program",
+    "update_per_shape",
+    "update_whole_graph",
 ]
 
 
@@ -40,7 +42,8 @@ def costs_from_profile(profile: DeviceProfile, **overrides: float) -> Costs:
               "graph_launch_fixed": profile.get("replay_fixed"),
               "graph_launch_per_node": profile.get("replay_per_node"),
               "while_per_iteration": profile.get("while_per_iteration"),
-              "set_params": profile.get("set_params")}
+              "set_params": profile.get("set_params"),
+              "exec_update_per_node": profile.get("exec_update_per_node")}
     return Costs(**{**values, **overrides})
 
 
@@ -183,6 +186,15 @@ def update_per_shape(program: Program, costs: Costs, changed_nodes: float) -> Pr
     update = HostWork(changed_nodes * costs.set_params)
     return program.with_iterations([tuple(x for s in it for x in (
         (update, s) if isinstance(s, GraphLaunch) else (s,))) for it in program.iterations])
+
+
+def update_whole_graph(program: Program, costs: Costs) -> Program:
+    """One executable shared by every shape, brought to each step's shape by one
+    ``cuGraphExecUpdate`` from the shape's graph before its launch (priced per node of the
+    graph, changed or not)."""
+    return program.with_iterations([tuple(x for s in it for x in (
+        (HostWork(s.nodes * costs.exec_update_per_node), s) if isinstance(s, GraphLaunch)
+        else (s,))) for it in program.iterations])
 
 
 def graph_region(program: Program, costs: Costs, first: int, last: int) -> Program:
