@@ -233,14 +233,15 @@ def measure(batch: int, new: int, trace_dir: Path | None) -> list[dict[str, obje
         got = _run(ways)
         n, floor = got["tokens"], got["floor_ms"]
         for way, tokens, seconds, syncs, decode_s in got["ways"]:
-            row = {"batch": batch, "run": label, "way": way, "tokens": n,
-                   "ms_per_token": seconds * 1e3 / n,
-                   "host_syncs": syncs, "host_syncs_per_token": syncs / n,
+            made = tokens.shape[1]  # a way whose tokens differ can stop at another length
+            row = {"batch": batch, "run": label, "way": way, "tokens": made,
+                   "ms_per_token": seconds * 1e3 / made,
+                   "host_syncs": syncs, "host_syncs_per_token": syncs / made,
                    "tokens_identical": bool(torch.equal(tokens, got["expected"])),
                    "step_gpu_ms": floor}
-            if decode_s is not None and n > 1:
+            if decode_s is not None and made > 1:
                 # Decode alone (the prefill's token excluded) against its kernels' time.
-                row["decode_ms_per_token"] = decode_s * 1e3 / (n - 1)
+                row["decode_ms_per_token"] = decode_s * 1e3 / (made - 1)
                 row["decode_x_floor"] = row["decode_ms_per_token"] / floor
                 row["overhead_us_per_token"] = (row["decode_ms_per_token"] - floor) * 1e3
             rows.append(row)
