@@ -106,3 +106,28 @@ def test_while_loop_on_the_device_matches_the_eager_loop(cuda):
     eager, device = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(eager, device, strict=True))
     assert device[1].item() == 9  # 6 per iteration: 54 after the ninth
+
+
+@pytest.mark.xfail(strict=True, reason="on the H200 (2026-11-29) GPT-2 small's captured step "
+                   "first chose another token than the eager step at token 93 of 256 (batch 1, "
+                   "seed 1), while the eager step matched generate throughout; cause not found")
+def test_the_captured_step_matches_the_eager_step_over_256_tokens(cuda):
+    from grape.torch.generate import GreedyDecoder, generate_host_loop
+    from grape.torch.workloads import _gpt2
+
+    model = _gpt2("gpt2-small")
+    torch.manual_seed(1)
+    prompt = torch.randint(0, 50257, (1, 32), device="cuda")
+    eager = generate_host_loop(GreedyDecoder(model, prompt, 256, None, 0))
+    decoder = GreedyDecoder(model, prompt, 256, None, 0)
+    decoder.prefill()
+    decoder.step()  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.step()
+    decoder.prefill()
+    while bool(decoder.running):
+        graph.replay()
+    captured = decoder.generated()
+    differ = (eager != captured).nonzero()
+    assert differ.numel() == 0, f"first differs at token {differ[0, 1].item()}"
