@@ -30,7 +30,8 @@ from grape.trace import Trace, read_trace
 __all__ = ["RAW_SUFFIX", "Prediction", "validate"]
 
 # GPU activity alone, as torch.profiler exported it (grape reads no trace without the host calls
-# that launched the work): a device loop, whose launch the profiler cannot see, to open in Perfetto.
+# that launched the work): work cuda-python launched (a device loop, a family's executable),
+# which the profiler cannot see being launched, kept to be opened in Perfetto.
 RAW_SUFFIX = ".gpu_only.json.gz"
 
 

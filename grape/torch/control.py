@@ -81,13 +81,15 @@ def _torch_if_capture() -> Any:
     return current()
 
 
-def _allocator(name: str, old: str) -> Callable[..., None]:
-    fn = getattr(torch._C, name, None) or getattr(torch._C, old, None)
-    if fn is None:
-        raise UnsupportedError(f"expected PyTorch's allocator to take {name} (to place an IF "
-                               f"body's memory in the capture's pool), found {torch.__version__} "
-                               f"without it")
-    return fn
+def _allocator(*names: str) -> Callable[..., None]:
+    """PyTorch's allocator hook by the first of ``names`` (newer first) this PyTorch has."""
+    for name in names:
+        fn = getattr(torch._C, name, None)
+        if fn is not None:
+            return fn
+    raise UnsupportedError(f"expected PyTorch's allocator to take {names[0]} (to place an IF "
+                           f"body's memory in the capture's pool), found {torch.__version__} "
+                           f"without it")
 
 
 @contextmanager
@@ -113,6 +115,8 @@ def _if_body(pred: torch.Tensor) -> Iterator[None]:
                                f"itself; found a plain torch.cuda.graph capture")
     from grape.cuda import regions
 
+    # Allocations from the current stream to the pool; where a PyTorch lacks that, from every
+    # stream (broader, and still right while one thread captures, as torch.cuda.graph's does).
     begin = _allocator("_cuda_beginAllocateCurrentStreamToPool", "_cuda_beginAllocateToPool")
     end = _allocator("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool")
     device, outer = torch.cuda.current_device(), torch.cuda.current_stream()
