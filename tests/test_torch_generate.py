@@ -66,3 +66,17 @@ def test_bad_prompts_and_unbounded_loops_are_refused(model):
         GreedyDecoder(model, torch.zeros(5, dtype=torch.long), NEW, None)
     with pytest.raises(GrapeError, match="a loop needs a bound"):
         GreedyDecoder(model, torch.zeros((1, 3), dtype=torch.long), 0, None)
+
+
+def test_a_decoder_keeps_the_last_logits_when_asked(model):
+    prompt = torch.randint(1, 300, (2, 6), generator=torch.Generator().manual_seed(5))
+    assert GreedyDecoder(model, prompt, NEW, None, 0).logits is None
+    decoder = GreedyDecoder(model, prompt, NEW, None, 0, keep_logits=True)
+    decoder.prefill()
+    with torch.no_grad():
+        expected = model(prompt).logits[:, -1]
+    assert torch.allclose(decoder.logits, expected, atol=1e-5)
+    before = decoder.logits.data_ptr()
+    decoder.step()  # the same buffer, the next token's logits
+    assert decoder.logits.data_ptr() == before
+    assert torch.equal(decoder.tokens[:, 1], decoder.logits.argmax(-1))

@@ -27,7 +27,8 @@ __all__ = ["GreedyDecoder", "generate_host_loop"]
 
 class GreedyDecoder:
     def __init__(self, model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int,
-                 eos_token_id: int | None, pad_token_id: int | None = None) -> None:
+                 eos_token_id: int | None, pad_token_id: int | None = None,
+                 keep_logits: bool = False) -> None:
         if prompt.ndim != 2 or prompt.dtype != torch.long or prompt.shape[1] < 1:
             raise GrapeError(f"expected prompt token ids of shape (batch, length >= 1) and "
                              f"dtype long, found shape {tuple(prompt.shape)} and {prompt.dtype}")
@@ -50,6 +51,10 @@ class GreedyDecoder:
         self.count = torch.zeros((1,), dtype=torch.long, device=device)  # tokens made so far
         self.done = torch.zeros((batch,), dtype=torch.bool, device=device)
         self.running = torch.zeros((), dtype=torch.bool, device=device)
+        # The last token's logits, for comparing runs (one copy per step); None unless asked.
+        head = model.get_output_embeddings().weight
+        self.logits = (torch.zeros((batch, head.shape[0]), dtype=head.dtype, device=device)
+                       if keep_logits else None)
 
     @torch.no_grad()
     def prefill(self) -> None:
@@ -74,6 +79,8 @@ class GreedyDecoder:
         self._emit(logits)
 
     def _emit(self, logits: torch.Tensor) -> None:
+        if self.logits is not None:
+            self.logits.copy_(logits)
         token = torch.argmax(logits, dim=-1)
         token = torch.where(self.done, torch.full_like(token, self.pad), token)
         self.tokens.index_copy_(1, self.count, token.unsqueeze(1))
