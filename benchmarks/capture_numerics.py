@@ -1,4 +1,4 @@
-"""Where a captured greedy step first differs from the eager one, logits compared step by step (GPU).
+"""Where a captured greedy step first differs from the eager one, step by step (GPU).
 
 On the H200 the captured ``GreedyDecoder.step`` chose another token than the eager step at token
 93 of 256 (GPT-2 small, batch 1, seed 1) while the eager step matched ``generate``. This runs both
