@@ -106,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="what if every host cost were F times what the trace shows")
     sim.add_argument("--launch-cost", type=float, metavar="US",
                      help="what if each eager launch cost US microseconds of host time")
+    sim.add_argument("--node-overhead", type=float, metavar="US",
+                     help="what if graphs took US microseconds of GPU time per node beyond "
+                          "their kernels (the profile's figure by default; H200 machines showed "
+                          "0.35 and none)")
     sim.add_argument("--update-nodes", type=float, metavar="N",
                      help="what if one executable served every shape, updating N nodes before "
                           "each graph launch (a graph family; see the trace's counters)")
@@ -258,9 +262,14 @@ def _simulate(args: argparse.Namespace) -> None:
     costs = costs_from_profile(profile)
     program = unprofiled_program(trace, profile)
     base = simulate(program, costs)
-    what_if, labels = program, []
+    what_if, labels, what_costs = program, [], costs
+    if args.node_overhead is not None:  # every graph priced again, the trace's and new ones
+        what_costs = costs_from_profile(profile, graph_node_overhead=args.node_overhead)
+        what_if = unprofiled_program(trace, profile, what_costs)
+        labels.append(f"{args.node_overhead:g} us per graph node")
     if args.host_scale is not None:
-        what_if, labels = scale_host(what_if, args.host_scale), [f"host x{args.host_scale:g}"]
+        what_if = scale_host(what_if, args.host_scale)
+        labels.append(f"host x{args.host_scale:g}")
     if args.launch_cost is not None:
         what_if = set_launch_cost(what_if, args.launch_cost)
         labels.append(f"launch {args.launch_cost:g} us")
@@ -269,10 +278,10 @@ def _simulate(args: argparse.Namespace) -> None:
         if not (first.isdigit() and last.isdigit()):
             raise GrapeError(f"expected --graph-region A:B with launch numbers, found "
                              f"{args.graph_region!r}")
-        what_if = graph_region(what_if, costs, int(first), int(last))
+        what_if = graph_region(what_if, what_costs, int(first), int(last))
         labels.append(f"launches {first} to {last} graphed")
     if args.graph:
-        what_if, labels = graph_iterations(what_if, costs), [*labels, "graphed"]
+        what_if, labels = graph_iterations(what_if, what_costs), [*labels, "graphed"]
     if args.update_nodes is not None and args.update_whole:
         raise GrapeError("expected one way of updating per shape, found both --update-nodes "
                          "and --update-whole")
@@ -281,17 +290,17 @@ def _simulate(args: argparse.Namespace) -> None:
         raise GrapeError("expected graph launches to update per shape (a graphed trace, or "
                          "--graph), found none")
     if args.update_nodes is not None:
-        what_if = update_per_shape(what_if, costs, args.update_nodes)
+        what_if = update_per_shape(what_if, what_costs, args.update_nodes)
         labels.append(f"{args.update_nodes:g} nodes updated per launch")
     if args.update_whole:
-        what_if = update_whole_graph(what_if, costs)
+        what_if = update_whole_graph(what_if, what_costs)
         labels.append("one whole-graph update per launch")
     looped = 1  # iterations one simulated iteration stands for
     if args.device_loop:
         looped = len(what_if.iterations)
-        what_if = loop_on_device(what_if, costs)
+        what_if = loop_on_device(what_if, what_costs)
         labels.append("one device loop")
-    chosen = simulate(what_if, costs, timeline=args.chrome is not None)
+    chosen = simulate(what_if, what_costs, timeline=args.chrome is not None)
     measured = trace.grape.wall_time_median_us if trace.grape else None
     rows = [("measured (no profiler)", measured), ("predicted from the trace",
                                                     base.per_iteration)]
@@ -327,7 +336,7 @@ def _simulate(args: argparse.Namespace) -> None:
                                   / 1000 for f in scales])
                  for label, make in (("as recorded", lambda p: p),
                                      ("graphed", lambda p: graph_iterations(p, costs)))]
-        shown = chosen if args.chrome else simulate(what_if, costs, timeline=True)
+        shown = chosen if args.chrome else simulate(what_if, what_costs, timeline=True)
         plot_simulation(args.plot, shown, trace.workload, curve,
                         "host cost, times what the trace shows")
         print(f"  plot: {args.plot}")

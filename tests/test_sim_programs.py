@@ -270,3 +270,21 @@ def test_simulate_prices_a_loop_on_the_device(capsys):
     assert "GPU busy 100.0%" in out
     assert main(["simulate", str(EAGER), "--device-loop"]) == 2
     assert "expected one graph launch per iteration" in capsys.readouterr().err
+
+
+def test_simulate_prices_graphs_at_another_per_node_overhead(capsys):
+    """The overhead moved between H200 machines (0.35 us per node, or none): a what-if for the
+    trace's own graphs, and for graphs a what-if makes."""
+    graphed = TRACES / "h200_predication" / "gpt2_small_greedy_b1.graph.json.gz"
+    assert main(["simulate", str(graphed), "--node-overhead", "0"]) == 0
+    per = _per_iteration(capsys.readouterr().out)
+    saved = (per["predicted from the trace"] - per["what if: 0 us per graph node"]) * 1000
+    nodes = 337  # kernels of this step's graph
+    assert saved == pytest.approx(nodes * PROFILE.get("graph_node_overhead"), rel=0.02)
+    assert main(["simulate", str(EAGER), "--graph", "--node-overhead", "0.5"]) == 0
+    per = _per_iteration(capsys.readouterr().out)
+    assert main(["simulate", str(EAGER), "--graph"]) == 0
+    assert per["what if: 0.5 us per graph node, graphed"] > \
+        _per_iteration(capsys.readouterr().out)["what if: graphed"]
+    assert main(["simulate", str(graphed), "--node-overhead", "-1"]) == 2
+    assert "expected a non-negative graph_node_overhead" in capsys.readouterr().err

@@ -56,10 +56,12 @@ def overhead_from_profile(profile: DeviceProfile, trace: Trace) -> ProfilerOverh
     return ProfilerOverhead(0.0, profile.get("profiler_per_call"))
 
 
-def unprofiled_program(trace: Trace, profile: DeviceProfile) -> Program:
-    """``trace`` as the simulator should run it: the program without the profiler's costs."""
+def unprofiled_program(trace: Trace, profile: DeviceProfile,
+                       costs: Costs | None = None) -> Program:
+    """``trace`` as the simulator should run it: the program without the profiler's costs,
+    its graph launches priced with ``costs`` (the profile's by default)."""
     program = program_from_trace(trace, overhead_from_profile(profile, trace))
-    return profiled_graph_launches(program, costs_from_profile(profile))
+    return profiled_graph_launches(program, costs or costs_from_profile(profile))
 
 
 def profiled_graph_launches(program: Program, costs: Costs) -> Program:
