@@ -3,7 +3,9 @@
 GPT-2 small (fp16, random weights, built from its config), a prompt of 32 random tokens, up to
 --new tokens, at each batch size:
 
-- ``generate``: Hugging Face's eager greedy generation;
+- ``generate``: Hugging Face's eager greedy generation (its default, growing cache), and
+  ``generate static``: the same with its preallocated cache (``cache_implementation="static"``),
+  the layout grape's step uses, so the same attention shapes and kernels;
 - ``host loop``: ``grape.torch.generate.GreedyDecoder.step`` captured once as a
   ``torch.cuda.CUDAGraph`` and replayed, the host reading ``running`` back after each token;
 - ``device loop``: the same step inside a WHILE conditional node (``grape.torch.loop``): one
@@ -13,18 +15,25 @@ GPT-2 small (fp16, random weights, built from its config), a prompt of 32 random
 
 Host syncs are counted with PyTorch's sync debug mode (a warning per synchronising call, the
 read-back of the tokens included). Tokens are compared with ``generate``'s, on a run without EOS
-and one where EOS occurs. Times are end to end (prefill included, as ``generate``'s are) and,
-for the two graphed ways, of the decode alone, against the GPU time of the step's kernels: the
-per-step graph replayed back to back, by CUDA events.
+and one where EOS occurs, and ``generate``'s with its own on a second call. PyTorch's default
+kernels do not repeat their results bitwise (on the H200 two eager decoders of one prompt parted
+after 33-58 steps, with cuBLAS's workspace fixed too), so over many tokens a near tie can send any
+two runs, eager or graphed, different ways; ``--deterministic``
+(``torch.use_deterministic_algorithms`` and cuBLAS's ``:4096:8`` workspace) makes every kernel
+repeat itself, at nearly three times the kernels per step: for comparing tokens, not for timing.
+Times are end to end (prefill included, as ``generate``'s are) and, for the two graphed ways, of
+the decode alone, against the GPU time of the step's kernels: the per-step graph replayed back to
+back, by CUDA events.
 
 Writes benchmarks/results/predication_h200.json (or --out). Run on a GPU:
-python benchmarks/predication.py [--new 128] [--batches 1,8]
+python benchmarks/predication.py [--new 128] [--batches 1,8] [--deterministic]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -89,6 +98,17 @@ class Ways:
             return self.model.generate(self.prompt, max_new_tokens=self.new, do_sample=False,
                                        eos_token_id=self.eos, pad_token_id=0)[:, PROMPT:]
 
+    def generate_static(self) -> torch.Tensor:
+        """``generate`` with Hugging Face's own preallocated cache, the layout grape's step
+        uses: the same attention shapes, so the same kernels and sums as grape's ways."""
+        with torch.no_grad():
+            return self.model.generate(self.prompt, max_new_tokens=self.new, do_sample=False,
+                                       eos_token_id=self.eos, pad_token_id=0,
+                                       cache_implementation="static",
+                                       # eager: with a static cache on a GPU, generate would
+                                       # otherwise torch.compile the model's forward
+                                       disable_compile=True)[:, PROMPT:]
+
     def host_decode(self) -> torch.Tensor:
         while bool(self.decoder.running):
             self.step_graph.replay()
@@ -130,7 +150,9 @@ class Ways:
 def _run(ways: Ways) -> dict[str, object]:
     """Every way's tokens, end-to-end time, decode time (after the prefill) and host syncs."""
     expected, hf_s = _timed(ways.generate)
-    _, hf_syncs = _syncs(ways.generate)
+    again, hf_syncs = _syncs(ways.generate)
+    static, static_s = _timed(ways.generate_static, reps=2)
+    _, static_syncs = _syncs(ways.generate_static)
     host_tokens, host_s = _timed(ways.host_loop)
     _, host_syncs = _syncs(ways.host_loop)
     device_tokens, device_s = _timed(ways.device_loop)
@@ -141,8 +163,12 @@ def _run(ways: Ways) -> dict[str, object]:
     ways.decoder.prefill()
     _, device_syncs = _syncs(ways.device_decode)
     n = expected.shape[1]
-    return {"tokens": n, "expected": expected, "floor_ms": ways.floor_ms(max(n - 1, 1)),
+    return {"tokens": n, "expected": expected, "expected_static": static,
+            "floor_ms": ways.floor_ms(max(n - 1, 1)),
+            # generate against itself: whether the eager kernels repeat their results at all
+            "generate_repeats": bool(torch.equal(expected, again)),
             "ways": [("generate", expected, hf_s, hf_syncs, None),
+                     ("generate static", static, static_s, static_syncs, None),
                      ("host loop", host_tokens, host_s, host_syncs, host_decode_s),
                      ("device loop", device_tokens, device_s, device_syncs, device_decode_s),
                      ("one launch", whole_tokens, whole_s, whole_syncs, None)]}
@@ -222,6 +248,16 @@ def first_iterations(doc: dict, iterations: int) -> dict:
                                 f"iterations; the rest cut to keep the file small"}
 
 
+def _first_difference(tokens: torch.Tensor, expected: torch.Tensor) -> int | None:
+    """The first token index where two generations differ (a shorter one differs where it
+    stops), or None where they are equal."""
+    n = min(tokens.shape[1], expected.shape[1])
+    differ = (tokens[:, :n] != expected[:, :n]).any(dim=0).nonzero()
+    if differ.numel():
+        return int(differ[0, 0])
+    return None if tokens.shape[1] == expected.shape[1] else n
+
+
 def measure(batch: int, new: int, trace_dir: Path | None) -> list[dict[str, object]]:
     model = _gpt2("gpt2-small")
     torch.manual_seed(batch)
@@ -238,6 +274,12 @@ def measure(batch: int, new: int, trace_dir: Path | None) -> list[dict[str, obje
                    "ms_per_token": seconds * 1e3 / made,
                    "host_syncs": syncs, "host_syncs_per_token": syncs / made,
                    "tokens_identical": bool(torch.equal(tokens, got["expected"])),
+                   # against generate with a static cache: the same attention shapes
+                   "tokens_identical_static": bool(torch.equal(tokens, got["expected_static"])),
+                   "first_difference": _first_difference(tokens, got["expected"]),
+                   "first_difference_static": _first_difference(tokens,
+                                                                got["expected_static"]),
+                   "generate_repeats": got["generate_repeats"],
                    "step_gpu_ms": floor}
             if decode_s is not None and made > 1:
                 # Decode alone (the prefill's token excluded) against its kernels' time.
@@ -269,7 +311,15 @@ def main() -> None:
                         default=Path(__file__).parent / "results" / "predication_h200.json")
     parser.add_argument("--traces", type=Path, default=None, metavar="DIR",
                         help="also record traces of the host loop and the device loop here")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic kernels (torch.use_deterministic_algorithms, cuBLAS "
+                             "workspace :4096:8): without them results differ from run to run, "
+                             "and so, after a near tie, do the tokens")
     args = parser.parse_args()
+    if args.deterministic:
+        # Before the first cuBLAS handle: PyTorch reads the workspace setting once.
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True)
     rows = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for batch in (int(b) for b in args.batches.split(",")):
@@ -277,15 +327,19 @@ def main() -> None:
         rows.extend(measure(batch, args.new, args.traces))
         # Written after every batch, so that a run cut short keeps what it measured.
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                        "command": " ".join(sys.argv), "results": rows},
+                                        "command": " ".join(sys.argv),
+                                        "deterministic": args.deterministic, "results": rows},
                                        indent=1) + "\n")
-    print(f"{'batch':>5} {'run':<7} {'way':<12} {'ms/token':>9} {'syncs/token':>11} "
-          f"{'same':>5} {'decode ms':>9} {'x floor':>8}")
+    print(f"{'batch':>5} {'run':<7} {'way':<15} {'ms/token':>9} {'syncs/token':>11} "
+          f"{'same':>5} {'static':>6} {'decode ms':>9} {'x floor':>8}  (generate repeats "
+          f"itself: {all(r['generate_repeats'] for r in rows)}; same: tokens equal "
+          f"generate's, static: generate's with a static cache)")
     for r in rows:
         decode = (f"{r['decode_ms_per_token']:9.3f} {r['decode_x_floor']:8.3f}"
                   if "decode_ms_per_token" in r else f"{'':>9} {'':>8}")
-        print(f"{r['batch']:>5} {r['run']:<7} {r['way']:<12} {r['ms_per_token']:9.3f} "
-              f"{r['host_syncs_per_token']:11.2f} {r['tokens_identical']!s:>5} {decode}")
+        print(f"{r['batch']:>5} {r['run']:<7} {r['way']:<15} {r['ms_per_token']:9.3f} "
+              f"{r['host_syncs_per_token']:11.2f} {r['tokens_identical']!s:>5} "
+              f"{r['tokens_identical_static']!s:>6} {decode}")
 
 
 if __name__ == "__main__":

@@ -15,13 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grape.errors import TraceFormatError
-from grape.records import GpuOp, HostCall, Launch
+from grape.records import GpuOp, HostCall, Launch, StreamWait
 
 __all__ = ["Decoded", "decode", "encode"]
 
 HOST_CATEGORIES = {"cuda_runtime": "runtime", "cuda_driver": "driver",
                    "cpu_op": "op", "user_annotation": "op"}
 GPU_CATEGORIES = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
+# CUPTI's synchronization records: a stream waiting on an event orders streams, which grape
+# models; the others (context, stream and event syncs) repeat host calls grape already has.
+SYNC_CATEGORY, STREAM_WAIT = "cuda_sync", "Stream Wait Event"
+HOST_SYNC_KINDS = {"Context Sync", "Stream Sync", "Event Sync"}
 # Categories that carry nothing grape models: profiler bookkeeping and GPU-side copies of host
 # annotations. Anything else is counted and reported, never dropped silently.
 IGNORED_CATEGORIES = {"overhead", "Trace", "ac2g", "gpu_user_annotation", "python_function",
@@ -39,6 +43,7 @@ class Decoded:
     gpu_ops: list[GpuOp] = field(default_factory=list)
     launches: list[Launch] = field(default_factory=list)
     orphans: list[GpuOp] = field(default_factory=list)  # GPU work with no host call in the trace
+    waits: list[StreamWait] = field(default_factory=list)  # which stream waits, per wait call
     unknown: dict[str, int] = field(default_factory=dict)  # category -> events not modelled
 
 
@@ -68,6 +73,13 @@ def _gpu(e: dict, kind: str) -> GpuOp:
                  bytes=args.get("bytes"))
 
 
+def _wait(e: dict) -> StreamWait:
+    args = e.get("args") or {}
+    return StreamWait(correlation=args["correlation"], stream=args["stream"], ts=float(e["ts"]),
+                      dur=float(e["dur"]), device=_int_or(args.get("device"), 0),
+                      on_stream=_int_or(args.get("wait_on_stream"), -1))
+
+
 def decode(events: Iterable[Any], source: str) -> Decoded:
     """Sort a Chrome trace's events into host calls, GPU operations and launches."""
     out = Decoded()
@@ -89,13 +101,17 @@ def decode(events: Iterable[Any], source: str) -> Decoded:
                     (out.steps if is_step else out.ops).append(call)
                 else:
                     out.calls.append(call)
+            elif cat == SYNC_CATEGORY and e.get("name") == STREAM_WAIT:
+                out.waits.append(_wait(e))
+            elif cat == SYNC_CATEGORY and e.get("name") in HOST_SYNC_KINDS:
+                continue
             elif cat not in IGNORED_CATEGORIES:
                 unknown[str(cat)] += 1
         except (KeyError, TypeError, ValueError) as err:
             raise TraceFormatError(f"{source}: expected event {i} ({cat}) to have a name, ts, dur "
                                    f"and correlation, found {type(err).__name__}: {err}") from None
     out.unknown = dict(unknown)
-    for seq in (out.calls, out.ops, out.steps, out.gpu_ops):
+    for seq in (out.calls, out.ops, out.steps, out.gpu_ops, out.waits):
         seq.sort(key=lambda r: (r.ts, -r.dur))
     by_corr: dict[int, list[GpuOp]] = defaultdict(list)
     for op in out.gpu_ops:
@@ -118,7 +134,8 @@ def _meta(kind: str, pid: Any, tid: Any, name: str) -> dict:
 
 
 def encode(calls: Iterable[HostCall], ops: Iterable[HostCall], steps: Iterable[HostCall],
-           gpu_ops: Iterable[GpuOp], pid: int = HOST_PID) -> list[dict]:
+           gpu_ops: Iterable[GpuOp], pid: int = HOST_PID,
+           waits: Iterable[StreamWait] = ()) -> list[dict]:
     """Chrome trace events in Kineto's shapes: host on process ``pid``, GPUs by device."""
     host_cat = {"runtime": "cuda_runtime", "driver": "cuda_driver"}
     gpu_cat = {v: k for k, v in GPU_CATEGORIES.items()}
@@ -154,6 +171,13 @@ def encode(calls: Iterable[HostCall], ops: Iterable[HostCall], steps: Iterable[H
                                "pid": pid, "tid": call.tid, "ts": call.ts})
             events.append({"ph": "f", "bp": "e", "cat": "ac2g", "name": "ac2g",
                            "id": op.correlation, "pid": op.device, "tid": op.stream, "ts": op.ts})
+    for w in waits:
+        streams.add((w.device, w.stream))
+        events.append({"ph": "X", "cat": SYNC_CATEGORY, "name": STREAM_WAIT, "pid": w.device,
+                       "tid": w.stream, "ts": w.ts, "dur": w.dur,
+                       "args": {"cuda_sync_kind": STREAM_WAIT, "stream": w.stream,
+                                "correlation": w.correlation, "device": w.device,
+                                "wait_on_stream": w.on_stream}})
     events.append(_meta("process_name", pid, 0, "host"))
     events += [_meta("thread_name", pid, tid, f"thread {tid}") for tid in sorted(tids)]
     for device in sorted({d for d, _ in streams}):

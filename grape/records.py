@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 __all__ = ["GRAPH_LAUNCH_CALLS", "SYNC_CALLS", "GpuOp", "HostCall", "Iteration", "Launch",
-           "busy_time", "span", "top_level", "union_length"]
+           "StreamWait", "busy_time", "span", "top_level", "union_length"]
 
 # Host calls that block until the GPU (or a stream, or an event) has caught up.
 SYNC_CALLS = frozenset({
@@ -65,6 +65,23 @@ class GpuOp:
     @property
     def end(self) -> float:
         return self.ts + self.dur
+
+
+@dataclass(frozen=True)
+class StreamWait:
+    """CUPTI's record of one ``cudaStreamWaitEvent``: ``stream`` waits for an event.
+
+    ``correlation`` is the host call's. ``on_stream`` is the stream the event was recorded on
+    where the profiler matched the record (-1 where it did not: PyTorch 2.11 leaves it unknown).
+    torch.profiler writes these only with ``enable_cuda_sync_events``.
+    """
+
+    correlation: int
+    stream: int
+    ts: float
+    dur: float
+    device: int = 0
+    on_stream: int = -1
 
 
 @dataclass(frozen=True)

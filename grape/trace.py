@@ -22,7 +22,7 @@ from grape.errors import SchemaVersionError, TraceFormatError
 from grape.iterations import split_iterations
 from grape.jsonio import dump_json, load_json
 from grape.kineto import decode, encode
-from grape.records import GpuOp, HostCall, Iteration, Launch
+from grape.records import GpuOp, HostCall, Iteration, Launch, StreamWait
 
 __all__ = [
     "GRAPE_SCHEMA_VERSION",
@@ -101,6 +101,8 @@ class Trace:
     orphans: list[GpuOp]  # GPU work no host call in the trace accounts for
     unknown: dict[str, int]  # event categories grape does not model, with counts
     device: dict[str, Any] = field(default_factory=dict)
+    # CUPTI's stream-wait records, where the trace has them (profiled with cuda sync events)
+    waits: list[StreamWait] = field(default_factory=list)
     versions: dict[str, Any] = field(default_factory=dict)
     grape: GrapeMeta | None = None
 
@@ -176,7 +178,7 @@ def trace_from_json(doc: Any, path: str | Path, iterations: int | None = None) -
                  gpu_ops=decoded.gpu_ops, launches=decoded.launches,
                  iterations=split.iterations, split_method=split.method, outside=split.outside,
                  orphans=decoded.orphans, unknown=decoded.unknown, device=devices[0],
-                 versions=versions, grape=grape)
+                 versions=versions, grape=grape, waits=decoded.waits)
 
 
 def write_trace(path: str | Path, trace: Trace, meta: GrapeMeta) -> Path:
@@ -193,7 +195,7 @@ def write_trace(path: str | Path, trace: Trace, meta: GrapeMeta) -> Path:
         "deviceProperties": [trace.device] if trace.device else [],
         **trace.versions,
         "grape": meta.to_json(),
-        "traceEvents": encode(trace.calls, trace.ops, steps, trace.gpu_ops),
+        "traceEvents": encode(trace.calls, trace.ops, steps, trace.gpu_ops, waits=trace.waits),
     }
     return dump_json(path, doc)
 

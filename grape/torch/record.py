@@ -88,10 +88,14 @@ def profile_steps(run: Callable[[], object], profiled: int, cpu_ops: bool = Fals
     if cpu_ops:
         activities.append(torch.profiler.ProfilerActivity.CPU)
     schedule = torch.profiler.schedule(wait=0, warmup=1, active=profiled)
+    # CUPTI's synchronization records ("cuda_sync"): which stream waits on an event, the order
+    # between streams that Wav2Vec2's multi-stream convolutions need.
+    sync_events = torch._C._profiler._ExperimentalConfig(enable_cuda_sync_events=True)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         # The profiler drops its events when the schedule's cycle ends: export as it does.
         with torch.profiler.profile(activities=activities, schedule=schedule,
+                                    experimental_config=sync_events,
                                     on_trace_ready=lambda p: p.export_chrome_trace(str(raw))
                                     ) as prof:
             for _ in range(1 + profiled):
