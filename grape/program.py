@@ -2,7 +2,8 @@
 
 A :class:`Program` is a list of iterations; an iteration is a sequence of host steps: CPU work
 between API calls (:class:`HostWork`), eager launches with the GPU work they cause
-(:class:`Launch`), graph launches (:class:`GraphLaunch`) and synchronisations (:class:`Sync`).
+(:class:`Launch`), graph launches (:class:`GraphLaunch`), synchronisations (:class:`Sync`) and
+one stream's wait for another's work (:class:`StreamWait`).
 Both backends take Programs; :func:`program_from_trace` makes one from a recorded trace.
 
 Examples
@@ -17,9 +18,12 @@ Examples
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from grape.records import GpuOp, Iteration, span, union_length
+from grape.records import StreamWait as WaitRecord
 from grape.trace import Trace
 
 __all__ = [
@@ -30,6 +34,7 @@ __all__ = [
     "ProfilerOverhead",
     "Program",
     "Step",
+    "StreamWait",
     "Sync",
     "program_from_trace",
 ]
@@ -89,7 +94,17 @@ class Sync:
     stream: int | None = None
 
 
-Step = HostWork | Launch | GraphLaunch | Sync
+@dataclass(frozen=True)
+class StreamWait:
+    """``stream`` runs nothing more until the work queued on ``on`` so far has finished: a
+    ``cudaStreamWaitEvent`` on an event recorded on ``on`` (the host pays nothing here; the
+    call's own cost is the :class:`HostWork` before it)."""
+
+    stream: int
+    on: int
+
+
+Step = HostWork | Launch | GraphLaunch | Sync | StreamWait
 
 
 @dataclass(frozen=True)
@@ -120,7 +135,7 @@ def _work(ops: tuple[GpuOp, ...]) -> tuple[GpuWork, ...]:
 
 
 def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
-               tid: int) -> tuple[Step, ...]:
+               tid: int, waits: dict[int, StreamWait]) -> tuple[Step, ...]:
     launches = {launch.call.correlation: launch for launch in it.launches}
     steps: list[Step] = []
     cursor = it.start
@@ -147,11 +162,82 @@ def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
             steps.append(Sync(call.name, 0.0))
         else:
             steps.append(HostWork(cost))
+            if call.correlation in waits:
+                steps.append(waits[call.correlation])
         cursor = call.end
     tail = it.end - cursor - overhead.per_op * sum(1 for ts in ops_ts if cursor <= ts < it.end)
     if tail > 0:
         steps.append(HostWork(tail))
     return tuple(steps)
+
+
+WAIT_CALLS = frozenset({"cudaStreamWaitEvent", "cuStreamWaitEvent"})
+RECORD_CALLS = frozenset({"cudaEventRecord", "cuEventRecord", "cudaEventRecordWithFlags",
+                          "cuEventRecordWithFlags"})
+# CUPTI's clocks for two streams' work agree to about a microsecond: a wait's first kernel may
+# appear to start that much before the work it waited for ends.
+_CLOCK_SLACK_US = 2.0
+
+
+def _stream_waits(it: Iteration, records: dict[int, WaitRecord]) -> tuple[dict[int, StreamWait],
+                                                                           int]:
+    """The stream each wait call in ``it`` waited on, by the call's correlation, and how many
+    waits named no stream that way.
+
+    CUPTI names the waiting stream; which stream the event was recorded on it names only where
+    the profiler matched the record (PyTorch 2.11's does not), so otherwise it is read off the
+    GPU timeline: the event is the last one recorded before the wait (a wait uses the event's
+    latest record), and of the streams with work issued before that record, the one whose last
+    such work ended latest, no later than the waiting stream's next work started, is the one the
+    wait held back. A wait whose next work started before all of them held nothing back, and
+    orders nothing.
+    """
+    issued: dict[int, list[tuple[float, float, float]]] = defaultdict(list)  # call ts, start, end
+    for launch in it.launches:
+        for op in launch.ops:
+            issued[op.stream].append((launch.call.ts, op.ts, op.end))
+    latest: dict[int, list[float]] = {}  # per stream: the latest end among work issued so far
+    for stream, work in issued.items():
+        work.sort()
+        ends, until = [], float("-inf")
+        for _, _, end in work:
+            until = max(until, end)
+            ends.append(until)
+        latest[stream] = ends
+    calls = sorted(it.calls, key=lambda c: c.ts)
+    found: dict[int, StreamWait] = {}
+    unmatched = 0
+    last_record = None
+    for call in calls:
+        if call.name in RECORD_CALLS:
+            last_record = call
+        if call.name not in WAIT_CALLS or call.correlation not in records:
+            continue
+        record = records[call.correlation]
+        if record.on_stream >= 0:
+            found[call.correlation] = StreamWait(record.stream, record.on_stream)
+            continue
+        waiter = issued.get(record.stream, [])
+        after = bisect_left(waiter, (call.ts,))
+        if last_record is None or after == len(waiter):
+            unmatched += 1
+            continue
+        next_start = waiter[after][1]
+        best, best_end = None, float("-inf")
+        for stream, work in issued.items():
+            if stream == record.stream:
+                continue
+            before = bisect_left(work, (last_record.ts,))
+            if before == 0:
+                continue
+            end = latest[stream][before - 1]
+            if best_end < end <= next_start + _CLOCK_SLACK_US:
+                best, best_end = stream, end
+        if best is None:
+            unmatched += 1
+        else:
+            found[call.correlation] = StreamWait(record.stream, best)
+    return found, unmatched
 
 
 def program_from_trace(trace: Trace, overhead: ProfilerOverhead | None = None) -> Program:
@@ -166,8 +252,28 @@ def program_from_trace(trace: Trace, overhead: ProfilerOverhead | None = None) -
     tids = [launch.call.tid for launch in trace.launches]
     tid = max(set(tids), key=tids.count)
     ops_ts = sorted(op.ts for op in trace.ops if op.tid == tid)
-    program = Program(trace.workload, [_iteration(it, ops_ts, overhead, tid)
-                                       for it in trace.iterations])
+    records = {w.correlation: w for w in trace.waits}
+    iterations, inferred, unmatched = [], 0, 0
+    for it in trace.iterations:
+        waits, missed = _stream_waits(it, records)
+        iterations.append(_iteration(it, ops_ts, overhead, tid, waits))
+        inferred += sum(1 for c in waits if records[c].on_stream < 0)
+        unmatched += missed
+    program = Program(trace.workload, iterations)
+    wait_calls = sum(1 for it in trace.iterations for c in it.calls if c.name in WAIT_CALLS)
+    streams = {op.stream for op in trace.gpu_ops}
+    if wait_calls and not records and len(streams) > 1:
+        program.approximations.append(
+            f"{wait_calls} stream waits without the profiler's records of them: streams run "
+            f"unordered (record with torch.profiler's enable_cuda_sync_events, as grape record "
+            f"does)")
+    if inferred:
+        program.approximations.append(
+            f"{inferred} stream waits ordered by the stream whose work their next kernel "
+            f"followed on the GPU (the trace does not say where their events were recorded)")
+    if unmatched:
+        program.approximations.append(f"{unmatched} stream waits held nothing back and order "
+                                      f"nothing")
     for category, count in sorted(trace.unknown.items()):
         program.approximations.append(f"{count} trace events of category {category!r} are not "
                                       f"modelled: their time counts as host work")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grape.errors import GrapeError
-from grape.program import GpuWork, GraphLaunch, HostWork, Launch, Program, Sync
+from grape.program import GpuWork, GraphLaunch, HostWork, Launch, Program, StreamWait, Sync
 from grape.sim.engine import Costs, simulate
 
 COSTS = Costs(launch_latency=2, kernel_gap=1, graph_launch_fixed=3, graph_launch_per_node=0,
@@ -94,3 +94,23 @@ def test_without_syncs_the_host_runs_ahead_and_the_gpu_sets_the_pace():
     assert r.end == 35 and r.per_iteration == 35 / 3
     synced = simulate(Program("p", [it + (Sync("s", 0),)] * 3), COSTS)
     assert synced.synchronised and synced.per_iteration == 13
+
+
+def test_a_stream_waits_for_the_work_another_had_queued_then():
+    # b waits for a (queued before the wait), not for c (queued after it).
+    p = Program("p", [(Launch("l", 1, (_k(10, 7, "a"),)), StreamWait(8, 7),
+                       Launch("l", 1, (_k(5, 8, "b"),)), Launch("l", 1, (_k(20, 7, "c"),)),
+                       Sync("s", 0))])
+    r, log = _log(p)
+    assert [e for e in log if e[0] != "host"] == [("stream 7", "a", 3, 13),
+                                                  ("stream 8", "b", 13, 18),
+                                                  ("stream 7", "c", 14, 34)]
+    assert r.iteration_times == [34]
+
+
+def test_a_wait_on_finished_work_holds_nothing_back():
+    p = Program("p", [(Launch("l", 1, (_k(1, 7, "a"),)), HostWork(10), StreamWait(8, 7),
+                       Launch("l", 1, (_k(5, 8, "b"),)), Sync("s", 0))])
+    _, log = _log(p)
+    assert [e for e in log if e[0] != "host"] == [("stream 7", "a", 3, 4),
+                                                  ("stream 8", "b", 14, 19)]

@@ -17,10 +17,11 @@ from grape.program import (
     Launch,
     ProfilerOverhead,
     Program,
+    StreamWait,
     Sync,
     program_from_trace,
 )
-from grape.sim.engine import simulate
+from grape.sim.engine import Costs, simulate
 from grape.sim.validate import validate
 from grape.sim.whatif import (
     costs_from_profile,
@@ -31,7 +32,7 @@ from grape.sim.whatif import (
     set_launch_cost,
     update_per_shape,
 )
-from grape.trace import read_trace
+from grape.trace import GrapeMeta, read_trace, write_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 EAGER = TRACES / "h200" / "gpt2_small_decode_b1_kv128.eager.json.gz"
@@ -288,3 +289,70 @@ def test_simulate_prices_graphs_at_another_per_node_overhead(capsys):
         _per_iteration(capsys.readouterr().out)["what if: graphed"]
     assert main(["simulate", str(graphed), "--node-overhead", "-1"]) == 2
     assert "expected a non-negative graph_node_overhead" in capsys.readouterr().err
+
+
+def _fork_trace(tmp_path, wait_on_stream=-1):
+    """One iteration: a on stream 7; an event recorded, stream 13 made to wait on it; b on 13
+    starting on the GPU just after a ends; c on stream 14, issued before the record, which
+    ended long before; then a device sync."""
+    host, gpu = 1 << 20, 0
+
+    def call(name, ts, dur, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "pid": host, "tid": 1,
+                "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def kernel(name, ts, dur, stream, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": gpu, "tid": stream, "ts": ts,
+                "dur": dur, "args": {"stream": stream, "correlation": corr, "device": 0}}
+
+    events = [call("cudaLaunchKernel", 0, 4, 1), kernel("c", 8, 2, 14, 1),
+              call("cudaLaunchKernel", 5, 4, 2), kernel("a", 12, 100, 7, 2),
+              call("cudaEventRecord", 10, 2, 3),
+              call("cudaStreamWaitEvent", 13, 2, 4),
+              {"ph": "X", "cat": "cuda_sync", "name": "Stream Wait Event", "pid": gpu,
+               "tid": 13, "ts": 14, "dur": 1,
+               "args": {"stream": 13, "correlation": 4, "device": 0,
+                        "wait_on_stream": wait_on_stream}},
+              call("cudaLaunchKernel", 16, 4, 5), kernel("b", 113, 50, 13, 5),
+              call("cudaDeviceSynchronize", 21, 150, 6)]
+    path = tmp_path / "fork.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return read_trace(path, iterations=1)
+
+
+def test_a_stream_wait_is_ordered_by_the_work_its_next_kernel_followed(tmp_path):
+    trace = _fork_trace(tmp_path)
+    p = program_from_trace(trace)
+    assert [s for s in p.iterations[0] if isinstance(s, StreamWait)] == [StreamWait(13, 7)]
+    assert p.approximations == ["1 stream waits ordered by the stream whose work their next "
+                                "kernel followed on the GPU (the trace does not say where their "
+                                "events were recorded)"]
+    # b waits for a on the simulated GPU too: it ends after a's 100 us, not beside it.
+    r = simulate(p, Costs(launch_latency=2, kernel_gap=0), timeline=True)
+    ends = {i.name: i.end for i in r.intervals if i.track.startswith("stream")}
+    starts = {i.name: i.start for i in r.intervals if i.track.startswith("stream")}
+    assert starts["b"] == ends["a"]
+
+
+def test_a_stream_wait_the_profiler_matched_names_its_stream(tmp_path):
+    p = program_from_trace(_fork_trace(tmp_path, wait_on_stream=14))
+    assert [s for s in p.iterations[0] if isinstance(s, StreamWait)] == [StreamWait(13, 14)]
+    assert p.approximations == []
+
+
+def test_stream_waits_without_the_profilers_records_are_reported(tmp_path):
+    trace = _fork_trace(tmp_path)
+    trace.waits = []
+    p = program_from_trace(trace)
+    assert not any(isinstance(s, StreamWait) for s in p.iterations[0])
+    assert p.approximations == ["1 stream waits without the profiler's records of them: "
+                                "streams run unordered (record with torch.profiler's "
+                                "enable_cuda_sync_events, as grape record does)"]
+
+
+def test_stream_waits_survive_writing_a_grape_trace(tmp_path):
+    trace = _fork_trace(tmp_path)
+    again = read_trace(write_trace(tmp_path / "t.json.gz", trace,
+                                   GrapeMeta("fork", "eager", "H200", "580")))
+    assert again.waits == trace.waits
+    assert program_from_trace(again).iterations == program_from_trace(trace).iterations

@@ -1,10 +1,13 @@
 """The simulator against what the H200 measured: the committed traces and device profile.
 
 Graphed runs and the eager -> graph what-if are held to the issue's bounds one by one (median
-5%, any single prediction 15%), and the median over every prediction to 5%. Replays of eager
-runs are reported, not held to the 15% bound: their host side is Python on a shared machine,
-whose speed drifted by up to 2x between processes and within one (a step timed at 9.6 ms was
-profiled moments later at a pace implying 5.6 ms), so one recording is no stable target there.
+5%, any single prediction 15%), and the median over every prediction to 5%, on two recordings of
+the suite. Replays of host-bound eager runs are reported, not held to the 15% bound: their host
+side is Python on a shared machine, whose speed drifted by up to 2x between processes and within
+one (a step timed at 9.6 ms was profiled moments later at a pace implying 5.6 ms; the profiled
+steps of one workload took 7.1-13.1 ms in five processes where it ran at 5.2-5.6 ms unprofiled:
+benchmarks/results/host_drift_h200.json), so one recording is no stable target there. Eager runs
+whose GPU was busy through the profiled step are held to it.
 """
 
 import statistics
@@ -13,14 +16,22 @@ from pathlib import Path
 import pytest
 
 from grape.profile import load_profile
+from grape.sim.engine import simulate
 from grape.sim.validate import validate
+from grape.sim.whatif import costs_from_profile, unprofiled_program
+from grape.trace import read_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
 
+@pytest.fixture(scope="module", params=["h200", "h200_second"])
+def recording(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def predictions():
-    paths = sorted((TRACES / "h200").glob("*.json.gz"))
+def predictions(recording):
+    paths = sorted((TRACES / recording).glob("*.json.gz"))
     return validate(paths, load_profile(TRACES / "devices" / "h200.json"))
 
 
@@ -44,6 +55,38 @@ def test_graphed_predictions_meet_the_bounds(predictions, question):
 
 def test_median_over_every_prediction_meets_the_bound(predictions):
     assert statistics.median(_errors(predictions)) <= 0.05
+
+
+def test_gpu_bound_eager_runs_are_replayed_within_the_bound(recording, predictions):
+    """Eager steps whose GPU was busy for 90% of the profiled step or more (Wav2Vec2 over 4 and
+    10 s of audio, on up to nine streams ordered by events): the host's pace does not set them."""
+    gpu_bound = set()
+    for path in sorted((TRACES / recording).glob("*.eager.json.gz")):
+        trace = read_trace(path)
+        busy = statistics.median(it.gpu_busy_time / it.host_time for it in trace.iterations)
+        if busy >= 0.9:
+            gpu_bound.add(trace.workload)
+    assert gpu_bound == {"wav2vec2_base_forward_64000", "wav2vec2_base_forward_160000"}
+    held = [p for p in predictions if p.question == "replay eager" and p.workload in gpu_bound]
+    assert len(held) == 2
+    worst = max(held, key=lambda p: abs(p.error))
+    assert abs(worst.error) <= 0.15, f"{worst.workload}: {worst.error:+.1%}"
+
+
+def test_stream_waits_order_the_second_recordings_multi_stream_replays():
+    """The second recording kept CUPTI's stream-wait records: with them Wav2Vec2's eager
+    replays come within 5%; without, its streams overlap freely and the replay runs 8-10% low."""
+    profile = load_profile(TRACES / "devices" / "h200.json")
+    costs = costs_from_profile(profile)
+    for samples in (64000, 160000):
+        trace = read_trace(TRACES / "h200_second" /
+                           f"wav2vec2_base_forward_{samples}.eager.json.gz")
+        measured = trace.grape.wall_time_median_us
+        ordered = simulate(unprofiled_program(trace, profile), costs).per_iteration
+        trace.waits = []
+        unordered = simulate(unprofiled_program(trace, profile), costs).per_iteration
+        assert abs(ordered / measured - 1) <= 0.05, f"{samples}: {ordered / measured - 1:+.1%}"
+        assert unordered / measured - 1 < -0.07, f"{samples}: {unordered / measured - 1:+.1%}"
 
 
 def _families():

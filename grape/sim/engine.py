@@ -4,8 +4,9 @@ SimPy processes: the host walks the program's steps, paying their CPU cost; each
 process that takes work from its queue in order and runs it. Launches wait in a
 driver queue of bounded depth (the host stalls when it is full, as the driver does at about a
 thousand pending launches); a kernel starts no sooner than the launch latency after its launch
-and no sooner than the front end's gap after the stream's previous work; a sync waits for the
-device to drain.
+and no sooner than the front end's gap after the stream's previous work; a stream told to wait
+for another (an event between streams) runs nothing more until the other has finished the work
+it had then; a sync waits for the device to drain.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import simpy
 
 from grape.errors import GrapeError
-from grape.program import GraphLaunch, HostWork, Launch, Program, Sync
+from grape.program import GraphLaunch, HostWork, Launch, Program, StreamWait, Sync
 from grape.records import union_length
 
 __all__ = ["Costs", "Interval", "SimResult", "simulate"]
@@ -91,11 +92,26 @@ class _Stream:
     event per kernel (its timeout).
     """
 
-    __slots__ = ("items", "wake")
+    __slots__ = ("finished", "items", "submitted", "waiters", "wake")
 
     def __init__(self) -> None:
         self.items: deque[_Item] = deque()
         self.wake: simpy.Event | None = None
+        self.submitted = 0  # work items queued, ever
+        self.finished = 0  # work items run to the end, ever
+        self.waiters: list[tuple[int, simpy.Event]] = []  # other streams: (finished count, event)
+
+    def done(self) -> None:
+        """One more item finished: wake the streams waiting for this many."""
+        self.finished += 1
+        if self.waiters:
+            still = []
+            for count, event in self.waiters:
+                if self.finished >= count:
+                    event.succeed()
+                else:
+                    still.append((count, event))
+            self.waiters = still
 
     def put(self, item: _Item) -> None:
         self.items.append(item)
@@ -109,6 +125,8 @@ class _Item:
     name: str
     dur: float
     ready: float  # earliest start: launch latency after the launch call returned
+    # A wait instead of work: run nothing more until this stream has finished this many items.
+    after: tuple[_Stream, int] | None = None
 
 
 class _Machine:
@@ -139,6 +157,13 @@ class _Machine:
                 stream.wake = env.event()
                 yield stream.wake
             item = items.popleft()
+            if item.after is not None:  # a wait for another stream, not a launch
+                other, count = item.after
+                if other.finished < count:
+                    event = env.event()
+                    other.waiters.append((count, event))
+                    yield event
+                continue
             # The front end has taken the launch from the driver's queue: its slot is free.
             self.pending -= 1
             if self.slot is not None:
@@ -147,6 +172,7 @@ class _Machine:
             start = max(item.ready, free + gap, env.now)
             yield env.timeout(start - env.now + item.dur)  # one event per kernel: the hot path
             free = env.now
+            stream.done()
             self.busy.append((start, free))
             if self.timeline is not None:
                 self.timeline.append(Interval(f"stream {sid}", item.name, start, free))
@@ -167,7 +193,15 @@ class _Machine:
         """Queue work on a stream (the caller has waited for a free slot)."""
         self.pending += 1
         self.outstanding += 1
-        self.stream(sid).put(_Item(name, dur, self.env.now + self.costs.launch_latency))
+        stream = self.stream(sid)
+        stream.submitted += 1
+        stream.put(_Item(name, dur, self.env.now + self.costs.launch_latency))
+
+    def wait(self, sid: int, on: int) -> None:
+        """Stream ``sid`` waits for the work queued on ``on`` so far (no driver slot: an event
+        wait is not a launch)."""
+        other = self.stream(on)
+        self.stream(sid).put(_Item("wait", 0.0, 0.0, (other, other.submitted)))
 
     def drain(self) -> Generator[Any, Any, None]:
         if self.outstanding:
@@ -201,6 +235,8 @@ def _host(m: _Machine, program: Program, times: list[float]) -> Generator[Any, A
                 if m.pending >= m.costs.queue_depth:
                     yield from m.wait_for_slot()
                 m.submit(step.stream, f"graph ({step.nodes} nodes)", step.gpu_time)
+            elif isinstance(step, StreamWait):
+                m.wait(step.stream, step.on)
             elif isinstance(step, Sync):
                 if carried:
                     yield env.timeout(carried)
