@@ -116,6 +116,10 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--update-whole", action="store_true",
                      help="what if one executable served every shape, brought to each by one "
                           "cuGraphExecUpdate from the shape's graph before each launch")
+    sim.add_argument("--placeholder-copies", type=float, metavar="BYTES",
+                     help="what if BYTES of inputs were copied into the graph's placeholder "
+                          "tensors before each graph launch (a plain capture's static inputs; "
+                          "grape captures in place and copies nothing)")
     sim.add_argument("--device-loop", action="store_true",
                      help="what if every iteration ran inside one WHILE node on the device: one "
                           "launch and one sync for the whole run (needs graphed iterations: a "
@@ -240,12 +244,21 @@ def _record(args: argparse.Namespace) -> None:
     print("\n".join(rows))
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in the largest decimal unit that keeps the figure at 1 or more."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def _simulate(args: argparse.Namespace) -> None:
     from grape.profile import load_profile
     from grape.program import GraphLaunch
     from grape.sim.engine import simulate
     from grape.sim.timeline import write_timeline
     from grape.sim.whatif import (
+        copy_into_placeholders,
         costs_from_profile,
         graph_iterations,
         graph_region,
@@ -289,6 +302,13 @@ def _simulate(args: argparse.Namespace) -> None:
     if updating and not any(isinstance(s, GraphLaunch) for s in what_if.steps()):
         raise GrapeError("expected graph launches to update per shape (a graphed trace, or "
                          "--graph), found none")
+    copying = args.placeholder_copies is not None
+    if copying and not any(isinstance(s, GraphLaunch) for s in what_if.steps()):
+        raise GrapeError("expected graph launches to copy inputs in front of (a graphed trace, "
+                         "or --graph), found none")
+    if copying:
+        what_if = copy_into_placeholders(what_if, what_costs, args.placeholder_copies)
+        labels.append(f"{_size(args.placeholder_copies)} copied in per launch")
     if args.update_nodes is not None:
         what_if = update_per_shape(what_if, what_costs, args.update_nodes)
         labels.append(f"{args.update_nodes:g} nodes updated per launch")

@@ -24,6 +24,7 @@ from grape.program import (
 from grape.sim.engine import Costs, simulate
 from grape.sim.validate import validate
 from grape.sim.whatif import (
+    copy_into_placeholders,
     costs_from_profile,
     graph_iterations,
     graph_region,
@@ -356,3 +357,28 @@ def test_stream_waits_survive_writing_a_grape_trace(tmp_path):
                                    GrapeMeta("fork", "eager", "H200", "580")))
     assert again.waits == trace.waits
     assert program_from_trace(again).iterations == program_from_trace(trace).iterations
+
+
+def test_placeholder_copies_go_in_front_of_every_graph_launch():
+    graph = GraphLaunch(cost=3, nodes=10, gpu_time=100, stream=7)
+    p = Program("p", [(graph, Sync("s", 0))] * 2)
+    costs = Costs(launch_latency=0, kernel_gap=0, copy_call=2, copy_latency=5,
+                  copy_bandwidth=1)  # 1 GB/s: 1000 bytes per microsecond, read plus written
+    copied = copy_into_placeholders(p, costs, 4000)
+    steps = copied.iterations[0]
+    assert [type(s).__name__ for s in steps] == ["Launch", "GraphLaunch", "Sync"]
+    assert steps[0].cost == 2 and steps[0].work[0].dur == 5 + 2 * 4000 / 1000
+    assert steps[0].work[0].stream == 7
+    # the host pays the copy's call then the launch; the GPU, the copy then the graph
+    assert simulate(copied, costs).iteration_times == [2 + 13 + 100] * 2
+    assert simulate(p, costs).iteration_times == [3 + 100] * 2
+    with pytest.raises(GrapeError, match="non-negative number of bytes"):
+        copy_into_placeholders(p, costs, -1)
+
+
+def test_simulate_prices_placeholder_copies(capsys):
+    assert main(["simulate", str(GRAPH), "--placeholder-copies", "1e9"]) == 0
+    out = capsys.readouterr().out
+    assert "what if: 1 GB copied in per launch" in out
+    assert main(["simulate", str(EAGER), "--placeholder-copies", "100"]) == 2
+    assert "expected graph launches to copy inputs in front of" in capsys.readouterr().err

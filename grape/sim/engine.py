@@ -38,14 +38,19 @@ class Costs:
     while_per_iteration: float = 3.0  # GPU time a WHILE node adds per iteration
     set_params: float = 1.0  # host cost of updating one node of an executable
     exec_update_per_node: float = 0.05  # host cost of cuGraphExecUpdate, per node of the graph
+    copy_call: float = 9.0  # host cost of issuing one device-to-device copy from PyTorch
+    copy_latency: float = 6.7  # GPU time of a device-to-device copy of nothing
+    copy_bandwidth: float = 4250.0  # GB/s of a device-to-device copy, bytes read plus written
     queue_depth: int = 1024  # pending launches before the host stalls
 
     def __post_init__(self) -> None:
         for name in ("launch_latency", "kernel_gap", "graph_node_overhead", "graph_launch_fixed",
                      "graph_launch_per_node", "while_per_iteration", "set_params",
-                     "exec_update_per_node"):
+                     "exec_update_per_node", "copy_call", "copy_latency"):
             if getattr(self, name) < 0:
                 raise GrapeError(f"expected a non-negative {name}, found {getattr(self, name)}")
+        if self.copy_bandwidth <= 0:
+            raise GrapeError(f"expected a positive copy_bandwidth, found {self.copy_bandwidth}")
         if self.queue_depth < 1:
             raise GrapeError(f"expected a queue depth of at least 1, found {self.queue_depth}")
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 from grape.errors import GrapeError
 from grape.profile import DeviceProfile
 from grape.program import (
+    GpuWork,
     GraphLaunch,
     HostWork,
     Launch,
@@ -23,6 +24,7 @@ from grape.sim.engine import Costs
 from grape.trace import Trace
 
 __all__ = [
+    "copy_into_placeholders",
     "costs_from_profile",
     "graph_iterations",
     "overhead_from_profile",
@@ -43,7 +45,10 @@ def costs_from_profile(profile: DeviceProfile, **overrides: float) -> Costs:
               "graph_launch_per_node": profile.get("replay_per_node"),
               "while_per_iteration": profile.get("while_per_iteration"),
               "set_params": profile.get("set_params"),
-              "exec_update_per_node": profile.get("exec_update_per_node")}
+              "exec_update_per_node": profile.get("exec_update_per_node"),
+              "copy_call": profile.get("torch_launch"),
+              "copy_latency": profile.get("copy_latency"),
+              "copy_bandwidth": profile.get("copy_bandwidth")}
     return Costs(**{**values, **overrides})
 
 
@@ -188,6 +193,29 @@ def update_per_shape(program: Program, costs: Costs, changed_nodes: float) -> Pr
     update = HostWork(changed_nodes * costs.set_params)
     return program.with_iterations([tuple(x for s in it for x in (
         (update, s) if isinstance(s, GraphLaunch) else (s,))) for it in program.iterations])
+
+
+def copy_into_placeholders(program: Program, costs: Costs, nbytes: float) -> Program:
+    """Each graph launch preceded by copying ``nbytes`` of fresh inputs into the tensors the
+    graph was captured on: what a plain capture's static inputs cost per launch (and a growing
+    KV cache copied into a fixed one costs per token), which grape's capture in place avoids.
+
+    One device-to-device copy per launch, on the graph's stream, issued from PyTorch (the
+    profile's launch cost) and priced at the profile's copy latency and bandwidth (bytes read
+    plus written: each byte copied counts twice). The bandwidth governs large copies; the
+    latency was fitted on copies timed by CUDA events, which count the events' own cost, so
+    small copies come out dear (6.7 us on the H200 where CUPTI timed a 64-byte copy at 0.86).
+    """
+    if nbytes < 0:
+        raise GrapeError(f"expected a non-negative number of bytes to copy, found {nbytes}")
+    dur = costs.copy_latency + 2 * nbytes / (costs.copy_bandwidth * 1e3)  # GB/s = 1e3 B/us
+
+    def copy(graph: GraphLaunch) -> Launch:
+        return Launch("cudaMemcpyAsync", costs.copy_call,
+                      (GpuWork("memcpy", f"placeholder copy ({nbytes:.0f} B)", dur,
+                               graph.stream),))
+    return program.with_iterations([tuple(x for s in it for x in (
+        (copy(s), s) if isinstance(s, GraphLaunch) else (s,))) for it in program.iterations])
 
 
 def update_whole_graph(program: Program, costs: Costs) -> Program:
