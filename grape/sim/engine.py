@@ -106,17 +106,15 @@ class _Stream:
         self.finished = 0  # work items run to the end, ever
         self.waiters: list[tuple[int, simpy.Event]] = []  # other streams: (finished count, event)
 
-    def done(self) -> None:
-        """One more item finished: wake the streams waiting for this many."""
-        self.finished += 1
-        if self.waiters:
-            still = []
-            for count, event in self.waiters:
-                if self.finished >= count:
-                    event.succeed()
-                else:
-                    still.append((count, event))
-            self.waiters = still
+    def wake_waiters(self) -> None:
+        """Wake the streams waiting for no more items than have finished."""
+        still = []
+        for count, event in self.waiters:
+            if self.finished >= count:
+                event.succeed()
+            else:
+                still.append((count, event))
+        self.waiters = still
 
     def put(self, item: _Item) -> None:
         self.items.append(item)
@@ -177,7 +175,9 @@ class _Machine:
             start = max(item.ready, free + gap, env.now)
             yield env.timeout(start - env.now + item.dur)  # one event per kernel: the hot path
             free = env.now
-            stream.done()
+            stream.finished += 1
+            if stream.waiters:  # another stream waits for this one's work
+                stream.wake_waiters()
             self.busy.append((start, free))
             if self.timeline is not None:
                 self.timeline.append(Interval(f"stream {sid}", item.name, start, free))
