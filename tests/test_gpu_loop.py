@@ -131,3 +131,23 @@ def test_with_deterministic_kernels_the_captured_step_is_the_eager_step_for_256_
     assert doc["first_eager_repeat_difference"] is None
     assert doc["first_logits_difference"] is None
     assert doc["first_token_difference"] is None
+
+
+def test_with_deterministic_kernels_every_graphed_way_makes_the_static_cache_tokens(
+        cuda, tmp_path):
+    # generate with Hugging Face's static cache runs the attention shapes grape's step runs;
+    # with deterministic kernels every graphed way should make its tokens, with and without EOS.
+    # On the H200 (2026-11-29) one launch at batch 1 with EOS made 256 tokens where the others
+    # stopped at EOS after 116: a fresh process per run, as cuBLAS reads its setting once.
+    out = tmp_path / "predication.json"
+    script = Path(__file__).parent.parent / "benchmarks" / "predication.py"
+    done = subprocess.run([sys.executable, str(script), "--new", "256", "--batches", "1",
+                           "--deterministic", "--out", str(out)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(script.parent.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    graphed = [r for r in rows if r["way"] in ("host loop", "device loop", "one launch")]
+    assert len(graphed) == 6
+    wrong = [(r["run"], r["way"], r["tokens"], r["first_difference_static"]) for r in graphed
+             if not r["tokens_identical_static"]]
+    assert not wrong, f"(run, way, tokens made, first token differing): {wrong}"
