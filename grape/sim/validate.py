@@ -70,7 +70,8 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
         measured = trace.grape.wall_time_median_us
         program = unprofiled_program(trace, profile)
         found = [Prediction(workload, f"replay {mode}", measured / 1000,
-                            simulate(program, costs).per_iteration / 1000)]
+                            simulate(program, costs).per_iteration / 1000,
+                            _host_bound(trace) if mode == "eager" else "")]
         found.extend(_family_memory(trace, profile))
         found.extend(_device_loop(trace, program, costs))
         found.extend(_family_step(trace, program, costs))
@@ -91,6 +92,16 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
             found = [replace(p, workload=f"{folder.name}/{workload}") for p in found]
         out.extend(found)
     return out
+
+
+def _host_bound(trace: Trace) -> str:
+    """A note for an eager recording whose GPU sat idle most of each profiled step: the host's
+    pace set its time, and that pace moved between and within processes on the H200."""
+    busy = sorted(it.gpu_busy_time / it.host_time for it in trace.iterations if it.host_time)
+    if not busy or busy[len(busy) // 2] >= 0.5:
+        return ""
+    return (f"host-bound: GPU busy {busy[len(busy) // 2]:.0%} of the profiled step, so the "
+            f"recording host's pace sets it")
 
 
 _FAMILY_COUNTERS = ("shapes", "topologies", "nodes", "naive_graph_bytes", "family_graph_bytes")
