@@ -114,19 +114,26 @@ def test_while_loop_on_the_device_matches_the_eager_loop(cuda):
     assert device[1].item() == 9  # 6 per iteration: 54 after the ninth
 
 
+def _benchmark(script: str, tmp_path, *args: str) -> dict:
+    """What ``benchmarks/<script> ARGS --out FILE`` wrote, run in a fresh process (cuBLAS and
+    PyTorch's determinism settings take effect only before the first GPU work)."""
+    out = tmp_path / "result.json"
+    path = Path(__file__).parent.parent / "benchmarks" / script
+    done = subprocess.run([sys.executable, str(path), *args, "--out", str(out)],
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(path.parent.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
 def test_with_deterministic_kernels_the_captured_step_is_the_eager_step_for_256_tokens(
         cuda, tmp_path):
     # With cuBLAS's default workspace two eager decoders part bitwise after 33-58 steps (seen on
     # the H200), and after a near tie their tokens too: the captured step is held to the eager
     # one where kernels repeat themselves. A fresh process, as cuBLAS reads its workspace
     # setting once; batch 8, where the default kernels made another token at step 93.
-    out = tmp_path / "numerics.json"
-    script = Path(__file__).parent.parent / "benchmarks" / "capture_numerics.py"
-    done = subprocess.run([sys.executable, str(script), "--new", "256", "--batch", "8",
-                           "--deterministic", "--out", str(out)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(script.parent.parent)})
-    assert done.returncode == 0, done.stderr[-2000:]
-    doc = json.loads(out.read_text())
+    doc = _benchmark("capture_numerics.py", tmp_path, "--new", "256", "--batch", "8",
+                     "--deterministic")
     assert len(doc["steps"]) == 255
     assert doc["first_eager_repeat_difference"] is None
     assert doc["first_logits_difference"] is None
@@ -139,13 +146,8 @@ def test_with_deterministic_kernels_every_graphed_way_makes_the_static_cache_tok
     # with deterministic kernels every graphed way should make its tokens, with and without EOS.
     # On the H200 (2026-11-29) one launch at batch 1 with EOS made 256 tokens where the others
     # stopped at EOS after 116: a fresh process per run, as cuBLAS reads its setting once.
-    out = tmp_path / "predication.json"
-    script = Path(__file__).parent.parent / "benchmarks" / "predication.py"
-    done = subprocess.run([sys.executable, str(script), "--new", "256", "--batches", "1",
-                           "--deterministic", "--out", str(out)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(script.parent.parent)})
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads(out.read_text())["results"]
+    rows = _benchmark("predication.py", tmp_path, "--new", "256", "--batches", "1",
+                      "--deterministic")["results"]
     graphed = [r for r in rows if r["way"] in ("host loop", "device loop", "one launch")]
     assert len(graphed) == 6
     wrong = [(r["run"], r["way"], r["tokens"], r["first_difference_static"]) for r in graphed
