@@ -3,12 +3,13 @@
 On the H200 the captured ``GreedyDecoder.step`` chose another token than the eager step at token
 93 of 256 (GPT-2 small, batch 1, seed 1) while the eager step matched ``generate``. This runs both
 in lockstep from one prompt: the eager step, and the same step captured once as a
-``torch.cuda.CUDAGraph`` on a second decoder, each keeping its logits. Per step it records whether
-the logits are bitwise equal (and whether a second eager decoder repeats the first), their
-largest difference, and the eager logits' margin between the
-best and second-best token. The first step with different logits says which it is: step 1 means
-the captured kernels compute differently from the eager ones (a numerical difference that waits
-for a near tie), a later step with equal logits before it means something fixed at capture.
+``torch.cuda.CUDAGraph`` on another decoder, each keeping its logits, beside a second eager
+decoder. Per step it records whether the logits are bitwise equal (and whether the second eager
+decoder repeats the first), their largest difference, and the eager logits' margin between the
+best and second-best token; then which kernels differ by name between an eager step and a replay.
+Eager and captured parting where two eager decoders also part means the kernels do not repeat
+their own results; parting where the eager decoders agree means the capture computes something
+else (a kernel chosen differently, or a value fixed at capture).
 
 Writes capture_numerics.json (or --out); benchmarks/results/capture_numerics_h200.json sums up
 nine runs on the H200. Run on a GPU:
@@ -41,21 +42,28 @@ def _kernels(run) -> Counter:
                    if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def lockstep(new: int, batch: int, seed: int) -> list[dict[str, object]]:
+def _decoders(new: int, batch: int, seed: int, eager: int, keep_logits: bool):
+    """``eager`` decoders of one prompt, and one more whose step is captured as a graph (after
+    a warm-up step outside capture), every one back at its first step."""
     model = _gpt2("gpt2-small")
     torch.manual_seed(seed)
     prompt = torch.randint(0, 50257, (batch, PROMPT), device="cuda")
-    eager = GreedyDecoder(model, prompt, new, None, 0, keep_logits=True)
-    # A second eager decoder: whether the eager step repeats itself bitwise at all.
-    control = GreedyDecoder(model, prompt, new, None, 0, keep_logits=True)
-    graphed = GreedyDecoder(model, prompt, new, None, 0, keep_logits=True)
+    decoders = [GreedyDecoder(model, prompt, new, None, 0, keep_logits=keep_logits)
+                for _ in range(eager + 1)]
+    graphed = decoders[-1]
     graphed.prefill()
     graphed.step()  # warm-up outside capture
     step = torch.cuda.CUDAGraph()
     with torch.cuda.graph(step):
         graphed.step()
-    for d in (eager, control, graphed):
-        d.prefill()
+    for d in decoders:
+        d.prefill()  # at the first step again: no write past the preallocated cache
+    return decoders, step
+
+
+def lockstep(new: int, batch: int, seed: int) -> list[dict[str, object]]:
+    # A second eager decoder, ``control``: whether the eager step repeats itself bitwise at all.
+    (eager, control, graphed), step = _decoders(new, batch, seed, 2, keep_logits=True)
     rows = []
     for token in range(1, new):
         same_tokens = torch.equal(eager.tokens[:, :token], graphed.tokens[:, :token])
@@ -78,18 +86,7 @@ def lockstep(new: int, batch: int, seed: int) -> list[dict[str, object]]:
 
 def kernel_difference(new: int, batch: int, seed: int) -> dict[str, object]:
     """Which kernels differ between one eager step and one replay (names, by count)."""
-    model = _gpt2("gpt2-small")
-    torch.manual_seed(seed)
-    prompt = torch.randint(0, 50257, (batch, PROMPT), device="cuda")
-    eager = GreedyDecoder(model, prompt, new, None, 0)
-    graphed = GreedyDecoder(model, prompt, new, None, 0)
-    graphed.prefill()
-    graphed.step()
-    step = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(step):
-        graphed.step()
-    eager.prefill()
-    graphed.prefill()  # both at the first step again: no write past the preallocated cache
+    (eager, _), step = _decoders(new, batch, seed, 1, keep_logits=False)
     eager_k, graph_k = _kernels(eager.step), _kernels(step.replay)
     return {"eager": sum(eager_k.values()), "graph": sum(graph_k.values()),
             "only_eager": dict(eager_k - graph_k), "only_graph": dict(graph_k - eager_k)}

@@ -19,6 +19,7 @@ import json
 import os
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -47,7 +48,7 @@ def main() -> None:
         os.sched_setaffinity(0, {args.pin})
     w = parse_spec(args.spec)
 
-    def timed(n: int) -> list[tuple[float, float]]:
+    def timedian(n: int) -> list[tuple[float, float]]:
         rows = []
         for _ in range(n):
             w.refresh()
@@ -62,7 +63,7 @@ def main() -> None:
     for _ in range(5):
         w.refresh()
         w.step(*w.inputs)
-    before = timed(args.steps)
+    before = timedian(args.steps)
     probes_during: list[float] = []
 
     def profiled_step() -> None:
@@ -71,22 +72,19 @@ def main() -> None:
 
     trace = profile_steps(profiled_step, 3)
     during = [it.host_time for it in trace.iterations]
-    after = timed(args.after)
+    after = timedian(args.after)
     doc = {"spec": args.spec, "pin": args.pin, "cpus": sorted(os.sched_getaffinity(0)),
            "before": before, "profiled_host_us": during, "probes_profiled": probes_during,
            "after": after}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc) + "\n")
 
-    def med(xs: list[float]) -> float:
-        return sorted(xs)[len(xs) // 2]
-
     blocks = [before[i:i + 20] for i in range(0, len(before), 20)]
     print(f"{args.spec} pin={args.pin}: per 20 steps (probe us / step ms): " + "  ".join(
-        f"{med([p for p, _ in b]):.0f}/{med([s for _, s in b]) / 1000:.2f}" for b in blocks))
+        f"{median([p for p, _ in b]):.0f}/{median([s for _, s in b]) / 1000:.2f}" for b in blocks))
     print(f"  profiled host ms {[round(d / 1000, 2) for d in during]} probes "
-          f"{[round(p) for p in probes_during]}; after: probe {med([p for p, _ in after]):.0f} "
-          f"step {med([s for _, s in after]) / 1000:.2f} ms")
+          f"{[round(p) for p in probes_during]}; after: probe {median([p for p, _ in after]):.0f} "
+          f"step {median([s for _, s in after]) / 1000:.2f} ms")
 
 
 if __name__ == "__main__":

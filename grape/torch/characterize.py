@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from grape.records import top_level
-from grape.torch.record import profile_steps
+from grape.torch.record import profile_steps, timed_calls
 
 if TYPE_CHECKING:
     from grape.trace import Trace
@@ -56,17 +56,6 @@ def _bert(layers: int = 4) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.randint(0, config.vocab_size, (1, 64), device="cuda")
 
 
-def _timed(run: Callable[[], object], steps: int) -> list[float]:
-    samples = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t) * 1e6)
-    return samples
-
-
 def _top_level_calls(trace: Trace) -> int:
     """API calls on the issuing thread not nested in another (driver under runtime)."""
     tid = max({c.tid for c in trace.calls}, key=[c.tid for c in trace.calls].count)
@@ -79,7 +68,7 @@ def _profiled(run: Callable[[], object], steps: int, cpu_ops: bool) -> tuple[Tra
     times: list[float] = []
 
     def timed() -> None:
-        times.extend(_timed(run, 1))
+        times.extend(timed_calls(run, 1))
 
     trace = profile_steps(timed, steps, cpu_ops)
     return trace, times[1:]  # the first call is the profiler's warm-up, not in the trace
@@ -99,8 +88,8 @@ def profiler_overhead_us(steps: int = 30, cpu_ops: bool = True) -> dict[str, flo
         with torch.no_grad():
             model(ids)
 
-    _timed(step, 10)
-    plain = _timed(step, steps)
+    timed_calls(step, 10)
+    plain = timed_calls(step, steps)
     trace, profiled = _profiled(step, steps, cpu_ops)
     events = (len(trace.ops) + len(trace.calls)) if cpu_ops else _top_level_calls(trace)
     per_step = events / steps
@@ -178,7 +167,7 @@ def graph_node_overhead_us(families: tuple[str, ...] = ("bert", "opt", "llama"),
                 step()
             g.replay()
             graphs.append((family, g, keep))  # the graph reads inputs and weights where they are
-    walls = [float(np.median(_timed(g.replay, reps))) for _, g, _ in graphs]
+    walls = [float(np.median(timed_calls(g.replay, reps))) for _, g, _ in graphs]
     fits: dict[str, dict[str, object]] = {}
     for family in families:
         kernels, excess = [], []

@@ -31,7 +31,7 @@ from grape.torch.capture import capture
 from grape.torch.workloads import Workload
 from grape.trace import GrapeMeta, Trace, read_trace, write_trace
 
-__all__ = ["Recording", "profile_steps", "record"]
+__all__ = ["Recording", "profile_steps", "record", "timed_calls"]
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,14 @@ def _runner(w: Workload, mode: str) -> tuple[Callable[[], object], int | None]:
     return cap.replay, sum(1 for _ in cap.ir.kernels())
 
 
-def _timed(w: Workload, run: Callable[[], object], steps: int) -> list[float]:
+def timed_calls(run: Callable[[], object], steps: int,
+                before: Callable[[], object] | None = None) -> list[float]:
+    """Microseconds of each of ``steps`` calls of ``run``, each between two device syncs, after
+    ``before()`` (untimed) where given."""
     wall = []
     for _ in range(steps):
-        w.refresh()  # fresh inputs, outside the timed region
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         t = time.perf_counter()
         run()
@@ -131,7 +135,7 @@ def record(w: Workload, modes: Sequence[str], out_dir: Path, timed: int = 30,
         for _ in range(warmup):
             w.refresh()
             run()
-        walls[mode] = _timed(w, run, timed)
+        walls[mode] = timed_calls(run, timed, before=w.refresh)  # fresh inputs, untimed
     for mode, (run, nodes) in runs.items():
         trace = profile_steps(run, profiled, cpu_ops)
         meta = GrapeMeta(workload=w.name, mode=mode, device=torch.cuda.get_device_name(),
