@@ -80,3 +80,15 @@ def test_a_decoder_keeps_the_last_logits_when_asked(model):
     decoder.step()  # the same buffer, the next token's logits
     assert decoder.logits.data_ptr() == before
     assert torch.equal(decoder.tokens[:, 1], decoder.logits.argmax(-1))
+
+
+def test_generated_tokens_do_not_change_when_the_decoder_runs_again(model):
+    # A view of the decoder's buffer would: the predication benchmark once compared every way's
+    # tokens through such views, and so compared the last run's tokens each time.
+    decoder = GreedyDecoder(model, torch.randint(1, 300, (2, 6), generator=torch.Generator()
+                                                 .manual_seed(6)), NEW, None, 0)
+    first = generate_host_loop(decoder)
+    kept = first.clone()
+    decoder.prefill()
+    decoder.tokens.fill_(7)  # what a later generation, or a graph replay, would write
+    assert torch.equal(first, kept)

@@ -91,8 +91,12 @@ class GreedyDecoder:
                           out=self.running)
 
     def generated(self) -> torch.Tensor:
-        """The new tokens made so far (reads the count back: one sync)."""
-        return self.tokens[:, :int(self.count.item())]
+        """The new tokens made so far, as a copy (reads the count back: one sync).
+
+        A copy, not a view of the decoder's buffer: the next generation (a graph replay the
+        host does not see) overwrites that buffer, and a view would change under its holder.
+        """
+        return self.tokens[:, :int(self.count.item())].clone()
 
 
 def generate_host_loop(decoder: GreedyDecoder) -> torch.Tensor:
