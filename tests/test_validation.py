@@ -73,6 +73,20 @@ def test_gpu_bound_eager_runs_are_replayed_within_the_bound(recording, predictio
     assert abs(worst.error) <= 0.15, f"{worst.workload}: {worst.error:+.1%}"
 
 
+
+@pytest.mark.xfail(strict=True, reason="host-bound eager replays miss even where one workload is "
+                   "recorded in five fresh processes minutes apart (H200, traces/h200_repeats): "
+                   "+2% to +91%, median +10%; the measured step moved 5.7-9.9 ms between those "
+                   "processes and the profiler's implied cost per API call 5-27 us, where the "
+                   "device profile has one constant (8.8 us)")
+def test_host_bound_eager_replays_are_within_the_bound_in_repeated_processes():
+    paths = sorted((TRACES / "h200_repeats").rglob("*.eager.json.gz"))
+    assert len(paths) == 15  # three workloads, five processes each
+    found = validate(paths, load_profile(TRACES / "devices" / "h200.json"))
+    assert len(found) == 15
+    assert all(abs(p.error) <= 0.15 for p in found), [f"{p.workload} {p.error:+.0%}"
+                                                       for p in found]
+
 def test_stream_waits_order_the_second_recordings_multi_stream_replays():
     """The second recording kept CUPTI's stream-wait records: with them Wav2Vec2's eager
     replays come within 5%; without, its streams overlap freely and the replay runs 8-10% low."""
