@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,18 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
+    return value
+
+
+def _amount(text: str) -> float:
+    """A finite, non-negative number (argparse's float takes 'nan' and 'inf')."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite, non-negative number, found "
+                                         f"{text!r}")
     return value
 
 
@@ -102,21 +115,21 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--graph-region", metavar="A:B",
                      help="what if eager launches A to B of each iteration (from 0, inclusive) "
                           "were captured as one graph")
-    sim.add_argument("--host-scale", type=float, metavar="F",
+    sim.add_argument("--host-scale", type=_amount, metavar="F",
                      help="what if every host cost were F times what the trace shows")
-    sim.add_argument("--launch-cost", type=float, metavar="US",
+    sim.add_argument("--launch-cost", type=_amount, metavar="US",
                      help="what if each eager launch cost US microseconds of host time")
-    sim.add_argument("--node-overhead", type=float, metavar="US",
+    sim.add_argument("--node-overhead", type=_amount, metavar="US",
                      help="what if graphs took US microseconds of GPU time per node beyond "
                           "their kernels (the profile's figure by default; H200 machines showed "
                           "0.35 and none)")
-    sim.add_argument("--update-nodes", type=float, metavar="N",
+    sim.add_argument("--update-nodes", type=_amount, metavar="N",
                      help="what if one executable served every shape, updating N nodes before "
                           "each graph launch (a graph family; see the trace's counters)")
     sim.add_argument("--update-whole", action="store_true",
                      help="what if one executable served every shape, brought to each by one "
                           "cuGraphExecUpdate from the shape's graph before each launch")
-    sim.add_argument("--placeholder-copies", type=float, metavar="BYTES",
+    sim.add_argument("--placeholder-copies", type=_amount, metavar="BYTES",
                      help="what if BYTES of inputs were copied into the graph's placeholder "
                           "tensors before each graph launch (a plain capture's static inputs; "
                           "grape captures in place and copies nothing)")
@@ -139,8 +152,8 @@ def _parser() -> argparse.ArgumentParser:
                     "error and the median; exits 1 past the bounds.")
     val.add_argument("dirs", nargs="+", type=Path, metavar="DIR")
     val.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="FILE")
-    val.add_argument("--median-bound", type=float, default=5.0, metavar="PCT")
-    val.add_argument("--max-bound", type=float, default=15.0, metavar="PCT")
+    val.add_argument("--median-bound", type=_amount, default=5.0, metavar="PCT")
+    val.add_argument("--max-bound", type=_amount, default=15.0, metavar="PCT")
     val.set_defaults(run=_validate)
     return parser
 
@@ -367,11 +380,29 @@ def _validate(args: argparse.Namespace) -> None:
     from grape.sim.validate import validate
 
     paths = [p for d in args.dirs for p in sorted(Path(d).rglob("*.json.gz"))]
+    failures: list[str] = []
+
+    def failed(path: Path, error: GrapeError) -> None:  # reported at once, counted at the end
+        line = str(error) if str(error).startswith(str(path)) else f"{path}: {error}"
+        failures.append(line)
+        print(f"grape validate: error: {line}", file=sys.stderr)
+
     predictions = validate(paths, load_profile(args.profile),
-                           lambda line: print(line, file=sys.stderr))
-    if not predictions:
+                           lambda line: print(line, file=sys.stderr), failed)
+    if not predictions and not failures:
         raise GrapeError(f"expected grape traces with measured wall times under "
                          f"{[str(d) for d in args.dirs]}, found none")
+    if predictions:
+        _print_predictions(predictions, args.median_bound, args.max_bound)
+    if failures:
+        raise GrapeError(f"expected every trace to be read and predicted, found {len(failures)} "
+                         f"that could not be (each named above)")
+    errors = [abs(p.error) * 100 for p in predictions]
+    if statistics.median(errors) > args.median_bound or max(errors) > args.max_bound:
+        raise SystemExit(1)
+
+
+def _print_predictions(predictions: list, median_bound: float, max_bound: float) -> None:
     print(f"{'workload':<32} {'question':<16} {'measured':>11} {'predicted':>11} {'':<3}"
           f"{'error':>7}")
     for p in predictions:
@@ -383,12 +414,9 @@ def _validate(args: argparse.Namespace) -> None:
         print(f"{question:<16} median {statistics.median(errs):5.1f}%  largest {max(errs):5.1f}%"
               f"  ({len(errs)} predictions)")
     errors = [abs(p.error) * 100 for p in predictions]
-    median, worst = statistics.median(errors), max(errors)
-    print(f"all              median absolute error {median:.1f}% (bound "
-          f"{args.median_bound:g}%), largest {worst:.1f}% (bound {args.max_bound:g}%), "
+    print(f"all              median absolute error {statistics.median(errors):.1f}% (bound "
+          f"{median_bound:g}%), largest {max(errors):.1f}% (bound {max_bound:g}%), "
           f"{len(errors)} predictions")
-    if median > args.median_bound or worst > args.max_bound:
-        raise SystemExit(1)
 
 
 def _graph(doc: dict, path: Path) -> KernelGraph:

@@ -72,14 +72,17 @@ def _encode_body(graph: KernelGraph) -> dict[str, Any]:
     return {"nodes": nodes, "edges": [[u, v] for u, v in graph.dag.edges]}
 
 
-def _decode_body(doc: dict, where: str) -> KernelGraph:
+def _decode_body(doc: Any, where: str) -> KernelGraph:
+    if not isinstance(doc, dict):
+        raise GraphError(f"{where}expected an object with nodes and edges, found {doc!r:.80}")
     graph = KernelGraph()
     for i, raw in enumerate(_field(doc, "nodes", list, where)):
         at = f"{where}node {i}"
         if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
             raise GraphError(f"{at}: expected an object with a string 'id', found {raw!r:.80}")
         at = f"{where}node {raw['id']!r}"
-        op_type = OP_TYPES.get(raw.get("kind"))
+        kind = raw.get("kind")
+        op_type = OP_TYPES.get(kind) if isinstance(kind, str) else None
         if op_type is None:
             raise UnknownNodeKindError(f"{at}: expected a kind among {', '.join(OP_TYPES)}, "
                                        f"found {raw.get('kind')!r}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from grape.errors import TraceFormatError
 from grape.records import GpuOp, HostCall, Launch, StreamWait
@@ -47,37 +47,101 @@ class Decoded:
     unknown: dict[str, int] = field(default_factory=dict)  # category -> events not modelled
 
 
-def _dims(value: Any) -> tuple[int, int, int] | None:
-    if isinstance(value, list) and len(value) == 3 and all(isinstance(v, int) for v in value):
+class _Missing:
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+_MISSING: Any = _Missing()  # a field the event does not have (None is a field set to null)
+# Timestamps and durations are microseconds in a double: beyond 2**53 a double no longer holds
+# whole microseconds, and no real trace comes near (Kineto's clock reads about 5e12).
+MAX_US = float(2**53)
+
+
+class _Event:
+    """One event's fields, each read with its type and range checked where it is read; a bad
+    value raises one ``TraceFormatError`` naming the file, the event and what was expected."""
+
+    def __init__(self, e: dict, index: int, source: str) -> None:
+        self.e, self.index, self.source = e, index, source
+        args = e.get("args")
+        if args is not None and not isinstance(args, dict):
+            self.fail("'args' an object", args)
+        self.args: dict = args or {}
+
+    def fail(self, expected: str, found: Any) -> NoReturn:
+        name = self.e.get("name")
+        what = f" {name!r:.60}" if isinstance(name, str) else ""
+        raise TraceFormatError(f"{self.source}: event {self.index} ({self.e.get('cat')!r:.40}"
+                               f"{what}): expected {expected}, found {found!r:.60}")
+
+    def fail_field(self, key: str, in_args: bool, expected: str, found: Any) -> NoReturn:
+        self.fail(f"{f'args.{key!r}' if in_args else repr(key)} {expected}", found)
+
+    def text(self, key: str) -> str:
+        value = self.e.get(key, _MISSING)
+        if not isinstance(value, str):
+            self.fail_field(key, False, "a string", value)
+        return value
+
+    def time(self, key: str, *, duration: bool = False) -> float:
+        """Microseconds: finite, at most 2**53 in size, and not negative for a duration."""
+        value = self.e.get(key, _MISSING)
+        low = 0.0 if duration else -MAX_US
+        if type(value) not in (int, float) or not low <= value <= MAX_US:  # NaN fails too
+            kind = "a duration" if duration else "a timestamp"
+            self.fail_field(key, False, f"{kind} in microseconds, a number from {low:g} to "
+                                        f"2**53", value)
+        return float(value)
+
+    def integer(self, key: str, default: Any = _MISSING, *, in_args: bool = True,
+                minimum: int | None = None) -> Any:
+        """An integer field (``default`` where it is absent or null, if one is given)."""
+        value = (self.args if in_args else self.e).get(key, _MISSING)
+        if value is _MISSING or value is None:
+            if default is _MISSING:
+                self.fail_field(key, in_args, "an integer", value)
+            return default
+        if type(value) is not int or (minimum is not None and value < minimum):
+            bound = "" if minimum is None else f" of at least {minimum}"
+            self.fail_field(key, in_args, f"an integer{bound}", value)
+        return value
+
+    def dims(self, key: str) -> tuple[int, int, int] | None:
+        value = self.args.get(key)
+        if value is None:
+            return None
+        if not (isinstance(value, list) and len(value) == 3
+                and all(type(v) is int and v >= 1 for v in value)):
+            self.fail_field(key, True, "three positive integers", value)
         return tuple(value)
-    return None
 
 
-def _host(e: dict, category: str) -> HostCall:
-    args = e.get("args") or {}
-    return HostCall(name=e["name"], category=category, ts=float(e["ts"]), dur=float(e["dur"]),
-                    tid=_int_or(e.get("tid"), 0), correlation=args.get("correlation"))
+def _host(ev: _Event, category: str) -> HostCall:
+    return HostCall(name=ev.text("name"), category=category, ts=ev.time("ts"),
+                    dur=ev.time("dur", duration=True),
+                    tid=ev.integer("tid", 0, in_args=False),
+                    correlation=ev.integer("correlation", None))
 
 
-def _int_or(value: Any, default: int) -> int:
-    return value if isinstance(value, int) else default
+def _gpu(ev: _Event, kind: str) -> GpuOp:
+    stream = ev.integer("stream", None)
+    return GpuOp(kind=kind, name=ev.text("name"), ts=ev.time("ts"),
+                 dur=ev.time("dur", duration=True),
+                 stream=ev.integer("tid", 0, in_args=False) if stream is None else stream,
+                 correlation=ev.integer("correlation"),
+                 device=ev.integer("device", 0, minimum=0),
+                 grid=ev.dims("grid"), block=ev.dims("block"),
+                 shared_mem=ev.integer("shared memory", None, minimum=0),
+                 registers=ev.integer("registers per thread", None, minimum=0),
+                 bytes=ev.integer("bytes", None, minimum=0))
 
 
-def _gpu(e: dict, kind: str) -> GpuOp:
-    args = e.get("args") or {}
-    return GpuOp(kind=kind, name=e["name"], ts=float(e["ts"]), dur=float(e["dur"]),
-                 stream=_int_or(args.get("stream"), _int_or(e.get("tid"), 0)),
-                 correlation=args["correlation"], device=_int_or(args.get("device"), 0),
-                 grid=_dims(args.get("grid")), block=_dims(args.get("block")),
-                 shared_mem=args.get("shared memory"), registers=args.get("registers per thread"),
-                 bytes=args.get("bytes"))
-
-
-def _wait(e: dict) -> StreamWait:
-    args = e.get("args") or {}
-    return StreamWait(correlation=args["correlation"], stream=args["stream"], ts=float(e["ts"]),
-                      dur=float(e["dur"]), device=_int_or(args.get("device"), 0),
-                      on_stream=_int_or(args.get("wait_on_stream"), -1))
+def _wait(ev: _Event) -> StreamWait:
+    return StreamWait(correlation=ev.integer("correlation"), stream=ev.integer("stream"),
+                      ts=ev.time("ts"), dur=ev.time("dur", duration=True),
+                      device=ev.integer("device", 0, minimum=0),
+                      on_stream=ev.integer("wait_on_stream", -1))
 
 
 def decode(events: Iterable[Any], source: str) -> Decoded:
@@ -90,26 +154,27 @@ def decode(events: Iterable[Any], source: str) -> Decoded:
                                    f"found {type(e).__name__} at index {i}")
         if e.get("ph") != "X":
             continue
+        ev = _Event(e, i, source)
         cat = e.get("cat")
-        try:
-            if cat in GPU_CATEGORIES:
-                out.gpu_ops.append(_gpu(e, GPU_CATEGORIES[cat]))
-            elif cat in HOST_CATEGORIES:
-                call = _host(e, HOST_CATEGORIES[cat])
-                if call.category == "op":
-                    is_step = call.name.startswith(PROFILER_STEP)
-                    (out.steps if is_step else out.ops).append(call)
-                else:
-                    out.calls.append(call)
-            elif cat == SYNC_CATEGORY and e.get("name") == STREAM_WAIT:
-                out.waits.append(_wait(e))
-            elif cat == SYNC_CATEGORY and e.get("name") in HOST_SYNC_KINDS:
-                continue
-            elif cat not in IGNORED_CATEGORIES:
-                unknown[str(cat)] += 1
-        except (KeyError, TypeError, ValueError) as err:
-            raise TraceFormatError(f"{source}: expected event {i} ({cat}) to have a name, ts, dur "
-                                   f"and correlation, found {type(err).__name__}: {err}") from None
+        if cat is not None and not isinstance(cat, str):
+            ev.fail("'cat' a string", cat)
+        if cat in GPU_CATEGORIES:
+            out.gpu_ops.append(_gpu(ev, GPU_CATEGORIES[cat]))
+        elif cat in HOST_CATEGORIES:
+            call = _host(ev, HOST_CATEGORIES[cat])
+            if call.category == "op":
+                is_step = call.name.startswith(PROFILER_STEP)
+                (out.steps if is_step else out.ops).append(call)
+            else:
+                out.calls.append(call)
+        elif cat == SYNC_CATEGORY:
+            name = ev.text("name")
+            if name == STREAM_WAIT:
+                out.waits.append(_wait(ev))
+            elif name not in HOST_SYNC_KINDS:
+                unknown[cat] += 1
+        elif cat not in IGNORED_CATEGORIES:
+            unknown[cat] += 1
     out.unknown = dict(unknown)
     for seq in (out.calls, out.ops, out.steps, out.gpu_ops, out.waits):
         seq.sort(key=lambda r: (r.ts, -r.dur))

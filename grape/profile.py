@@ -6,6 +6,7 @@ profile; this module reads one anywhere, without a GPU, and names what each cons
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,9 @@ class DeviceProfile:
                 raise ProfileError(f"{self.path}: expected {'.'.join(keys)} ({name}), found "
                                    f"no such entry")
             value = value[key]
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise ProfileError(f"{self.path}: expected {'.'.join(keys)} ({name}) a finite "
+                               f"number, found {value!r:.60}")
         return float(value)
 
 

@@ -134,6 +134,11 @@ def _work(ops: tuple[GpuOp, ...]) -> tuple[GpuWork, ...]:
                  for op in sorted(ops, key=lambda o: o.ts))
 
 
+def _count(sorted_ts: list[float], lo: float, hi: float) -> int:
+    """How many of ``sorted_ts`` lie in [lo, hi)."""
+    return max(bisect_left(sorted_ts, hi) - bisect_left(sorted_ts, lo), 0)
+
+
 def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
                tid: int, waits: dict[int, StreamWait]) -> tuple[Step, ...]:
     launches = {launch.call.correlation: launch for launch in it.launches}
@@ -142,8 +147,7 @@ def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
     for call in sorted((c for c in it.calls if c.tid == tid), key=lambda c: c.ts):
         if call.ts < cursor:  # nested inside a call already counted (driver under runtime)
             continue
-        ops_in_gap = sum(1 for ts in ops_ts if cursor <= ts < call.ts)
-        gap = call.ts - cursor - overhead.per_op * ops_in_gap
+        gap = call.ts - cursor - overhead.per_op * _count(ops_ts, cursor, call.ts)
         if gap > 0:
             steps.append(HostWork(gap))
         cost = max(call.dur - overhead.per_call, 0.0)
@@ -165,7 +169,7 @@ def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
             if call.correlation in waits:
                 steps.append(waits[call.correlation])
         cursor = call.end
-    tail = it.end - cursor - overhead.per_op * sum(1 for ts in ops_ts if cursor <= ts < it.end)
+    tail = it.end - cursor - overhead.per_op * _count(ops_ts, cursor, it.end)
     if tail > 0:
         steps.append(HostWork(tail))
     return tuple(steps)

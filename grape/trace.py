@@ -13,15 +13,16 @@ Examples
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from grape.errors import SchemaVersionError, TraceFormatError
 from grape.iterations import split_iterations
 from grape.jsonio import dump_json, load_json
-from grape.kineto import decode, encode
+from grape.kineto import MAX_US, decode, encode
 from grape.records import GpuOp, HostCall, Iteration, Launch, StreamWait
 
 __all__ = [
@@ -71,19 +72,59 @@ class GrapeMeta:
 
     @classmethod
     def from_json(cls, doc: Any, source: str) -> GrapeMeta:
+        """The block as a trace holds it, every field's type and range checked."""
         if not isinstance(doc, dict):
             raise TraceFormatError(f"{source}: expected the 'grape' block to be an object, "
                                    f"found {type(doc).__name__}")
         version = doc.get("schema_version")
-        if version != GRAPE_SCHEMA_VERSION:
+        if version != GRAPE_SCHEMA_VERSION or type(version) is not int:
             raise SchemaVersionError(f"{source}: expected grape trace schema version "
-                                     f"{GRAPE_SCHEMA_VERSION}, found {version!r}")
-        try:
-            meta = cls(**{**doc, "wall_time_us": tuple(float(t) for t in doc["wall_time_us"])})
-        except (TypeError, KeyError, ValueError) as e:
-            raise TraceFormatError(f"{source}: expected a grape block with workload, mode, "
-                                   f"device, driver and wall_time_us, found {e}") from None
-        return meta
+                                     f"{GRAPE_SCHEMA_VERSION}, found {version!r:.40}")
+        names = {f.name for f in fields(cls)}
+        if unknown := sorted(set(doc) - names, key=str):
+            raise TraceFormatError(f"{source}: expected grape block fields among "
+                                   f"{sorted(names)}, found {unknown}")
+
+        def bad(name: str, expected: str) -> TraceFormatError:
+            return TraceFormatError(f"{source}: expected the grape block's {name!r} to be "
+                                    f"{expected}, found {doc.get(name, 'nothing')!r:.60}")
+
+        values: dict[str, Any] = {}
+        for name in ("workload", "mode", "device", "driver", "notes"):
+            if name in doc or name != "notes":
+                if not isinstance(doc.get(name), str):
+                    raise bad(name, "a string")
+                values[name] = doc[name]
+        if "libraries" in doc:
+            libraries = doc["libraries"]
+            if not (isinstance(libraries, dict)
+                    and all(isinstance(v, str) for v in libraries.values())):
+                raise bad("libraries", "an object of version strings")
+            values["libraries"] = dict(libraries)
+        wall = doc.get("wall_time_us")
+        if not (isinstance(wall, list) and all(_positive_us(t) for t in wall)):
+            raise bad("wall_time_us", "a list of positive, finite microseconds")
+        values["wall_time_us"] = tuple(float(t) for t in wall)
+        iterations = doc.get("iterations")
+        if iterations is not None and (type(iterations) is not int or iterations < 1):
+            raise bad("iterations", "a positive integer or null")
+        values["iterations"] = iterations
+        if "counters" in doc:
+            counters = doc["counters"]
+            if not (isinstance(counters, dict)
+                    and all(_finite(v) for v in counters.values())):
+                raise bad("counters", "an object of finite numbers")
+            values["counters"] = {k: float(v) for k, v in counters.items()}
+        return cls(**values)
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not a boolean, not a numeric string) that is neither NaN nor infinite."""
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _positive_us(value: Any) -> bool:
+    return _finite(value) and 0 < value <= MAX_US
 
 
 @dataclass
@@ -162,7 +203,7 @@ def trace_from_json(doc: Any, path: str | Path, iterations: int | None = None) -
                                f"or a list of events), found {found}")
     meta = doc if isinstance(doc, dict) else {}
     version = meta.get("schemaVersion", 1)
-    if version not in KINETO_SCHEMA_VERSIONS:
+    if type(version) is not int or version not in KINETO_SCHEMA_VERSIONS:
         raise SchemaVersionError(f"{path}: expected Kineto schemaVersion "
                                  f"{' or '.join(map(str, KINETO_SCHEMA_VERSIONS))}, "
                                  f"found {version!r}")
@@ -171,14 +212,32 @@ def trace_from_json(doc: Any, path: str | Path, iterations: int | None = None) -
     if iterations is None and grape is not None and not decoded.steps:
         iterations = grape.iterations
     split = split_iterations(decoded, iterations, str(path))
-    devices = meta.get("deviceProperties") or [{}]
+    device = _device(meta.get("deviceProperties"), path)
     versions = {k: meta[k] for k in ("cuda_driver_version", "cuda_runtime_version",
                                       "cupti_version") if k in meta}
+    for key, value in versions.items():
+        if type(value) is not int and not isinstance(value, str):
+            raise TraceFormatError(f"{path}: expected {key!r} an integer or a string, found "
+                                   f"{value!r:.60}")
     return Trace(source=str(path), calls=decoded.calls, ops=decoded.ops,
                  gpu_ops=decoded.gpu_ops, launches=decoded.launches,
                  iterations=split.iterations, split_method=split.method, outside=split.outside,
-                 orphans=decoded.orphans, unknown=decoded.unknown, device=devices[0],
+                 orphans=decoded.orphans, unknown=decoded.unknown, device=device,
                  versions=versions, grape=grape, waits=decoded.waits)
+
+
+def _device(properties: Any, path: str | Path) -> dict[str, Any]:
+    """The first device's properties (the GPU the trace ran on), checked where read."""
+    if properties is None or properties == []:
+        return {}
+    if not (isinstance(properties, list) and all(isinstance(p, dict) for p in properties)):
+        raise TraceFormatError(f"{path}: expected 'deviceProperties' a list of objects, found "
+                               f"{properties!r:.60}")
+    name = properties[0].get("name", "unknown device")
+    if not isinstance(name, str):
+        raise TraceFormatError(f"{path}: expected the device's 'name' a string, found "
+                               f"{name!r:.60}")
+    return properties[0]
 
 
 def write_trace(path: str | Path, trace: Trace, meta: GrapeMeta) -> Path:

@@ -80,8 +80,13 @@ def test_iterations_are_timed_separately():
 
 
 def test_impossible_costs_are_refused():
-    with pytest.raises(GrapeError, match="expected a non-negative launch_latency, found -1"):
+    with pytest.raises(GrapeError, match="expected a finite, non-negative launch_latency, "
+                                         "found -1"):
         Costs(launch_latency=-1)
+    with pytest.raises(GrapeError, match="expected a finite, non-negative kernel_gap, found nan"):
+        Costs(kernel_gap=float("nan"))
+    with pytest.raises(GrapeError, match="expected a finite, positive copy_bandwidth, found inf"):
+        Costs(copy_bandwidth=float("inf"))
     with pytest.raises(GrapeError, match="expected a queue depth of at least 1, found 0"):
         Costs(queue_depth=0)
 

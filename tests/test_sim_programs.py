@@ -108,9 +108,9 @@ def test_host_what_ifs():
     assert simulate(scale_host(eager, 0.5), costs).iteration_times[1] < 0.6 * base
     faster = simulate(set_launch_cost(eager, 0.0), costs).iteration_times[1]
     assert faster < base
-    with pytest.raises(GrapeError, match="expected a non-negative host scale, found -1"):
+    with pytest.raises(GrapeError, match="expected a finite, non-negative host scale, found -1"):
         scale_host(eager, -1)
-    with pytest.raises(GrapeError, match="expected a non-negative launch cost, found -2"):
+    with pytest.raises(GrapeError, match="expected a finite, non-negative launch cost, found -2"):
         set_launch_cost(eager, -2)
 
 
@@ -180,7 +180,7 @@ def test_updating_one_executable_per_shape_costs_host_time_per_changed_node():
     assert steps[launch - 1] == HostWork(40 * costs.set_params)
     assert len(steps) == len(graphed.iterations[0]) + 1
     assert simulate(updated, costs).end > simulate(graphed, costs).end
-    with pytest.raises(GrapeError, match="expected a non-negative number of changed nodes"):
+    with pytest.raises(GrapeError, match="expected a finite, non-negative number of changed nodes"):
         update_per_shape(graphed, costs, -1)
 
 
@@ -288,8 +288,12 @@ def test_simulate_prices_graphs_at_another_per_node_overhead(capsys):
     assert main(["simulate", str(EAGER), "--graph"]) == 0
     assert per["what if: 0.5 us per graph node, graphed"] > \
         _per_iteration(capsys.readouterr().out)["what if: graphed"]
-    assert main(["simulate", str(graphed), "--node-overhead", "-1"]) == 2
-    assert "expected a non-negative graph_node_overhead" in capsys.readouterr().err
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(SystemExit) as refused:
+            main(["simulate", str(graphed), "--node-overhead", bad])
+        assert refused.value.code == 2
+        assert (f"argument --node-overhead: expected a finite, non-negative number, found "
+                f"{bad!r}") in capsys.readouterr().err
 
 
 def _fork_trace(tmp_path, wait_on_stream=-1):

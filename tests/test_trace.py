@@ -206,11 +206,12 @@ def _bad(tmp_path, name: str, data: bytes) -> Path:
     ("t.json", b'{"traceEvents": [], "grape": {"schema_version": 2}}', SchemaVersionError,
      "expected grape trace schema version 1, found 2"),
     ("t.json", b'{"traceEvents": [], "grape": {"schema_version": 1}}', TraceFormatError,
-     "expected a grape block with workload, mode, device, driver and wall_time_us"),
+     "expected the grape block's 'workload' to be a string, found 'nothing'"),
     ("t.json", b'{"traceEvents": [3]}', TraceFormatError,
      "expected trace events to be objects, found int at index 0"),
     ("t.json", b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1}]}',
-     TraceFormatError, r"expected event 0 \(kernel\) to have a name, ts, dur and correlation"),
+     TraceFormatError, r"event 0 \('kernel' 'k'\): expected 'dur' a duration in microseconds, "
+                       r"a number from 0 to 2\*\*53, found nothing"),
     ("t.json", json.dumps({"traceEvents": [_x("aten::mm", "cpu_op", 0, 5)]}).encode(),
      EmptyTraceError, "expected GPU work launched from the host, found none"),
     ("t.json", json.dumps({"traceEvents": [_x("k", "kernel", 0, 5, 3, stream=7)]}).encode(),
@@ -228,3 +229,72 @@ def test_missing_file(tmp_path):
     with pytest.raises(TraceFormatError, match="nope.json: expected a readable file, found No "
                                                "such file or directory"):
         read_trace(tmp_path / "nope.json")
+
+
+def _one_kernel(**change) -> list[dict]:
+    """A one-launch trace whose kernel event has ``change`` applied (``...`` deletes a key)."""
+    events = _step(0, 1)
+    kernel = events[3]
+    for key, value in change.items():
+        target, key = (kernel["args"], key[5:]) if key.startswith("args_") else (kernel, key)
+        if value is ...:
+            del target[key]
+        else:
+            target[key] = value
+    return events
+
+
+# What a mutation fuzzer found reaching past the readers (issue 13), and values a reader must not
+# take as numbers: each is refused where it is read, in one line naming the event and field.
+@pytest.mark.parametrize("change, message", [
+    (dict(args_correlation=[1]), r"expected args.'correlation' an integer, found \[1\]"),
+    (dict(args=7), r"expected 'args' an object, found 7"),
+    (dict(name=["gemm"]), r"expected 'name' a string, found \['gemm'\]"),
+    (dict(cat=["kernel"]), r"expected 'cat' a string, found \['kernel'\]"),
+    (dict(dur=-5), r"expected 'dur' a duration in microseconds, a number from 0 to 2\*\*53, "
+                   r"found -5"),
+    (dict(dur=float("nan")), r"expected 'dur' a duration .*, found nan"),
+    (dict(dur="5"), r"expected 'dur' a duration .*, found '5'"),
+    (dict(dur=True), r"expected 'dur' a duration .*, found True"),
+    (dict(ts=1e300), r"expected 'ts' a timestamp in microseconds, a number from -9.0072e\+15 "
+                     r"to 2\*\*53, found 1e\+300"),
+    (dict(ts=None), r"expected 'ts' a timestamp .*, found None"),
+    (dict(ts=...), r"expected 'ts' a timestamp .*, found nothing"),
+    (dict(args_stream="7"), r"expected args.'stream' an integer, found '7'"),
+    (dict(args_grid=[4, 1]), r"expected args.'grid' three positive integers, found \[4, 1\]"),
+    (dict(args_device=-1), r"expected args.'device' an integer of at least 0, found -1"),
+    (dict(args_correlation=None), r"expected args.'correlation' an integer, found None"),
+    (dict(args_correlation=...), r"expected args.'correlation' an integer, found nothing"),
+])
+def test_malformed_event_fields_are_refused_where_read(tmp_path, change, message):
+    path = _write(tmp_path, _one_kernel(**change))
+    with pytest.raises(TraceFormatError, match=message) as info:
+        read_trace(path)
+    assert str(info.value).startswith(f"{path}: event 3 (")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("top, message", [
+    (dict(deviceProperties={"0": {"name": "H200"}}),
+     r"expected 'deviceProperties' a list of objects, found \{'0'"),
+    (dict(deviceProperties=3.5), r"expected 'deviceProperties' a list of objects, found 3.5"),
+    (dict(deviceProperties="H200"), r"expected 'deviceProperties' a list of objects"),
+    (dict(deviceProperties=[{"name": 7}]), r"expected the device's 'name' a string, found 7"),
+    (dict(cuda_driver_version=[13000]), r"expected 'cuda_driver_version' an integer or a string"),
+    (dict(schemaVersion=True), r"expected Kineto schemaVersion 1, found True"),
+    (dict(grape={**META.to_json(), "mode": ["eager"]}),
+     r"expected the grape block's 'mode' to be a string, found \['eager'\]"),
+    (dict(grape={**META.to_json(), "wall_time_us": [float("nan")]}),
+     r"'wall_time_us' to be a list of positive, finite microseconds, found \[nan\]"),
+    (dict(grape={**META.to_json(), "wall_time_us": ["5"]}),
+     r"'wall_time_us' to be a list of positive, finite microseconds"),
+    (dict(grape={**META.to_json(), "counters": {"nodes": float("inf")}}),
+     r"'counters' to be an object of finite numbers"),
+    (dict(grape={**META.to_json(), "iterations": 0}), r"'iterations' to be a positive integer"),
+    (dict(grape={**META.to_json(), "extra": 1}), r"expected grape block fields among"),
+])
+def test_malformed_trace_metadata_is_refused(tmp_path, top, message):
+    path = _write(tmp_path, _step(0, 1), **top)
+    with pytest.raises((TraceFormatError, SchemaVersionError), match=message) as info:
+        read_trace(path)
+    assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)

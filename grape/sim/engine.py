@@ -11,6 +11,7 @@ it had then; a sync waits for the device to drain.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Generator
@@ -44,13 +45,16 @@ class Costs:
     queue_depth: int = 1024  # pending launches before the host stalls
 
     def __post_init__(self) -> None:
+        # Written so that NaN fails too (every comparison with NaN is false).
         for name in ("launch_latency", "kernel_gap", "graph_node_overhead", "graph_launch_fixed",
                      "graph_launch_per_node", "while_per_iteration", "set_params",
                      "exec_update_per_node", "copy_call", "copy_latency"):
-            if getattr(self, name) < 0:
-                raise GrapeError(f"expected a non-negative {name}, found {getattr(self, name)}")
-        if self.copy_bandwidth <= 0:
-            raise GrapeError(f"expected a positive copy_bandwidth, found {self.copy_bandwidth}")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise GrapeError(f"expected a finite, non-negative {name}, found "
+                                 f"{getattr(self, name)}")
+        if not 0 < self.copy_bandwidth < math.inf:
+            raise GrapeError(f"expected a finite, positive copy_bandwidth, found "
+                             f"{self.copy_bandwidth}")
         if self.queue_depth < 1:
             raise GrapeError(f"expected a queue depth of at least 1, found {self.queue_depth}")
 

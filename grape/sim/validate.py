@@ -9,11 +9,14 @@ which kernels run.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+from grape.errors import GrapeError
 from grape.profile import DeviceProfile
 from grape.sim.engine import simulate
 from grape.sim.whatif import (
@@ -27,7 +30,7 @@ from grape.sim.whatif import (
 )
 from grape.trace import Trace, read_trace
 
-__all__ = ["RAW_SUFFIX", "Prediction", "validate"]
+__all__ = ["RAW_SUFFIX", "Prediction", "predictions", "validate"]
 
 # GPU activity alone, as torch.profiler exported it (grape reads no trace without the host calls
 # that launched the work): work cuda-python launched (a device loop, a family's executable),
@@ -44,21 +47,44 @@ class Prediction:
     note: str = ""
     unit: str = "ms"  # of measured and predicted: "ms" per iteration, or "MB" of device memory
 
+    def __post_init__(self) -> None:
+        # A gate on a NaN always passes (every comparison with NaN is false): refuse it here.
+        if not (0 < self.measured < math.inf and 0 <= self.predicted < math.inf):
+            raise GrapeError(f"{self.workload}: expected a positive, finite measurement and a "
+                             f"finite prediction for {self.question!r}, found {self.measured} "
+                             f"and {self.predicted}")
+
     @property
     def error(self) -> float:
         return (self.predicted - self.measured) / self.measured
 
 
 def validate(paths: Iterable[Path], profile: DeviceProfile,
-             progress: Callable[[str], None] = lambda line: None) -> list[Prediction]:
-    """Predictions for every grape trace in ``paths`` that carries a measured wall time."""
+             progress: Callable[[str], None] = lambda line: None,
+             failed: Callable[[Path, GrapeError], None] | None = None) -> list[Prediction]:
+    """Predictions for every grape trace in ``paths`` that carries a measured wall time.
+
+    A trace that cannot be read or predicted raises its ``GrapeError``, or, where ``failed`` is
+    given, is passed to it with the error and the rest go on.
+    """
+    def attempt(path: Path, work: Callable[[], Any]) -> Any:
+        try:
+            return work()
+        except GrapeError as e:
+            if failed is None:
+                raise
+            failed(path, e)
+            return None
+
     # By folder too: recordings of one workload from two machines stay two.
     traces: dict[tuple[Path, str, str], Trace] = {}
     for path in sorted(Path(p) for p in paths):
         if path.name.endswith(RAW_SUFFIX):
             progress(f"skipped {path}: a raw torch.profiler export, kept to be viewed")
             continue
-        trace = read_trace(path)
+        trace = attempt(path, lambda path=path: read_trace(path))
+        if trace is None:
+            continue
         if trace.grape is None or not trace.grape.wall_time_us:
             progress(f"skipped {path}: no wall time measured without the profiler")
             continue
@@ -66,32 +92,45 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
     out = []
     costs = costs_from_profile(profile)
     folders = Counter(workload for _, workload in {(f, w) for f, w, _ in traces})
-    for (folder, workload, mode), trace in traces.items():
-        measured = trace.grape.wall_time_median_us
-        program = unprofiled_program(trace, profile)
-        found = [Prediction(workload, f"replay {mode}", measured / 1000,
-                            simulate(program, costs).per_iteration / 1000,
-                            _host_bound(trace) if mode == "eager" else "")]
-        found.extend(_family_memory(trace, profile))
-        found.extend(_device_loop(trace, program, costs))
-        found.extend(_family_step(trace, program, costs))
-        graph = traces.get((folder, workload, "graph"))
-        if mode == "eager" and graph is not None:
-            eager_kernels = len(trace.iterations[0].kernels)
-            graph_kernels = len(graph.iterations[0].kernels)
-            note = ("" if eager_kernels == graph_kernels else
-                    f"capture runs {graph_kernels} kernels against {eager_kernels} eagerly: "
-                    f"GPU time from the captured set")
-            what_if = graph_iterations(program, costs,
-                                       captured=unprofiled_program(graph, profile))
-            predicted = simulate(what_if, costs).per_iteration
-            found.append(Prediction(workload, "eager -> graph",
-                                    graph.grape.wall_time_median_us / 1000, predicted / 1000,
-                                    note))
+    for (folder, workload, _), trace in traces.items():
+        found = attempt(Path(trace.source), lambda trace=trace, folder=folder: predictions(
+            trace, profile, traces.get((folder, trace.workload, "graph")), costs))
+        if found is None:
+            continue
         if folders[workload] > 1:  # recorded in several folders: say which one this is
             found = [replace(p, workload=f"{folder.name}/{workload}") for p in found]
         out.extend(found)
     return out
+
+
+def predictions(trace: Trace, profile: DeviceProfile, graph: Trace | None = None,
+                costs: Costs | None = None) -> list[Prediction]:
+    """Every prediction of one recorded trace that carries a measured wall time (``graph``:
+    the graphed recording of the same workload, for an eager one)."""
+    if trace.grape is None or not trace.grape.wall_time_us:
+        raise GrapeError(f"{trace.source}: expected a grape trace with wall times measured "
+                         f"without the profiler, found none")
+    costs = costs or costs_from_profile(profile)
+    workload, mode = trace.workload, trace.mode
+    measured = trace.grape.wall_time_median_us
+    program = unprofiled_program(trace, profile)
+    found = [Prediction(workload, f"replay {mode}", measured / 1000,
+                        simulate(program, costs).per_iteration / 1000,
+                        _host_bound(trace) if mode == "eager" else "")]
+    found.extend(_family_memory(trace, profile))
+    found.extend(_device_loop(trace, program, costs))
+    found.extend(_family_step(trace, program, costs))
+    if mode == "eager" and graph is not None:
+        eager_kernels = len(trace.iterations[0].kernels)
+        graph_kernels = len(graph.iterations[0].kernels)
+        note = ("" if eager_kernels == graph_kernels else
+                f"capture runs {graph_kernels} kernels against {eager_kernels} eagerly: "
+                f"GPU time from the captured set")
+        what_if = graph_iterations(program, costs, captured=unprofiled_program(graph, profile))
+        predicted = simulate(what_if, costs).per_iteration
+        found.append(Prediction(workload, "eager -> graph",
+                                graph.grape.wall_time_median_us / 1000, predicted / 1000, note))
+    return found
 
 
 def _host_bound(trace: Trace) -> str:

@@ -5,6 +5,7 @@ Each is a plain function ``f(program, ...) -> Program``; none changes its input.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from grape.errors import GrapeError
@@ -95,8 +96,8 @@ def profiled_graph_launches(program: Program, costs: Costs) -> Program:
 
 def scale_host(program: Program, factor: float) -> Program:
     """Every host cost (framework work and API calls) times ``factor``."""
-    if factor < 0:
-        raise GrapeError(f"expected a non-negative host scale, found {factor}")
+    if not 0 <= factor < math.inf:
+        raise GrapeError(f"expected a finite, non-negative host scale, found {factor}")
 
     def scale(step: Step) -> Step:
         if isinstance(step, HostWork):
@@ -109,8 +110,8 @@ def scale_host(program: Program, factor: float) -> Program:
 
 def set_launch_cost(program: Program, cost: float) -> Program:
     """Every eager launch's host cost set to ``cost`` microseconds."""
-    if cost < 0:
-        raise GrapeError(f"expected a non-negative launch cost, found {cost}")
+    if not 0 <= cost < math.inf:
+        raise GrapeError(f"expected a finite, non-negative launch cost, found {cost}")
     return program.with_iterations([tuple(replace(s, cost=cost) if isinstance(s, Launch) else s
                                           for s in it) for it in program.iterations])
 
@@ -187,8 +188,8 @@ def update_per_shape(program: Program, costs: Costs, changed_nodes: float) -> Pr
     Each graph launch is preceded by ``changed_nodes`` per-node parameter updates on the host
     (``cuGraphExecKernelNodeSetParams``), the price of not keeping one executable per shape.
     """
-    if changed_nodes < 0:
-        raise GrapeError(f"expected a non-negative number of changed nodes, found "
+    if not 0 <= changed_nodes < math.inf:
+        raise GrapeError(f"expected a finite, non-negative number of changed nodes, found "
                          f"{changed_nodes}")
     update = HostWork(changed_nodes * costs.set_params)
     return program.with_iterations([tuple(x for s in it for x in (
@@ -206,8 +207,9 @@ def copy_into_placeholders(program: Program, costs: Costs, nbytes: float) -> Pro
     latency was fitted on copies timed by CUDA events, which count the events' own cost, so
     small copies come out dear (6.7 us on the H200 where CUPTI timed a 64-byte copy at 0.86).
     """
-    if nbytes < 0:
-        raise GrapeError(f"expected a non-negative number of bytes to copy, found {nbytes}")
+    if not 0 <= nbytes < math.inf:
+        raise GrapeError(f"expected a finite, non-negative number of bytes to copy, found "
+                         f"{nbytes}")
     dur = costs.copy_latency + 2 * nbytes / (costs.copy_bandwidth * 1e3)  # GB/s = 1e3 B/us
 
     def copy(graph: GraphLaunch) -> Launch:
