@@ -11,7 +11,7 @@ Eager and captured parting where two eager decoders also part means the kernels 
 their own results; parting where the eager decoders agree means the capture computes something
 else (a kernel chosen differently, or a value fixed at capture).
 
-Writes capture_numerics.json (or --out); benchmarks/results/capture_numerics_h200.json sums up
+With --out FILE, writes the comparison there; benchmarks/results/capture_numerics_h200.json sums up
 nine runs on the H200. Run on a GPU:
 python benchmarks/capture_numerics.py [--new 256] [--batch 1] [--seed 1] [--deterministic]
 """
@@ -99,7 +99,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms, cuBLAS workspace :4096:8")
-    parser.add_argument("--out", type=Path, default=Path("capture_numerics.json"))
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="write the results as JSON here (nothing is written without it)")
     args = parser.parse_args()
     if args.deterministic:
         # Before the first cuBLAS handle: cuBLAS reads its workspace setting once.
@@ -113,8 +114,9 @@ def main() -> None:
            "deterministic": args.deterministic,
            "first_logits_difference": first_logits, "first_token_difference": first_token,
            "first_eager_repeat_difference": first_eager, "steps": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")  # before anything else can fail
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")  # before anything else can fail
     print(f"steps compared: {len(rows)}; first step with different logits: {first_logits}; "
           f"first different token: {first_token}; eager against eager first differs at: "
           f"{first_eager}")
@@ -122,7 +124,8 @@ def main() -> None:
         print(f"  token {r['token']:4d}: logits equal {r['logits_equal']!s:5}, "
               f"max |diff| {r['max_abs_diff']:.3g}, smallest margin {r['smallest_margin']:.3g}")
     kernels = kernel_difference(args.new, args.batch, args.seed)
-    args.out.write_text(json.dumps({**doc, "kernels": kernels}, indent=1) + "\n")
+    if args.out:
+        args.out.write_text(json.dumps({**doc, "kernels": kernels}, indent=1) + "\n")
     print(f"kernels per step: eager {kernels['eager']}, replay {kernels['graph']}")
     for side in ("only_eager", "only_graph"):
         for name, n in sorted(kernels[side].items(), key=lambda kv: -kv[1])[:8]:

@@ -18,9 +18,9 @@ static tensor. Measured:
   passes reported; ``--update graph``: one ``cuGraphExecUpdate`` from the shape's graph);
 - bitwise equality of the logits, family against per-shape graph, on a sample of lengths.
 
-Writes benchmarks/results/families_h200.json (or --out; with --append, entries of other
-workloads already there are kept). Run on a GPU, one workload per process (executable memory
-is measured before any executable is destroyed):
+With --out FILE, writes the results there (committed: benchmarks/results/families_h200.json;
+with --append, entries of other workloads already there are kept). Run on a GPU, one workload
+per process (executable memory is measured before any executable is destroyed):
 python benchmarks/families.py [--lengths 1:1023] [--batches 1]
 python benchmarks/families.py --audio 16000:160000:1440
 """
@@ -345,8 +345,8 @@ def main() -> None:
     parser.add_argument("--traces", type=Path, default=None, metavar="DIR",
                         help="also write a trace of the per-shape graphs over 32 shapes, with "
                              "the family's figures as counters, into DIR")
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).parent / "results" / "families_h200.json")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="write the results as JSON here (nothing is written without it)")
     parser.add_argument("--update", choices=("nodes", "graph"), default="nodes",
                         help="bring executables to shapes node by node from the deltas, or "
                              "whole, from each shape's graph kept on the host")
@@ -371,14 +371,15 @@ def main() -> None:
         torch.cuda.empty_cache()
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "commands": [" ".join(sys.argv)], "results": results}
-    if args.append and args.out.exists():
+    if args.append and args.out and args.out.exists():
         old = json.loads(args.out.read_text())
         ours = {r["workload"] for r in results}
         doc["commands"] = [*old.get("commands", []), *doc["commands"]]
         doc["results"] = [r for r in old.get("results", []) if r["workload"] not in ours] \
             + results
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
     keys = ("shapes", "topologies", "memory_ratio", "naive_capture_s", "family_capture_s",
             "changed_nodes_per_step", "delta_apply_us_per_step", "step_ms_naive",
             "step_ms_family", "step_ms_naive_synced", "step_ms_family_synced")

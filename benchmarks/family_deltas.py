@@ -43,6 +43,8 @@ def _coded_sizes(d) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="64:192", help="first:last KV length (inclusive)")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="write the results as JSON here (nothing is written without it)")
     args = parser.parse_args()
     first, last = (int(x) for x in args.lengths.split(":"))
     lengths = list(range(last, first - 1, -1))  # largest first, into one pool
@@ -70,8 +72,9 @@ def main() -> None:
     result = {"lengths": [first, last], "groups": [sorted(m) for m in groups.values()],
               "per_length": per_length,
               "nodes_updated_between_consecutive_lengths": [s for s in steps if s is not None]}
-    Path("benchmarks/results").mkdir(parents=True, exist_ok=True)
-    Path("benchmarks/results/family_deltas.json").write_text(json.dumps(result, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
     print(f"{len(lengths)} lengths in {len(groups)} structure groups: "
           f"{[(min(m), max(m), len(graphs[max(m)])) for m in groups.values()]}")
     coded = {name: statistics.mean(v["coded"][name] for v in per_length.values())

@@ -4,13 +4,14 @@ For graphs of GPT-2 small and medium decode steps and for chains of kernels with
 arguments: the host time of ``replay()`` alone, the GPU time between events around it, and the
 wall time of replay plus synchronisation, without the profiler. For a small BERT (a model the
 simulator is not validated on): eager step time with and without torch.profiler, per recorded
-operator and API call. Prints a table; writes benchmarks/results/graph_overhead.json.
+operator and API call. Prints a table; with --out FILE, writes them as JSON.
 
 Run on a GPU: python benchmarks/graph_overhead.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -110,11 +111,16 @@ def _profiler_cost() -> dict[str, float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="write the results as JSON here (nothing is written without it)")
+    args = parser.parse_args()
     results = {"gpt2": {n: _gpt2(n) for n in ("gpt2-small", "gpt2-medium")},
                "chains": [_chain(n, k) for n in (100, 300, 600) for k in ("add", "foreach")],
                "profiler": _profiler_cost()}
-    Path("benchmarks/results").mkdir(parents=True, exist_ok=True)
-    Path("benchmarks/results/graph_overhead.json").write_text(json.dumps(results, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
     print(f"{'graph':<22} {'nodes':>5} {'host us':>8} {'gpu us':>9} "
           f"{'wall us':>9} {'wall-gpu':>8}")
     rows = [*results["gpt2"].items()] + [(f"chain of {c['kind']}", c) for c in results["chains"]]

@@ -30,7 +30,8 @@ Times are end to end (prefill included, as ``generate``'s are) and, for the two 
 the decode alone, against the GPU time of the step's kernels: the per-step graph replayed back to
 back, by CUDA events.
 
-Writes benchmarks/results/predication_h200.json (or --out). Run on a GPU:
+With --out FILE, writes the results there (committed: benchmarks/results/predication_h200.json).
+Run on a GPU:
 python benchmarks/predication.py [--new 128] [--batches 1,8] [--deterministic]
 """
 
@@ -327,8 +328,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).parent / "results" / "predication_h200.json")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="write the results as JSON here (nothing is written without it)")
     parser.add_argument("--traces", type=Path, default=None, metavar="DIR",
                         help="also record traces of the host loop and the device loop here")
     parser.add_argument("--deterministic", action="store_true",
@@ -341,15 +342,17 @@ def main() -> None:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         torch.use_deterministic_algorithms(True)
     rows = []
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     for batch in (int(b) for b in args.batches.split(",")):
         print(f"[+] batch {batch}", file=sys.stderr, flush=True)
         rows.extend(measure(batch, args.new, args.traces))
         # Written after every batch, so that a run cut short keeps what it measured.
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                        "command": " ".join(sys.argv),
-                                        "deterministic": args.deterministic, "results": rows},
-                                       indent=1) + "\n")
+        if args.out:
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                            "command": " ".join(sys.argv),
+                                            "deterministic": args.deterministic,
+                                            "results": rows}, indent=1) + "\n")
     print(f"{'batch':>5} {'run':<7} {'way':<15} {'ms/token':>9} {'syncs/token':>11} "
           f"{'same':>5} {'static':>6} {'decode ms':>9} {'x floor':>8}  (generate repeats "
           f"itself: {all(r['generate_repeats'] for r in rows)}; same: tokens equal "

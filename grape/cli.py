@@ -21,13 +21,12 @@ from grape import __version__
 from grape.errors import GrapeError, TraceFormatError
 from grape.ir import SCHEMA, KernelGraph
 from grape.jsonio import dump_json, load_json
-from grape.profile import PROFILE_SCHEMA, profile_from_json
+from grape.profile import DEFAULT_PROFILE, PROFILE_SCHEMA, profile_from_json
 from grape.summary import graph_summary, profile_summary, trace_summary
 from grape.trace import Trace, read_trace, trace_from_json
 
 __all__ = ["main"]
 
-DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "traces" / "devices" / "h200.json"
 
 
 def _positive(text: str) -> int:
@@ -77,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                     "instantiate, update, conditional-node, copy and memory costs, each "
                     "against what it depends on) and write them as a JSON device profile.")
     char.add_argument("--out", type=Path, required=True, metavar="FILE",
-                      help="where to write the profile (for example traces/devices/h200.json)")
+                      help="where to write the profile (the simulator's default is the package's "
+                           "grape/profiles/h200.json)")
     char.add_argument("--reps", type=_positive, default=50, metavar="N",
                       help="repetitions per measured point (default 50)")
     char.set_defaults(run=_characterize)

@@ -14,9 +14,11 @@ from typing import Any
 from grape.errors import ProfileError
 from grape.jsonio import check_schema, load_json
 
-__all__ = ["CONSTANTS", "PROFILE_SCHEMA", "DeviceProfile", "load_profile"]
+__all__ = ["CONSTANTS", "DEFAULT_PROFILE", "PROFILE_SCHEMA", "DeviceProfile", "load_profile"]
 
 PROFILE_SCHEMA = "grape.device"
+# The H200 profile ships inside the package, so an installed grape predicts without a checkout.
+DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "h200.json"
 PROFILE_VERSION = 1
 
 # name -> (path in the profile document, unit, meaning)

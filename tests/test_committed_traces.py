@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grape.profile import CONSTANTS, load_profile
+from grape.profile import CONSTANTS, DEFAULT_PROFILE, load_profile
 from grape.sim.validate import RAW_SUFFIX
 from grape.trace import read_trace
 
@@ -98,7 +98,7 @@ def test_graphed_runs_more_kernels_and_is_not_slower(workload):
 
 
 def test_device_profile_holds_every_constant():
-    profile = load_profile(TRACES / "devices" / "h200.json")
+    profile = load_profile(DEFAULT_PROFILE)
     assert profile.device == "NVIDIA H200"
     values = {name: profile.get(name) for name in CONSTANTS}
     assert 1 < values["eager_launch"] < values["torch_launch"] < 50

@@ -42,7 +42,7 @@ from grape.ir import (
     Span,
 )
 from grape.jsonio import dump_json, load_json
-from grape.profile import load_profile, profile_from_json
+from grape.profile import DEFAULT_PROFILE, load_profile, profile_from_json
 from grape.sim.engine import simulate
 from grape.sim.validate import predictions
 from grape.sim.whatif import costs_from_profile, graph_iterations, unprofiled_program
@@ -53,8 +53,7 @@ from tests.mutate import mutant, paths
 SEED = int(os.environ.get("GRAPE_FUZZ_SEED", "0"))
 SAMPLES = int(os.environ.get("GRAPE_FUZZ_SAMPLES", "2000"))
 TRACES = Path(__file__).resolve().parent.parent / "traces"
-PROFILE_PATH = TRACES / "devices" / "h200.json"
-PROFILE = load_profile(PROFILE_PATH)
+PROFILE = load_profile(DEFAULT_PROFILE)
 COSTS = costs_from_profile(PROFILE)
 
 # Three traces that between them hold every kind of record grape reads: a grape block with
@@ -166,7 +165,7 @@ def test_mutated_kernel_graphs_are_read_or_refused_with_a_grape_error():
 
 
 def test_mutated_device_profiles_are_read_or_refused_with_a_grape_error():
-    outcomes = _fuzz(load_json(PROFILE_PATH), max(SAMPLES // 4, 1), _profile_commands)
+    outcomes = _fuzz(load_json(DEFAULT_PROFILE), max(SAMPLES // 4, 1), _profile_commands)
     assert outcomes["read"] > 0 and outcomes["refused"] > 0, outcomes
 
 

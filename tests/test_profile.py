@@ -34,7 +34,7 @@ def test_a_constant_that_was_not_measured_is_named(tmp_path):
 
 
 def test_info_prints_a_profile(capsys, tmp_path):
-    assert main(["info", "traces/devices/h200.json"]) == 0
+    assert main(["info", "grape/profiles/h200.json"]) == 0
     out = capsys.readouterr().out
     assert "grape device profile: NVIDIA H200" in out
     assert "WHILE node overhead per iteration" in out

@@ -10,7 +10,7 @@ import pytest
 
 from grape.cli import main
 from grape.errors import GrapeError
-from grape.profile import load_profile
+from grape.profile import DEFAULT_PROFILE, load_profile
 from grape.program import (
     GraphLaunch,
     HostWork,
@@ -39,7 +39,7 @@ TRACES = Path(__file__).resolve().parent.parent / "traces"
 EAGER = TRACES / "h200" / "gpt2_small_decode_b1_kv128.eager.json.gz"
 GRAPH = TRACES / "h200" / "gpt2_small_decode_b1_kv128.graph.json.gz"
 SAMPLE = TRACES / "gpt2_small_decode_b1_past64.eager.kineto.json.gz"
-PROFILE = load_profile(TRACES / "devices" / "h200.json")
+PROFILE = load_profile(DEFAULT_PROFILE)
 
 
 def test_eager_program_keeps_every_launch_and_every_microsecond():

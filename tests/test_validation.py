@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from grape.profile import load_profile
+from grape.profile import DEFAULT_PROFILE, load_profile
 from grape.sim.engine import simulate
 from grape.sim.validate import validate
 from grape.sim.whatif import costs_from_profile, unprofiled_program
@@ -32,7 +32,7 @@ def recording(request):
 @pytest.fixture(scope="module")
 def predictions(recording):
     paths = sorted((TRACES / recording).glob("*.json.gz"))
-    return validate(paths, load_profile(TRACES / "devices" / "h200.json"))
+    return validate(paths, load_profile(DEFAULT_PROFILE))
 
 
 def _errors(predictions, question=None):
@@ -82,7 +82,7 @@ def test_gpu_bound_eager_runs_are_replayed_within_the_bound(recording, predictio
 def test_host_bound_eager_replays_are_within_the_bound_in_repeated_processes():
     paths = sorted((TRACES / "h200_repeats").rglob("*.eager.json.gz"))
     assert len(paths) == 15  # three workloads, five processes each
-    found = validate(paths, load_profile(TRACES / "devices" / "h200.json"))
+    found = validate(paths, load_profile(DEFAULT_PROFILE))
     assert len(found) == 15
     assert all(abs(p.error) <= 0.15 for p in found), [f"{p.workload} {p.error:+.0%}"
                                                        for p in found]
@@ -90,7 +90,7 @@ def test_host_bound_eager_replays_are_within_the_bound_in_repeated_processes():
 def test_stream_waits_order_the_second_recordings_multi_stream_replays():
     """The second recording kept CUPTI's stream-wait records: with them Wav2Vec2's eager
     replays come within 5%; without, its streams overlap freely and the replay runs 8-10% low."""
-    profile = load_profile(TRACES / "devices" / "h200.json")
+    profile = load_profile(DEFAULT_PROFILE)
     costs = costs_from_profile(profile)
     for samples in (64000, 160000):
         trace = read_trace(TRACES / "h200_second" /
@@ -105,7 +105,7 @@ def test_stream_waits_order_the_second_recordings_multi_stream_replays():
 
 def _families():
     paths = sorted((TRACES / "h200_families").glob("*.graph.json.gz"))
-    return paths, validate(paths, load_profile(TRACES / "devices" / "h200.json"))
+    return paths, validate(paths, load_profile(DEFAULT_PROFILE))
 
 
 def test_graph_families_are_predicted_within_the_bound():
@@ -136,7 +136,7 @@ def test_wav2vec2_family_memory_is_predicted_within_the_bound():
 
 def _predication(folder):
     paths = sorted((TRACES / "h200_predication" / folder).glob("*.json.gz"))
-    return validate(paths, load_profile(TRACES / "devices" / "h200.json"))
+    return validate(paths, load_profile(DEFAULT_PROFILE))
 
 
 def test_the_device_loop_is_predicted_from_the_host_loop_it_replaces():
