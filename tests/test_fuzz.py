@@ -159,8 +159,15 @@ def _rich_graph() -> KernelGraph:
     return g
 
 
-def test_mutated_kernel_graphs_are_read_or_refused_with_a_grape_error():
-    outcomes = _fuzz(_rich_graph().to_json(), max(SAMPLES // 2, 1), _ir_commands)
+# A graph grape captured on the H200 (GPT-2 small's decode step, benchmarks/soak.py --ir-out),
+# and a small one with every node kind the IR has, which no capture so far produced.
+CAPTURED_IR = TRACES / "h200_ir" / "gpt2_small_decode_step.ir.json.gz"
+
+
+@pytest.mark.parametrize("source, share", [("captured", 0.05), ("every kind", 0.25)])
+def test_mutated_kernel_graphs_are_read_or_refused_with_a_grape_error(source, share):
+    doc = load_json(CAPTURED_IR) if source == "captured" else _rich_graph().to_json()
+    outcomes = _fuzz(doc, max(round(SAMPLES * share), 1), _ir_commands)  # 60 ms per captured
     assert outcomes["read"] > 0 and outcomes["refused"] > 0, outcomes
 
 

@@ -124,3 +124,42 @@ def test_cpu_to_gpu_copy_during_capture_names_the_line():
     with pytest.raises(CaptureError, match=r"test_gpu_torch.py:\d+ \(return x \+ "
                                            r"torch.tensor"):
         capture(step, x)
+
+
+def _broken_step(x):
+    noise = torch.rand_like(x)  # random numbers, from the generator the capture put in capture
+    y = x * 2 + noise  # mode, and memory from the capture's pool
+    if y.sum().item() > 0:  # a host sync: breaks the capture half way
+        y = y + 1
+    return y
+
+
+def test_a_failed_capture_leaves_the_process_as_it_was():
+    from grape.torch.capture import capture
+
+    x = torch.ones(1 << 20, device="cuda")
+    stream = torch.cuda.current_stream()
+    _broken_step(x)  # lazy initialisation outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    rng = torch.cuda.get_rng_state()
+    for _ in range(20):
+        with pytest.raises(CaptureError, match="synchronises with the host"):
+            capture(_broken_step, x, warmup=0)
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream() == stream
+    assert torch.equal(torch.cuda.get_rng_state(), rng)  # the random stream did not move
+    after = torch.randint(0, 1 << 30, (64,), device="cuda")  # failed here before the fix
+    torch.cuda.set_rng_state(rng)
+    assert torch.equal(after, torch.randint(0, 1 << 30, (64,), device="cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() == reserved  # every failed capture's pool given back
+    # And capture works again, random numbers included.
+    good = capture(lambda x: x * 2 + torch.rand_like(x), x)
+    good.replay()
+    first = good.outputs.clone()
+    good.replay()
+    assert not torch.equal(first, good.outputs)  # each replay draws fresh numbers
+    assert ((good.outputs >= 2) & (good.outputs < 3)).all()

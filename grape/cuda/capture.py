@@ -14,7 +14,7 @@ from grape.cuda.context import current_context
 from grape.cuda.walk import read_graph
 from grape.errors import CaptureError
 
-__all__ = ["capture"]
+__all__ = ["abandon_capture", "capture"]
 
 
 def capture(issue: Callable[[Any], None], buffers: BufferMap | None = None,
@@ -49,3 +49,20 @@ def capture(issue: Callable[[Any], None], buffers: BufferMap | None = None,
         raise CaptureError(f"expected the captured work to enqueue asynchronously, found the "
                            f"capture broken: {why}")
     return Graph(read_graph(graph, buffers), graph, owned=True)
+
+
+_NONE = driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def abandon_capture(stream: int) -> bool:
+    """End whatever capture ``stream`` is in (active, or invalidated by a forbidden call) and
+    drop its graph, so that the stream and the process can go on; whether there was one."""
+    current_context()
+    status = call(driver.cuStreamIsCapturing, stream, doing="asking whether a stream captures")
+    if status == _NONE:
+        return False
+    # An invalidated capture ends with an error and no graph: that is the expected outcome.
+    _, graph = driver.cuStreamEndCapture(stream)
+    if graph is not None and int(graph):
+        call(driver.cuGraphDestroy, graph, doing="destroying an abandoned capture's graph")
+    return True

@@ -85,6 +85,12 @@ def _why(error: BaseException) -> str:
     return text
 
 
+def _failure(error: BaseException) -> str:
+    first = error.__context__ or error  # capture_end's error hides the one that broke capture
+    return (f"expected work that can be captured, found {_why(first)} issued at "
+            f"{_culprit(first)}")
+
+
 def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tensor] | None = None,
             pool: Any = None, warmup: int = 1, instantiate: bool = True,
             collect: bool = True) -> TorchCapture:
@@ -120,13 +126,20 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved()
     g = torch.cuda.CUDAGraph(keep_graph=True)
+    failure = None
     try:
         with graph(g, pool=pool):  # remembers the pool, for IF nodes in ``fn``
             outputs = fn(*args)
     except Exception as e:
-        first = e.__context__ or e  # capture_end's error hides the one that broke capture
-        raise CaptureError(f"expected work that can be captured, found {_why(first)} issued at "
-                           f"{_culprit(first)}") from None
+        failure = _failure(e)
+    if failure is not None:
+        # Raised outside the handler, so that nothing keeps the failed capture's frames, and
+        # with them its tensors, alive in the pool: the error carries only its message. The
+        # broken exception's traceback cycles through context managers' frames, which only the
+        # collector frees: collect, so the pool's memory goes back now, not at some later GC.
+        del g
+        gc.collect()
+        raise CaptureError(failure)
     if instantiate:
         g.instantiate()
     pool_bytes = torch.cuda.memory_reserved() - reserved

@@ -27,6 +27,7 @@ rule also follows streams joined into the capture).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -62,15 +63,61 @@ def _capturing() -> bool:
 @contextmanager
 def graph(cuda_graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
     """``torch.cuda.graph(cuda_graph, **kwargs)``, remembering the capture's memory pool, so
-    that :func:`cond` and :func:`predicate` capture IF nodes on any PyTorch."""
+    that :func:`cond` and :func:`predicate` capture IF nodes on any PyTorch; a capture that
+    fails leaves the process as it found it (:func:`_recover`)."""
     # A pool named up front: PyTorch 2.11 refuses CUDAGraph.pool() until the capture ends.
     pool = kwargs.pop("pool", None) or torch.cuda.graph_pool_handle()
-    with torch.cuda.graph(cuda_graph, pool=pool, **kwargs):
-        token = _POOL.set(pool)
-        try:
-            yield
-        finally:
-            _POOL.reset(token)
+    caller = torch.cuda.current_stream()
+    began = False
+    try:
+        with torch.cuda.graph(cuda_graph, pool=pool, **kwargs):
+            began = True
+            token = _POOL.set(pool)
+            try:
+                yield
+            finally:
+                _POOL.reset(token)
+    except BaseException:
+        if began and not _ended(cuda_graph):
+            _recover(pool, caller)
+        raise
+
+
+def _ended(cuda_graph: torch.cuda.CUDAGraph) -> bool:
+    """Whether the capture ended (PyTorch answers ``pool()`` only after a successful end)."""
+    try:
+        cuda_graph.pool()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _recover(pool: Any, caller: torch.cuda.Stream) -> None:
+    """Undo what a capture that ended in an error left behind.
+
+    When a capture breaks (a host sync, a copy from pageable memory), PyTorch's
+    ``capture_end`` raises before it finishes, and leaves: the capturing stream current (and,
+    where the error came before the driver's end of capture, still capturing); the allocator
+    sending allocations to the capture's pool and holding a reference to that pool, which then
+    never goes; and the CUDA random generator in capture mode, so that the next random op
+    outside any capture fails ("Offset increment outside graph capture"). Each is undone here,
+    in that order; the generator by a capture that ends cleanly, which takes it out of capture
+    mode without moving its offset: the random stream goes on where it was.
+    """
+    from grape.cuda.capture import abandon_capture
+
+    device = torch.cuda.current_device()
+    abandon_capture(torch.cuda.current_stream().cuda_stream)
+    torch.cuda.set_stream(caller)
+    end = _allocator("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool")
+    with contextlib.suppress(RuntimeError):  # where the failed capture_end got that far
+        end(device, pool)
+    _allocator("_cuda_releasePool")(device, pool)
+    scratch = torch.empty(1, device=device)
+    clean = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(clean):
+        scratch.zero_()
+    del clean  # its pool goes with it
 
 
 def _torch_if_capture() -> Any:
