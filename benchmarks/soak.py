@@ -6,6 +6,8 @@ Phases, each on a GPT-2 small-shaped model (fp16, random weights):
 - ``family``: one graph family over KV lengths, run ``--family-runs`` times across its shapes;
 - ``device_loop``: a whole greedy generation (prefill and a WHILE node) as one launch, launched
   ``--loops`` times;
+- ``generate``: ``grape.generate`` called ``--generations`` times with fresh prompts (greedy, 5
+  beams and sampling in turn, each strategy's loop captured once and reused);
 - ``failed_capture``: ``--failures`` captures broken half way by a host sync (random numbers and
   pool memory taken before the break), through ``grape.torch.capture`` and through a
   ``DeviceLoop``; after each, the process must be as it was: no capture open, the caller's
@@ -126,6 +128,26 @@ def device_loop_phase(model, loops: int, every: int, new_tokens: int) -> dict[st
     return result
 
 
+def generate_phase(model, calls: int, every: int, new_tokens: int) -> dict[str, Any]:
+    """grape.generate called again and again with fresh prompts of one shape: the first call
+    captures, the rest reuse its loop; strategies alternate, each with its own loop."""
+    import grape
+    from grape.torch.api import clear_cache
+
+    strategies = [{}, {"num_beams": 5}, {"do_sample": True, "top_k": 50}]
+
+    def run(i: int) -> None:
+        prompt = torch.randint(0, model.config.vocab_size, (1, 16), device="cuda")
+        out = grape.generate(model, prompt, max_new_tokens=new_tokens, eos_token_id=None,
+                             **strategies[i % len(strategies)])
+        if out.shape != (1, 16 + new_tokens):
+            raise AssertionError(f"expected {new_tokens} new tokens, found {out.shape}")
+
+    result = _soak("generate", calls, every, run)
+    clear_cache(model)
+    return result
+
+
 def _broken(x: torch.Tensor) -> torch.Tensor:
     y = x * 2 + torch.rand_like(x)  # random numbers and pool memory before the break
     if y.sum().item() > 0:  # a host sync: the capture breaks here
@@ -175,6 +197,8 @@ def main() -> None:
     parser.add_argument("--family-runs", type=int, default=10_000)
     parser.add_argument("--loops", type=int, default=1_000)
     parser.add_argument("--failures", type=int, default=200)
+    parser.add_argument("--generations", type=int, default=1_000,
+                        help="grape.generate calls (greedy, 5 beams and sampling in turn)")
     parser.add_argument("--every", type=int, default=100, help="iterations between samples")
     parser.add_argument("--lengths", default="96:33", help="family KV lengths, first:last")
     parser.add_argument("--new-tokens", type=int, default=16, help="per device-loop launch")
@@ -191,6 +215,7 @@ def main() -> None:
     before = open_resources()
     phases = {"family": family_phase(model, args.family_runs, args.every, lengths, args.ir_out),
               "device_loop": device_loop_phase(model, args.loops, args.every, args.new_tokens),
+              "generate": generate_phase(model, args.generations, args.every, args.new_tokens),
               "failed_capture": failed_capture_phase(args.failures, args.every)}
     gc.collect()
     after = open_resources()

@@ -7,3 +7,16 @@ on a real GPU through cuda-python. :mod:`grape.passes` transforms graphs without
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``grape.generate`` and ``grape.graphed``, imported with PyTorch only when used."""
+    if name == "generate":
+        from grape.torch.api import generate
+
+        return generate
+    if name == "graphed":
+        from grape.torch.graphed import graphed
+
+        return graphed
+    raise AttributeError(f"module 'grape' has no attribute {name!r}")

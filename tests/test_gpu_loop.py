@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -15,6 +9,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from grape.errors import GrapeError  # noqa: E402
+from tests.benchrun import run_benchmark  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -114,25 +109,13 @@ def test_while_loop_on_the_device_matches_the_eager_loop(cuda):
     assert device[1].item() == 9  # 6 per iteration: 54 after the ninth
 
 
-def _benchmark(script: str, tmp_path, *args: str) -> dict:
-    """What ``benchmarks/<script> ARGS --out FILE`` wrote, run in a fresh process (cuBLAS and
-    PyTorch's determinism settings take effect only before the first GPU work)."""
-    out = tmp_path / "result.json"
-    path = Path(__file__).parent.parent / "benchmarks" / script
-    done = subprocess.run([sys.executable, str(path), *args, "--out", str(out)],
-                          capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(path.parent.parent)})
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(out.read_text())
-
-
 def test_with_deterministic_kernels_the_captured_step_is_the_eager_step_for_256_tokens(
         cuda, tmp_path):
     # With cuBLAS's default workspace two eager decoders part bitwise after 33-58 steps (seen on
     # the H200), and after a near tie their tokens too: the captured step is held to the eager
     # one where kernels repeat themselves. A fresh process, as cuBLAS reads its workspace
     # setting once; batch 8, where the default kernels made another token at step 93.
-    doc = _benchmark("capture_numerics.py", tmp_path, "--new", "256", "--batch", "8",
+    doc = run_benchmark("capture_numerics.py", tmp_path, "--new", "256", "--batch", "8",
                      "--deterministic")
     assert len(doc["steps"]) == 255
     assert doc["first_eager_repeat_difference"] is None
@@ -148,7 +131,7 @@ def test_with_deterministic_kernels_every_graphed_way_makes_its_reference_tokens
     # materialises the causal mask (other attention kernels, other last bits: on the H200 its
     # tokens part from generate's at token 24, batch 1): it is held to the same captured
     # prefill followed by the host loop. A fresh process, as cuBLAS reads its setting once.
-    rows = _benchmark("predication.py", tmp_path, "--new", "256", "--batches", "1",
+    rows = run_benchmark("predication.py", tmp_path, "--new", "256", "--batches", "1",
                       "--deterministic")["results"]
     eager_prefill = [r for r in rows if r["way"] in ("host loop", "device loop")]
     one_launch = [r for r in rows if r["way"] == "one launch"]

@@ -1,0 +1,298 @@
+"""grape.generate against Hugging Face generate, across architectures and strategies.
+
+For each architecture (a model built from its config with random weights, fp16, on the GPU),
+strategy (greedy, sampling, 5-beam search) and batch, side by side in one process:
+
+- ``hf_generate``: ``model.generate`` as users call it (its default, growing cache);
+- ``hf_static``: ``model.generate`` with a static cache and no compilation: the same cache
+  layout and attention shapes as grape's, the reference for ``tokens_identical``;
+- ``grape``: ``grape.generate`` (the first call of a shape captures; timed on later calls).
+
+Each entry: ``ms_per_token`` (a whole call's wall time over the new tokens, median of
+``--repeats`` calls), ``host_syncs_per_token`` (synchronising PyTorch operations the call made,
+counted with ``torch.cuda.set_sync_debug_mode``, over the new tokens), ``copy_bytes_per_call``
+(grape: caller bytes copied into the loop's tensors), ``tokens_identical`` (grape and
+``hf_static`` against ``hf_static``'s tokens; null for sampling, whose random stream is grape's
+own by design: there ``same_seed_same_tokens`` and ``host_loop_tokens_identical`` say whether
+grape repeats itself and equals its own host loop) and ``capture_s``.
+
+With ``--deterministic`` (deterministic kernels, cuBLAS workspace :4096:8) token comparisons
+mean something: without it the eager kernels do not repeat their own results bitwise on the
+H200, and random weights give near ties. Each run is made twice per strategy: with no EOS (all
+tokens), and with an EOS that occurs mid-way (the token the first run made most often).
+
+Run on a GPU: python benchmarks/generate.py [--small] [--deterministic] [--out FILE] [--plot PNG]
+(committed: benchmarks/results/generate_h200.json and .png)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+# Architectures by Hugging Face model type, with what their configs need beyond the common size.
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt2": ("gpt2", {}),
+    "gptj": ("gptj", {"rotary_dim": "head/2"}),
+    "gpt_neox": ("gpt_neox", {"intermediate_size": "4h"}),
+    "opt": ("opt", {"ffn_dim": "4h", "word_embed_proj_dim": "h"}),
+    "bloom": ("bloom", {}),
+    "falcon": ("falcon", {}),
+    "llama": ("llama", {"intermediate_size": "4h", "num_key_value_heads": "heads/4"}),
+    "mistral": ("mistral", {"intermediate_size": "4h", "num_key_value_heads": "heads/4"}),
+    "qwen2": ("qwen2", {"intermediate_size": "4h", "num_key_value_heads": "heads/4"}),
+    "mixtral": ("mixtral", {"intermediate_size": "2h", "num_key_value_heads": "heads/4",
+                            "num_local_experts": 8, "num_experts_per_tok": 2}),
+}
+SIZES = {"small": {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+                   "vocab_size": 4000},
+         "bench": {"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16,
+                   "vocab_size": 32000}}
+STRATEGIES = {"greedy": {}, "sample": {"do_sample": True, "temperature": 0.8, "top_k": 50,
+                                       "top_p": 0.9},
+              "beam5": {"num_beams": 5}}
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _value(spec: Any, size: dict[str, int]) -> Any:
+    h, heads = size["hidden_size"], size["num_attention_heads"]
+    return {"4h": 4 * h, "2h": 2 * h, "h": h, "heads/4": max(heads // 4, 1),
+            "head/2": h // heads // 2}.get(spec, spec) if isinstance(spec, str) else spec
+
+
+def build(arch: str, size: dict[str, int]):
+    import torch
+    import transformers
+
+    model_type, extra = ARCHS[arch]
+    config = transformers.AutoConfig.for_model(
+        model_type, **size, **{k: _value(v, size) for k, v in extra.items()},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    return model.cuda().eval()
+
+
+def _timed(call, repeats: int) -> tuple[float, Any, int]:
+    """Median seconds of ``repeats`` calls, the last result, and the syncs one call made."""
+    import torch
+
+    times, result, syncs = [], None, 0
+    for i in range(repeats):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if i == repeats - 1:
+                torch.cuda.set_sync_debug_mode("warn")
+            t = time.perf_counter()
+            result = call()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            torch.cuda.set_sync_debug_mode("default")
+        if i == repeats - 1:
+            syncs = sum("synchronizing" in str(w.message) for w in caught)
+    return statistics.median(times), result, syncs
+
+
+def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
+            run: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows of one (architecture, strategy, batch, run), and each way's tokens."""
+    import torch
+
+    import grape
+    from grape.torch.api import last_stats
+    from grape.torch.decoding import TokenDecoder
+
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(1000 + batch)
+    ids = torch.randint(3, vocab, (batch, args.prompt), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    if batch > 1:  # left padding, as generate takes prompts of different lengths
+        mask[1::2, : args.prompt // 4] = 0
+    kw = dict(STRATEGIES[strategy], max_new_tokens=args.new, eos_token_id=eos, pad_token_id=0)
+    hf = {"hf_generate": lambda: model.generate(ids, attention_mask=mask, **kw),
+          "hf_static": lambda: model.generate(ids, attention_mask=mask,
+                                              cache_implementation="static",
+                                              disable_compile=True, **kw)}
+    rows, tokens = [], {}
+    base = {"arch": arch, "strategy": strategy, "batch": batch, "run": run}
+    for way in args.ways:
+        if way in hf:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hf[way]()  # warm-up
+                seconds, out, syncs = _timed(hf[way], args.repeats)
+            stats = None
+        else:
+            with warnings.catch_warnings(record=True) as fell:
+                warnings.simplefilter("always")
+                grape.generate(model, ids, mask, seed=7, **kw)  # captures
+                first = last_stats()
+            fallback = [str(w.message) for w in fell if "runs model.generate" in str(w.message)]
+            seconds, out, syncs = _timed(lambda: grape.generate(model, ids, mask, seed=7, **kw),
+                                         args.repeats)
+            stats = last_stats()
+        new = out.shape[1] - args.prompt
+        tokens[way] = out
+        row = {**base, "way": way, "ms_per_token": 1000 * seconds / new, "new_tokens": new,
+               "host_syncs_per_token": syncs / new, "copy_bytes_per_call": None,
+               "tokens_identical": None, "capture_s": None}
+        if stats is not None:
+            row.update(copy_bytes_per_call=stats.copy_bytes, capture_s=first.capture_s,
+                       graphed=stats.graphed, fallback=fallback[0] if fallback else None)
+        rows.append(row)
+    if "hf_static" in tokens and strategy != "sample":
+        for row in rows:
+            if row["way"] in ("grape", "hf_static"):
+                row["tokens_identical"] = _same(tokens[row["way"]], tokens["hf_static"])
+    if strategy == "sample" and "grape" in tokens:
+        row = next(r for r in rows if r["way"] == "grape")
+        again = grape.generate(model, ids, mask, seed=7, **kw)
+        row["same_seed_same_tokens"] = _same(again, tokens["grape"])
+        from grape.torch.options import resolve
+
+        options, m = resolve(model, ids, mask, kw)
+        decoder = TokenDecoder(model, batch, args.prompt, options)
+        decoder.set_seed(7)
+        row["host_loop_tokens_identical"] = _same(decoder.generate_on_host(ids, m),
+                                                  tokens["grape"])
+    return rows, tokens
+
+
+def _same(a, b) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and bool((a == b).all())
+
+
+def _most_common_new_token(out, prompt: int) -> int:
+    values, counts = out[:, prompt:].flatten().unique(return_counts=True)
+    return int(values[counts.argmax()])
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chosen = [r for r in rows if r["batch"] == 1 and r["run"] == "no EOS"]
+    strategies = list(dict.fromkeys(r["strategy"] for r in chosen))
+    fig, axes = plt.subplots(len(strategies), 1, figsize=(11, 3.2 * len(strategies)),
+                             squeeze=False)
+    for ax, strategy in zip(axes[:, 0], strategies, strict=True):
+        these = [r for r in chosen if r["strategy"] == strategy]
+        archs = list(dict.fromkeys(r["arch"] for r in these))
+        ways = list(dict.fromkeys(r["way"] for r in these))
+        width = 0.8 / len(ways)
+        for i, way in enumerate(ways):
+            values = [next((r["ms_per_token"] for r in these if r["arch"] == a
+                            and r["way"] == way), 0) for a in archs]
+            ax.bar([x + i * width for x in range(len(archs))], values, width, label=way)
+        ax.set_xticks([x + width * (len(ways) - 1) / 2 for x in range(len(archs))], archs)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per token")
+        ax.set_title(f"{strategy}, batch 1, {these[0]['new_tokens']} new tokens")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--archs", default=",".join(ARCHS))
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--later-batch-strategies", default="greedy",
+                        help="strategies also measured at the batches after the first")
+    parser.add_argument("--ways", default="hf_generate,hf_static,grape")
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="small configs (for tests)")
+    parser.add_argument("--eos-runs", action="store_true",
+                        help="also run each with an EOS that occurs mid-way")
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="write the results as JSON here (nothing is written without it)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG")
+    args = parser.parse_args()
+    if args.deterministic:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before the first cuBLAS handle
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+    args.ways = args.ways.split(",")
+    size = SIZES["small" if args.small else "bench"]
+    batches = [int(b) for b in args.batches.split(",")]
+    rows: list[dict[str, Any]] = []
+    for arch in args.archs.split(","):
+        _log(f"[+] {arch}")
+        try:
+            model = build(arch, size)
+        except Exception as e:  # an architecture this transformers lacks: say so, go on
+            rows.append({"arch": arch, "failed": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        for strategy in args.strategies.split(","):
+            for batch in batches:
+                if batch != batches[0] and strategy not in args.later_batch_strategies.split(","):
+                    continue
+                found, tokens = measure(model, arch, strategy, batch, args, None, "no EOS")
+                if args.eos_runs:  # an EOS that occurs: the token made most often
+                    eos = _most_common_new_token(next(iter(tokens.values())), args.prompt)
+                    found += measure(model, arch, strategy, batch, args, eos, "EOS")[0]
+                rows += found
+                for r in found:
+                    _log(json.dumps(r))
+        del model
+        torch.cuda.empty_cache()
+        from grape.torch.api import clear_cache
+
+        clear_cache()
+        if args.out:
+            _write(args, rows)
+    _write(args, rows)
+    if args.plot:
+        plot([r for r in rows if "failed" not in r], args.plot)
+    print(f"{'arch':<10} {'strategy':<7} {'b':>2} {'run':<7} {'way':<12} {'ms/tok':>8} "
+          f"{'syncs/tok':>9} {'copy B':>7} {'same':>5} {'capture s':>9}")
+    for r in rows:
+        if "failed" in r:
+            print(f"{r['arch']:<10} failed: {r['failed']}")
+            continue
+        copy = "" if r["copy_bytes_per_call"] is None else r["copy_bytes_per_call"]
+        same = r["tokens_identical"] if r["tokens_identical"] is not None else (
+            r.get("same_seed_same_tokens", ""))
+        capture = "" if r["capture_s"] is None else f"{r['capture_s']:.2f}"
+        extra = f"  fell back: {r['fallback'][:80]}" if r.get("fallback") else ""
+        print(f"{r['arch']:<10} {r['strategy']:<7} {r['batch']:>2} {r['run']:<7} "
+              f"{r['way']:<12} {r['ms_per_token']:8.3f} {r['host_syncs_per_token']:9.3f} "
+              f"{copy!s:>7} {same!s:>5} {capture:>9}{extra}")
+
+
+def _write(args, rows: list[dict[str, Any]]) -> None:
+    if not args.out:
+        return
+    import torch
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                    "torch": torch.__version__,
+                                    "command": " ".join(sys.argv),
+                                    "deterministic": args.deterministic,
+                                    "results": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Beam search as a fixed-shape step: ``generate``'s algorithm, with its length on the device.
+
+Hugging Face's beam search (``GenerationMixin._beam_search``, the vectorised form of 2025) keeps
+static-shaped running and finished beams; its only host-side state is the current length, a
+Python integer that indexes the sequences and enters the length penalty. Here that length is
+the device count of tokens made, so one captured step serves every iteration of a device loop,
+and the arithmetic is ``generate``'s operation for operation (the same scores, so the same
+tokens). The cache is reordered by beam in place (``generate``'s ``reorder_cache`` makes new
+tensors, which a captured step could not follow).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grape.torch.decoding import Decoder
+from grape.torch.options import Options
+
+__all__ = ["BeamDecoder"]
+
+
+def _gather(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``tensor[b, indices[b, k], ...]``: generate's ``_gather_beams``."""
+    while indices.ndim < tensor.ndim:
+        indices = indices.unsqueeze(-1)
+    return torch.take_along_dim(tensor, indices, dim=1)
+
+
+class BeamDecoder(Decoder):
+    """``num_beams`` beams per prompt; rows are batch x beams, beams of a prompt adjacent."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, prompt_len: int,
+                 options: Options) -> None:
+        beams = options.num_beams
+        super().__init__(model, batch * beams, prompt_len, options)
+        device = self.mask.device
+        self.batch, self.beams = batch, beams
+        self.vocab = model.config.get_text_config().vocab_size
+        new = options.max_new_tokens
+        n_eos = len(options.eos)
+        self.keep = max(2, 1 + n_eos) * beams  # candidates kept per step, as generate keeps
+        self.top_beams = torch.cat([torch.ones(beams, dtype=torch.bool),
+                                    torch.zeros(self.keep - beams, dtype=torch.bool)]).to(device)
+        # generate's fill value for unwritten tokens: ``pad or eos[0]`` if there is an EOS.
+        pad = options.config.pad_token_id
+        self.fill = ((pad if pad else options.eos[0]) if options.eos else -1)
+        shape = (batch, beams)
+        self.running_tokens = torch.empty((*shape, new), dtype=torch.long, device=device)
+        self.tokens = torch.empty_like(self.running_tokens)  # the finished beams'
+        self.running_scores = torch.empty(shape, dtype=torch.float32, device=device)
+        self.scores = torch.empty_like(self.running_scores)
+        self.finished = torch.empty(shape, dtype=torch.bool, device=device)
+        self.improvable = torch.empty((batch, 1), dtype=torch.bool, device=device)
+        self.running_origins = torch.empty((*shape, new), dtype=torch.int32, device=device)
+        self.origins = torch.empty_like(self.running_origins)
+        self.batch_offset = (torch.arange(batch, device=device) * beams).view(-1, 1)
+        self.vocab_ids = torch.arange(self.vocab, device=device)
+        # generate's length penalty divisor, (tokens made) ** length_penalty, per count: float64
+        # powers rounded to float32, as Python's float power is before the division.
+        lengths = torch.arange(new + 1, dtype=torch.float64, device=device)
+        self.penalty = (lengths ** options.length_penalty).to(torch.float32)
+        hypothetical = torch.full_like(lengths, new) if (
+            options.early_stopping == "never" and options.length_penalty > 0) else lengths
+        self.best_penalty = (hypothetical ** options.length_penalty).to(torch.float32)
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Every prompt once per beam, adjacent, as generate expands it."""
+        return t.repeat_interleave(self.beams, dim=0)
+
+    def _reset(self) -> None:
+        self.running_tokens.fill_(self.fill)
+        self.tokens.fill_(self.fill)
+        self.running_scores.zero_()
+        self.running_scores[:, 1:] = -1e9
+        self.scores.fill_(-1e9)
+        self.finished.zero_()
+        self.improvable.fill_(True)
+        self.running_origins.fill_(-1)
+        self.origins.fill_(-1)
+
+    def _emit(self, logits: torch.Tensor) -> None:
+        batch, beams, vocab, t = self.batch, self.beams, self.vocab, self.count
+        log_probs = torch.nn.functional.log_softmax(logits, dim=-1)
+        if self.options.min_new_tokens and self.options.eos:
+            early = self.count < self.options.min_new_tokens
+            log_probs = torch.where(early & torch.isin(self.vocab_ids, self.eos), -float("inf"),
+                                    log_probs)
+        log_probs = log_probs.view(batch, beams, vocab) + self.running_scores[:, :, None]
+        log_probs = log_probs.reshape(batch, beams * vocab)
+        # Top continuations over every beam (generate's _get_top_k_continuations).
+        top_scores, top_indices = torch.topk(log_probs, k=self.keep)
+        from_beam = top_indices // vocab
+        top_origins = _gather(self.running_origins, from_beam)
+        top_tokens = _gather(self.running_tokens, from_beam)
+        ids = top_indices % vocab
+        top_tokens.index_copy_(2, t, ids.unsqueeze(-1))
+        top_origins.index_copy_(2, t, (from_beam + self.batch_offset).to(torch.int32)
+                                .unsqueeze(-1))
+        # Which continuations end: an EOS, or the last token allowed (generate's criteria).
+        hits = torch.isin(ids, self.eos) if self.options.eos else torch.zeros_like(ids, dtype=bool)
+        hits = hits | (t + 1 >= self.options.max_new_tokens)
+        # The best unfinished continuations run on (_get_running_beams_for_next_iteration).
+        running = top_scores + hits.to(torch.float32) * -1.0e9
+        chosen = torch.topk(running, k=beams)[1]
+        self.running_tokens.copy_(_gather(top_tokens, chosen))
+        self.running_scores.copy_(_gather(running, chosen))
+        self.running_origins.copy_(_gather(top_origins, chosen))
+        self._finish(top_tokens, top_scores, top_origins, hits)
+        # The cache follows the beams (in place: a captured step reads fixed addresses).
+        rows = self.running_origins.index_select(2, t).view(-1).to(torch.long)
+        for layer in self.cache.layers:
+            layer.keys.copy_(layer.keys.index_select(0, rows))
+            layer.values.copy_(layer.values.index_select(0, rows))
+        self.next_ids.copy_(self.running_tokens.index_select(2, t).view(-1, 1))
+        self.count.add_(1)
+        self._stop_check(hits)
+
+    def _finish(self, top_tokens: torch.Tensor, top_scores: torch.Tensor,
+                top_origins: torch.Tensor, hits: torch.Tensor) -> None:
+        """Keep the best finished hypotheses (generate's _update_finished_beams)."""
+        just_finished = hits & self.top_beams[None, :]
+        scores = top_scores / self.penalty.index_select(0, self.count + 1)
+        full = torch.all(self.finished, dim=-1, keepdim=True) & (
+            self.options.early_stopping is True)
+        scores = scores + full.to(torch.float32) * -1.0e9
+        scores = scores + (~self.improvable).to(torch.float32) * -1.0e9
+        scores = scores + (~just_finished) * -1.0e9
+        merged_scores = torch.cat((self.scores, scores), dim=1)
+        best = torch.topk(merged_scores, k=self.beams)[1]
+        self.tokens.copy_(_gather(torch.cat((self.tokens, top_tokens), dim=1), best))
+        self.scores.copy_(_gather(merged_scores, best))
+        self.origins.copy_(_gather(torch.cat((self.origins, top_origins), dim=1), best))
+        self.finished.copy_(_gather(torch.cat((self.finished, just_finished), dim=1), best))
+
+    def _stop_check(self, hits: torch.Tensor) -> None:
+        """generate's _check_early_stop_heuristic and _beam_search_has_unfinished_sequences,
+        after the length moved on."""
+        best_running = self.running_scores[:, :1] / self.best_penalty.index_select(0, self.count)
+        worst_finished = torch.where(self.finished,
+                                     torch.min(self.scores, dim=1, keepdim=True)[0], -1.0e9)
+        self.improvable.logical_and_(torch.any(best_running > worst_finished, dim=-1,
+                                               keepdim=True))
+        open_beam = ~(torch.all(self.finished) & (self.options.early_stopping is True))
+        torch.logical_and(torch.any(self.improvable) & open_beam, ~torch.all(hits),
+                          out=self.running)
+
+    def result(self, input_ids: torch.Tensor) -> torch.Tensor:
+        made = int(((self.origins[:, 0] + 1).bool()).sum(dim=1).max().item())
+        return torch.cat([input_ids, self.tokens[:, 0, :made]], dim=1)

@@ -1,0 +1,240 @@
+"""Generation as a fixed-shape step over a Hugging Face causal LM, for any strategy.
+
+A :class:`Decoder` keeps every tensor a decoding loop touches at a fixed shape and address: a
+``StaticCache`` sized to prompt plus new tokens, the full-length attention mask, the next
+input ids and positions, the tokens made so far and the loop's own state. ``prefill`` runs the
+prompt eagerly (its shape is the prompt's, and it reads the caller's tensors where they lie)
+and makes the first token; ``step`` makes the next with GPU work alone, so that it can be the
+body of a device loop (``grape.torch.loop.DeviceLoop``); ``running`` is a GPU boolean.
+
+The model is called the way ``model.generate`` calls it with a static cache: through the
+model's own ``prepare_inputs_for_generation`` (which builds its 4D mask), with the positions
+``generate`` computes from the attention mask. Hugging Face designed that path for CUDA graphs
+(``torch.compile``'s), so models whose static-cache generation works capture here too.
+
+Strategies: :class:`TokenDecoder` picks one token per sequence (greedy, or sampling with
+temperature, top-k and top-p from a seeded random stream drawn before the loop);
+``grape.torch.beam.BeamDecoder`` runs beam search.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from grape.torch.options import NotGraphable, Options
+
+__all__ = ["Decoder", "TokenDecoder", "static_cache"]
+
+
+def static_cache(model: torch.nn.Module, max_len: int) -> StaticCache:
+    """The static cache ``generate`` would make, with every layer keeping its length on the
+    device: a sliding-window layer whose window holds the whole generation is a plain static
+    layer (the same attention), since the sliding layer counts its length on the host, which a
+    captured step would freeze at its capture-time value.
+
+    Raises
+    ------
+    NotGraphable
+        A layer that keeps host-side state the window cannot excuse.
+    """
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is StaticLayer:
+            continue
+        if isinstance(layer, StaticLayer) and layer.max_cache_len >= max_len:
+            cache.layers[i] = StaticLayer(max_cache_len=max_len)
+            continue
+        raise NotGraphable(f"cache layer {i} is a {type(layer).__name__} over "
+                           f"{getattr(layer, 'max_cache_len', '?')} tokens, which keeps its "
+                           f"position on the host, for a generation of {max_len} tokens")
+    return cache
+
+
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+class Decoder:
+    """Fixed-shape state shared by every strategy; subclasses choose tokens (``_emit``)."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, prompt_len: int,
+                 options: Options) -> None:
+        self.model, self.options = model, options
+        self.rows, self.prompt_len = rows, prompt_len
+        self.max_len = prompt_len + options.max_new_tokens
+        device = next(model.parameters()).device
+        self.cache = static_cache(model, self.max_len)
+        self.mask = torch.zeros((rows, self.max_len), dtype=torch.long, device=device)
+        self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.position = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.count = torch.zeros((1,), dtype=torch.long, device=device)  # tokens made so far
+        self.running = torch.zeros((), dtype=torch.bool, device=device)
+        self.eos = torch.tensor(options.eos or [-1], dtype=torch.long, device=device)
+        self.uses_positions = _accepts(model, "position_ids")
+        # transformers 5.2x renames past_key_values to cache (the old name warns until 5.40).
+        prepare = inspect.signature(model.prepare_inputs_for_generation).parameters
+        self.cache_name = "cache" if "cache" in prepare else "past_key_values"
+        self.uses_mask = _accepts(model, "attention_mask")
+
+    # --- the model, called as generate calls it ---------------------------------------------
+
+    def _logits(self, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor | None,
+                first: bool) -> torch.Tensor:
+        kwargs: dict[str, Any] = {self.cache_name: self.cache, "use_cache": True}
+        if self.uses_mask:
+            kwargs["attention_mask"] = mask
+        if self.uses_positions and position is not None:
+            kwargs["position_ids"] = position
+        inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
+                                                          **kwargs)
+        out = self.model(**inputs, return_dict=True)
+        return out.logits[:, -1, :].to(dtype=torch.float32)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+        """Run the prompt (eagerly) and make the first token. ``input_ids`` and
+        ``attention_mask`` (None: all ones) are (batch, prompt_len), read where they lie; the
+        mask is copied into the loop's full-length one. Returns the bytes copied."""
+        self.cache.reset()
+        self._reset()
+        ones = attention_mask is None
+        input_ids = self._rows(input_ids)
+        mask = torch.ones_like(input_ids) if ones else self._rows(attention_mask)
+        position = mask.cumsum(-1) - 1
+        position.masked_fill_(mask == 0, 0)
+        logits = self._logits(input_ids, mask, position, first=True)
+        self.mask.zero_()
+        if ones:
+            self.mask[:, :self.prompt_len].fill_(1)
+        else:
+            self.mask[:, :self.prompt_len].copy_(mask)
+        self.position.copy_(position[:, -1:] + 1)
+        self.count.zero_()
+        self._emit(logits)
+        return 0 if ones else mask.numel() * mask.element_size()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """The next token for every row, at fixed shapes, with no host sync."""
+        # The new token's column of the mask: where the cache writes it (its device length).
+        self.mask.index_fill_(1, self.cache.layers[0].cumulative_length.view(1), 1)
+        logits = self._logits(self.next_ids, self.mask, self.position, first=False)
+        self.position.add_(1)
+        self._emit(logits)
+
+    def generate_on_host(self, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The whole generation with the host deciding each step (one read-back per token):
+        the reference a device loop of the same step is held to."""
+        self.prefill(input_ids, attention_mask)
+        while bool(self.running):
+            self.step()
+        return self.result(input_ids)
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The prompt's tensors as the decoder's rows (one per prompt here)."""
+        return t
+
+    def _reset(self) -> None:
+        raise NotImplementedError
+
+    def _emit(self, logits: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def result(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """What ``generate`` returns: the prompt and the new tokens (reads back once)."""
+        raise NotImplementedError
+
+
+class TokenDecoder(Decoder):
+    """Greedy decoding or sampling, as ``generate``'s ``_sample``: a finished row produces the
+    pad token; the loop stops when every row is finished or ``max_new_tokens`` are made.
+
+    Sampling draws one uniform number per row and token before the loop, from a CUDA
+    generator seeded per call (``set_seed``), and picks the token whose cumulative probability
+    first passes it: exact sampling from the processed distribution, and the same tokens for
+    the same seed whether the loop runs eagerly, step by step, or on the device. It is not
+    ``torch.multinomial``'s random stream, so its tokens are not ``generate``'s for the same
+    seed.
+    """
+
+    def __init__(self, model: torch.nn.Module, rows: int, prompt_len: int,
+                 options: Options) -> None:
+        super().__init__(model, rows, prompt_len, options)
+        device = self.mask.device
+        self.tokens = torch.full((rows, options.max_new_tokens), options.pad, dtype=torch.long,
+                                 device=device)
+        self.done = torch.zeros((rows,), dtype=torch.bool, device=device)
+        self.warpers = []
+        if options.strategy == "sample":
+            # generate's warpers, in generate's order (temperature, top-k, top-p).
+            if options.temperature != 1.0:
+                self.warpers.append(TemperatureLogitsWarper(options.temperature))
+            if options.top_k:
+                self.warpers.append(TopKLogitsWarper(options.top_k))
+            if options.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(options.top_p))
+            self.uniforms = torch.zeros((options.max_new_tokens, rows), dtype=torch.float32,
+                                        device=device)
+            self.generator = torch.Generator(device=device)
+
+    def set_seed(self, seed: int) -> None:
+        """Draw this call's random numbers (sampling only): one kernel, before the loop."""
+        self.generator.manual_seed(seed)
+        torch.rand(self.uniforms.shape, generator=self.generator, device=self.uniforms.device,
+                   out=self.uniforms)
+
+    def _reset(self) -> None:
+        self.done.zero_()
+        self.tokens.fill_(self.options.pad)
+
+    def _processed(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.options.min_new_tokens and self.options.eos:
+            # generate's MinNewTokensLengthLogitsProcessor, with the count on the device.
+            early = self.count < self.options.min_new_tokens
+            is_eos = torch.isin(torch.arange(logits.shape[-1], device=logits.device), self.eos)
+            logits = torch.where(early & is_eos, -float("inf"), logits)
+        for warper in self.warpers:
+            logits = warper(None, logits)
+        return logits
+
+    def _emit(self, logits: torch.Tensor) -> None:
+        scores = self._processed(logits)
+        if self.options.strategy == "sample":
+            token = sample(scores, self.uniforms.index_select(0, self.count).view(-1, 1))
+        else:
+            token = torch.argmax(scores, dim=-1)
+        if self.options.eos:
+            token = torch.where(self.done, self.options.pad, token)
+        self.tokens.index_copy_(1, self.count, token.unsqueeze(1))
+        if self.options.eos:
+            self.done.logical_or_(torch.isin(token, self.eos))
+        self.next_ids.copy_(token.unsqueeze(1))
+        self.count.add_(1)
+        torch.logical_and(~self.done.all(), self.count[0] < self.options.max_new_tokens,
+                          out=self.running)
+
+    def result(self, input_ids: torch.Tensor) -> torch.Tensor:
+        made = int(self.count.item())
+        return torch.cat([input_ids, self.tokens[:, :made]], dim=1)
+
+
+def sample(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row from ``softmax(scores)``, by inverse transform of ``uniform`` (one
+    number in [0, 1) per row): the first token whose cumulative probability exceeds it. Tokens
+    of probability 0 (filtered to -inf) are never picked. Cumulated in float64, so that 150,000
+    small probabilities still add up to 1."""
+    cdf = torch.softmax(scores, dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    target = uniform.to(torch.float64) * cdf[:, -1:]
+    token = torch.searchsorted(cdf, target, right=True)
+    return token.clamp_(max=scores.shape[-1] - 1).squeeze(1)

@@ -1,0 +1,183 @@
+"""What a ``generate`` call asks for, resolved the way Hugging Face resolves it.
+
+``resolve(model, input_ids, attention_mask, kwargs)`` merges the caller's arguments into the
+model's ``generation_config`` (as ``model.generate`` does), checks them, and returns
+:class:`Options`: the strategy, its parameters, and the special tokens and attention mask
+``generate`` would use. Anything grape does not reproduce exactly raises
+:class:`NotGraphable` with the reason, for the caller to fall back to ``model.generate``; bad
+input raises ``GrapeError``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from grape.errors import GrapeError
+
+__all__ = ["NotGraphable", "Options", "resolve"]
+
+
+class NotGraphable(Exception):  # a reason to fall back, not an error of the caller
+    """grape cannot run this generation itself; the message says why (one line)."""
+
+
+# GenerationConfig fields grape reproduces, or that do not change what generate computes.
+_HANDLED = {
+    "max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature",
+    "top_k", "top_p", "num_beams", "length_penalty", "early_stopping", "eos_token_id",
+    "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation",
+    "num_return_sequences", "return_dict_in_generate", "output_scores", "output_logits",
+    "output_attentions", "output_hidden_states", "transformers_version", "_from_model_config",
+    "compile_config", "disable_compile", "prefill_chunk_size", "is_assistant",
+    "num_beam_groups", "diversity_penalty", "low_memory",
+}
+# Of the handled fields, the values grape supports when they are set.
+_ONLY = {"num_return_sequences": (None, 1), "return_dict_in_generate": (None, False),
+         "output_scores": (None, False), "output_logits": (None, False),
+         "output_attentions": (None, False), "output_hidden_states": (None, False),
+         "use_cache": (None, True), "prefill_chunk_size": (None,), "num_beam_groups": (None, 1),
+         "low_memory": (None, False), "cache_implementation": (None, "static"),
+         "diversity_penalty": (None, 0.0)}
+
+
+@dataclass(frozen=True)
+class Options:
+    strategy: str  # "greedy", "sample" or "beam"
+    max_new_tokens: int
+    min_new_tokens: int
+    eos: tuple[int, ...]  # empty: no EOS, generation runs to max_new_tokens
+    pad: int  # what finished sequences produce
+    temperature: float
+    top_k: int
+    top_p: float
+    num_beams: int
+    length_penalty: float
+    early_stopping: bool | str
+    config: GenerationConfig  # the merged config, as generate would use it
+
+    @property
+    def key(self) -> tuple:
+        """What the generation's graph depends on (everything but the prompt and the seed)."""
+        return (self.strategy, self.max_new_tokens, self.min_new_tokens, self.eos, self.pad,
+                self.temperature, self.top_k, self.top_p, self.num_beams, self.length_penalty,
+                self.early_stopping)
+
+
+def _merged(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerationConfig:
+    base = getattr(model, "generation_config", None)
+    config = copy.deepcopy(base) if base is not None else GenerationConfig()
+    given = kwargs.pop("generation_config", None)
+    if given is not None:
+        config = copy.deepcopy(given)
+    unknown = config.update(**kwargs)
+    if unknown:
+        raise NotGraphable(f"arguments grape does not pass on: {sorted(unknown)}")
+    return _with_defaults(config)
+
+
+def _with_defaults(config: GenerationConfig) -> GenerationConfig:
+    """Fields left unset take the library's defaults, as generate gives them (transformers 5
+    keeps them apart from the config; 4.x sets them in the constructor)."""
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+    for name, value in defaults.items():
+        if getattr(config, name, None) is None:
+            setattr(config, name, value)
+    return config
+
+
+def _unsupported(config: GenerationConfig) -> list[str]:
+    defaults = _with_defaults(GenerationConfig()).to_dict()
+    found = []
+    for name, value in config.to_dict().items():
+        restricted = name in _ONLY and value not in _ONLY[name]
+        changed = name not in _HANDLED and value is not None and value != defaults.get(name, value)
+        if restricted or changed:
+            found.append(f"{name}={value!r}")
+    return found
+
+
+def _ids(value: Any, name: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, int) else list(value)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise GrapeError(f"expected {name} to be a token id or a list of token ids (non-negative "
+                         f"integers), found {value!r}")
+    return tuple(values)
+
+
+def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
+            kwargs: dict[str, Any]) -> tuple[Options, torch.Tensor | None]:
+    """The options of one generate call, and the attention mask generate would use (None
+    where it is all ones).
+
+    Raises
+    ------
+    GrapeError
+        Bad input: not token ids on the model's device, a mask of another shape, no
+        ``max_new_tokens``, a value out of range.
+    NotGraphable
+        Something grape does not reproduce (the reason is the message).
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 \
+            or input_ids.dtype != torch.long or input_ids.shape[1] < 1 or input_ids.shape[0] < 1:
+        found = (f"shape {tuple(input_ids.shape)} and {input_ids.dtype}"
+                 if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__)
+        raise GrapeError(f"expected input_ids of shape (batch, length >= 1) and dtype long, "
+                         f"found {found}")
+    device = next(model.parameters()).device
+    if input_ids.device != device:
+        raise GrapeError(f"expected input_ids on the model's device ({device}), found them on "
+                         f"{input_ids.device}")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != input_ids.shape
+                                       or attention_mask.device != device):
+        found = (f"shape {tuple(attention_mask.shape)} on {attention_mask.device}"
+                 if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
+        raise GrapeError(f"expected an attention_mask of shape {tuple(input_ids.shape)} on "
+                         f"{device}, found {found}")
+    kwargs = dict(kwargs)
+    max_new = kwargs.get("max_new_tokens")
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+        raise GrapeError(f"expected max_new_tokens to be an integer of at least 1, found "
+                         f"{max_new!r}")
+    config = _merged(model, kwargs)
+    if unsupported := _unsupported(config):
+        raise NotGraphable(f"generation options grape does not reproduce: "
+                           f"{', '.join(unsupported)}")
+    if config.min_length not in (0, None):
+        raise NotGraphable(f"min_length={config.min_length} (use min_new_tokens)")
+    eos = _ids(config.eos_token_id, "eos_token_id")
+    pad_ids = _ids(config.pad_token_id, "pad_token_id")
+    pad = pad_ids[0] if pad_ids else (eos[0] if eos else 0)
+    beams = config.num_beams or 1
+    if beams > 1 and config.do_sample:
+        raise NotGraphable("beam search with sampling (do_sample=True and num_beams > 1)")
+    strategy = "beam" if beams > 1 else "sample" if config.do_sample else "greedy"
+    temperature = float(config.temperature if config.temperature is not None else 1.0)
+    top_p = float(config.top_p if config.top_p is not None else 1.0)
+    top_k = int(config.top_k or 0)
+    if strategy == "sample" and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
+        raise GrapeError(f"expected temperature > 0, 0 < top_p <= 1 and top_k >= 0 for "
+                         f"sampling, found {temperature}, {top_p} and {top_k}")
+    options = Options(strategy, max_new, int(config.min_new_tokens or 0), eos, pad, temperature,
+                      top_k, top_p, beams, float(config.length_penalty),
+                      config.early_stopping, config)
+    return options, _attention_mask(input_ids, attention_mask, pad_ids, eos)
+
+
+def _attention_mask(input_ids: torch.Tensor, given: torch.Tensor | None,
+                    pad: tuple[int, ...], eos: tuple[int, ...]) -> torch.Tensor | None:
+    """The mask generate uses: the caller's, else one inferred from pad tokens in the prompt
+    where the pad token is not an EOS token (one read-back, at the call), else all ones
+    (None)."""
+    if given is not None:
+        return given if given.dtype == torch.long else given.long()
+    if pad and pad[0] not in eos and bool((input_ids == pad[0]).any()):
+        return input_ids.ne(pad[0]).long()
+    return None

@@ -1,0 +1,21 @@
+"""Running a benchmark script in a fresh process, for GPU tests that check its results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_benchmark(script: str, tmp_path: Path, *args: str) -> dict:
+    """What ``benchmarks/<script> ARGS --out FILE`` wrote, run in a fresh process (cuBLAS and
+    PyTorch's determinism settings take effect only before the first GPU work)."""
+    out = tmp_path / "result.json"
+    path = Path(__file__).parent.parent / "benchmarks" / script
+    done = subprocess.run([sys.executable, str(path), *args, "--out", str(out)],
+                          capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONPATH": str(path.parent.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text())

@@ -1,0 +1,215 @@
+"""grape.generate's decoders on the CPU: the host loop of the very step a device loop captures,
+held token for token to Hugging Face generate with the same (static) cache, across
+architectures and strategies; sampling, options, fallbacks and bad input."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+from grape.errors import GrapeError  # noqa: E402
+from grape.torch.beam import BeamDecoder  # noqa: E402
+from grape.torch.decoding import TokenDecoder, sample, static_cache  # noqa: E402
+from grape.torch.options import NotGraphable, resolve  # noqa: E402
+
+VOCAB = 300
+COMMON = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+CONFIGS = {
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 128},
+    "llama": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2},
+    "opt": {"hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "word_embed_proj_dim": 64},
+    "mistral": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 64},
+    "gptj": {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8, "n_positions": 128},
+    "falcon": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "bloom": {"hidden_size": 64, "n_layer": 2, "n_head": 4},
+    "mixtral": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+                "num_experts_per_tok": 2},
+}
+EOS = [5, 7, 11, 13, 17, 19, 23]  # several, so that some sequences end early
+STRATEGIES = {
+    "greedy": {},
+    "greedy, EOS and min_new_tokens": {"eos_token_id": EOS, "min_new_tokens": 4},
+    "beam 5": {"num_beams": 5},
+    "beam 4, EOS": {"num_beams": 4, "eos_token_id": EOS},
+    "beam 3, length penalty, early stopping": {"num_beams": 3, "length_penalty": 0.5,
+                                               "early_stopping": True, "eos_token_id": EOS},
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request):
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(request.param, **CONFIGS[request.param],
+                                               **COMMON)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _prompt(batch=3, length=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(30, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding: prompts of different lengths
+    mask[1:2, :1] = 0
+    return ids, mask
+
+
+def _host(model, ids, mask, seed=1, **kwargs):
+    options, m = resolve(model, ids, mask, kwargs)
+    cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
+    decoder = cls(model, ids.shape[0], ids.shape[1], options)
+    if options.strategy == "sample":
+        decoder.set_seed(seed)
+    return decoder.generate_on_host(ids, m)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_the_host_loop_makes_generates_tokens(model, strategy):
+    ids, mask = _prompt()
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=12)
+    reference = model.generate(ids, attention_mask=mask, cache_implementation="static",
+                               **kwargs)
+    assert torch.equal(_host(model, ids, mask, **kwargs), reference)
+
+
+def test_the_comparisons_see_sequences_end_early():
+    # The EOS strategies above are only a test of stopping if some sequence stops: check one.
+    config = transformers.AutoConfig.for_model("llama", **CONFIGS["llama"], **COMMON)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = _prompt()
+    out = _host(m, ids, mask, max_new_tokens=12, eos_token_id=EOS, num_beams=4)
+    new = out[:, ids.shape[1]:]
+    assert torch.isin(new, torch.tensor(EOS)).any() or out.shape[1] < ids.shape[1] + 12
+
+
+def test_sampling_repeats_itself_for_a_seed_and_not_across_seeds(model):
+    ids, mask = _prompt()
+    kwargs = {"do_sample": True, "max_new_tokens": 16, "top_k": 0, "temperature": 1.5}
+    a = _host(model, ids, mask, seed=3, **kwargs)
+    assert torch.equal(a, _host(model, ids, mask, seed=3, **kwargs))
+    assert not torch.equal(a, _host(model, ids, mask, seed=4, **kwargs))
+
+
+def test_sampling_draws_from_the_processed_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -float("inf")]])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(logits, torch.rand((1, 1), generator=g))
+                         for _ in range(20000)]).flatten()
+    freq = torch.bincount(draws, minlength=5).double() / len(draws)
+    expected = torch.softmax(logits[0].double(), dim=0)
+    assert freq[4] == 0  # a filtered token is never drawn
+    assert torch.allclose(freq, expected, atol=0.012), (freq, expected)
+    # The ends of [0, 1): the first token with probability, and the last.
+    assert sample(logits, torch.zeros((1, 1))).item() == 0
+    assert sample(logits, torch.full((1, 1), 1 - 2**-24)).item() == 3
+
+
+def test_top_k_and_top_p_keep_the_draws_inside_their_set():
+    config = transformers.AutoConfig.for_model("gpt2", **CONFIGS["gpt2"], **COMMON)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, _ = _prompt(batch=1)
+    options, _ = resolve(m, ids, None, {"do_sample": True, "top_k": 3, "max_new_tokens": 4})
+    decoder = TokenDecoder(m, 1, ids.shape[1], options)
+    logits = torch.randn(1, VOCAB)
+    allowed = set(torch.topk(logits, 3).indices[0].tolist())
+    for i in range(200):
+        token = sample(decoder._processed(logits), torch.rand((1, 1)))
+        assert token.item() in allowed, i
+
+
+def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_refused():
+    config = transformers.AutoConfig.for_model("mistral", **CONFIGS["mistral"], **COMMON)
+    m = transformers.AutoModelForCausalLM.from_config(config)
+    from transformers.cache_utils import StaticLayer
+
+    assert all(type(layer) is StaticLayer for layer in static_cache(m, 64).layers)
+    with pytest.raises(NotGraphable, match="keeps its position on the host, for a generation "
+                                           "of 65 tokens"):
+        static_cache(m, 65)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"repetition_penalty": 1.3}, "repetition_penalty=1.3"),
+    ({"num_beams": 2, "do_sample": True}, "beam search with sampling"),
+    ({"num_return_sequences": 2, "num_beams": 2}, "num_return_sequences=2"),
+    ({"output_scores": True, "return_dict_in_generate": True}, "output_scores=True"),
+    ({"no_such_option": 3}, "arguments grape does not pass on: \\['no_such_option'\\]"),
+])
+def test_options_grape_does_not_reproduce_are_named(kwargs, reason):
+    config = transformers.AutoConfig.for_model("gpt2", **CONFIGS["gpt2"], **COMMON)
+    m = transformers.AutoModelForCausalLM.from_config(config)
+    ids, _ = _prompt()
+    with pytest.raises(NotGraphable, match=reason):
+        resolve(m, ids, None, {**kwargs, "max_new_tokens": 4})
+
+
+@pytest.mark.parametrize("args, message", [
+    ((torch.zeros(3, dtype=torch.long), None, 4), "expected input_ids of shape \\(batch, "
+                                                  "length >= 1\\) and dtype long, found shape"),
+    ((torch.zeros((1, 3)), None, 4), "found shape \\(1, 3\\) and torch.float32"),
+    ((torch.zeros((1, 3), dtype=torch.long), torch.ones((1, 4)), 4),
+     "expected an attention_mask of shape \\(1, 3\\) on cpu, found shape \\(1, 4\\)"),
+    ((torch.zeros((1, 3), dtype=torch.long), None, 0),
+     "expected max_new_tokens to be an integer of at least 1, found 0"),
+    ((torch.zeros((1, 3), dtype=torch.long), None, "8"),
+     "expected max_new_tokens to be an integer of at least 1, found '8'"),
+])
+def test_bad_input_is_one_line(args, message):
+    import grape
+
+    config = transformers.AutoConfig.for_model("gpt2", **CONFIGS["gpt2"], **COMMON)
+    m = transformers.AutoModelForCausalLM.from_config(config)
+    ids, mask, new = args
+    with pytest.raises(GrapeError, match=message) as info:
+        grape.generate(m, ids, mask, max_new_tokens=new)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_sampling_values_are_refused():
+    config = transformers.AutoConfig.for_model("gpt2", **CONFIGS["gpt2"], **COMMON)
+    m = transformers.AutoModelForCausalLM.from_config(config)
+    ids, _ = _prompt()
+    with pytest.raises(GrapeError, match="expected temperature > 0"):
+        resolve(m, ids, None, {"do_sample": True, "temperature": 0.0, "max_new_tokens": 4})
+    with pytest.raises(GrapeError, match="expected eos_token_id to be a token id"):
+        resolve(m, ids, None, {"eos_token_id": [-3], "max_new_tokens": 4})
+
+
+def test_a_model_grape_cannot_graph_runs_through_generate_with_one_warning():
+    import grape
+
+    config = transformers.AutoConfig.for_model("gpt2", **CONFIGS["gpt2"], **COMMON)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = _prompt()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = grape.generate(m, ids, mask, max_new_tokens=6)
+    ours = [w for w in caught if "grape.generate runs model.generate instead" in str(w.message)]
+    assert len(ours) == 1 and "graphs need a CUDA device" in str(ours[0].message)
+    assert torch.equal(out, m.generate(ids, attention_mask=mask, max_new_tokens=6))
+    from grape.torch.api import last_stats
+
+    assert not last_stats().graphed and "CUDA" in last_stats().reason
+
+
+def test_the_attention_mask_is_inferred_from_pad_tokens_as_generate_infers_it():
+    config = transformers.AutoConfig.for_model("llama", **CONFIGS["llama"], **COMMON)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, _ = _prompt()
+    ids[0, :2] = 0  # the pad token, as a tokenizer pads on the left
+    _, mask = resolve(m, ids, None, {"max_new_tokens": 4})
+    assert mask is not None and mask[0, :2].tolist() == [0, 0] and bool(mask[1:].all())
+    assert torch.equal(_host(m, ids, None, max_new_tokens=8),
+                       m.generate(ids, max_new_tokens=8, cache_implementation="static"))
