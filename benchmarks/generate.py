@@ -248,10 +248,14 @@ def main() -> None:
             for batch in batches:
                 if batch != batches[0] and strategy not in args.later_batch_strategies.split(","):
                     continue
-                found, tokens = measure(model, arch, strategy, batch, args, None, "no EOS")
-                if args.eos_runs:  # an EOS that occurs: the token made most often
-                    eos = _most_common_new_token(next(iter(tokens.values())), args.prompt)
-                    found += measure(model, arch, strategy, batch, args, eos, "EOS")[0]
+                try:
+                    found, tokens = measure(model, arch, strategy, batch, args, None, "no EOS")
+                    if args.eos_runs:  # an EOS that occurs: the token made most often
+                        eos = _most_common_new_token(next(iter(tokens.values())), args.prompt)
+                        found += measure(model, arch, strategy, batch, args, eos, "EOS")[0]
+                except Exception as e:  # one way that breaks: record it, measure the rest
+                    found = [{"arch": arch, "strategy": strategy, "batch": batch,
+                              "failed": f"{type(e).__name__}: {e}"[:400]}]
                 rows += found
                 for r in found:
                     _log(json.dumps(r))
@@ -269,7 +273,8 @@ def main() -> None:
           f"{'syncs/tok':>9} {'copy B':>7} {'same':>5} {'capture s':>9}")
     for r in rows:
         if "failed" in r:
-            print(f"{r['arch']:<10} failed: {r['failed']}")
+            print(f"{r['arch']:<10} {r.get('strategy', '')} {r.get('batch', '')} failed: "
+                  f"{r['failed'][:200]}")
             continue
         copy = "" if r["copy_bytes_per_call"] is None else r["copy_bytes_per_call"]
         same = r["tokens_identical"] if r["tokens_identical"] is not None else (

@@ -10,9 +10,9 @@ per token.
 What a generation needs is built on the first call of its shape and kept: the decoder's static
 tensors and the captured loop, keyed by model, batch, prompt length, strategy and its options.
 A later call of that shape pays no capture. Before a step is trusted in a loop it is captured
-at two lengths and the two graphs compared (``grape.passes.audit``): a forward that keeps
-per-step state on the host (a Python counter, a value read back) would be frozen into the
-graph, and is refused.
+at two lengths and the two graphs compared (``grape.passes.audit``): a forward that sizes its
+kernels by a length it keeps on the host would be frozen into the graph at one length, and is
+refused. (A value read back to the host breaks the capture itself, and is refused as well.)
 
 Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, a
 forward that cannot be captured) runs through ``model.generate`` after one warning saying why;
@@ -107,8 +107,8 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
     decoder.step()
     second = capture(decoder.step, params=params, warmup=0, instantiate=False)
     if differences := step_dependence(first.ir, second.ir):
-        raise NotGraphable(f"the forward keeps per-step state on the host, which a captured "
-                           f"step would freeze: {differences[0]}")
+        raise NotGraphable(f"the forward sizes its work by a length it keeps on the host, "
+                           f"which a captured step would freeze: {differences[0]}")
     del first, second
     decoder.prefill(input_ids, mask)
     loop = DeviceLoop(decoder.step, decoder.running, options.max_new_tokens, params=params)
