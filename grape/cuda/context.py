@@ -6,7 +6,7 @@ from cuda.bindings import driver
 
 from grape.cuda.check import call
 
-__all__ = ["current_context", "memory_info", "synchronize"]
+__all__ = ["copy_to_device_async", "current_context", "memory_info", "synchronize"]
 
 
 def current_context(device: int = 0) -> driver.CUcontext:
@@ -32,3 +32,10 @@ def memory_info() -> tuple[int, int]:
 
 def synchronize() -> None:
     call(driver.cuCtxSynchronize, doing="waiting for the device")
+
+
+def copy_to_device_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """``nbytes`` from host address ``src`` (pinned memory) to device address ``dst``, queued on
+    ``stream``: under a capture, a memcpy node that reads ``src`` at every launch."""
+    call(driver.cuMemcpyHtoDAsync, dst, src, nbytes, stream,
+         doing="copying host memory to the device")

@@ -13,6 +13,9 @@ A later call of that shape pays no capture. Before a step is trusted in a loop i
 at two lengths and the two graphs compared (``grape.passes.audit``): a forward that sizes its
 kernels by a length it keeps on the host would be frozen into the graph at one length, and is
 refused. (A value read back to the host breaks the capture itself, and is refused as well.)
+Small host constants the forward copies to the GPU (``torch.tensor(0.0, device=...)``, a list
+used as an index) are staged through pinned memory (``grape.torch.staging``), and refused where
+they differ between the two captures.
 
 Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, a
 forward that cannot be captured) runs through ``model.generate`` after one warning saying why;
@@ -36,6 +39,7 @@ from grape.torch.capture import capture
 from grape.torch.decoding import Decoder, TokenDecoder
 from grape.torch.loop import DeviceLoop
 from grape.torch.options import NotGraphable, Options, resolve
+from grape.torch.staging import HostConstants, PinnedArena
 
 __all__ = ["GenerationStats", "clear_cache", "generate", "last_stats"]
 
@@ -58,6 +62,7 @@ class _Entry:
     decoder: Decoder
     loop: DeviceLoop
     capture_s: float
+    arena: PinnedArena  # host constants the loop's copies read at every launch
     calls: int = 0
 
 
@@ -101,18 +106,26 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
         decoder.set_seed(0)
     params = dict(model.named_parameters())
+    arena, device = PinnedArena(), input_ids.device
+    staged = [HostConstants(arena, device), HostConstants(arena, device)]
     decoder.prefill(input_ids, mask)
     decoder.step()
-    first = capture(decoder.step, params=params, warmup=0, instantiate=False)
+    first = capture(decoder.step, params=params, warmup=0, instantiate=False,
+                    staging=staged[0])
     decoder.step()
-    second = capture(decoder.step, params=params, warmup=0, instantiate=False)
+    second = capture(decoder.step, params=params, warmup=0, instantiate=False,
+                     staging=staged[1])
     if differences := step_dependence(first.ir, second.ir):
         raise NotGraphable(f"the forward sizes its work by a length it keeps on the host, "
                            f"which a captured step would freeze: {differences[0]}")
+    if staged[0].values != staged[1].values:
+        raise NotGraphable("the forward copies a host value to the GPU that changes from step "
+                           "to step, which a captured step would freeze")
     del first, second
     decoder.prefill(input_ids, mask)
-    loop = DeviceLoop(decoder.step, decoder.running, options.max_new_tokens, params=params)
-    return _Entry(decoder, loop, time.perf_counter() - began)
+    loop = DeviceLoop(decoder.step, decoder.running, options.max_new_tokens, params=params,
+                      staging=HostConstants(arena, device))
+    return _Entry(decoder, loop, time.perf_counter() - began, arena)
 
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor,

@@ -8,6 +8,7 @@ roles; every other address the kernels use becomes an internal buffer.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import linecache
 import traceback
@@ -93,7 +94,7 @@ def _failure(error: BaseException) -> str:
 
 def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tensor] | None = None,
             pool: Any = None, warmup: int = 1, instantiate: bool = True,
-            collect: bool = True) -> TorchCapture:
+            collect: bool = True, staging: Any = None) -> TorchCapture:
     """Capture ``fn(*args)`` into a CUDA graph and read it into the IR.
 
     Tensors in ``args`` become input placeholders, ``params`` (for instance
@@ -102,6 +103,9 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     for callers that build their own executables from the IR. ``collect`` empties Python's
     garbage and the allocator's cache first, so that ``pool_bytes`` is the capture's alone;
     families, capturing many shapes into one pool, skip it (it dominates their capture time).
+    ``staging`` (a ``grape.torch.staging.HostConstants``) is active while ``fn`` is captured:
+    copies of host constants to the device are staged through pinned memory instead of
+    breaking the capture.
 
     Raises
     ------
@@ -128,8 +132,8 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     g = torch.cuda.CUDAGraph(keep_graph=True)
     failure = None
     try:
-        with graph(g, pool=pool):  # remembers the pool, for IF nodes in ``fn``
-            outputs = fn(*args)
+        with graph(g, pool=pool), (staging or contextlib.nullcontext()):
+            outputs = fn(*args)  # graph() remembers the pool, for IF nodes in ``fn``
     except Exception as e:
         failure = _failure(e)
     if failure is not None:

@@ -51,7 +51,7 @@ class DeviceLoop:
 
     def __init__(self, body: Callable[[], Any], running: torch.Tensor, max_iterations: int,
                  params: Mapping[str, torch.Tensor] | None = None,
-                 prologue: Callable[[], Any] | None = None) -> None:
+                 prologue: Callable[[], Any] | None = None, staging: Any = None) -> None:
         if not (isinstance(running, torch.Tensor) and running.is_cuda
                 and running.dtype == torch.bool and running.numel() == 1):
             found = (f"{running.dtype} of shape {tuple(running.shape)} on {running.device}"
@@ -62,9 +62,12 @@ class DeviceLoop:
         self.running = running
         self.remaining = torch.zeros(1, dtype=torch.int32, device=running.device)
         # No warm-up: it would run the body once more on the caller's state.
-        self.capture = capture(body, params=params, warmup=0, instantiate=False)
+        # staging: host constants the body copies to the device, through pinned memory
+        # (grape.torch.staging), which the caller keeps alive as long as the loop.
+        self.capture = capture(body, params=params, warmup=0, instantiate=False,
+                               staging=staging)
         self.prologue = None if prologue is None else capture(
-            prologue, params=params, warmup=0, instantiate=False)
+            prologue, params=params, warmup=0, instantiate=False, staging=staging)
         go = Buffer("grape:running", 1, BufferRole.INTERNAL, address=running.data_ptr())
         left = Buffer("grape:remaining", 4, BufferRole.INTERNAL,
                       address=self.remaining.data_ptr())
