@@ -132,7 +132,7 @@ def generate_phase(model, calls: int, every: int, new_tokens: int) -> dict[str, 
     """grape.generate called again and again with fresh prompts of one shape: the first call
     captures, the rest reuse its loop; strategies alternate, each with its own loop."""
     import grape
-    from grape.torch.api import clear_cache
+    from grape.torch.api import clear_cache, last_stats
 
     strategies = [{}, {"num_beams": 5}, {"do_sample": True, "top_k": 50}]
 
@@ -142,6 +142,9 @@ def generate_phase(model, calls: int, every: int, new_tokens: int) -> dict[str, 
                              **strategies[i % len(strategies)])
         if out.shape != (1, 16 + new_tokens):
             raise AssertionError(f"expected {new_tokens} new tokens, found {out.shape}")
+        if not last_stats().graphed:  # a fallback to generate would soak something else
+            raise AssertionError(f"expected a graphed generation, found a fallback: "
+                                 f"{last_stats().reason}")
 
     result = _soak("generate", calls, every, run)
     clear_cache(model)
