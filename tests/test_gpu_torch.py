@@ -162,4 +162,6 @@ def test_a_failed_capture_leaves_the_process_as_it_was():
     first = good.outputs.clone()
     good.replay()
     assert not torch.equal(first, good.outputs)  # each replay draws fresh numbers
-    assert ((good.outputs >= 3) & (good.outputs < 4)).all()  # 1 * 2 + [0, 1)
+    # 1 * 2 + [0, 1): in float32, 2 + u rounds to 3.0 for u within 1.2e-7 of 1 (a million
+    # draws meet one on the H200), so 3 is in range.
+    assert ((good.outputs >= 2) & (good.outputs <= 3)).all()
