@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from grape.profile import CONSTANTS, DEFAULT_PROFILE, load_profile
-from grape.sim.validate import RAW_SUFFIX
+from grape.sim.validate import IR_SUFFIX, RAW_SUFFIX
 from grape.trace import read_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 RECORDED = sorted((TRACES / "h200").glob("*.json.gz"))
 RAW = sorted(TRACES.rglob(f"*{RAW_SUFFIX}"))
-ALL = sorted(p for p in TRACES.rglob("*.json.gz") if p not in RAW)
+GRAPHS = sorted(TRACES.rglob(f"*{IR_SUFFIX}"))
+ALL = sorted(p for p in TRACES.rglob("*.json.gz") if p not in RAW and p not in GRAPHS)
 # Kernels per iteration, by trace: a GPT-2 family trace steps through lengths, across the
 # topology change at KV 512; the other traces repeat one step.
 KERNELS = {"gpt2_small_family_b1": {292, 316}, "gpt2_small_family_b5": {292, 316},
@@ -34,6 +35,15 @@ def test_the_suite_is_committed():
             for kv in (32, 128, 512, 1000):
                 assert f"{model}_decode_b{batch}_kv{kv}" in names
     assert {f"wav2vec2_base_forward_{n}" for n in (16000, 64000, 160000)} <= names
+
+
+@pytest.mark.parametrize("path", GRAPHS, ids=lambda p: p.name)
+def test_every_committed_kernel_graph_reads_and_validates(path):
+    from grape.ir import KernelGraph
+
+    graph = KernelGraph.load(path)
+    graph.validate()
+    assert sum(1 for _ in graph.kernels()) > 0
 
 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)

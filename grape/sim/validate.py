@@ -30,12 +30,14 @@ from grape.sim.whatif import (
 )
 from grape.trace import Trace, read_trace
 
-__all__ = ["RAW_SUFFIX", "Prediction", "predictions", "validate"]
+__all__ = ["IR_SUFFIX", "RAW_SUFFIX", "Prediction", "predictions", "validate"]
 
 # GPU activity alone, as torch.profiler exported it (grape reads no trace without the host calls
 # that launched the work): work cuda-python launched (a device loop, a family's executable),
 # which the profiler cannot see being launched, kept to be opened in Perfetto.
 RAW_SUFFIX = ".gpu_only.json.gz"
+# Kernel graphs in grape's IR, kept beside the traces (grape info reads them; they hold no run).
+IR_SUFFIX = ".ir.json.gz"
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
     for path in sorted(Path(p) for p in paths):
         if path.name.endswith(RAW_SUFFIX):
             progress(f"skipped {path}: a raw torch.profiler export, kept to be viewed")
+            continue
+        if path.name.endswith(IR_SUFFIX):
+            progress(f"skipped {path}: a kernel graph, not a recorded run")
             continue
         trace = attempt(path, lambda path=path: read_trace(path))
         if trace is None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,8 +70,9 @@ class _Cache:
     entries: dict[tuple, _Entry] = field(default_factory=dict)
 
 
-# Per model: built loops, dropped with the model (a weak key), or by clear_cache().
-_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per model: its built loops. They hold the model (their decoders call it), so they and it stay
+# until clear_cache(model); a weak key would not help, the value keeping the key alive.
+_CACHES: dict[torch.nn.Module, _Cache] = {}
 _LAST = GenerationStats(graphed=False, reason="no call yet")
 
 
@@ -81,7 +81,8 @@ def last_stats() -> GenerationStats:
 
 
 def clear_cache(model: torch.nn.Module | None = None) -> None:
-    """Close the loops built for ``model`` (every model's, without one)."""
+    """Close the loops built for ``model`` (every model's, without one) and let go of it: the
+    loops keep their model alive until then."""
     models = [model] if model is not None else list(_CACHES)
     for m in models:
         cache = _CACHES.pop(m, None)
