@@ -6,15 +6,25 @@ strategy (greedy, sampling, 5-beam search) and batch, side by side in one proces
 - ``hf_generate``: ``model.generate`` as users call it (its default, growing cache);
 - ``hf_static``: ``model.generate`` with a static cache and no compilation: the same cache
   layout and attention shapes as grape's, the reference for ``tokens_identical``;
-- ``grape``: ``grape.generate`` (the first call of a shape captures; timed on later calls).
+- ``hf_static_compiled``: ``model.generate`` with a static cache and its own compilation
+  (transformers compiles the decoding forward itself for a static cache);
+- ``grape``: ``grape.generate`` (the first call of a shape captures; timed on later calls);
+- ``grape_compiled``: ``grape.generate(compile=True)``: Inductor's kernels in grape's loop.
 
 Each entry: ``ms_per_token`` (a whole call's wall time over the new tokens, median of
 ``--repeats`` calls), ``host_syncs_per_token`` (synchronising PyTorch operations the call made,
 counted with ``torch.cuda.set_sync_debug_mode``, over the new tokens), ``copy_bytes_per_call``
-(grape: caller bytes copied into the loop's tensors), ``tokens_identical`` (grape and
-``hf_static`` against ``hf_static``'s tokens; null for sampling, whose random stream is grape's
-own by design: there ``same_seed_same_tokens`` and ``host_loop_tokens_identical`` say whether
-grape repeats itself and equals its own host loop) and ``capture_s``.
+(grape: caller bytes copied into the loop's tensors: the prompt's mask into the full-length
+one), ``prefill_graphed`` and ``pointer_updates_per_call`` (grape: the prompt ran inside the
+launch; nodes re-pointed at caller tensors that moved, on the last call),
+``tokens_identical`` (grape and ``hf_static`` against ``hf_static``'s tokens; null for
+sampling, whose random stream is grape's own by design: there ``same_seed_same_tokens`` and
+``host_loop_tokens_identical`` say whether grape repeats itself and equals its own host loop,
+the prompt run under capture as in grape's launch, and ``eager_host_loop_tokens_identical``
+whether it equals the host loop with an eager prompt, whose attention kernels Hugging Face may
+pick differently; null for the compiled ways, whose kernels differ by design: there
+``token_agreement`` is the fraction of new tokens equal to ``hf_static``'s) and ``capture_s``
+(for ``grape_compiled`` it includes compilation).
 
 With ``--deterministic`` (deterministic kernels, cuBLAS workspace :4096:8) token comparisons
 mean something: without it the eager kernels do not repeat their own results bitwise on the
@@ -51,10 +61,21 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("mixtral", {"intermediate_size": "2h", "num_key_value_heads": "heads/4",
                             "num_local_experts": 8, "num_experts_per_tok": 2}),
 }
+# MoE architectures run in bf16: PyTorch's grouped GEMM for experts runs on the device alone
+# only in bf16 (in fp16 it loops over the experts with offsets read back to the host, which
+# no graph can hold, and grape falls back), and models of this kind ship in bf16.
+DTYPES = {"mixtral": "bfloat16"}
 SIZES = {"small": {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
                    "vocab_size": 4000},
          "bench": {"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16,
-                   "vocab_size": 32000}}
+                   "vocab_size": 32000},
+         # The shapes the issue names: a TinyLlama-like model and GPT-2 small (a size's
+         # entries override an architecture's, so they are meant for that architecture).
+         "llama2048x22": {"hidden_size": 2048, "num_hidden_layers": 22,
+                          "num_attention_heads": 32, "num_key_value_heads": 4,
+                          "intermediate_size": 5632, "vocab_size": 32000},
+         "gpt2small": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                       "vocab_size": 50257}}
 STRATEGIES = {"greedy": {}, "sample": {"do_sample": True, "temperature": 0.8, "top_k": 50,
                                        "top_p": 0.9},
               "beam5": {"num_beams": 5}}
@@ -76,10 +97,11 @@ def build(arch: str, size: dict[str, int]):
 
     model_type, extra = ARCHS[arch]
     config = transformers.AutoConfig.for_model(
-        model_type, **size, **{k: _value(v, size) for k, v in extra.items()},
+        model_type, **{**{k: _value(v, size) for k, v in extra.items()}, **size},
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    dtype = getattr(torch, DTYPES.get(arch, "float16"))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.cuda().eval()
 
 
@@ -123,7 +145,9 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
     hf = {"hf_generate": lambda: model.generate(ids, attention_mask=mask, **kw),
           "hf_static": lambda: model.generate(ids, attention_mask=mask,
                                               cache_implementation="static",
-                                              disable_compile=True, **kw)}
+                                              disable_compile=True, **kw),
+          "hf_static_compiled": lambda: model.generate(ids, attention_mask=mask,
+                                                       cache_implementation="static", **kw)}
     rows, tokens = [], {}
     base = {"arch": arch, "strategy": strategy, "batch": batch, "run": run}
     for way in args.ways:
@@ -134,13 +158,14 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                 seconds, out, syncs = _timed(hf[way], args.repeats)
             stats = None
         else:
+            call = dict(kw, compile=way == "grape_compiled")
             with warnings.catch_warnings(record=True) as fell:
                 warnings.simplefilter("always")
-                grape.generate(model, ids, mask, seed=7, **kw)  # captures
+                grape.generate(model, ids, mask, seed=7, **call)  # captures
                 first = last_stats()
             fallback = [str(w.message) for w in fell if "runs model.generate" in str(w.message)]
-            seconds, out, syncs = _timed(lambda: grape.generate(model, ids, mask, seed=7, **kw),
-                                         args.repeats)
+            seconds, out, syncs = _timed(
+                lambda c=call: grape.generate(model, ids, mask, seed=7, **c), args.repeats)
             stats = last_stats()
         new = out.shape[1] - args.prompt
         tokens[way] = out
@@ -149,12 +174,17 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                "tokens_identical": None, "capture_s": None}
         if stats is not None:
             row.update(copy_bytes_per_call=stats.copy_bytes, capture_s=first.capture_s,
-                       graphed=stats.graphed, fallback=fallback[0] if fallback else None)
+                       graphed=stats.graphed, fallback=fallback[0] if fallback else None,
+                       prefill_graphed=stats.prefill_graphed,
+                       pointer_updates_per_call=stats.pointer_updates)
         rows.append(row)
     if "hf_static" in tokens and strategy != "sample":
         for row in rows:
             if row["way"] in ("grape", "hf_static"):
                 row["tokens_identical"] = _same(tokens[row["way"]], tokens["hf_static"])
+            elif row["way"] in ("grape_compiled", "hf_static_compiled"):
+                row["token_agreement"] = _agreement(tokens[row["way"]], tokens["hf_static"],
+                                                    args.prompt)
     if strategy == "sample" and "grape" in tokens:
         row = next(r for r in rows if r["way"] == "grape")
         again = grape.generate(model, ids, mask, seed=7, **kw)
@@ -162,15 +192,47 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
         from grape.torch.options import resolve
 
         options, m = resolve(model, ids, mask, kw)
-        decoder = TokenDecoder(model, batch, args.prompt, options)
-        decoder.set_seed(7)
-        row["host_loop_tokens_identical"] = _same(decoder.generate_on_host(ids, m),
-                                                  tokens["grape"])
+        for name, captured in (("host_loop_tokens_identical", True),
+                               ("eager_host_loop_tokens_identical", False)):
+            decoder = TokenDecoder(model, batch, args.prompt, options)
+            decoder.set_seed(7)
+            row[name] = _same(_host_loop(decoder, ids, m, captured), tokens["grape"])
     return rows, tokens
+
+
+def _host_loop(decoder, ids, mask, captured_prompt: bool):
+    """The generation with the host deciding each step. With ``captured_prompt`` the prompt
+    runs from PyTorch's own capture of the prefill, as inside grape's launch: Hugging Face's
+    mask code picks its attention kernels by whether a capture is under way (outside one it
+    drops an all-ones mask and runs the causal kernel), so only then are the prompt's kernels
+    the ones grape's launch runs."""
+    import torch
+
+    if not captured_prompt:
+        return decoder.generate_on_host(ids, mask)
+    from grape.torch.staging import HostConstants, PinnedArena
+
+    decoder.prefill(ids, mask)  # warm-up, outside the capture
+    graph, arena = torch.cuda.CUDAGraph(), PinnedArena()
+    with torch.cuda.graph(graph), HostConstants(arena, ids.device):
+        decoder.prefill(ids, mask)
+    graph.replay()
+    while bool(decoder.running):
+        decoder.step()
+    return decoder.result(ids)
 
 
 def _same(a, b) -> bool:
     return tuple(a.shape) == tuple(b.shape) and bool((a == b).all())
+
+
+def _agreement(a, b, prompt: int) -> float:
+    """The fraction of new tokens equal, position by position (a shorter output's missing
+    tokens count as different)."""
+    new = max(a.shape[1], b.shape[1]) - prompt
+    n = min(a.shape[1], b.shape[1])
+    equal = int((a[:, prompt:n] == b[:, prompt:n]).sum())
+    return equal / (a.shape[0] * new) if new else 1.0
 
 
 def _most_common_new_token(out, prompt: int) -> int:
@@ -218,6 +280,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="small configs (for tests)")
+    parser.add_argument("--size", choices=list(SIZES), default=None,
+                        help="model size (default: bench, or small with --small)")
     parser.add_argument("--eos-runs", action="store_true",
                         help="also run each with an EOS that occurs mid-way")
     parser.add_argument("--deterministic", action="store_true")
@@ -234,7 +298,7 @@ def main() -> None:
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
     args.ways = args.ways.split(",")
-    size = SIZES["small" if args.small else "bench"]
+    size = SIZES[args.size or ("small" if args.small else "bench")]
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict[str, Any]] = []
     for arch in args.archs.split(","):
@@ -296,6 +360,7 @@ def _write(args, rows: list[dict[str, Any]]) -> None:
                                     "torch": torch.__version__,
                                     "command": " ".join(sys.argv),
                                     "deterministic": args.deterministic,
+                                    "size": args.size or ("small" if args.small else "bench"),
                                     "results": rows}, indent=1) + "\n")
 
 

@@ -13,12 +13,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from grape.errors import GrapeError  # noqa: E402
 from tests.benchrun import run_benchmark  # noqa: E402
 
-ARCHS = "gpt2,gpt_neox,opt,llama,mistral,qwen2"
-# Seen falling back to generate on the H200 (commits e2e0d31, 9da9efb): GPT-J and Bloom build
-# torch.tensor(0.0, device=...) in Hugging Face's mask code, a copy from pageable memory below the
-# dispatcher, which grape.torch.staging does not reach; Falcon indexes with a list; Mixtral's
-# grouped expert matmul copies from host memory under capture.
-FALLING_BACK = "gptj,bloom,falcon,mixtral"
+# Every architecture of benchmarks/generate.py (Mixtral in bf16 there: see its DTYPES).
+ARCHS = "gpt2,gptj,gpt_neox,opt,bloom,falcon,llama,mistral,qwen2,mixtral"
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +25,12 @@ def cuda():
 
 def test_with_deterministic_kernels_every_architecture_and_strategy_makes_generates_tokens(
         cuda, tmp_path):
-    # A fresh process (cuBLAS reads its workspace setting once). Small configs of six
+    # A fresh process (cuBLAS reads its workspace setting once). Small configs of ten
     # architectures, greedy / sampling / 5 beams, batch 1 and 4 (left-padded), with and without
-    # an EOS that occurs: every call graphed, greedy and beam tokens equal to generate's with a
-    # static cache, sampling repeating itself for a seed and equal to its own host loop.
+    # an EOS that occurs: every call graphed, prompt included (one read-back per call), greedy
+    # and beam tokens equal to generate's with a static cache, sampling repeating itself for a
+    # seed and equal to its own host loop (the prompt run under capture there too: Hugging
+    # Face picks the prompt's attention kernel by whether a capture is under way).
     doc = run_benchmark("generate.py", tmp_path, "--small", "--deterministic", "--new", "48",
                         "--batches", "1,4", "--later-batch-strategies", "greedy,sample,beam5",
                         "--ways", "hf_static,grape", "--repeats", "1", "--eos-runs",
@@ -40,9 +38,10 @@ def test_with_deterministic_kernels_every_architecture_and_strategy_makes_genera
     rows = doc["results"]
     assert not [r for r in rows if "failed" in r]
     grape_rows = [r for r in rows if r["way"] == "grape"]
-    assert len(grape_rows) == 6 * 3 * 2 * 2
+    assert len(grape_rows) == 10 * 3 * 2 * 2
     fell_back = [(r["arch"], r["strategy"], r["fallback"]) for r in grape_rows if r["fallback"]]
     assert not fell_back
+    assert all(r["prefill_graphed"] for r in grape_rows)
     wrong = [(r["arch"], r["strategy"], r["batch"], r["run"]) for r in grape_rows
              if r["strategy"] != "sample" and not r["tokens_identical"]]
     assert not wrong
@@ -50,15 +49,67 @@ def test_with_deterministic_kernels_every_architecture_and_strategy_makes_genera
                     if r["strategy"] == "sample"
                     and not (r["same_seed_same_tokens"] and r["host_loop_tokens_identical"])]
     assert not unrepeatable
-    assert all(r["host_syncs_per_token"] <= 2 / r["new_tokens"] for r in grape_rows)
+    syncing = [(r["arch"], r["strategy"], r["host_syncs_per_token"] * r["new_tokens"])
+               for r in grape_rows if r["host_syncs_per_token"] * r["new_tokens"] > 1]
+    assert not syncing
 
 
-@pytest.mark.xfail(strict=True, reason=f"{FALLING_BACK} fall back to generate (see FALLING_BACK)")
-def test_the_architectures_that_fall_back_today_are_graphed(cuda, tmp_path):
-    doc = run_benchmark("generate.py", tmp_path, "--small", "--new", "8", "--batches", "1",
-                        "--strategies", "greedy", "--ways", "grape", "--repeats", "1",
-                        "--archs", FALLING_BACK)
-    assert all(not r.get("fallback") and "failed" not in r for r in doc["results"])
+def test_a_moe_model_in_fp16_falls_back_naming_the_grouped_gemm_that_reads_back(cuda):
+    # PyTorch's grouped GEMM runs on the device alone only in bf16; in fp16 it reads the expert
+    # offsets back to the host, which no graph holds: the documented fallback, not an error.
+    import grape
+
+    config = transformers.MixtralConfig(hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, vocab_size=500)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).cuda().half().eval()
+    ids = torch.randint(3, 500, (1, 8), device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = grape.generate(model, ids, max_new_tokens=6)
+    message = [str(w.message) for w in caught if "runs model.generate" in str(w.message)]
+    assert len(message) == 1 and "synchronises with the host" in message[0]
+    assert torch.equal(out, model.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_the_prompt_is_read_where_it_lies_and_re_pointed_only_when_it_moves(cuda):
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=500)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).cuda().eval()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    prompts = [torch.randint(3, 500, (2, 8), device="cuda", generator=g) for _ in range(3)]
+    mask = torch.ones_like(prompts[0])
+    mask[0, :3] = 0
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    expected = [model.generate(p, attention_mask=mask, **kw) for p in prompts]
+    updates = []
+    for i, (ids, want) in enumerate(zip([*prompts, prompts[1]], [*expected, expected[1]],
+                                        strict=True)):
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = grape.generate(model, ids, mask, **kw)
+        torch.cuda.set_sync_debug_mode("default")
+        stats = last_stats()
+        assert stats.graphed and stats.prefill_graphed and stats.launches == 1
+        assert torch.equal(out, want), i
+        if i:  # the first call captures; later ones make one read-back, the result's length
+            assert sum("synchronizing" in str(w.message) for w in caught) == 1
+        updates.append(stats.pointer_updates)
+    # Three prompts alive at once lie at three addresses: the second and third calls re-point
+    # the nodes reading the ids; the fourth finds the second's ids where they were last.
+    assert updates[0] == 0 and updates[1] > 0 and updates[2] > 0 and updates[3] > 0
+    again = grape.generate(model, prompts[1], mask, **kw)
+    assert torch.equal(again, expected[1]) and last_stats().pointer_updates == 0
+    assert last_stats().copy_bytes == mask.numel() * mask.element_size()
+    clear_cache(model)
 
 
 def test_a_forward_that_syncs_falls_back_to_generate_and_leaves_the_process_usable(cuda):

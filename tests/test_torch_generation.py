@@ -213,3 +213,30 @@ def test_the_attention_mask_is_inferred_from_pad_tokens_as_generate_infers_it():
     assert mask is not None and mask[0, :2].tolist() == [0, 0] and bool(mask[1:].all())
     assert torch.equal(_host(m, ids, None, max_new_tokens=8),
                        m.generate(ids, max_new_tokens=8, cache_implementation="static"))
+
+
+def test_the_steps_call_the_step_model_and_the_prompt_the_model(model):
+    # compile=True hands the decoder a compiled forward for its steps: here a wrapper that
+    # counts, standing in for it. The prompt is one call of the model itself.
+    calls = []
+
+    def step_model(**inputs):
+        calls.append(inputs["input_ids"].shape[1])
+        return model(**inputs)
+
+    ids, mask = _prompt()
+    options, m = resolve(model, ids, mask, {"max_new_tokens": 6})
+    decoder = TokenDecoder(model, 3, ids.shape[1], options, step_model=step_model)
+    out = decoder.generate_on_host(ids, m)
+    assert calls == [1] * 5
+    assert torch.equal(out, _host(model, ids, mask, max_new_tokens=6))
+
+
+def test_compile_must_be_a_boolean():
+    import grape
+
+    config = transformers.AutoConfig.for_model("gpt2", **CONFIGS["gpt2"], **COMMON)
+    m = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(GrapeError, match="expected compile to be True or False, found 'yes'"):
+        grape.generate(m, torch.zeros((1, 3), dtype=torch.long), max_new_tokens=2,
+                       compile="yes")

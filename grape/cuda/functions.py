@@ -44,6 +44,7 @@ def forget(func: driver.CUfunction) -> None:
     H200: a one-parameter kernel's layout served for a two-parameter one)."""
     address = int(func)
     _layouts.pop(address, None)
+    _names.pop(address, None)
     for ident in [i for i, f in _seen.items() if int(f) == address]:
         del _seen[ident]
 

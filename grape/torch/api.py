@@ -2,10 +2,13 @@
 
 ``generate(model, input_ids, attention_mask=None, *, max_new_tokens, ...)`` returns what
 ``model.generate`` returns for the same arguments (the prompt and the new token ids, finished
-rows padded), for greedy decoding, sampling and beam search. The prompt runs eagerly, at its
-own shape, straight from the caller's tensors; every later token is one iteration of a WHILE
-node on the device (``DeviceLoop``): one launch and one read-back per generation, no host sync
-per token.
+rows padded), for greedy decoding, sampling and beam search. The whole generation is one graph
+launch (``DeviceLoop``): the prompt's prefill, captured at its shape, then every later token as
+one iteration of a WHILE node on the device; one read-back per generation (the result's
+length), no host sync per token. The prefill reads the caller's ``input_ids`` and mask where
+they lie: a later call whose tensors sit elsewhere re-points the nodes that read them
+(``grape.torch.aliasing``), none where they sit where they did. Where the prefill cannot be
+captured (the step can), it runs eagerly before the launch, with a warning.
 
 What a generation needs is built on the first call of its shape and kept: the decoder's static
 tensors and the captured loop, keyed by model, batch, prompt length, strategy and its options.
@@ -16,6 +19,13 @@ refused. (A value read back to the host breaks the capture itself, and is refuse
 Small host constants the forward copies to the GPU (``torch.tensor(0.0, device=...)``, a list
 used as an index) are staged through pinned memory (``grape.torch.staging``), and refused where
 they differ between the two captures.
+
+With ``compile=True`` the step's kernels are Inductor's (``torch.compile`` with
+``mode="max-autotune-no-cudagraphs"``: fused Triton kernels, no PyTorch CUDA graphs), still
+inside grape's one-launch loop; the prompt stays eager. The compiled forward is built once per
+model and compiled once per step shape (the first call of a shape pays for it, minutes with
+autotuning on large models); its kernels differ from the eager ones by design, so its tokens
+are compared with a tolerance, not for equality.
 
 Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, a
 forward that cannot be captured) runs through ``model.generate`` after one warning saying why;
@@ -31,8 +41,9 @@ from typing import Any
 
 import torch
 
-from grape.errors import CaptureError, GrapeError, UnsupportedError
+from grape.errors import CaptureError, GrapeError, GraphError, UnsupportedError
 from grape.passes.audit import step_dependence
+from grape.torch.aliasing import Inputs, signature
 from grape.torch.beam import BeamDecoder
 from grape.torch.capture import capture
 from grape.torch.decoding import Decoder, TokenDecoder
@@ -41,6 +52,14 @@ from grape.torch.options import NotGraphable, Options, resolve
 from grape.torch.staging import HostConstants, PinnedArena
 
 __all__ = ["GenerationStats", "clear_cache", "generate", "last_stats"]
+
+try:  # what a failing torch.compile raises (Dynamo's and Inductor's errors)
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
+
+    _COMPILE_ERRORS: tuple[type[Exception], ...] = (TorchDynamoException, InductorError)
+except ImportError:  # pragma: no cover - torch without Inductor
+    _COMPILE_ERRORS = ()
 
 
 @dataclass
@@ -51,9 +70,13 @@ class GenerationStats:
     reason: str = ""  # why it fell back, where it did
     captured: bool = False  # this call built its loop (the first of its shape)
     capture_s: float = 0.0
-    copy_bytes: int = 0  # caller's bytes copied into the loop's tensors
-    # read-backs after the loop's launch (the result's length); the eager prefill may make
-    # more (Hugging Face's mask code reads values back there: 4 to 6 on the H200)
+    # caller's bytes the generation copies into its own tensors: the prompt's attention mask
+    # into the full-length mask the steps extend (input ids are read where they lie)
+    copy_bytes: int = 0
+    pointer_updates: int = 0  # nodes re-pointed at caller tensors that moved (alias prediction)
+    prefill_graphed: bool = False  # the prefill ran inside the launch (else eagerly, before it)
+    # read-backs grape makes (the result's length); an eager prefill makes more inside the
+    # model (Hugging Face's mask code reads values back: 4 to 10 on the H200)
     host_syncs: int = 0
     launches: int = 0
 
@@ -64,11 +87,22 @@ class _Entry:
     loop: DeviceLoop
     capture_s: float
     arena: PinnedArena  # host constants the loop's copies read at every launch
+    inputs: Inputs | None  # the caller's tensors the captured prefill reads; None: eager
+    copy_bytes: int
 
 
 @dataclass
 class _Cache:
     entries: dict[tuple, _Entry] = field(default_factory=dict)
+    compiled: Any = None  # the model's forward under torch.compile, made on first use
+
+    def step_model(self, model: torch.nn.Module) -> Any:
+        if self.compiled is None:
+            # Static shapes: a step's shapes never change, and a dynamic kernel would read
+            # sizes the captured graph freezes anyway.
+            self.compiled = torch.compile(model, mode="max-autotune-no-cudagraphs",
+                                          dynamic=False)
+        return self.compiled
 
 
 # Per model: its built loops. They hold the model (their decoders call it), so they and it stay
@@ -91,25 +125,44 @@ def clear_cache(model: torch.nn.Module | None = None) -> None:
             entry.loop.close()
 
 
-def _decoder(model: torch.nn.Module, batch: int, prompt_len: int,
-             options: Options) -> Decoder:
+def _decoder(model: torch.nn.Module, batch: int, prompt_len: int, options: Options,
+             step_model: Any) -> Decoder:
     if options.strategy == "beam":
-        return BeamDecoder(model, batch, prompt_len, options)
-    return TokenDecoder(model, batch, prompt_len, options)
+        return BeamDecoder(model, batch, prompt_len, options, step_model)
+    return TokenDecoder(model, batch, prompt_len, options, step_model)
+
+
+class _NoStaging:
+    """For compiled steps: Inductor has already made host constants into kernel arguments,
+    and a Python mode active during capture alone would make Dynamo recompile there."""
+
+    def __init__(self) -> None:
+        self.values: list[bytes] = []
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None,
-           options: Options) -> _Entry:
-    """The decoder and its loop for this shape: warmed up eagerly (lazy initialisation stays
-    out of the capture), the step audited for host-side state, then captured in a loop."""
+           options: Options, step_model: Any = None) -> _Entry:
+    """The decoder and its loop for this shape: warmed up eagerly (lazy initialisation, and
+    compilation where asked, stay out of the capture), the step audited for host-side state,
+    then captured in a loop."""
     began = time.perf_counter()
     batch, prompt_len = input_ids.shape
-    decoder = _decoder(model, batch, prompt_len, options)
+    decoder = _decoder(model, batch, prompt_len, options, step_model)
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
         decoder.set_seed(0)
     params = dict(model.named_parameters())
     arena, device = PinnedArena(), input_ids.device
-    staged = [HostConstants(arena, device), HostConstants(arena, device)]
+
+    def staging() -> Any:
+        return _NoStaging() if step_model is not None else HostConstants(arena, device)
+
+    staged = [staging(), staging()]
     decoder.prefill(input_ids, mask)
     decoder.step()
     first = capture(decoder.step, params=params, warmup=0, instantiate=False,
@@ -124,15 +177,34 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
         raise NotGraphable("the forward copies a host value to the GPU that changes from step "
                            "to step, which a captured step would freeze")
     del first, second
-    decoder.prefill(input_ids, mask)
-    loop = DeviceLoop(decoder.step, decoder.running, options.max_new_tokens, params=params,
-                      staging=HostConstants(arena, device))
-    return _Entry(decoder, loop, time.perf_counter() - began, arena)
+    tensors = _caller_tensors(input_ids, mask)
+    copy_bytes = decoder.prefill(input_ids, mask)
+
+    def prefill(ids: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        decoder.prefill(ids, mask)
+
+    try:
+        inputs = Inputs.of(tensors)
+        # The prompt runs the model itself, never the compiled forward: it is staged always.
+        loop = DeviceLoop(decoder.step, decoder.running, options.max_new_tokens, params=params,
+                          prologue=prefill, prologue_args=tensors, staging=staging(),
+                          prologue_staging=HostConstants(arena, device))
+    except (CaptureError, UnsupportedError, GrapeError) as e:
+        warnings.warn(f"grape.generate runs the prompt eagerly, before each launch: "
+                      f"{str(e).splitlines()[0]}", stacklevel=4)
+        inputs = None
+        loop = DeviceLoop(decoder.step, decoder.running, options.max_new_tokens,
+                          params=params, staging=staging())
+    return _Entry(decoder, loop, time.perf_counter() - began, arena, inputs, copy_bytes)
+
+
+def _caller_tensors(input_ids: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    return [input_ids] if mask is None else [input_ids, mask]
 
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor,
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
-             seed: int | None = None, **kwargs: Any) -> torch.Tensor:
+             seed: int | None = None, compile: bool = False, **kwargs: Any) -> torch.Tensor:
     """``model.generate(input_ids, attention_mask=..., max_new_tokens=..., **kwargs)``, graphed.
 
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
@@ -142,7 +214,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     ``generate``. ``seed`` seeds sampling (default: drawn from torch's global generator, so
     ``torch.manual_seed`` makes a call repeatable); sampled tokens follow the processed
     distribution exactly but are not ``torch.multinomial``'s, so they differ from
-    ``generate``'s for the same seed.
+    ``generate``'s for the same seed. ``compile=True`` runs the step's kernels from
+    ``torch.compile`` (see the module); a model that does not compile falls back to
+    ``model.generate`` with a warning, like one that does not capture.
 
     Returns
     -------
@@ -160,15 +234,19 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
             and hasattr(model, "prepare_inputs_for_generation")):
         raise GrapeError(f"expected a Hugging Face generative model, found "
                          f"{type(model).__name__}")
+    if not isinstance(compile, bool):
+        raise GrapeError(f"expected compile to be True or False, found {compile!r}")
     hf_kwargs = dict(kwargs, max_new_tokens=max_new_tokens)
     try:
         options, mask = resolve(model, input_ids, attention_mask, hf_kwargs)
         if input_ids.device.type != "cuda":
             raise NotGraphable(f"the model is on {input_ids.device}, and graphs need a CUDA "
                                f"device")
-        return _graphed_generate(model, input_ids, mask, options, seed)
-    except (NotGraphable, CaptureError, UnsupportedError) as e:
+        return _graphed_generate(model, input_ids, mask, options, seed, compile)
+    except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
         reason = str(e).splitlines()[0]
+    except _COMPILE_ERRORS as e:  # only raised with compile=True
+        reason = f"torch.compile failed on the step: {type(e).__name__}: {e}".splitlines()[0]
     warnings.warn(f"grape.generate runs model.generate instead: {reason}", stacklevel=2)
     _LAST = GenerationStats(graphed=False, reason=reason)
     if attention_mask is not None:
@@ -178,21 +256,29 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
 
 def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
                       mask: torch.Tensor | None, options: Options,
-                      seed: int | None) -> torch.Tensor:
+                      seed: int | None, compiled: bool) -> torch.Tensor:
     global _LAST
     cache = _CACHES.setdefault(model, _Cache())
-    key = (tuple(input_ids.shape), options.key)
+    key = (tuple(signature(t) for t in _caller_tensors(input_ids, mask)), options.key, compiled)
     entry = cache.entries.get(key)
     captured = entry is None
     if entry is None:
-        entry = cache.entries[key] = _build(model, input_ids, mask, options)
+        step_model = cache.step_model(model) if compiled else None
+        entry = cache.entries[key] = _build(model, input_ids, mask, options, step_model)
     decoder = entry.decoder
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
         decoder.set_seed(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
-    copied = decoder.prefill(input_ids, mask)
+    updates = 0
+    if entry.inputs is None:
+        decoder.prefill(input_ids, mask)
+    else:
+        updates = entry.inputs.point(entry.loop.graph, entry.loop.executable,
+                                     _caller_tensors(input_ids, mask))
     entry.loop.launch()
     result = decoder.result(input_ids)
     _LAST = GenerationStats(graphed=True, captured=captured,
                             capture_s=entry.capture_s if captured else 0.0,
-                            copy_bytes=copied, host_syncs=1, launches=1)
+                            copy_bytes=entry.copy_bytes, pointer_updates=updates,
+                            prefill_graphed=entry.inputs is not None, host_syncs=1,
+                            launches=1)
     return result

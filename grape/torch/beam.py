@@ -11,6 +11,8 @@ tensors, which a captured step could not follow).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from grape.torch.decoding import Decoder
@@ -30,9 +32,9 @@ class BeamDecoder(Decoder):
     """``num_beams`` beams per prompt; rows are batch x beams, beams of a prompt adjacent."""
 
     def __init__(self, model: torch.nn.Module, batch: int, prompt_len: int,
-                 options: Options) -> None:
+                 options: Options, step_model: Any = None) -> None:
         beams = options.num_beams
-        super().__init__(model, batch * beams, prompt_len, options)
+        super().__init__(model, batch * beams, prompt_len, options, step_model)
         device = self.mask.device
         self.batch, self.beams = batch, beams
         self.vocab = model.config.get_text_config().vocab_size

@@ -68,8 +68,11 @@ class Decoder:
     """Fixed-shape state shared by every strategy; subclasses choose tokens (``_emit``)."""
 
     def __init__(self, model: torch.nn.Module, rows: int, prompt_len: int,
-                 options: Options) -> None:
+                 options: Options, step_model: Any = None) -> None:
         self.model, self.options = model, options
+        # What ``step`` calls: the model, or its compiled form (the prompt, at its own
+        # shape, always runs the model itself).
+        self.step_model = model if step_model is None else step_model
         self.rows, self.prompt_len = rows, prompt_len
         self.max_len = prompt_len + options.max_new_tokens
         device = next(model.parameters()).device
@@ -97,7 +100,7 @@ class Decoder:
             kwargs["position_ids"] = position
         inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
                                                           **kwargs)
-        out = self.model(**inputs, return_dict=True)
+        out = (self.model if first else self.step_model)(**inputs, return_dict=True)
         return out.logits[:, -1, :].to(dtype=torch.float32)
 
     @torch.no_grad()
@@ -169,8 +172,8 @@ class TokenDecoder(Decoder):
     """
 
     def __init__(self, model: torch.nn.Module, rows: int, prompt_len: int,
-                 options: Options) -> None:
-        super().__init__(model, rows, prompt_len, options)
+                 options: Options, step_model: Any = None) -> None:
+        super().__init__(model, rows, prompt_len, options, step_model)
         device = self.mask.device
         self.tokens = torch.full((rows, options.max_new_tokens), options.pad, dtype=torch.long,
                                  device=device)

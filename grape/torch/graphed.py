@@ -25,7 +25,7 @@ import torch
 
 from grape.cuda.build import Executable, Graph
 from grape.errors import GrapeError
-from grape.passes.alias import repoint
+from grape.torch.aliasing import Inputs, signature
 from grape.torch.capture import TorchCapture, capture
 
 __all__ = ["Graphed", "graphed"]
@@ -44,8 +44,7 @@ class _Entry:
     captured: TorchCapture
     graph: Graph
     executable: Executable
-    names: list[str]  # the IR buffer of each tensor argument, in order
-    addresses: list[int]  # where each buffer lies for the executable now
+    inputs: Inputs  # where the executable reads each tensor argument
 
 
 @dataclass
@@ -65,46 +64,27 @@ class Graphed:
             if isinstance(a, list | tuple | dict):
                 raise GrapeError(f"expected tensors and plain values as arguments, found a "
                                  f"{type(a).__name__} (pass its tensors one by one)")
-        # The storage offset too: a tensor is re-pointed by its memory's start.
-        key = tuple((tuple(a.shape), a.dtype, a.stride(), a.storage_offset(), a.device)
-                    if isinstance(a, torch.Tensor) else ("value", a) for a in args)
+        key = tuple(signature(a) if isinstance(a, torch.Tensor) else ("value", a)
+                    for a in args)
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = self._capture(args, tensors)
         else:
-            self._alias(entry, tensors)
+            self.stats.pointer_updates += entry.inputs.point(entry.graph, entry.executable,
+                                                             tensors)
         entry.executable.launch(torch.cuda.current_stream().cuda_stream)
         self.stats.calls += 1
         return entry.captured.outputs
 
     def _capture(self, args: tuple, tensors: list[torch.Tensor]) -> _Entry:
-        storages = [t.untyped_storage().data_ptr() for t in tensors]
-        if len(set(storages)) != len(storages):
-            raise GrapeError("expected every tensor argument to have its own memory, found two "
-                             "that share one (views of one tensor)")
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        inputs = Inputs.of(tensors)  # refuses views sharing memory, before the capture's cost
         captured = capture(self.fn, *args, params=self.params, pool=self._pool,
                            instantiate=False)
-        names = [f"input{i}" for i in range(len(tensors))]
         graph = Graph.build(captured.ir)
         self.stats.captures += 1
-        return _Entry(captured, graph, graph.instantiate(), names,
-                      [captured.ir.buffers[n].address if n in captured.ir.buffers else s
-                       for n, s in zip(names, storages, strict=True)])
-
-    def _alias(self, entry: _Entry, tensors: list[torch.Tensor]) -> None:
-        """Point the executable at ``tensors`` where they lie now, updating only what moved."""
-        now = [t.untyped_storage().data_ptr() for t in tensors]
-        moved = {n: a for n, a, was in zip(entry.names, now, entry.addresses, strict=True)
-                 if a != was and n in entry.graph.ir.buffers}
-        if not moved:
-            return
-        ir, changed = repoint(entry.graph.ir, moved)
-        entry.graph.ir = ir  # the builder takes copies' and memsets' addresses from the table
-        Graph.apply(entry.executable, entry.graph.prepare(changed))
-        entry.addresses = now
-        self.stats.pointer_updates += len(changed)
+        return _Entry(captured, graph, graph.instantiate(), inputs)
 
     def close(self) -> None:
         for entry in self._entries.values():

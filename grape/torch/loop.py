@@ -11,7 +11,9 @@ where ``set`` and ``next`` are grape's NVRTC setter kernels (``grape.cuda.condit
 One :meth:`DeviceLoop.launch` runs the whole loop; the host does not synchronise per
 iteration, and it learns the outcome by reading the state back once, when it wants it. A
 ``prologue`` (work that sets the state up, such as a prompt's prefill and its first token) is
-captured too and runs first in the same graph, so that a whole generation is one launch.
+captured too and runs first in the same graph, so that a whole generation is one launch; it is
+called with ``prologue_args``, tensors of the caller's that a later launch may find elsewhere
+(``grape.torch.aliasing`` points the loop at them).
 
 The body is captured as it is called, so it must have run eagerly at least once before (lazy
 initialisation, such as cuBLAS handles, cannot happen inside a capture), and its tensors must
@@ -21,7 +23,7 @@ keep their shapes and addresses: an in-place state, such as ``grape.torch.genera
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +53,9 @@ class DeviceLoop:
 
     def __init__(self, body: Callable[[], Any], running: torch.Tensor, max_iterations: int,
                  params: Mapping[str, torch.Tensor] | None = None,
-                 prologue: Callable[[], Any] | None = None, staging: Any = None) -> None:
+                 prologue: Callable[..., Any] | None = None,
+                 prologue_args: Sequence[torch.Tensor] = (), staging: Any = None,
+                 prologue_staging: Any = None) -> None:
         if not (isinstance(running, torch.Tensor) and running.is_cuda
                 and running.dtype == torch.bool and running.numel() == 1):
             found = (f"{running.dtype} of shape {tuple(running.shape)} on {running.device}"
@@ -66,8 +70,11 @@ class DeviceLoop:
         # (grape.torch.staging), which the caller keeps alive as long as the loop.
         self.capture = capture(body, params=params, warmup=0, instantiate=False,
                                staging=staging)
+        # prologue_args: the caller's tensors the prologue reads, named input<i> in the IR so
+        # that later launches can be pointed at other tensors (grape.torch.aliasing).
         self.prologue = None if prologue is None else capture(
-            prologue, params=params, warmup=0, instantiate=False, staging=staging)
+            prologue, *prologue_args, params=params, warmup=0, instantiate=False,
+            staging=staging if prologue_staging is None else prologue_staging)
         go = Buffer("grape:running", 1, BufferRole.INTERNAL, address=running.data_ptr())
         left = Buffer("grape:remaining", 4, BufferRole.INTERNAL,
                       address=self.remaining.data_ptr())

@@ -3,9 +3,16 @@
 Model code often builds small tensors from Python values on the fly: ``torch.tensor(0.0,
 device=...)`` in a mask, a list used as an index (``x[..., [-2], :]``). Eagerly each is a copy
 from pageable host memory, which a CUDA graph capture refuses. While :class:`HostConstants` is
-active (a ``TorchDispatchMode``, around a capture), every such copy is staged instead: the
-value is written into pinned memory that the caller keeps alive, and the device tensor is
-filled from there by a copy the capture records, so every replay reads the same value again.
+active (around a capture), every such copy is staged instead: the value is written into pinned
+memory that the caller keeps alive, and the device tensor is filled from there by a copy the
+capture records, so every replay reads the same value again.
+
+Two layers see these copies. Most go through the dispatcher as ``_to_copy``/``copy_`` or as an
+operation mixing host and device tensors, which a ``TorchDispatchMode`` sees. Two do not:
+``torch.tensor(data, device=...)`` and a Python list used as an index build their device tensor
+below the dispatcher (PyTorch's ``internal_new_from_data``). A ``TorchFunctionMode`` sees the
+Python call and rewrites it into the first kind: the tensor is built on the host and moved with
+``.to(device)``, the list index becomes a host index tensor.
 
 That is right only for values that do not change from one step to the next. Each staging
 keeps the bytes it staged (:attr:`HostConstants.values`), so that two captures of one step at
@@ -15,9 +22,12 @@ and a captured step would freeze it (``grape.torch.api`` refuses such a step).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grape.errors import UnsupportedError
@@ -25,13 +35,17 @@ from grape.errors import UnsupportedError
 __all__ = ["HostConstants", "PinnedArena"]
 
 _aten = torch.ops.aten
+# Copy(dst, src, nbytes, stream): the device copy a capture records.
+Copy = Callable[[int, int, int, int], None]
 
 
 class PinnedArena:
-    """Pinned host memory handed out once per staged value, kept while its graphs live."""
+    """Pinned host memory handed out once per staged value, kept while its graphs live.
 
-    def __init__(self, nbytes: int = 1 << 16) -> None:
-        self.memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    ``pin=False`` hands out ordinary host memory: only for exercising staging off the GPU."""
+
+    def __init__(self, nbytes: int = 1 << 16, *, pin: bool = True) -> None:
+        self.memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.used = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
@@ -43,48 +57,129 @@ class PinnedArena:
         return self.memory[start:start + nbytes]
 
 
-def _cpu(t: Any) -> bool:
-    # 0-dim CPU tensors are scalars to CUDA kernels (passed by value, never copied).
-    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0
+def _host(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu"
 
 
-class HostConstants(TorchDispatchMode):
-    """Stage host-to-device copies of constants during a capture (see the module)."""
+def _host_array(t: Any) -> bool:
+    # 0-dim host tensors are scalars to device kernels (passed by value, never copied).
+    return _host(t) and t.dim() > 0
 
-    def __init__(self, arena: PinnedArena, device: torch.device) -> None:
-        super().__init__()
-        self.arena, self.device = arena, device
+
+def _cuda_copy(dst: int, src: int, nbytes: int, stream: int) -> None:
+    from grape.cuda.context import copy_to_device_async
+
+    copy_to_device_async(dst, src, nbytes, stream)
+
+
+def _current_stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+class HostConstants:
+    """Stage host-to-device copies of constants during a capture (see the module).
+
+    A context manager; it may be entered again for a later capture, and keeps adding to
+    :attr:`values`. ``copy`` is the device copy (the driver's asynchronous one by default)."""
+
+    def __init__(self, arena: PinnedArena, device: torch.device | str,
+                 copy: Copy = _cuda_copy) -> None:
+        self.arena, self.device, self.copy = arena, torch.device(device), copy
         self.values: list[bytes] = []
+        self._modes: contextlib.ExitStack | None = None
 
-    def _stage(self, t: torch.Tensor) -> torch.Tensor:
-        from grape.cuda.context import copy_to_device_async
+    def __enter__(self) -> HostConstants:
+        with contextlib.ExitStack() as modes:
+            # The function mode rewrites what the dispatch mode then stages: entered first.
+            modes.enter_context(_Factories(self.device))
+            modes.enter_context(_Copies(self))
+            self._modes = modes.pop_all()
+        return self
 
+    def __exit__(self, *exc: Any) -> None:
+        modes, self._modes = self._modes, None
+        modes.__exit__(*exc)
+
+    def on_device(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type == self.device.type
+
+    def stage(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (on the host) on the device, copied from pinned memory by a recorded copy."""
         host = t.contiguous()
         raw = host.reshape(-1).view(torch.uint8)
         pinned = self.arena.take(raw.numel())
         pinned.copy_(raw)
         self.values.append(bytes(raw.numpy()))
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        copy_to_device_async(out.data_ptr(), pinned.data_ptr(), raw.numel(),
-                             torch.cuda.current_stream(self.device).cuda_stream)
+        if raw.numel():
+            self.copy(out.data_ptr(), pinned.data_ptr(), raw.numel(),
+                      _current_stream(self.device))
         return out
+
+
+class _Copies(TorchDispatchMode):
+    """Host-to-device copies the dispatcher sees, staged."""
+
+    def __init__(self, staging: HostConstants) -> None:
+        super().__init__()
+        self.staging = staging
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _aten._to_copy.default and _cpu(args[0]) and torch.device(
-                kwargs.get("device") or "cpu").type == "cuda":
-            staged = self._stage(args[0])
+        staging = self.staging
+        if func is _aten._to_copy.default and _host(args[0]) and torch.device(
+                kwargs.get("device") or "cpu").type == staging.device.type:
+            staged = staging.stage(args[0])
             rest = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format")}
             return staged.to(**rest) if rest else staged
-        if func is _aten.copy_.default and args[0].is_cuda and _cpu(args[1]):
-            return args[0].copy_(self._stage(args[1]))
+        if func is _aten.copy_.default and staging.on_device(args[0]) and _host(args[1]):
+            return args[0].copy_(staging.stage(args[1]))
         flat = [*args, *kwargs.values()]
-        on_device = any(isinstance(a, torch.Tensor) and a.is_cuda for a in _leaves(flat))
-        if on_device and any(_cpu(a) for a in _leaves(flat)):
-            # An op mixing device tensors with host ones (an index built from a list): the
-            # host ones go to the device first, as the op would have copied them.
-            args, kwargs = _replace(args, self._stage), _replace(kwargs, self._stage)
+        if (any(staging.on_device(a) for a in _leaves(flat))
+                and any(_host_array(a) for a in _leaves(flat))):
+            # An op mixing device tensors with host ones (an index tensor): the host ones go
+            # to the device first, as the op would have copied them.
+            args, kwargs = _replace(args, staging.stage), _replace(kwargs, staging.stage)
         return func(*args, **kwargs)
+
+
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+
+
+class _Factories(TorchFunctionMode):
+    """Python calls that would copy host data to the device below the dispatcher, rewritten
+    into copies the dispatcher sees (see the module)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FROM_DATA:
+            device = kwargs.get("device")  # keyword-only in all three
+            if device is not None and torch.device(device).type == self.device.type:
+                on_host = {k: v for k, v in kwargs.items() if k != "device"}
+                return func(*args, **on_host).to(device)
+        elif func in _INDEXING and len(args) > 1:
+            args = (args[0], _index_lists(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        _int_list(v) if isinstance(v, list) else isinstance(v, int) for v in value)
+
+
+def _index_lists(index: Any) -> Any:
+    # A list of Python integers (or booleans) as an index is an index tensor PyTorch builds
+    # on the indexed tensor's device; build it on the host instead, for the dispatch mode.
+    if _int_list(index) and index:
+        return torch.tensor(index)
+    if isinstance(index, tuple):
+        return tuple(_index_lists(i) for i in index)
+    return index
 
 
 def _leaves(values: Any):
@@ -96,7 +191,7 @@ def _leaves(values: Any):
 
 
 def _replace(value: Any, stage) -> Any:
-    if _cpu(value):
+    if _host_array(value):
         return stage(value)
     if isinstance(value, list | tuple):
         return type(value)(_replace(v, stage) for v in value)

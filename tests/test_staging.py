@@ -1,0 +1,95 @@
+"""grape.torch.staging off the GPU: which host-to-device copies a capture would see staged.
+
+The meta device stands in for the GPU (a device whose tensors are not on the host); the copy a
+capture would record is a recorder here. What is checked: every way a forward moves host values
+to the device goes through the stage (including the two that PyTorch performs below its
+dispatcher), with the staged bytes kept, and nothing else does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+from grape.errors import UnsupportedError  # noqa: E402
+from grape.torch.staging import HostConstants, PinnedArena  # noqa: E402
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.copies: list[int] = []
+
+    def __call__(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self.copies.append(nbytes)
+
+
+@pytest.fixture
+def staging():
+    recorder = Recorder()
+    return HostConstants(PinnedArena(1024, pin=False), "meta", copy=recorder), recorder
+
+
+def test_torch_tensor_on_the_device_is_staged_with_its_value(staging):
+    stage, recorder = staging
+    with stage:
+        t = torch.tensor(0.0, device="meta", dtype=torch.float16)
+        u = torch.tensor([1, 2, 3], device=torch.device("meta"))
+    assert (t.device.type, t.dtype, t.shape) == ("meta", torch.float16, ())
+    assert (u.device.type, u.dtype, u.shape) == ("meta", torch.int64, (3,))
+    assert recorder.copies == [2, 24]
+    assert stage.values == [torch.tensor(0.0, dtype=torch.float16).numpy().tobytes(),
+                            torch.tensor([1, 2, 3]).numpy().tobytes()]
+
+
+def test_as_tensor_and_asarray_are_staged(staging):
+    stage, recorder = staging
+    with stage:
+        a = torch.as_tensor([1.5, 2.5], dtype=torch.float32, device="meta")
+        b = torch.asarray([7], device="meta")
+    assert a.device.type == b.device.type == "meta"
+    assert recorder.copies == [8, 8]
+
+
+def test_a_list_used_as_an_index_is_staged_as_an_index_tensor(staging):
+    stage, recorder = staging
+    x = torch.empty(2, 5, 4, device="meta")
+    with stage:
+        y = x[..., [-2], :]
+        z = x[[0, 1]]
+        x[:, [0, 2]] = 1.0
+    assert y.shape == (2, 1, 4) and z.shape == (2, 5, 4)
+    assert recorder.copies == [8, 16, 16]
+    assert stage.values[0] == torch.tensor([-2]).numpy().tobytes()
+
+
+def test_moves_and_mixed_ops_are_staged_and_device_work_is_not(staging):
+    stage, recorder = staging
+    x = torch.empty(4, device="meta")
+    host = torch.arange(4.0)
+    with stage:
+        host.to("meta")
+        x.copy_(host)
+        torch.ones(3, device="meta") + torch.arange(3, device="meta")
+        torch.tensor([1.0, 2.0])  # stays on the host
+        x * 2.0
+        x[1:3]
+        torch.where(x > 0, x, torch.tensor(0.0))  # a 0-dim host tensor is a kernel's scalar
+    assert recorder.copies == [16, 16]
+
+
+def test_the_stage_can_be_entered_again_and_keeps_its_values(staging):
+    stage, recorder = staging
+    for _ in range(2):
+        with stage:
+            torch.tensor([3], device="meta")
+    assert len(stage.values) == 2 and stage.values[0] == stage.values[1]
+    torch.tensor([3], device="meta")  # outside: not staged
+    assert len(recorder.copies) == 2
+
+
+def test_an_arena_too_small_for_the_step_says_so():
+    stage = HostConstants(PinnedArena(16, pin=False), "meta", copy=Recorder())
+    with pytest.raises(UnsupportedError, match="at most 16 bytes per step, found more"), stage:
+        torch.tensor(list(range(4)), device="meta")
+        torch.tensor(list(range(4)), device="meta")
