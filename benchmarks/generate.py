@@ -32,7 +32,8 @@ H200, and random weights give near ties. Each run is made twice per strategy: wi
 tokens), and with an EOS that occurs mid-way (the token the first run made most often).
 
 Run on a GPU: python benchmarks/generate.py [--small] [--deterministic] [--out FILE] [--plot PNG]
-(committed: benchmarks/results/generate_h200.json and .png)
+(committed: benchmarks/results/generate_h200.json and .png; ``--plot-only JSON`` redraws the
+plot from a results file)
 """
 
 from __future__ import annotations
@@ -246,7 +247,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    chosen = [r for r in rows if r["batch"] == 1 and r["run"] == "no EOS"]
+    def label(r: dict[str, Any]) -> str:  # bench-size models by name, other sizes after
+        return r["arch"] if r.get("size", "bench") == "bench" else f"{r['arch']}:{r['size']}"
+
+    order = list(ARCHS)
+    chosen = sorted((dict(r, arch=label(r)) for r in rows
+                     if r["batch"] == 1 and r["run"] == "no EOS"),
+                    key=lambda r: (r.get("size", "bench") != "bench",
+                                   order.index(r["arch"].split(":")[0])))
     strategies = list(dict.fromkeys(r["strategy"] for r in chosen))
     fig, axes = plt.subplots(len(strategies), 1, figsize=(11, 3.2 * len(strategies)),
                              squeeze=False)
@@ -259,11 +267,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             values = [next((r["ms_per_token"] for r in these if r["arch"] == a
                             and r["way"] == way), 0) for a in archs]
             ax.bar([x + i * width for x in range(len(archs))], values, width, label=way)
-        ax.set_xticks([x + width * (len(ways) - 1) / 2 for x in range(len(archs))], archs)
+        ax.set_xticks([x + width * (len(ways) - 1) / 2 for x in range(len(archs))],
+                      [a.split(":")[-1] for a in archs], fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("ms per token")
-        ax.set_title(f"{strategy}, batch 1, {these[0]['new_tokens']} new tokens")
-        ax.legend(fontsize=8)
+        ax.set_title(f"{strategy}, batch 1, {these[0]['new_tokens']} new tokens (H200)")
+        ax.legend(fontsize=7, ncol=len(ways), loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -288,7 +297,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, metavar="FILE",
                         help="write the results as JSON here (nothing is written without it)")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG")
+    parser.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
+                        help="draw --plot from this results file and measure nothing")
     args = parser.parse_args()
+    if args.plot_only:
+        if not args.plot:
+            parser.error("--plot-only needs --plot PNG")
+        doc = json.loads(args.plot_only.read_text())
+        plot([r for r in doc["results"] if "failed" not in r], args.plot)
+        return
     if args.deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before the first cuBLAS handle
     import torch
