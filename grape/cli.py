@@ -107,7 +107,21 @@ def _parser() -> argparse.ArgumentParser:
         description="Turn a trace into a program, replay it in the SimPy model with a device "
                     "profile's costs, and print measured, predicted and what-if figures side "
                     "by side.")
-    sim.add_argument("trace", type=Path, metavar="TRACE")
+    sim.add_argument("trace", type=Path, metavar="TRACE",
+                     help="a torch.profiler or grape trace, or a kernel graph (*.ir.json, "
+                          "*.ir.json.gz) to run on the simulated GPU")
+    sim.add_argument("--durations", type=Path, action="append", default=[], metavar="TRACE",
+                     help="kernel graphs: a trace of the same kernels (their durations by name "
+                          "and launch configuration); several merge, the first one's figure "
+                          "winning")
+    sim.add_argument("--while", dest="while_counts", action="append", default=[],
+                     metavar="NODE=N", help="kernel graphs: WHILE node NODE iterates N times")
+    sim.add_argument("--if", dest="if_taken", action="append", default=[],
+                     metavar="NODE=taken|skipped", help="kernel graphs: whether IF node NODE runs")
+    sim.add_argument("--switch", dest="switch_branches", action="append", default=[],
+                     metavar="NODE=I", help="kernel graphs: the branch SWITCH node NODE takes")
+    sim.add_argument("--launches", type=_positive, default=1, metavar="N",
+                     help="kernel graphs: launches, each waited for (default 1)")
     sim.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="FILE",
                      help=f"device profile (default {DEFAULT_PROFILE})")
     sim.add_argument("--graph", action="store_true",
@@ -283,6 +297,15 @@ def _simulate(args: argparse.Namespace) -> None:
         update_whole_graph,
     )
 
+    if _is_graph_file(args.trace):
+        return _simulate_graph(args)
+    graph_only = [flag for flag, given in (("--durations", args.durations),
+                                           ("--while", args.while_counts),
+                                           ("--if", args.if_taken),
+                                           ("--switch", args.switch_branches)) if given]
+    if graph_only:
+        raise GrapeError(f"expected a kernel graph (*.ir.json.gz) with {graph_only[0]}, found "
+                         f"the trace {args.trace}")
     trace = read_trace(args.trace)
     profile = load_profile(args.profile)
     costs = costs_from_profile(profile)
@@ -373,6 +396,93 @@ def _simulate(args: argparse.Namespace) -> None:
         plot_simulation(args.plot, shown, trace.workload, curve,
                         "host cost, times what the trace shows")
         print(f"  plot: {args.plot}")
+
+
+def _is_graph_file(path: Path) -> bool:
+    return path.name.endswith((".ir.json", ".ir.json.gz"))
+
+
+def _choices(args: argparse.Namespace) -> Any:
+    from grape.sim.graph import Choices
+
+    def pairs(values: list[str], flag: str, convert) -> dict[str, Any]:
+        out = {}
+        for value in values:
+            node, sep, raw = value.rpartition("=")
+            try:
+                if not (sep and node):
+                    raise ValueError
+                out[node] = convert(raw)
+            except ValueError:
+                raise GrapeError(f"expected {flag} NODE=VALUE ({flag} {_CHOICE_HELP[flag]}), "
+                                 f"found {value!r}") from None
+        return out
+
+    def count(raw: str) -> int:
+        if not raw.isdigit():
+            raise ValueError
+        return int(raw)
+
+    def taken(raw: str) -> bool:
+        if raw not in ("taken", "skipped"):
+            raise ValueError
+        return raw == "taken"
+
+    return Choices(iterations=pairs(args.while_counts, "--while", count),
+                   taken=pairs(args.if_taken, "--if", taken),
+                   branch=pairs(args.switch_branches, "--switch", count))
+
+
+_CHOICE_HELP = {"--while": "grape:while=63", "--if": "node=taken or node=skipped",
+                "--switch": "node=2"}
+
+
+def _simulate_graph(args: argparse.Namespace) -> None:
+    """A kernel graph run on the simulated GPU, with kernel durations from a trace."""
+    from grape.profile import load_profile
+    from grape.sim.engine import simulate
+    from grape.sim.graph import Durations, program_from_graph
+    from grape.sim.timeline import write_graph_timeline
+    from grape.sim.whatif import costs_from_profile
+
+    trace_only = [flag for flag, given in (("--graph", args.graph),
+                                           ("--graph-region", args.graph_region),
+                                           ("--host-scale", args.host_scale is not None),
+                                           ("--launch-cost", args.launch_cost is not None),
+                                           ("--update-nodes", args.update_nodes is not None),
+                                           ("--update-whole", args.update_whole),
+                                           ("--placeholder-copies",
+                                            args.placeholder_copies is not None),
+                                           ("--device-loop", args.device_loop),
+                                           ("--plot", args.plot)) if given]
+    if trace_only:
+        raise GrapeError(f"expected a trace with {trace_only[0]}, found the kernel graph "
+                         f"{args.trace}")
+    if not args.durations:
+        raise GrapeError(f"expected --durations TRACE (a trace of the same kernels) to run the "
+                         f"kernel graph {args.trace}, found none")
+    graph = KernelGraph.load(args.trace)
+    tables = [Durations.from_ops(read_trace(p).gpu_ops, str(p)) for p in args.durations]
+    durations = tables[0]
+    for table in tables[1:]:
+        durations = durations.merged(table)
+    profile = load_profile(args.profile)
+    overrides = ({} if args.node_overhead is None
+                 else {"graph_node_overhead": args.node_overhead})
+    costs = costs_from_profile(profile, **overrides)
+    program, run = program_from_graph(graph, durations, costs, _choices(args), args.launches,
+                                      name=args.trace.name)
+    result = simulate(program, costs)
+    print(f"{args.trace}: {graph.dag.number_of_nodes()} nodes, {run.nodes_run} node runs per "
+          f"launch (kernel durations from {durations.source})")
+    print(f"  GPU time per launch            {run.gpu_time / 1000:10.3f} ms")
+    print(f"  launch to sync, per launch     {result.per_iteration / 1000:10.3f} ms "
+          f"({args.launches} launch{'es' if args.launches > 1 else ''})")
+    for note in program.approximations:
+        print(f"  approximated: {note}")
+    if args.chrome:
+        write_graph_timeline(args.chrome, run, args.trace.name)
+        print(f"  timeline: {args.chrome} (open in https://ui.perfetto.dev)")
 
 
 def _validate(args: argparse.Namespace) -> None:

@@ -90,3 +90,8 @@ class UnsupportedError(GrapeError):
 
 class ProfileError(GrapeError):
     """A device profile that is missing, malformed, or of another schema."""
+
+
+class SimulationError(GrapeError):
+    """The simulator lacks what a prediction needs (a kernel's duration, a conditional's
+    choice): it says so rather than guess."""

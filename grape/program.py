@@ -22,6 +22,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from grape.ir import KernelGraph
 from grape.records import GpuOp, Iteration, span, union_length
 from grape.records import StreamWait as WaitRecord
 from grape.trace import Trace
@@ -71,7 +72,9 @@ class GraphLaunch:
     """A graph launch: ``nodes`` kernels that take ``gpu_time`` on the device as one unit.
 
     ``gpu_time`` is the graph's critical path on the GPU (kernels, gaps and whatever parallel
-    branches overlap); ``work`` keeps the kernels for timelines. ``busy``, where a trace gave
+    branches overlap); ``work`` keeps the kernels for timelines. ``graph``, where the launch
+    was built from the IR (``grape.sim.graph.program_from_graph``), is the kernel graph itself,
+    and ``gpu_time`` comes from running its DAG. ``busy``, where a trace gave
     it, is the union of the kernels' intervals as CUPTI timed them: CUPTI stretches the gaps
     between a graph's kernels by an amount that varies between recordings, so the simulator
     prices the gaps with the device profile instead (``grape.sim.whatif``).
@@ -83,6 +86,7 @@ class GraphLaunch:
     stream: int
     work: tuple[GpuWork, ...] = ()
     busy: float | None = None
+    graph: KernelGraph | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,11 @@ TRACES = Path(__file__).resolve().parent.parent / "traces"
 RECORDED = sorted((TRACES / "h200").glob("*.json.gz"))
 RAW = sorted(TRACES.rglob(f"*{RAW_SUFFIX}"))
 GRAPHS = sorted(TRACES.rglob(f"*{IR_SUFFIX}"))
-ALL = sorted(p for p in TRACES.rglob("*.json.gz") if p not in RAW and p not in GRAPHS)
+# grape's own executions (benchmarks/ir_twin.py): torch.profiler traces of a few launches, kept
+# for their kernels' durations beside the kernel graphs they ran.
+TWINS = sorted((TRACES / "h200_ir").glob("twin_*.kineto.json.gz"))
+ALL = sorted(p for p in TRACES.rglob("*.json.gz")
+             if p not in RAW and p not in GRAPHS and p not in TWINS)
 # Kernels per iteration, by trace: a GPT-2 family trace steps through lengths, across the
 # topology change at KV 512; the other traces repeat one step.
 KERNELS = {"gpt2_small_family_b1": {292, 316}, "gpt2_small_family_b5": {292, 316},
@@ -56,6 +60,27 @@ def test_every_committed_trace_reads(path):
     else:
         assert len(t.iterations) == 3 and len(kernels) == 1 and kernels.pop() > 100
     assert not t.orphans
+
+
+@pytest.mark.parametrize("path", TWINS, ids=lambda p: p.name)
+def test_each_twin_recording_times_every_kernel_of_its_graph(path):
+    from grape.ir import Conditional, Kernel, KernelGraph
+    from grape.sim.graph import Durations
+
+    def kernels_of(graph):  # bodies of conditional nodes included
+        for node, op in graph.ops():
+            if isinstance(op, Kernel):
+                yield node, op
+            elif isinstance(op, Conditional):
+                for body in op.bodies:
+                    yield from kernels_of(body)
+
+    graph = KernelGraph.load(path.with_name(path.name.replace(".kineto.", ".ir.")))
+    durations = Durations.from_ops(read_trace(path).gpu_ops, path.name)
+    kernels = list(kernels_of(graph))
+    assert len(kernels) > 300
+    for node, kernel in kernels:
+        assert durations.kernel(kernel, node) > 0
 
 
 @pytest.mark.parametrize("path", RAW, ids=lambda p: p.name)

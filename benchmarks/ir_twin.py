@@ -1,0 +1,128 @@
+"""Record grape's own executions on the GPU, for the simulator to predict from their IR.
+
+Two executions of a GPT-2 small-shaped greedy decoder (fp16, random weights, batch 1, a static
+cache), each built by the CUDA backend from its IR:
+
+- ``step``: one decode step, captured into the IR and rebuilt as grape's executable;
+- ``loop``: the same step in a WHILE node (``DeviceLoop``), ``--new`` tokens per launch.
+
+For each: the IR (``<name>.ir.json.gz``), a torch.profiler trace of ``--profiled`` launches
+(``<name>.kineto.json.gz``: the kernels' durations as CUPTI measured them), and, outside the
+profiler (CUPTI stretches the gaps between a graph's kernels), the GPU time per launch measured
+with CUDA events over ``--timed`` launches, in ``ir_twin.json`` with the loop's iteration count.
+``grape simulate <name>.ir.json.gz --durations <name>.kineto.json.gz`` predicts the launch from
+the IR; ``tests/test_sim_graph.py`` holds the prediction to the measured figures.
+
+Run on a GPU: python benchmarks/ir_twin.py --out DIR
+(committed: traces/h200_ir/twin_*)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import torch
+import transformers
+
+from grape.cuda.build import Graph
+from grape.torch.capture import capture
+from grape.torch.decoding import TokenDecoder
+from grape.torch.loop import DeviceLoop
+from grape.torch.options import resolve
+
+
+def _timed(launch, repeats: int, before=None) -> list[float]:
+    """GPU microseconds of each launch, between CUDA events around it."""
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(1000 * start.elapsed_time(end))
+    return times
+
+
+def _profiled(launch, repeats: int, path: Path, before=None) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(repeats):
+            if before is not None:
+                before()
+            torch.cuda.synchronize()
+            with record_function(f"grape launch {i}"):
+                launch()
+            torch.cuda.synchronize()
+    raw = path.with_suffix("")
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR")
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--timed", type=int, default=50)
+    parser.add_argument("--profiled", type=int, default=5)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).to(torch.float16).cuda().eval()
+    ids = torch.randint(3, config.vocab_size, (1, 32), device="cuda")
+    options, mask = resolve(model, ids, None, {"max_new_tokens": args.new, "eos_token_id": None})
+    decoder = TokenDecoder(model, 1, ids.shape[1], options)
+    params = dict(model.named_parameters())
+    decoder.prefill(ids, mask)
+    decoder.step()
+    step = capture(decoder.step, params=params, warmup=0, instantiate=False)
+    graph = Graph.build(step.ir)
+    executable = graph.instantiate()
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def prefill() -> None:
+        decoder.prefill(ids, mask)
+
+    loop = DeviceLoop(decoder.step, decoder.running, args.new, params=params)
+    # Each launch starts from a fresh prefill (outside the timing): the step's token count
+    # must stay within the tokens' table, and the loop must run its full length every time.
+    runs = {"step": (step.ir, lambda: executable.launch(stream), prefill),
+            "loop": (loop.ir, loop.launch, prefill)}
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "model": "gpt2 small shape, fp16, batch 1, prompt 32, static cache", "runs": {}}
+    for name, (ir, launch, before) in runs.items():
+        decoder.prefill(ids, mask)
+        for _ in range(3):  # warm-up
+            before()
+            launch()
+        times = _timed(launch, args.timed, before)
+        iterations = None
+        if name == "loop":
+            iterations = int(decoder.count.item()) - 1  # the prefill made the first token
+        ir.save(args.out / f"twin_{name}.ir.json.gz")
+        _profiled(launch, args.profiled, args.out / f"twin_{name}.kineto.json.gz", before)
+        doc["runs"][name] = {"launch_gpu_us": times, "median_us": statistics.median(times),
+                             "nodes": ir.dag.number_of_nodes(), "while_iterations": iterations}
+        print(f"{name}: {statistics.median(times):.1f} us per launch (GPU, CUDA events), "
+              f"{ir.dag.number_of_nodes()} nodes, iterations {iterations}", flush=True)
+    (args.out / "ir_twin.json").write_text(json.dumps(doc, indent=1) + "\n")
+    executable.close()
+    graph.close()
+    loop.close()
+
+
+if __name__ == "__main__":
+    main()

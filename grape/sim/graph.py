@@ -1,0 +1,213 @@
+"""A kernel graph (the IR the CUDA backend builds from) as the GPU runs it.
+
+:func:`run_graph` schedules a :class:`~grape.ir.KernelGraph`'s DAG: a node starts when every
+node it depends on has finished and the GPU's front end has dispatched it; the front end
+dispatches nodes in order, one per ``Costs.graph_node_overhead`` at most, and prepares the next
+while the current one runs. A chain of kernels longer than that overhead therefore costs its
+kernels alone, a chain of shorter ones the overhead per node, and independent branches overlap
+as the capture forked them, as far as the front end keeps up. Conditional nodes run their
+bodies: a WHILE node its body as many times as it iterates plus ``Costs.while_per_iteration``
+each time, an IF node its body where taken, a SWITCH node the chosen branch. Those choices are
+data on the device, so the caller gives them (:class:`Choices`), and a conditional without one
+is an error, not a guess.
+
+Where this model stands: on grape's own executions recorded on the H200 (a GPT-2 decode step of
+342 nodes, and the same step in a WHILE node for 63 iterations; ``traces/h200_ir/twin_*``) the
+kernels' traced durations alone account for the launch, and this predicts both within 0.2%
+(``tests/test_sim_graph.py``). PyTorch's own replays of other models, on other H200 machines,
+showed 0.14 to 0.32 us per node beyond their kernels' union (the profile's ``graph_nodes``),
+which the trace-based path (``grape.sim.whatif.profiled_graph_launches``) still adds to every
+node, while one earlier machine ran graphs with none (``tests/test_validation.py``, its expected
+failure). Whether a per-node cost shows may depend on the machine, which a profiled trace does
+not reveal; recordings where both paths run the same graph on one machine would settle it.
+
+Durations come from a trace of the same kernels (:class:`Durations`): the median duration of
+each kernel by function and launch configuration (its demangled name, as CUPTI reports it, grid
+and block), and of copies and memsets by kind and size; one the trace did not see is priced from
+the device profile's copy latency and bandwidth.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import cxxfilt
+import networkx as nx
+
+from grape.errors import SimulationError
+from grape.ir import Conditional, ConditionalKind, Kernel, KernelGraph, Memcpy, Memset, Op
+from grape.program import GpuWork, GraphLaunch, Program, Sync
+from grape.records import GpuOp
+from grape.sim.engine import Costs
+
+__all__ = ["Choices", "Durations", "GraphRun", "kernel_key", "program_from_graph", "run_graph"]
+
+KernelKey = tuple[str, tuple[int, int, int], tuple[int, int, int]]
+
+
+def demangle(name: str) -> str:
+    """A kernel's name as CUPTI reports it: demangled (``extern "C"`` names stay as they are)."""
+    try:
+        return cxxfilt.demangle(name)
+    except cxxfilt.InvalidName:
+        return name
+
+
+def kernel_key(k: Kernel) -> KernelKey:
+    return demangle(k.name), tuple(k.grid), tuple(k.block)
+
+
+@dataclass(frozen=True)
+class Durations:
+    """Kernel durations (us) by :func:`kernel_key`, the median of every time a trace saw one."""
+
+    table: Mapping[KernelKey, float]
+    source: str = "a duration table"
+    transfers: Mapping[tuple[str, int], float] = field(default_factory=dict)  # (kind, bytes)
+
+    @classmethod
+    def from_ops(cls, ops: Iterable[GpuOp], source: str) -> Durations:
+        seen: dict[KernelKey, list[float]] = defaultdict(list)
+        moved: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for op in ops:
+            if op.kind == "kernel" and op.grid is not None and op.block is not None:
+                seen[(op.name, tuple(op.grid), tuple(op.block))].append(op.dur)
+            elif op.bytes is not None and (op.kind == "memset" or "DtoD" in op.name):
+                moved[(op.kind, op.bytes)].append(op.dur)
+        if not seen:
+            raise SimulationError(f"{source}: expected kernels with their grid and block (a "
+                                  f"torch.profiler trace with CUDA activity), found none")
+        return cls({k: statistics.median(v) for k, v in seen.items()}, source,
+                   {k: statistics.median(v) for k, v in moved.items()})
+
+    def merged(self, other: Durations) -> Durations:
+        """Both tables; where both time a kernel, this one's figure."""
+        return Durations({**other.table, **self.table}, f"{self.source} and {other.source}",
+                         {**other.transfers, **self.transfers})
+
+    def kernel(self, k: Kernel, node: str) -> float:
+        key = kernel_key(k)
+        if key not in self.table:
+            raise SimulationError(f"expected a duration for node {node!r} ({key[0][:80]}, grid "
+                                  f"{key[1]}, block {key[2]}) in {self.source}, found none")
+        return self.table[key]
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What conditional nodes do in one launch, by their node name (the outer graph's; a body's
+    conditional as ``<node>/<body index>/<inner node>``): WHILE iteration counts, IF taken or
+    not, SWITCH branch indices."""
+
+    iterations: Mapping[str, int] = field(default_factory=dict)
+    taken: Mapping[str, bool] = field(default_factory=dict)
+    branch: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GraphRun:
+    """One launch of a graph on the GPU: its time from the first dispatch to the last node's
+    end, and each node's interval (start, end, name), bodies' nodes included."""
+
+    gpu_time: float
+    intervals: tuple[tuple[float, float, str], ...]
+    nodes_run: int  # node executions, a body's nodes once per iteration
+
+
+def _copy_time(op: Memcpy | Memset, costs: Costs) -> float:
+    # Bytes read plus written for a copy, written for a memset, at the profiled bandwidth.
+    moved = 2 * op.size if isinstance(op, Memcpy) else op.extent
+    return costs.copy_latency + moved / (costs.copy_bandwidth * 1e3)  # GB/s -> bytes per us
+
+
+class _Schedule:
+    def __init__(self, durations: Durations, costs: Costs, choices: Choices) -> None:
+        self.durations, self.costs, self.choices = durations, costs, choices
+        self.intervals: list[tuple[float, float, str]] = []
+        self.nodes_run = 0
+
+    def graph(self, graph: KernelGraph, begin: float, prefix: str) -> float:
+        """Run ``graph`` from ``begin``; returns when its last node ends."""
+        finish: dict[str, float] = {}
+        front = begin  # when the front end can dispatch the next node
+        end = begin
+        for node in nx.topological_sort(graph.dag):
+            ready = max((finish[p] for p in graph.dag.predecessors(node)), default=begin)
+            start = max(ready, front + self.costs.graph_node_overhead)
+            front = start
+            finish[node] = self.op(graph.op(node), start, f"{prefix}{node}")
+            end = max(end, finish[node])
+        return end
+
+    def op(self, op: Op, start: float, name: str) -> float:
+        self.nodes_run += 1
+        if isinstance(op, Conditional):
+            return self.conditional(op, start, name)
+        if isinstance(op, Kernel):
+            dur = self.durations.kernel(op, name)
+        elif isinstance(op, Memcpy | Memset):
+            key = ("memcpy", op.size) if isinstance(op, Memcpy) else ("memset", op.extent)
+            dur = self.durations.transfers.get(key)
+            if dur is None:
+                dur = _copy_time(op, self.costs)
+        else:  # empty nodes and events: dependencies only
+            dur = 0.0
+        self.intervals.append((start, start + dur, name))
+        return start + dur
+
+    def conditional(self, op: Conditional, start: float, name: str) -> float:
+        choices = self.choices
+        if op.type is ConditionalKind.WHILE:
+            if name not in choices.iterations:
+                raise SimulationError(f"expected an iteration count for WHILE node {name!r}, "
+                                      f"found none")
+            t = start
+            for _ in range(choices.iterations[name]):
+                t = self.graph(op.bodies[0], t, f"{name}/0/") + self.costs.while_per_iteration
+            return t
+        if op.type in (ConditionalKind.IF, ConditionalKind.IF_ELSE):
+            if name not in choices.taken:
+                raise SimulationError(f"expected whether IF node {name!r} is taken, found none")
+            body = 0 if choices.taken[name] else 1
+            if body >= len(op.bodies):
+                return start
+            return self.graph(op.bodies[body], start, f"{name}/{body}/")
+        if name not in choices.branch:
+            raise SimulationError(f"expected the branch SWITCH node {name!r} takes, found none")
+        branch = choices.branch[name]
+        if not 0 <= branch < len(op.bodies):  # CUDA runs no branch for an index out of range
+            return start
+        return self.graph(op.bodies[branch], start, f"{name}/{branch}/")
+
+
+def run_graph(graph: KernelGraph, durations: Durations, costs: Costs,
+              choices: Choices | None = None) -> GraphRun:
+    """One launch of ``graph`` (see the module).
+
+    Raises
+    ------
+    SimulationError
+        A kernel without a duration, a conditional without its choice.
+    """
+    schedule = _Schedule(durations, costs, choices or Choices())
+    end = schedule.graph(graph, 0.0, "")
+    return GraphRun(end, tuple(schedule.intervals), schedule.nodes_run)
+
+
+def program_from_graph(graph: KernelGraph, durations: Durations, costs: Costs,
+                       choices: Choices | None = None, launches: int = 1,
+                       name: str = "kernel graph") -> tuple[Program, GraphRun]:
+    """``launches`` launches of ``graph``, each waited for: a Program whose graph launches hold
+    the IR, with the GPU time of running its DAG, and that run (the same for every launch)."""
+    run = run_graph(graph, durations, costs, choices)
+    nodes = graph.dag.number_of_nodes()
+    work = tuple(GpuWork("kernel", label, end - start, 0) for start, end, label in run.intervals)
+    launch = GraphLaunch(cost=costs.graph_launch_fixed + costs.graph_launch_per_node * nodes,
+                         nodes=nodes, gpu_time=run.gpu_time, stream=0, work=work, graph=graph)
+    program = Program(name, [(launch, Sync("cuStreamSynchronize", 0.0))] * launches)
+    program.approximations.append("a graph launch's host cost is the device profile's replay "
+                                  "cost; the sync after it costs nothing on the host")
+    return program, run
