@@ -124,6 +124,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="kernel graphs: launches, each waited for (default 1)")
     sim.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="FILE",
                      help=f"device profile (default {DEFAULT_PROFILE})")
+    sim.add_argument("--iterations", type=_positive, metavar="N",
+                     help="split the trace into N equal iterations instead of detecting them")
     sim.add_argument("--graph", action="store_true",
                      help="what if each iteration were captured and replayed as one graph")
     sim.add_argument("--graph-region", metavar="A:B",
@@ -182,6 +184,7 @@ def _info(args: argparse.Namespace) -> None:
             summary = profile_summary(profile_from_json(doc, path))
         else:
             trace = trace_from_json(doc, path, args.iterations)
+            _warn_split(trace)
             traces.append(trace)
             summary = trace_summary(trace)
         if args.json:
@@ -306,7 +309,8 @@ def _simulate(args: argparse.Namespace) -> None:
     if graph_only:
         raise GrapeError(f"expected a kernel graph (*.ir.json.gz) with {graph_only[0]}, found "
                          f"the trace {args.trace}")
-    trace = read_trace(args.trace)
+    trace = read_trace(args.trace, args.iterations)
+    _warn_split(trace)
     profile = load_profile(args.profile)
     costs = costs_from_profile(profile)
     program = unprofiled_program(trace, profile)
@@ -396,6 +400,11 @@ def _simulate(args: argparse.Namespace) -> None:
         plot_simulation(args.plot, shown, trace.workload, curve,
                         "host cost, times what the trace shows")
         print(f"  plot: {args.plot}")
+
+
+def _warn_split(trace: Trace) -> None:
+    if trace.split_warning:
+        print(f"grape: warning: {trace.split_warning}", file=sys.stderr)
 
 
 def _is_graph_file(path: Path) -> bool:

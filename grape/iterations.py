@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from grape.errors import EmptyTraceError, IterationError
 from grape.kineto import Decoded
 from grape.records import HostCall, Iteration, Launch, top_level
 
-__all__ = ["Split", "smallest_period", "split_iterations"]
+__all__ = ["Split", "repeating_period", "smallest_period", "split_iterations"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Split:
     iterations: tuple[Iteration, ...]
     method: str  # how the iterations were found, for people
     outside: tuple[HostCall, ...]  # CUDA API calls outside every iteration
+    warning: str | None = None  # a split the user should look at (one iteration that repeats)
 
 
 def smallest_period(seq: list) -> int:
@@ -46,6 +47,52 @@ def smallest_period(seq: list) -> int:
         if n % p == 0 and seq[p:] == seq[:-p]:
             return p
     return n
+
+
+def repeating_period(seq: list) -> tuple[int, list[int]]:
+    """Smallest p dividing len(seq) such that seq is blocks of p that repeat, allowing a few
+    blocks to differ in a few places: at most one block in ten (at least one, of three or more
+    blocks) may differ from the blocks' majority, each in at most one position in ten (at least
+    one). That is a first iteration whose library picked other kernels (cuBLAS choosing another
+    GEMV on its first call) among identical ones. Returns p (len(seq) if none) and the indices
+    of the blocks that differ.
+
+    >>> repeating_period(list("abcabcabc"))
+    (3, [])
+    >>> repeating_period(list("axcabcabcabc"))
+    (3, [0])
+    >>> repeating_period(list("abcd"))
+    (4, [])
+    """
+    n = len(seq)
+    for p in range(1, n):
+        if n % p:
+            continue
+        blocks = [seq[i:i + p] for i in range(0, n, p)]
+        if all(b == blocks[0] for b in blocks[1:]):
+            return p, []
+        if len(blocks) < 3:
+            continue
+        majority = [Counter(column).most_common(1)[0][0] for column in zip(*blocks, strict=True)]
+        odd = {i: sum(a != b for a, b in zip(block, majority, strict=True))
+               for i, block in enumerate(blocks) if block != majority}
+        if (len(odd) <= max(1, len(blocks) // 10)
+                and max(odd.values()) <= max(1, p // 10)):
+            return p, sorted(odd)
+    return n, []
+
+
+def _repeating_tail(seq: list) -> tuple[int, int] | None:
+    """(period, repeats) of the longest run of identical blocks that ends the sequence and
+    covers at least three quarters of it in two or more blocks, where one exists."""
+    n = len(seq)
+    for p in range(1, n // 2 + 1):
+        k = 1
+        while (k + 1) * p <= n and seq[n - (k + 1) * p:n - k * p] == seq[n - p:]:
+            k += 1
+        if k >= 2 and k * p >= 0.75 * n:
+            return p, k
+    return None
 
 
 def split_iterations(d: Decoded, count: int | None = None, source: str = "trace") -> Split:
@@ -73,10 +120,24 @@ def split_iterations(d: Decoded, count: int | None = None, source: str = "trace"
     elif d.steps:
         return _split_by_steps(d, launches)
     else:
-        period = smallest_period([launch.signature for launch in launches])
+        signatures = [launch.signature for launch in launches]
+        period, odd = repeating_period(signatures)
         n = len(launches) // period
         method = (f"repeating launch sequence: {n} iterations of {period} launches" if n > 1 else
                   f"no repeating launch sequence: one iteration of {period} launches")
+        if odd:
+            method += (f" (iteration{'s' if len(odd) > 1 else ''} "
+                       f"{', '.join(map(str, odd))} launched other kernels in places)")
+        tail = _repeating_tail(signatures) if n == 1 else None
+        if tail is not None:
+            p, k = tail
+            warning = (f"{source}: found one iteration of {len(launches)} launches, though its "
+                       f"last {k} x {p} launches repeat: split it with --iterations N (N "
+                       f"dividing {len(launches)}), or record torch.profiler's step "
+                       f"annotations (its schedule)")
+            groups = [launches]
+            return replace(_assemble(d, groups, _host_windows(d, groups), method),
+                           warning=warning)
     groups = [launches[i:i + period] for i in range(0, len(launches), period)]
     windows = _host_windows(d, groups)
     return _assemble(d, groups, windows, method)

@@ -146,6 +146,7 @@ class Trace:
     waits: list[StreamWait] = field(default_factory=list)
     versions: dict[str, Any] = field(default_factory=dict)
     grape: GrapeMeta | None = None
+    split_warning: str | None = None  # a split to look at (one iteration that repeats)
 
     @property
     def device_name(self) -> str:
@@ -223,7 +224,8 @@ def trace_from_json(doc: Any, path: str | Path, iterations: int | None = None) -
                  gpu_ops=decoded.gpu_ops, launches=decoded.launches,
                  iterations=split.iterations, split_method=split.method, outside=split.outside,
                  orphans=decoded.orphans, unknown=decoded.unknown, device=device,
-                 versions=versions, grape=grape, waits=decoded.waits)
+                 versions=versions, grape=grape, waits=decoded.waits,
+                 split_warning=split.warning)
 
 
 def _device(properties: Any, path: str | Path) -> dict[str, Any]:

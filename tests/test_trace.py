@@ -298,3 +298,58 @@ def test_malformed_trace_metadata_is_refused(tmp_path, top, message):
     with pytest.raises((TraceFormatError, SchemaVersionError), match=message) as info:
         read_trace(path)
     assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+
+
+def _launches(t0: float, corr: int, kernels: list[str]) -> list[dict]:
+    """One iteration launching ``kernels`` in turn, each from its own operator."""
+    events = []
+    for i, name in enumerate(kernels):
+        ts, c = t0 + 20 * i, corr + i
+        events += [_x("aten::op", "cpu_op", ts, 10),
+                   _x("cudaLaunchKernel", "cuda_runtime", ts + 1, 5, c),
+                   _x(name, "kernel", ts + 4, 8, c, stream=7, grid=[1, 1, 1],
+                      block=[32, 1, 1])]
+    return events
+
+
+STEP = ["embed", "gemv", "add", "gemv", "softmax", "gemv", "add", "gemv", "norm", "gemv",
+        "argmax"]
+
+
+def test_a_first_iteration_whose_library_picked_another_kernel_is_still_one_of_four(tmp_path):
+    first = ["gemv_first_call" if i == 1 else k for i, k in enumerate(STEP)]
+    events = []
+    for i, kernels in enumerate([first, STEP, STEP, STEP]):
+        events += _launches(1000 * i, 100 * i, kernels)
+    t = read_trace(_write(tmp_path, events))
+    assert len(t.iterations) == 4 and t.split_warning is None
+    assert "iteration 0 launched other kernels in places" in t.split_method
+    assert [k.name for k in t.iterations[0].kernels][1] == "gemv_first_call"
+
+
+def test_two_iterations_that_differ_are_not_taken_for_a_repeat(tmp_path):
+    # With two blocks there is no majority to tell the odd one: one iteration, no guess.
+    other = ["gemv_first_call" if i == 1 else k for i, k in enumerate(STEP)]
+    events = _launches(0, 0, other) + _launches(1000, 100, STEP)
+    t = read_trace(_write(tmp_path, events))
+    assert len(t.iterations) == 1 and "no repeating launch sequence" in t.split_method
+
+
+def test_one_iteration_that_obviously_repeats_is_flagged_with_what_to_do(tmp_path, capsys):
+    from grape.cli import main
+
+    events = _launches(0, 0, ["warm_up"])  # one extra launch before three iterations
+    for i in range(3):
+        events += _launches(1000 * (i + 1), 100 * (i + 1), STEP)
+    path = _write(tmp_path, events)
+    t = read_trace(path)
+    assert len(t.iterations) == 1
+    assert t.split_warning.endswith("found one iteration of 34 launches, though its last 3 x "
+                                    "11 launches repeat: split it with --iterations N (N "
+                                    "dividing 34), or record torch.profiler's step "
+                                    "annotations (its schedule)")
+    assert main(["info", str(path)]) == 0
+    assert "grape: warning:" in capsys.readouterr().err
+    assert main(["simulate", str(path), "--iterations", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "2 iterations" in captured.out and "warning" not in captured.err

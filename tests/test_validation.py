@@ -3,11 +3,12 @@
 Graphed runs and the eager -> graph what-if's host side (its GPU time borrowed from the graphed
 recording) are held to the issue's bounds one by one (median 5%, any single prediction 15%), and
 the median over those and the replays to 5%, on two recordings of the suite. The what-if from
-the eager trace alone is held to 10% where capture keeps the kernels; in this suite capture never
-does (the models take another path under capture), which an expected failure records. Replays of host-bound eager runs are reported, not held to the 15% bound: their host
-side is Python on a shared machine, whose speed drifted by up to 2x between processes and within
-one (a step timed at 9.6 ms was profiled moments later at a pace implying 5.6 ms; the profiled
-steps of one workload took 7.1-13.1 ms in five processes where it ran at 5.2-5.6 ms unprofiled:
+the eager trace alone is held to 10% where capture keeps the kernels; in this suite capture
+never does (the models take another path under capture), which an expected failure records.
+Replays of host-bound eager runs are reported, not held to the 15% bound: their host side is
+Python on a shared machine, whose speed drifted by up to 2x between processes and within one (a
+step timed at 9.6 ms was profiled moments later at a pace implying 5.6 ms; the profiled steps of
+one workload took 7.1-13.1 ms in five processes where it ran at 5.2-5.6 ms unprofiled:
 benchmarks/results/host_drift_h200.json), so one recording is no stable target there. Eager runs
 whose GPU was busy through the profiled step are held to it.
 """
