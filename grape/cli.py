@@ -154,8 +154,8 @@ def _parser() -> argparse.ArgumentParser:
                           "launch and one sync for the whole run (needs graphed iterations: a "
                           "graphed trace, or --graph)")
     sim.add_argument("--chrome", type=Path, metavar="FILE",
-                     help="write the simulated timeline (of the what-if, if any) as a Chrome "
-                          "trace that Perfetto opens")
+                     help="write the simulated run (of the what-if, if any) as a grape trace: "
+                          "grape info reads it, Perfetto opens it")
     sim.add_argument("--plot", type=Path, metavar="FILE",
                      help="write a PNG: the simulated timeline, and predicted time per "
                           "iteration against host cost (eager and graphed)")
@@ -286,7 +286,7 @@ def _simulate(args: argparse.Namespace) -> None:
     from grape.profile import load_profile
     from grape.program import GraphLaunch
     from grape.sim.engine import simulate
-    from grape.sim.timeline import write_timeline
+    from grape.sim.tracing import write_simulated_trace
     from grape.sim.whatif import (
         copy_into_placeholders,
         costs_from_profile,
@@ -360,7 +360,8 @@ def _simulate(args: argparse.Namespace) -> None:
         looped = len(what_if.iterations)
         what_if = loop_on_device(what_if, what_costs)
         labels.append("one device loop")
-    chosen = simulate(what_if, what_costs, timeline=args.chrome is not None)
+    chosen = simulate(what_if, what_costs, timeline=args.plot is not None,
+                      record=args.chrome is not None)
     measured = trace.grape.wall_time_median_us if trace.grape else None
     rows = [("measured (no profiler)", measured), ("predicted from the trace",
                                                     base.per_iteration)]
@@ -386,8 +387,11 @@ def _simulate(args: argparse.Namespace) -> None:
     for note in what_if.approximations:
         print(f"  approximated: {note}")
     if args.chrome:
-        write_timeline(args.chrome, chosen, what_if.name)
-        print(f"  timeline: {args.chrome} (open in https://ui.perfetto.dev)")
+        write_simulated_trace(args.chrome, chosen, trace.workload, profile.device,
+                              f"grape simulate {args.trace}"
+                              + (f" ({', '.join(labels)})" if labels else ""))
+        print(f"  simulated trace: {args.chrome} (grape info reads it; open it in "
+              f"https://ui.perfetto.dev)")
     if args.plot:
         from grape.sim.plot import plot_simulation
 
@@ -396,7 +400,7 @@ def _simulate(args: argparse.Namespace) -> None:
                                   / 1000 for f in scales])
                  for label, make in (("as recorded", lambda p: p),
                                      ("graphed", lambda p: graph_iterations(p, costs)))]
-        shown = chosen if args.chrome else simulate(what_if, what_costs, timeline=True)
+        shown = chosen
         plot_simulation(args.plot, shown, trace.workload, curve,
                         "host cost, times what the trace shows")
         print(f"  plot: {args.plot}")
@@ -451,7 +455,7 @@ def _simulate_graph(args: argparse.Namespace) -> None:
     from grape.profile import load_profile
     from grape.sim.engine import simulate
     from grape.sim.graph import Durations, program_from_graph
-    from grape.sim.timeline import write_graph_timeline
+    from grape.sim.tracing import write_simulated_trace
     from grape.sim.whatif import costs_from_profile
 
     trace_only = [flag for flag, given in (("--graph", args.graph),
@@ -481,7 +485,7 @@ def _simulate_graph(args: argparse.Namespace) -> None:
     costs = costs_from_profile(profile, **overrides)
     program, run = program_from_graph(graph, durations, costs, _choices(args), args.launches,
                                       name=args.trace.name)
-    result = simulate(program, costs)
+    result = simulate(program, costs, record=args.chrome is not None)
     print(f"{args.trace}: {graph.dag.number_of_nodes()} nodes, {run.nodes_run} node runs per "
           f"launch (kernel durations from {durations.source})")
     print(f"  GPU time per launch            {run.gpu_time / 1000:10.3f} ms")
@@ -490,8 +494,10 @@ def _simulate_graph(args: argparse.Namespace) -> None:
     for note in program.approximations:
         print(f"  approximated: {note}")
     if args.chrome:
-        write_graph_timeline(args.chrome, run, args.trace.name)
-        print(f"  timeline: {args.chrome} (open in https://ui.perfetto.dev)")
+        write_simulated_trace(args.chrome, result, args.trace.name.split(".")[0],
+                              profile.device, f"grape simulate {args.trace}")
+        print(f"  simulated trace: {args.chrome} (grape info reads it; open it in "
+              f"https://ui.perfetto.dev)")
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -522,18 +528,18 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _print_predictions(predictions: list, median_bound: float, max_bound: float) -> None:
-    print(f"{'workload':<32} {'question':<16} {'measured':>11} {'predicted':>11} {'':<3}"
+    print(f"{'workload':<32} {'question':<33} {'measured':>11} {'predicted':>11} {'':<3}"
           f"{'error':>7}")
     for p in predictions:
-        print(f"{p.workload:<32} {p.question:<16} {p.measured:11.3f} "
+        print(f"{p.workload:<32} {p.question:<33} {p.measured:11.3f} "
               f"{p.predicted:11.3f} {p.unit:<3}{100 * p.error:+6.1f}%"
               + (f"  ({p.note})" if p.note else ""))
     for question in dict.fromkeys(p.question for p in predictions):
         errs = [abs(p.error) * 100 for p in predictions if p.question == question]
-        print(f"{question:<16} median {statistics.median(errs):5.1f}%  largest {max(errs):5.1f}%"
+        print(f"{question:<33} median {statistics.median(errs):5.1f}%  largest {max(errs):5.1f}%"
               f"  ({len(errs)} predictions)")
     errors = [abs(p.error) * 100 for p in predictions]
-    print(f"all              median absolute error {statistics.median(errors):.1f}% (bound "
+    print(f"{'all':<33} median absolute error {statistics.median(errors):.1f}% (bound "
           f"{median_bound:g}%), largest {max(errors):.1f}% (bound {max_bound:g}%), "
           f"{len(errors)} predictions")
 

@@ -210,8 +210,14 @@ def test_grape_simulate_runs_a_kernel_graph(capsys, tmp_path):
     assert code == 0 and "GPU time per launch" in out
     shown = float(out.split("GPU time per launch")[1].split("ms")[0])
     assert abs(shown * 1000 - MEASURED["loop"]["median_us"]) / MEASURED["loop"]["median_us"] < 0.05
-    doc = json.loads(chrome.read_text())
-    assert len([e for e in doc["traceEvents"] if e["ph"] == "X"]) == 2 + ITERATIONS * 343
+    # The run as a grape trace: one launch, every node the GPU ran (the WHILE node itself runs
+    # nothing), each kernel under its demangled name.
+    simulated = read_trace(chrome)
+    assert simulated.grape.mode == "simulated" and len(simulated.iterations) == 1
+    assert len(simulated.gpu_ops) == 2 + ITERATIONS * 343
+    assert len(simulated.iterations[0].graph_launches) == 1
+    names = {op.name for op in simulated.gpu_ops}
+    assert "grape_while_bounded" in names and any(n.startswith("void at::native::") for n in names)
 
 
 @pytest.mark.parametrize("argv, message", [

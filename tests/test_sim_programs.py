@@ -31,6 +31,7 @@ from grape.sim.whatif import (
     loop_on_device,
     scale_host,
     set_launch_cost,
+    unprofiled_program,
     update_per_shape,
 )
 from grape.trace import GrapeMeta, read_trace, write_trace
@@ -118,8 +119,9 @@ def test_validate_predicts_both_questions(tmp_path):
     for path in (EAGER, GRAPH):
         shutil.copy(path, tmp_path)
     preds = validate(sorted(tmp_path.iterdir()), PROFILE)
-    assert sorted(p.question for p in preds) == ["eager -> graph", "replay eager",
-                                                 "replay graph"]
+    assert sorted(p.question for p in preds) == ["eager -> graph",
+                                                 "eager -> graph, borrowed GPU time",
+                                                 "replay eager", "replay graph"]
     what_if = next(p for p in preds if p.question == "eager -> graph")
     assert "capture runs 290 kernels against 247 eagerly" in what_if.note
     assert all(p.measured > 0 and p.predicted > 0 for p in preds)
@@ -131,23 +133,40 @@ def test_validate_command_exits_by_its_bounds(capsys, tmp_path):
     assert main(["validate", str(tmp_path), "--median-bound", "1000", "--max-bound",
                  "1000"]) == 0
     out = capsys.readouterr().out
-    assert "median absolute error" in out and "3 predictions" in out
+    assert "median absolute error" in out and "4 predictions" in out
     with pytest.raises(SystemExit) as info:
         main(["validate", str(tmp_path), "--median-bound", "0", "--max-bound", "0"])
     assert info.value.code == 1
 
 
-def test_simulate_command_prints_side_by_side_and_writes_a_timeline(capsys, tmp_path):
+def test_simulate_command_prints_side_by_side_and_writes_a_grape_trace(capsys, tmp_path):
     out_path = tmp_path / "sim.json"
     assert main(["simulate", str(EAGER), "--graph", "--chrome", str(out_path)]) == 0
     out = capsys.readouterr().out
     assert "measured (no profiler)" in out and "predicted from the trace" in out
     assert "what if: graphed" in out and "critical path: GPU busy" in out
     assert "graph memory: one executable of 247 nodes" in out
-    doc = json.loads(out_path.read_text())
-    tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
-    assert tracks == {"host", "stream 7"}
-    assert len(doc["grape"]["iteration_us"]) == 3
+    # The what-if's run as a grape trace: what grape reads recordings with reads it.
+    simulated = read_trace(out_path)
+    assert simulated.grape.mode == "simulated" and len(simulated.iterations) == 3
+    assert all(len(it.graph_launches) == 1 and it.syncs for it in simulated.iterations)
+    assert main(["info", str(out_path)]) == 0
+    assert "simulated" in capsys.readouterr().out
+
+
+def test_a_simulated_trace_replayed_is_the_simulation_it_came_from(tmp_path):
+    from grape.sim.tracing import write_simulated_trace
+
+    program = unprofiled_program(read_trace(EAGER), PROFILE)
+    costs = costs_from_profile(PROFILE)
+    result = simulate(program, costs, record=True)
+    path = write_simulated_trace(tmp_path / "eager.sim.json.gz", result, "gpt2", "H200")
+    again = read_trace(path)
+    assert len(again.iterations) == len(program.iterations)
+    assert [len(it.kernels) for it in again.iterations] == [
+        len(it.kernels) for it in read_trace(EAGER).iterations]
+    (replay,) = [p for p in validate([path], PROFILE) if p.question.startswith("replay")]
+    assert abs(replay.error) < 0.01, replay
 
 
 def test_simulate_refuses_a_bad_profile(capsys, tmp_path):

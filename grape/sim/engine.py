@@ -21,8 +21,8 @@ from typing import Any
 import simpy
 
 from grape.errors import GrapeError
-from grape.program import GraphLaunch, HostWork, Launch, Program, StreamWait, Sync
-from grape.records import union_length
+from grape.program import GpuWork, GraphLaunch, HostWork, Launch, Program, StreamWait, Sync
+from grape.records import GpuOp, HostCall, union_length
 
 __all__ = ["Costs", "Interval", "SimResult", "simulate"]
 
@@ -77,6 +77,10 @@ class SimResult:
     intervals: list[Interval] = field(default_factory=list)  # only when asked for
     host_stall: float = 0.0  # us the host waited for a full launch queue
     synchronised: bool = True  # every iteration waits for the GPU before the next begins
+    # Only when asked to record: the run as a trace would hold it (grape.sim.tracing).
+    calls: list[HostCall] = field(default_factory=list)  # API calls, with correlation ids
+    gpu_ops: list[GpuOp] = field(default_factory=list)  # a graph's kernels laid out inside it
+    windows: list[tuple[float, float]] = field(default_factory=list)  # each iteration's
 
     @property
     def per_iteration(self) -> float:
@@ -134,6 +138,10 @@ class _Item:
     ready: float  # earliest start: launch latency after the launch call returned
     # A wait instead of work: run nothing more until this stream has finished this many items.
     after: tuple[_Stream, int] | None = None
+    # For recording only: the launch call it came from, and a graph's kernels.
+    kind: str = "kernel"
+    correlation: int = 0
+    work: tuple[GpuWork, ...] = ()
 
 
 class _Machine:
@@ -148,6 +156,8 @@ class _Machine:
         self.busy: list[tuple[float, float]] = []
         self.timeline: list[Interval] | None = [] if timeline else None
         self.stall = 0.0
+        self.ops: list[GpuOp] | None = None  # set when recording
+        self.correlation = 0
 
     def stream(self, sid: int) -> _Stream:
         stream = self.streams.get(sid)
@@ -185,6 +195,8 @@ class _Machine:
             self.busy.append((start, free))
             if self.timeline is not None:
                 self.timeline.append(Interval(f"stream {sid}", item.name, start, free))
+            if self.ops is not None:
+                self.ops.extend(_recorded(item, sid, start, free))
             self.outstanding -= 1
             if self.outstanding == 0 and self.drained is not None:
                 self.drained.succeed()
@@ -198,13 +210,15 @@ class _Machine:
             yield self.slot
             self.stall += self.env.now - t
 
-    def submit(self, sid: int, name: str, dur: float) -> None:
+    def submit(self, sid: int, name: str, dur: float, kind: str = "kernel",
+               work: tuple[GpuWork, ...] = ()) -> None:
         """Queue work on a stream (the caller has waited for a free slot)."""
         self.pending += 1
         self.outstanding += 1
         stream = self.stream(sid)
         stream.submitted += 1
-        stream.put(_Item(name, dur, self.env.now + self.costs.launch_latency))
+        stream.put(_Item(name, dur, self.env.now + self.costs.launch_latency, None, kind,
+                         self.correlation, work))
 
     def wait(self, sid: int, on: int) -> None:
         """Stream ``sid`` waits for the work queued on ``on`` so far (no driver slot: an event
@@ -219,8 +233,30 @@ class _Machine:
             yield self.drained
 
 
-def _host(m: _Machine, program: Program, times: list[float]) -> Generator[Any, Any, None]:
+def _recorded(item: _Item, sid: int, start: float, end: float) -> list[GpuOp]:
+    """What a trace would show of a finished item: itself, or a graph's kernels laid out in
+    order over the graph's time, the time they leave spread evenly between them."""
+    if not item.work:
+        return [GpuOp(item.kind, item.name, start, end - start, sid, item.correlation)]
+    busy = sum(w.dur for w in item.work)
+    scale = min(1.0, (end - start) / busy) if busy else 1.0
+    gap = max(end - start - busy, 0.0) / len(item.work)
+    ops, t = [], start
+    for w in item.work:
+        ops.append(GpuOp(w.kind, w.name, t + gap, w.dur * scale, sid, item.correlation))
+        t += gap + w.dur * scale
+    return ops
+
+
+def _host(m: _Machine, program: Program, times: list[float],
+          calls: list[HostCall] | None, windows: list[tuple[float, float]]
+          ) -> Generator[Any, Any, None]:
     env, timeline = m.env, m.timeline
+
+    def call(name: str, start: float, end: float) -> None:  # only when recording
+        m.correlation += 1  # ties the call to the work it queues, as CUPTI's ids do
+        calls.append(HostCall(name, "runtime", start, end - start, 1, m.correlation))
+
     for steps in program.iterations:
         began = env.now
         carried = 0.0  # host work not yet waited for: paid with the next launch's cost
@@ -232,39 +268,56 @@ def _host(m: _Machine, program: Program, times: list[float]) -> Generator[Any, A
                     continue
                 yield env.timeout(step.dur)
             elif isinstance(step, Launch):
+                if calls is not None:
+                    call(step.api, env.now + carried, env.now + carried + step.cost)
                 yield env.timeout(carried + step.cost)
                 carried = 0.0
                 for w in step.work:
                     if m.pending >= m.costs.queue_depth:
                         yield from m.wait_for_slot()
-                    m.submit(w.stream, w.name, w.dur)
+                    m.submit(w.stream, w.name, w.dur, w.kind)
             elif isinstance(step, GraphLaunch):
+                if calls is not None:
+                    call("cudaGraphLaunch", env.now + carried, env.now + carried + step.cost)
                 yield env.timeout(carried + step.cost)
                 carried = 0.0
                 if m.pending >= m.costs.queue_depth:
                     yield from m.wait_for_slot()
-                m.submit(step.stream, f"graph ({step.nodes} nodes)", step.gpu_time)
+                m.submit(step.stream, f"graph ({step.nodes} nodes)", step.gpu_time,
+                         work=step.work if calls is not None else ())
             elif isinstance(step, StreamWait):
                 m.wait(step.stream, step.on)
             elif isinstance(step, Sync):
                 if carried:
                     yield env.timeout(carried)
                     carried = 0.0
+                synced = env.now
                 yield from m.drain()
                 yield env.timeout(step.cost)
+                if calls is not None:
+                    calls.append(HostCall(step.api, "runtime", synced, env.now - synced, 1))
             if timeline is not None and env.now > t:
                 timeline.append(Interval("host", type(step).__name__, t, env.now))
         if carried:
             yield env.timeout(carried)
         times.append(env.now - began)
+        windows.append((began, env.now))
 
 
-def simulate(program: Program, costs: Costs | None = None, timeline: bool = False) -> SimResult:
-    """Run ``program``; with ``timeline``, keep every host step and GPU interval."""
+def simulate(program: Program, costs: Costs | None = None, timeline: bool = False,
+             record: bool = False) -> SimResult:
+    """Run ``program``; with ``timeline``, keep every host step and GPU interval; with
+    ``record``, every API call and GPU operation as a trace holds them
+    (``grape.sim.tracing.write_simulated_trace`` writes them out)."""
     env = simpy.Environment()
     m = _Machine(env, costs or Costs(), timeline)
     times: list[float] = []
-    env.process(_host(m, program, times))
+    windows: list[tuple[float, float]] = []
+    calls: list[HostCall] | None = [] if record else None
+    if record:
+        m.ops = []
+    env.process(_host(m, program, times, calls, windows))
     env.run()
     synced = all(any(isinstance(s, Sync) for s in steps) for steps in program.iterations)
-    return SimResult(times, union_length(m.busy), env.now, m.timeline or [], m.stall, synced)
+    return SimResult(times, union_length(m.busy), env.now, m.timeline or [], m.stall, synced,
+                     calls or [], m.ops or [], windows)

@@ -115,6 +115,9 @@ class GraphRun:
     gpu_time: float
     intervals: tuple[tuple[float, float, str], ...]
     nodes_run: int  # node executions, a body's nodes once per iteration
+    # What ran in each interval, as a trace names it (a kernel's demangled name, "Memcpy DtoD",
+    # "Memset"), and its kind ("kernel", "memcpy", "memset"; "" for nodes that run nothing).
+    names: tuple[tuple[str, str], ...] = ()
 
 
 def _copy_time(op: Memcpy | Memset, costs: Costs) -> float:
@@ -127,6 +130,7 @@ class _Schedule:
     def __init__(self, durations: Durations, costs: Costs, choices: Choices) -> None:
         self.durations, self.costs, self.choices = durations, costs, choices
         self.intervals: list[tuple[float, float, str]] = []
+        self.names: list[tuple[str, str]] = []
         self.nodes_run = 0
 
     def graph(self, graph: KernelGraph, begin: float, prefix: str) -> float:
@@ -148,13 +152,17 @@ class _Schedule:
             return self.conditional(op, start, name)
         if isinstance(op, Kernel):
             dur = self.durations.kernel(op, name)
+            self.names.append((demangle(op.name), "kernel"))
         elif isinstance(op, Memcpy | Memset):
             key = ("memcpy", op.size) if isinstance(op, Memcpy) else ("memset", op.extent)
             dur = self.durations.transfers.get(key)
             if dur is None:
                 dur = _copy_time(op, self.costs)
+            self.names.append(("Memcpy DtoD (Device -> Device)", "memcpy")
+                              if isinstance(op, Memcpy) else ("Memset (Device)", "memset"))
         else:  # empty nodes and events: dependencies only
             dur = 0.0
+            self.names.append((type(op).__name__, ""))
         self.intervals.append((start, start + dur, name))
         return start + dur
 
@@ -194,7 +202,7 @@ def run_graph(graph: KernelGraph, durations: Durations, costs: Costs,
     """
     schedule = _Schedule(durations, costs, choices or Choices())
     end = schedule.graph(graph, 0.0, "")
-    return GraphRun(end, tuple(schedule.intervals), schedule.nodes_run)
+    return GraphRun(end, tuple(schedule.intervals), schedule.nodes_run, tuple(schedule.names))
 
 
 def program_from_graph(graph: KernelGraph, durations: Durations, costs: Costs,
@@ -204,10 +212,12 @@ def program_from_graph(graph: KernelGraph, durations: Durations, costs: Costs,
     the IR, with the GPU time of running its DAG, and that run (the same for every launch)."""
     run = run_graph(graph, durations, costs, choices)
     nodes = graph.dag.number_of_nodes()
-    work = tuple(GpuWork("kernel", label, end - start, 0) for start, end, label in run.intervals)
+    work = tuple(GpuWork(kind, name, end - start, 0)
+                 for (start, end, _), (name, kind) in zip(run.intervals, run.names, strict=True)
+                 if kind)
     launch = GraphLaunch(cost=costs.graph_launch_fixed + costs.graph_launch_per_node * nodes,
                          nodes=nodes, gpu_time=run.gpu_time, stream=0, work=work, graph=graph)
-    program = Program(name, [(launch, Sync("cuStreamSynchronize", 0.0))] * launches)
+    program = Program(name, [(launch, Sync("cudaStreamSynchronize", 0.0))] * launches)
     program.approximations.append("a graph launch's host cost is the device profile's replay "
                                   "cost; the sync after it costs nothing on the host")
     return program, run

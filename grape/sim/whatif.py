@@ -55,7 +55,12 @@ def costs_from_profile(profile: DeviceProfile, **overrides: float) -> Costs:
 
 def overhead_from_profile(profile: DeviceProfile, trace: Trace) -> ProfilerOverhead:
     """What the profiler added to ``trace``'s host side: per operator and API call where it
-    recorded PyTorch operators, per API call alone where it recorded CUDA activity only."""
+    recorded PyTorch operators, per API call alone where it recorded CUDA activity only; none
+    where grape's simulator wrote it."""
+    from grape.sim.tracing import SIMULATED
+
+    if trace.grape is not None and trace.grape.mode == SIMULATED:
+        return ProfilerOverhead()
     if trace.ops:
         per_event = profile.get("profiler_per_event")
         return ProfilerOverhead(per_event, per_event)
