@@ -386,6 +386,8 @@ def _simulate(args: argparse.Namespace) -> None:
               f"({per_node:.0f} B per node by the profile)")
     for note in what_if.approximations:
         print(f"  approximated: {note}")
+    for blocker in what_if.blockers:
+        print(f"  cannot be captured as recorded: {blocker}")
     if args.chrome:
         write_simulated_trace(args.chrome, chosen, trace.workload, profile.device,
                               f"grape simulate {args.trace}"

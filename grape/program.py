@@ -124,13 +124,16 @@ class Program:
     name: str
     iterations: list[tuple[Step, ...]]
     approximations: list[str] = field(default_factory=list)  # what the model had to simplify
+    # What a what-if assumed away: operations a capture would refuse as they stand.
+    blockers: list[str] = field(default_factory=list)
 
     def steps(self) -> list[Step]:
         return [s for it in self.iterations for s in it]
 
     def with_iterations(self, iterations: list[tuple[Step, ...]]) -> Program:
-        """The same program (name, approximations so far) doing ``iterations`` instead."""
-        return Program(self.name, iterations, list(self.approximations))
+        """The same program (name, approximations and blockers so far) doing ``iterations``
+        instead."""
+        return Program(self.name, iterations, list(self.approximations), list(self.blockers))
 
 
 def _work(ops: tuple[GpuOp, ...]) -> tuple[GpuWork, ...]:

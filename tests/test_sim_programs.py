@@ -12,6 +12,7 @@ from grape.cli import main
 from grape.errors import GrapeError
 from grape.profile import DEFAULT_PROFILE, load_profile
 from grape.program import (
+    GpuWork,
     GraphLaunch,
     HostWork,
     Launch,
@@ -405,3 +406,40 @@ def test_simulate_prices_placeholder_copies(capsys):
     assert "what if: 1 GB copied in per launch" in out
     assert main(["simulate", str(EAGER), "--placeholder-copies", "100"]) == 2
     assert "expected graph launches to copy inputs in front of" in capsys.readouterr().err
+
+
+def _kernel(stream, dur, name="k"):
+    return Launch("cudaLaunchKernel", 5.0, (GpuWork("kernel", name, dur, stream),))
+
+
+def test_graphing_flags_what_a_capture_would_refuse_with_the_iterations():
+    pageable = Launch("cudaMemcpyAsync", 5.0, (GpuWork(
+        "memcpy", "Memcpy HtoD (Pageable -> Device)", 2.0, 7),))
+    read_back = Launch("cudaMemcpyAsync", 5.0, (GpuWork(
+        "memcpy", "Memcpy DtoH (Device -> Pageable)", 2.0, 7),))
+    clean = (_kernel(7, 10.0), Sync("cudaStreamSynchronize", 1.0))
+    syncing = (_kernel(7, 10.0), Sync("cudaStreamSynchronize", 1.0), _kernel(7, 10.0),
+               Sync("cudaStreamSynchronize", 1.0))
+    p = Program("p", [clean, (pageable, *clean), (pageable, *clean), clean, syncing,
+                      (_kernel(7, 1.0), read_back, Sync("cudaStreamSynchronize", 1.0))])
+    graphed = graph_iterations(p, Costs())
+    assert graphed.blockers == [
+        "a copy from pageable host memory (Memcpy HtoD (Pageable -> Device), cudaMemcpyAsync), "
+        "in iterations 1-2",
+        "a host sync (cudaStreamSynchronize) before the iteration's last launch, in iteration 4",
+        "a copy to the host (Memcpy DtoH (Device -> Pageable), cudaMemcpyAsync), in iteration 5"]
+    assert graph_iterations(Program("p", [clean]), Costs()).blockers == []
+
+
+def test_a_graph_overlaps_streams_as_the_recorded_waits_allow():
+    costs = Costs(graph_node_overhead=0.5)
+    forked = (_kernel(7, 10.0), StreamWait(13, 7), _kernel(13, 30.0), _kernel(7, 20.0),
+              StreamWait(7, 13), _kernel(7, 5.0), Sync("cudaStreamSynchronize", 1.0))
+    (launch, _), = graph_iterations(Program("p", [forked]), costs).iterations
+    # 13 waits for 7's first kernel (10.5), runs 30.5; 7 runs on (20.5) then waits for 13.
+    assert launch.gpu_time == pytest.approx(10.5 + 30.5 + 5.5)
+    assert launch.nodes == 4
+    unordered = tuple(s for s in forked if not isinstance(s, StreamWait))
+    graphed = graph_iterations(Program("p", [unordered]), costs)
+    assert graphed.iterations[0][0].gpu_time == pytest.approx(10.5 + 30.5 + 20.5 + 5.5)
+    assert "no stream waits" in graphed.approximations[-1]

@@ -74,12 +74,26 @@ def test_the_what_if_from_the_eager_trace_alone_says_where_capture_changed_the_k
                for p in changed)
 
 
+def test_stream_waits_let_the_what_if_overlap_streams(recording, predictions):
+    # Wav2Vec2's eager forward runs on several streams: overlapped as the recorded waits say,
+    # it lands near the graph; without waits on record, back to back, far above it.
+    wav2vec2 = [p for p in predictions
+                if p.question == ALONE and p.workload.startswith("wav2vec2")]
+    assert len(wav2vec2) == 3
+    if recording == "h200_second":  # recorded with stream-wait events
+        assert all(abs(p.error) <= 0.20 and "back to back" not in p.note for p in wav2vec2)
+    else:
+        assert all(p.error > 1.0 and "streams back to back" in p.note for p in wav2vec2)
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "from the eager trace alone, eager -> graph misses by 8 to 17% on GPT-2 (capture runs 43 "
     "to 79 more kernels, three more per layer: the model's attention takes another path under "
-    "capture, as Hugging Face's mask code drops an all-ones mask only outside one) and by +116 "
-    "to +300% on Wav2Vec2 (432-480 kernels captured against 207-255 eager); an eager trace "
-    "does not show which kernels capture will run"))
+    "capture, as Hugging Face's mask code drops an all-ones mask only outside one); on "
+    "Wav2Vec2, whose eager work spans several streams, by -5 to -16% where the recording holds "
+    "stream waits (h200_second: branches overlap as they say) and by +116 to +299% where it "
+    "does not (h200: streams priced back to back); an eager trace does not show which kernels "
+    "capture will run"))
 def test_the_what_if_from_the_eager_trace_alone_meets_the_bound(predictions):
     errors = _errors(predictions, ALONE)
     assert statistics.median(errors) <= 0.10 and max(errors) <= 0.20

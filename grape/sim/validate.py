@@ -144,7 +144,15 @@ def _eager_to_graph(trace: Trace, program, graph: Trace, profile: DeviceProfile,
     note = ("" if eager_kernels == graph_kernels else
             f"capture runs {graph_kernels} kernels against {eager_kernels} eagerly: the "
             f"what-if prices the eager ones")
-    alone = simulate(graph_iterations(program, costs), costs).per_iteration
+    graphed = graph_iterations(program, costs)
+    if len(graphed.approximations) > len(program.approximations):
+        note = "; ".join(filter(None, [note, "streams back to back: the trace holds no stream "
+                                             "waits"]))
+    if graphed.blockers:
+        note = "; ".join(filter(None, [note, f"capture would refuse: {graphed.blockers[0]}"
+                                       + (f" (and {len(graphed.blockers) - 1} more)"
+                                          if len(graphed.blockers) > 1 else "")]))
+    alone = simulate(graphed, costs).per_iteration
     borrowed = simulate(graph_iterations(program, costs,
                                          captured=unprofiled_program(graph, profile)),
                         costs).per_iteration

@@ -18,6 +18,7 @@ from grape.program import (
     ProfilerOverhead,
     Program,
     Step,
+    StreamWait,
     Sync,
     program_from_trace,
 )
@@ -121,10 +122,45 @@ def set_launch_cost(program: Program, cost: float) -> Program:
                                           for s in it) for it in program.iterations])
 
 
-def _serial_gpu_time(launches: list[Launch], per_node: float) -> tuple[float, int, set[int]]:
-    work = [w for launch in launches for w in launch.work]
+def _graph_gpu_time(steps: tuple[Step, ...] | list[Step], per_node: float
+                    ) -> tuple[float, int, set[int]]:
+    """GPU time of ``steps``' eager work captured as one graph: each stream's work in order,
+    each operation costing its traced time plus the graph's per-node overhead, and the streams
+    running concurrently except where the trace's stream waits order them (capture turns an
+    event wait between streams into a dependency between branches). With one stream, or several
+    in a trace without stream-wait records (which then cannot say what waited for what), the
+    work back to back. Returns (GPU time, nodes, streams)."""
+    work = [w for s in steps if isinstance(s, Launch) for w in s.work]
     streams = {w.stream for w in work}
-    return sum(w.dur for w in work) + per_node * len(work), len(work), streams
+    if not any(isinstance(s, StreamWait) for s in steps):
+        return sum(w.dur for w in work) + per_node * len(work), len(work), streams
+    ready: dict[int, float] = {}  # when each stream's work so far finishes
+    for step in steps:
+        if isinstance(step, Launch):
+            for w in step.work:
+                ready[w.stream] = ready.get(w.stream, 0.0) + w.dur + per_node
+        elif isinstance(step, StreamWait):
+            ready[step.stream] = max(ready.get(step.stream, 0.0), ready.get(step.on, 0.0))
+    return max((ready[s] for s in streams), default=0.0), len(work), streams
+
+
+def capture_blockers(steps: tuple[Step, ...] | list[Step]) -> list[str]:
+    """What in an iteration's eager steps a stream capture would refuse, as it stands: a host
+    sync before its last launch (a value read back mid-iteration), a copy from pageable host
+    memory, a copy to the host (whose value the host then reads)."""
+    found = []
+    launch_at = [i for i, s in enumerate(steps) if isinstance(s, Launch)]
+    last = launch_at[-1] if launch_at else -1
+    for i, step in enumerate(steps):
+        if isinstance(step, Sync) and i < last:
+            found.append(f"a host sync ({step.api}) before the iteration's last launch")
+        if isinstance(step, Launch):
+            for w in step.work:
+                if w.kind == "memcpy" and "Pageable" in w.name and "HtoD" in w.name:
+                    found.append(f"a copy from pageable host memory ({w.name}, {step.api})")
+                elif w.kind == "memcpy" and "DtoH" in w.name:
+                    found.append(f"a copy to the host ({w.name}, {step.api})")
+    return found
 
 
 def graph_iterations(program: Program, costs: Costs, captured: Program | None = None
@@ -135,7 +171,10 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
     framework's host work and the eager launches disappear. The graph's GPU time is the
     captured graph's own where a graphed recording of the workload exists (``captured``, as
     :func:`unprofiled_program` gives it: capture can change which kernels run), else the eager
-    kernels back to back with the graph's per-node overhead between them.
+    work with the graph's per-node overhead, its streams concurrent as far as the trace's stream
+    waits allow. What capture would refuse as the iteration stands (:func:`capture_blockers`)
+    is listed in the program's ``blockers``, each once with the iterations it occurs in: the
+    prediction then holds for the iteration once those are made capturable.
     """
     captured_times = []
     if captured is not None:
@@ -145,6 +184,7 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
             raise GrapeError(f"expected graph launches in the captured program "
                              f"{captured.name!r}, found none")
     out = program.with_iterations([])
+    seen: dict[str, list[int]] = {}
     for i, steps in enumerate(program.iterations):
         launches = [s for s in steps if isinstance(s, Launch)]
         graphed = any(isinstance(s, GraphLaunch) for s in steps)
@@ -154,18 +194,34 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
         if not launches:  # already graphed, or nothing to launch: as it is
             out.iterations.append(steps)
             continue
-        gpu, nodes, streams = _serial_gpu_time(launches, costs.graph_node_overhead)
+        gpu, nodes, streams = _graph_gpu_time(steps, costs.graph_node_overhead)
         if captured_times:
             gpu = captured_times[i % len(captured_times)]
-        elif len(streams) > 1:
+        elif len(streams) > 1 and not any(isinstance(s, StreamWait) for s in steps):
             out.approximations.append(f"iteration {i}: work on {len(streams)} streams run back "
-                                      f"to back (the graph's parallel branches are unknown)")
+                                      f"to back (the trace holds no stream waits to say which "
+                                      f"work could overlap)")
+        for blocker in capture_blockers(steps):
+            seen.setdefault(blocker, []).append(i)
         stream = min(streams) if streams else 0
         syncs = tuple(s for s in steps if isinstance(s, Sync))
         launch = GraphLaunch(cost=costs.graph_launch_fixed + costs.graph_launch_per_node * nodes,
                              nodes=nodes, gpu_time=gpu, stream=stream)
         out.iterations.append((launch, *syncs))
+    out.blockers.extend(f"{blocker}, in iteration{'s' if len(at) > 1 else ''} "
+                        f"{_ranges(at)}" for blocker, at in seen.items())
     return out
+
+
+def _ranges(indices: list[int]) -> str:
+    """0, 1, 2, 5 -> '0-2, 5'."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def loop_on_device(program: Program, costs: Costs) -> Program:
@@ -246,11 +302,10 @@ def graph_region(program: Program, costs: Costs, first: int, last: int) -> Progr
             raise GrapeError(f"expected a region of launches within 0..{len(index) - 1} in "
                              f"iteration {i}, found {first}..{last}")
         lo, hi = index[first], index[last]
-        inside = [s for s in steps[lo:hi + 1] if isinstance(s, Launch)]
         if any(isinstance(s, Sync) for s in steps[lo:hi + 1]):
             raise GrapeError(f"expected no sync inside the region to graph, found one in "
                              f"iteration {i} (a host sync cannot be captured)")
-        gpu, nodes, streams = _serial_gpu_time(inside, costs.graph_node_overhead)
+        gpu, nodes, streams = _graph_gpu_time(steps[lo:hi + 1], costs.graph_node_overhead)
         launch = GraphLaunch(cost=costs.graph_launch_fixed + costs.graph_launch_per_node * nodes,
                              nodes=nodes, gpu_time=gpu, stream=min(streams) if streams else 0)
         out.iterations.append((*steps[:lo], launch, *steps[hi + 1:]))
