@@ -274,30 +274,18 @@ def _record(args: argparse.Namespace) -> None:
     print("\n".join(rows))
 
 
-def _size(nbytes: float) -> str:
-    """Bytes in the largest decimal unit that keeps the figure at 1 or more."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def _simulate(args: argparse.Namespace) -> None:
     from grape.profile import load_profile
     from grape.program import GraphLaunch
     from grape.sim.engine import simulate
     from grape.sim.tracing import write_simulated_trace
     from grape.sim.whatif import (
-        copy_into_placeholders,
+        WhatIf,
+        apply,
         costs_from_profile,
         graph_iterations,
-        graph_region,
-        loop_on_device,
         scale_host,
-        set_launch_cost,
         unprofiled_program,
-        update_per_shape,
-        update_whole_graph,
     )
 
     if _is_graph_file(args.trace):
@@ -315,51 +303,20 @@ def _simulate(args: argparse.Namespace) -> None:
     costs = costs_from_profile(profile)
     program = unprofiled_program(trace, profile)
     base = simulate(program, costs)
-    what_if, labels, what_costs = program, [], costs
-    if args.node_overhead is not None:  # every graph priced again, the trace's and new ones
-        what_costs = costs_from_profile(profile, graph_node_overhead=args.node_overhead)
-        what_if = unprofiled_program(trace, profile, what_costs)
-        labels.append(f"{args.node_overhead:g} us per graph node")
-    if args.host_scale is not None:
-        what_if = scale_host(what_if, args.host_scale)
-        labels.append(f"host x{args.host_scale:g}")
-    if args.launch_cost is not None:
-        what_if = set_launch_cost(what_if, args.launch_cost)
-        labels.append(f"launch {args.launch_cost:g} us")
+    region = None
     if args.graph_region:
         first, _, last = args.graph_region.partition(":")
         if not (first.isdigit() and last.isdigit()):
             raise GrapeError(f"expected --graph-region A:B with launch numbers, found "
                              f"{args.graph_region!r}")
-        what_if = graph_region(what_if, what_costs, int(first), int(last))
-        labels.append(f"launches {first} to {last} graphed")
-    if args.graph:
-        what_if, labels = graph_iterations(what_if, what_costs), [*labels, "graphed"]
-    if args.update_nodes is not None and args.update_whole:
-        raise GrapeError("expected one way of updating per shape, found both --update-nodes "
-                         "and --update-whole")
-    updating = args.update_nodes is not None or args.update_whole
-    if updating and not any(isinstance(s, GraphLaunch) for s in what_if.steps()):
-        raise GrapeError("expected graph launches to update per shape (a graphed trace, or "
-                         "--graph), found none")
-    copying = args.placeholder_copies is not None
-    if copying and not any(isinstance(s, GraphLaunch) for s in what_if.steps()):
-        raise GrapeError("expected graph launches to copy inputs in front of (a graphed trace, "
-                         "or --graph), found none")
-    if copying:
-        what_if = copy_into_placeholders(what_if, what_costs, args.placeholder_copies)
-        labels.append(f"{_size(args.placeholder_copies)} copied in per launch")
-    if args.update_nodes is not None:
-        what_if = update_per_shape(what_if, what_costs, args.update_nodes)
-        labels.append(f"{args.update_nodes:g} nodes updated per launch")
-    if args.update_whole:
-        what_if = update_whole_graph(what_if, what_costs)
-        labels.append("one whole-graph update per launch")
-    looped = 1  # iterations one simulated iteration stands for
-    if args.device_loop:
-        looped = len(what_if.iterations)
-        what_if = loop_on_device(what_if, what_costs)
-        labels.append("one device loop")
+        region = (int(first), int(last))
+    applied = apply(trace, profile, WhatIf(
+        node_overhead=args.node_overhead, host_scale=args.host_scale,
+        launch_cost=args.launch_cost, graph_region=region, graph=args.graph,
+        placeholder_copies=args.placeholder_copies, update_nodes=args.update_nodes,
+        update_whole=args.update_whole, device_loop=args.device_loop))
+    what_if, labels, what_costs, looped = (applied.program, applied.labels, applied.costs,
+                                           applied.looped)
     chosen = simulate(what_if, what_costs, timeline=args.plot is not None,
                       record=args.chrome is not None)
     measured = trace.grape.wall_time_median_us if trace.grape else None

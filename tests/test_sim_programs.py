@@ -443,3 +443,20 @@ def test_a_graph_overlaps_streams_as_the_recorded_waits_allow():
     graphed = graph_iterations(Program("p", [unordered]), costs)
     assert graphed.iterations[0][0].gpu_time == pytest.approx(10.5 + 30.5 + 20.5 + 5.5)
     assert "no stream waits" in graphed.approximations[-1]
+
+
+def test_the_what_if_chain_applies_in_order_and_refuses_what_does_not_apply():
+    from grape.sim.whatif import WhatIf, apply
+
+    trace = read_trace(EAGER)
+    looped = apply(trace, PROFILE, WhatIf(graph=True, update_nodes=4, device_loop=True))
+    assert looped.labels == ["graphed", "4 nodes updated per launch", "one device loop"]
+    assert looped.looped == len(trace.iterations) and len(looped.program.iterations) == 1
+    copied = apply(trace, PROFILE, WhatIf(graph=True, placeholder_copies=2e6, node_overhead=0))
+    assert copied.labels == ["0 us per graph node", "graphed", "2 MB copied in per launch"]
+    assert copied.costs.graph_node_overhead == 0
+    with pytest.raises(GrapeError, match="expected graph launches to update per shape"):
+        apply(trace, PROFILE, WhatIf(update_whole=True))
+    with pytest.raises(GrapeError, match="found both --update-nodes and --update-whole"):
+        apply(trace, PROFILE, WhatIf(graph=True, update_nodes=1, update_whole=True))
+    assert apply(trace, PROFILE, WhatIf()).labels == []

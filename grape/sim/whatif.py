@@ -6,7 +6,7 @@ Each is a plain function ``f(program, ...) -> Program``; none changes its input.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from grape.errors import GrapeError
 from grape.profile import DeviceProfile
@@ -310,3 +310,92 @@ def graph_region(program: Program, costs: Costs, first: int, last: int) -> Progr
                              nodes=nodes, gpu_time=gpu, stream=min(streams) if streams else 0)
         out.iterations.append((*steps[:lo], launch, *steps[hi + 1:]))
     return out
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """A chain of what-ifs over a trace's program, as ``grape simulate``'s options name them;
+    :func:`apply` runs it. Unset fields leave the program as recorded."""
+
+    node_overhead: float | None = None  # us of GPU time per graph node, every graph re-priced
+    host_scale: float | None = None  # every host cost times this
+    launch_cost: float | None = None  # us of host time per eager launch
+    graph_region: tuple[int, int] | None = None  # launches A..B of each iteration as a graph
+    graph: bool = False  # each iteration captured as one graph
+    placeholder_copies: float | None = None  # bytes copied into placeholders per graph launch
+    update_nodes: float | None = None  # nodes updated before each graph launch (a family)
+    update_whole: bool = False  # one cuGraphExecUpdate before each graph launch
+    device_loop: bool = False  # every iteration inside one WHILE node
+
+
+@dataclass
+class Applied:
+    program: Program
+    costs: Costs  # the costs the what-if runs with (the node overhead may differ)
+    labels: list[str] = field(default_factory=list)  # what was changed, for people
+    looped: int = 1  # iterations one simulated iteration stands for (a device loop's)
+
+
+def apply(trace: Trace, profile: DeviceProfile, what: WhatIf) -> Applied:
+    """``trace``'s unprofiled program changed as ``what`` says, in a fixed order: re-priced
+    graphs, host scale and launch cost, graphing (a region, or whole iterations), copies and
+    updates in front of graph launches, and the device loop last.
+
+    Raises
+    ------
+    GrapeError
+        A what-if that does not apply (updates or copies without graph launches, both ways of
+        updating, a region outside the iterations' launches).
+    """
+    costs = costs_from_profile(profile)
+    program, labels = unprofiled_program(trace, profile), []
+    if what.node_overhead is not None:  # every graph priced again, the trace's and new ones
+        costs = costs_from_profile(profile, graph_node_overhead=what.node_overhead)
+        program = unprofiled_program(trace, profile, costs)
+        labels.append(f"{what.node_overhead:g} us per graph node")
+    if what.host_scale is not None:
+        program = scale_host(program, what.host_scale)
+        labels.append(f"host x{what.host_scale:g}")
+    if what.launch_cost is not None:
+        program = set_launch_cost(program, what.launch_cost)
+        labels.append(f"launch {what.launch_cost:g} us")
+    if what.graph_region is not None:
+        first, last = what.graph_region
+        program = graph_region(program, costs, first, last)
+        labels.append(f"launches {first} to {last} graphed")
+    if what.graph:
+        program = graph_iterations(program, costs)
+        labels.append("graphed")
+    if what.update_nodes is not None and what.update_whole:
+        raise GrapeError("expected one way of updating per shape, found both --update-nodes "
+                         "and --update-whole")
+    has_graphs = any(isinstance(s, GraphLaunch) for s in program.steps())
+    if (what.update_nodes is not None or what.update_whole) and not has_graphs:
+        raise GrapeError("expected graph launches to update per shape (a graphed trace, or "
+                         "--graph), found none")
+    if what.placeholder_copies is not None:
+        if not has_graphs:
+            raise GrapeError("expected graph launches to copy inputs in front of (a graphed "
+                             "trace, or --graph), found none")
+        program = copy_into_placeholders(program, costs, what.placeholder_copies)
+        labels.append(f"{_size(what.placeholder_copies)} copied in per launch")
+    if what.update_nodes is not None:
+        program = update_per_shape(program, costs, what.update_nodes)
+        labels.append(f"{what.update_nodes:g} nodes updated per launch")
+    if what.update_whole:
+        program = update_whole_graph(program, costs)
+        labels.append("one whole-graph update per launch")
+    looped = 1
+    if what.device_loop:
+        looped = len(program.iterations)
+        program = loop_on_device(program, costs)
+        labels.append("one device loop")
+    return Applied(program, costs, labels, looped)
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest decimal unit that keeps the figure at 1 or more."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
