@@ -278,6 +278,7 @@ def _simulate(args: argparse.Namespace) -> None:
     from grape.profile import load_profile
     from grape.program import GraphLaunch
     from grape.sim.engine import simulate
+    from grape.sim.memory import executable_bytes
     from grape.sim.tracing import write_simulated_trace
     from grape.sim.whatif import (
         WhatIf,
@@ -339,7 +340,7 @@ def _simulate(args: argparse.Namespace) -> None:
     if nodes:
         per_node = profile.get("executable_bytes_per_node")
         print(f"  graph memory: one executable of {nodes} nodes takes about "
-              f"{nodes * per_node / 2**20:.2f} MiB of device memory "
+              f"{executable_bytes([nodes], per_node) / 2**20:.2f} MiB of device memory "
               f"({per_node:.0f} B per node by the profile)")
     for note in what_if.approximations:
         print(f"  approximated: {note}")

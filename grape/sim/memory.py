@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from grape.errors import GrapeError
 
-__all__ = ["FamilyMemory", "Pool", "family_memory", "round_size", "segment_size"]
+__all__ = ["FamilyMemory", "Pool", "executable_bytes", "family_memory", "round_size",
+           "segment_size"]
 
 KB, MB = 1 << 10, 1 << 20
 MIN_BLOCK = 512
@@ -133,6 +134,15 @@ class Pool:
         return self
 
 
+def executable_bytes(nodes: Sequence[int], bytes_per_node: float) -> int:
+    """Device memory of instantiated executables of ``nodes`` nodes each: the device profile's
+    bytes per node (the driver keeps each node's parameters and launch state on the device)."""
+    if any(n < 0 for n in nodes) or not 0 <= bytes_per_node < float("inf"):
+        raise GrapeError(f"expected node counts and bytes per node that are not negative, "
+                         f"found {list(nodes)[:4]} and {bytes_per_node}")
+    return round(sum(nodes) * bytes_per_node)
+
+
 @dataclass(frozen=True)
 class FamilyMemory:
     pool_bytes: int  # reserved by the graphs' memory pools
@@ -168,4 +178,4 @@ def family_memory(shapes: Sequence[Sequence[tuple[str, int, int]]], nodes: Seque
     else:
         pool_bytes = sum(Pool().run(events).reserved for events in shapes)
     kept = [max(nodes)] if shared_executable else list(nodes)
-    return FamilyMemory(pool_bytes, round(sum(kept) * bytes_per_node), len(kept))
+    return FamilyMemory(pool_bytes, executable_bytes(kept, bytes_per_node), len(kept))

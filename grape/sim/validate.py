@@ -21,6 +21,7 @@ from typing import Any
 from grape.errors import GrapeError
 from grape.profile import DeviceProfile
 from grape.sim.engine import simulate
+from grape.sim.memory import executable_bytes
 from grape.sim.whatif import (
     Costs,
     costs_from_profile,
@@ -185,10 +186,12 @@ def _family_memory(trace: Trace, profile: DeviceProfile) -> list[Prediction]:
     nodes = counters["nodes"]
     note = (f"{counters['shapes']:.0f} shapes, {counters['topologies']:.0f} topologies, "
             f"{nodes:.0f} nodes, {per_node:.0f} B per node")
+    per_shape = executable_bytes([round(nodes)] * round(counters["shapes"]), per_node)
+    family = executable_bytes([round(nodes)] * round(counters["topologies"]), per_node)
     return [Prediction(trace.workload, "per-shape memory", counters["naive_graph_bytes"] / 1e6,
-                       counters["shapes"] * nodes * per_node / 1e6, note, "MB"),
+                       per_shape / 1e6, note, "MB"),
             Prediction(trace.workload, "family memory", counters["family_graph_bytes"] / 1e6,
-                       counters["topologies"] * nodes * per_node / 1e6, note, "MB")]
+                       family / 1e6, note, "MB")]
 
 
 def _device_loop(trace: Trace, program, costs: Costs) -> list[Prediction]:
