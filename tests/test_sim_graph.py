@@ -239,3 +239,45 @@ def test_kernel_graph_options_on_a_trace_are_refused(capsys):
                  "--while", "a=1"])
     assert code == 2
     assert "expected a kernel graph (*.ir.json.gz) with --while" in capsys.readouterr().err
+
+
+def _step_at(length):
+    """A decode step's graph at a KV length: the attention kernel's grid and its length argument
+    follow the length; from 512 on, a second attention kernel joins (another topology)."""
+    from grape.ir import Param
+
+    g = KernelGraph()
+    g.add("embed", _kernel("embed"))
+    g.add("attn", Kernel(function="attn@0x1", name="attn", grid=(length // 64 + 1, 1, 1),
+                         block=(32, 1, 1), args=length.to_bytes(8, "little"),
+                         params=(Param(0, 8),)), after=["embed"])
+    last = "attn"
+    if length >= 512:
+        g.add("attn2", _kernel("attn2"), after=["attn"])
+        last = "attn2"
+    g.add("mlp", _kernel("mlp"), after=[last])
+    return g
+
+
+def test_a_family_pays_the_updates_its_transitions_need_and_each_shape_s_own_gpu_time():
+    from grape.sim.graph import family_program
+
+    lengths = (64, 128, 600)
+    graphs = {n: _step_at(n) for n in lengths}
+    table = Durations({**{(k, (1, 1, 1), (32, 1, 1)): 1.0 for k in ("embed", "mlp", "attn2")},
+                       **{("attn", (n // 64 + 1, 1, 1), (32, 1, 1)): float(n // 64 + 1)
+                          for n in lengths}}, "t")
+    costs = Costs(graph_node_overhead=0.0, set_params=2.0, exec_update_per_node=0.5)
+    sequence = [64, 128, 128, 600, 64]
+    program, updated = family_program(graphs, sequence, table, costs)
+    # 64 -> 128: the attention node's grid and argument; 600 is its own executable.
+    assert updated == [0, 1, 0, 0, 1]
+    gpu = [next(s for s in it if hasattr(s, "gpu_time")).gpu_time for it in program.iterations]
+    assert gpu == [4.0, 5.0, 5.0, 13.0, 4.0]
+    host = [sum(s.dur for s in it if type(s).__name__ == "HostWork")
+            for it in program.iterations]
+    assert host == [0, 2.0, 0, 0, 2.0]
+    _, whole = family_program(graphs, sequence, table, costs, whole=True)
+    assert whole == [0, 3, 0, 0, 3]
+    with pytest.raises(SimulationError, match="found none for 256"):
+        family_program(graphs, [64, 256], table, costs)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import cxxfilt
@@ -39,11 +39,12 @@ import networkx as nx
 
 from grape.errors import SimulationError
 from grape.ir import Conditional, ConditionalKind, Kernel, KernelGraph, Memcpy, Memset, Op
-from grape.program import GpuWork, GraphLaunch, Program, Sync
+from grape.program import GpuWork, GraphLaunch, HostWork, Program, Sync
 from grape.records import GpuOp
 from grape.sim.engine import Costs
 
-__all__ = ["Choices", "Durations", "GraphRun", "kernel_key", "program_from_graph", "run_graph"]
+__all__ = ["Choices", "Durations", "GraphRun", "family_program", "kernel_key",
+           "program_from_graph", "run_graph"]
 
 KernelKey = tuple[str, tuple[int, int, int], tuple[int, int, int]]
 
@@ -221,3 +222,61 @@ def program_from_graph(graph: KernelGraph, durations: Durations, costs: Costs,
     program.approximations.append("a graph launch's host cost is the device profile's replay "
                                   "cost; the sync after it costs nothing on the host")
     return program, run
+
+
+def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Hashable],
+                   durations: Durations, costs: Costs, choices: Choices | None = None,
+                   whole: bool = False, name: str = "graph family"
+                   ) -> tuple[Program, list[int]]:
+    """A graph family run over ``sequence`` of shapes, from the shapes' own kernel graphs.
+
+    Shapes group by structure (``grape.passes.families.group``); each group is one executable,
+    made from its first shape's graph (the template), holding one shape at a time. A step to a
+    shape the executable does not hold first updates it on the host: one node update
+    (``Costs.set_params``) per node that differs between the two shapes (the deltas' own
+    ``transition``), or with ``whole``, one ``cuGraphExecUpdate`` priced per node of the graph;
+    then the launch, at the GPU time of running the shape's own graph, and a sync. Returns the
+    Program and the nodes updated before each step.
+
+    Raises
+    ------
+    SimulationError
+        A shape in ``sequence`` that ``graphs`` lacks; what :func:`run_graph` raises.
+    """
+    from grape.passes.delta import delta, transition
+    from grape.passes.families import group
+
+    if missing := [s for s in sequence if s not in graphs]:
+        raise SimulationError(f"expected a kernel graph for every shape of the sequence, found "
+                              f"none for {missing[0]!r}")
+    topology = {shape: key for key, shapes in group(graphs).items() for shape in shapes}
+    templates: dict[str, Hashable] = {}
+    for shape in graphs:
+        templates.setdefault(topology[shape], shape)
+    deltas = {shape: delta(graphs[templates[topology[shape]]], g) for shape, g in graphs.items()}
+    runs = {shape: run_graph(graphs[shape], durations, costs, choices) for shape in set(sequence)}
+    holds = dict(templates)  # each executable starts out holding its template's shape
+    iterations, updated = [], []
+    for shape in sequence:
+        key = topology[shape]
+        template = graphs[templates[key]]
+        nodes = template.dag.number_of_nodes()
+        if holds[key] == shape:
+            changed = 0
+        elif whole:
+            changed = nodes
+        else:
+            changed = len(transition(template, deltas[holds[key]], deltas[shape]))
+        holds[key] = shape
+        cost = (nodes * costs.exec_update_per_node if whole and changed
+                else changed * costs.set_params)
+        launch = GraphLaunch(cost=costs.graph_launch_fixed + costs.graph_launch_per_node * nodes,
+                             nodes=nodes, gpu_time=runs[shape].gpu_time, stream=0,
+                             graph=graphs[shape])
+        steps = (HostWork(cost), launch) if cost else (launch,)
+        iterations.append((*steps, Sync("cudaStreamSynchronize", 0.0)))
+        updated.append(changed)
+    program = Program(name, iterations)
+    program.approximations.append("a graph launch's host cost is the device profile's replay "
+                                  "cost; the sync after it costs nothing on the host")
+    return program, updated
