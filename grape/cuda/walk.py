@@ -114,7 +114,8 @@ def _args(p: driver.CUDA_KERNEL_NODE_PARAMS, layout) -> bytes:
 
 
 def _extra_args(extra: int, size: int) -> bytes:
-    """The packed argument buffer of an ``extra`` array: (key, value) words until END."""
+    """The packed argument buffer of an ``extra`` array: (key, value) words until END, as
+    ``size`` bytes (the parameters' extent)."""
     pointer_key = int(driver.CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT)
     size_key = int(driver.CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT)
     end_key = int(driver.CU_LAUNCH_PARAM_END_AS_INT)
@@ -132,8 +133,10 @@ def _extra_args(extra: int, size: int) -> bytes:
         raise UnsupportedError(f"expected a CU_LAUNCH_PARAM_BUFFER_POINTER in a kernel's extra "
                                f"array, found keys {', '.join(seen)}")
     if length < size:
-        raise UnsupportedError(f"expected {size} argument bytes in a kernel's extra buffer, "
-                               f"found {length}")
+        # NCCL's kernels declare one 4 KB parameter and are launched with only the bytes they
+        # use (144 for an all-reduce seen on the H200): the kernel reads no further, so the
+        # rest is zero here, and a rebuilt node passes zeros where the launch passed nothing.
+        return _host_bytes(buffer, length) + bytes(size - length)
     return _host_bytes(buffer, size)
 
 
