@@ -1,0 +1,45 @@
+"""Reading kernel arguments the way the driver hands them over: CPU tests (no device needed,
+the argument arrays are this process's memory)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cuda.bindings", reason="cuda-bindings is not installed")
+
+from cuda.bindings import driver
+
+from grape.cuda.walk import _extra_args
+from grape.errors import UnsupportedError
+
+
+def _extra(buffer: np.ndarray, length: int | None):
+    """An ``extra`` array as a launch passes it: pointer, size, END, each (key, value)."""
+    size = np.array([buffer.nbytes if length is None else length], dtype="<u8")
+    words = [int(driver.CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT), buffer.ctypes.data,
+             int(driver.CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT), size.ctypes.data,
+             int(driver.CU_LAUNCH_PARAM_END_AS_INT), 0]
+    array = np.array(words, dtype="<u8")
+    return array, size  # keep both alive while read
+
+
+def test_a_packed_buffer_is_read_to_the_parameters_extent():
+    buffer = np.arange(32, dtype=np.uint8)
+    array, _size = _extra(buffer, None)
+    assert _extra_args(array.ctypes.data, 24) == bytes(range(24))
+
+
+def test_a_launch_that_passes_fewer_bytes_than_declared_reads_zeros_beyond():
+    # NCCL's kernels declare a 4 KB parameter and launch with the bytes they use (144).
+    buffer = np.full(4096, 0xAB, dtype=np.uint8)
+    buffer[:144] = np.arange(144, dtype=np.uint8)
+    array, _size = _extra(buffer, 144)
+    args = _extra_args(array.ctypes.data, 4096)
+    assert args == bytes(range(144)) + bytes(4096 - 144)
+
+
+def test_an_extra_array_without_a_buffer_pointer_is_refused():
+    array = np.array([int(driver.CU_LAUNCH_PARAM_END_AS_INT), 0], dtype="<u8")
+    with pytest.raises(UnsupportedError, match="expected a CU_LAUNCH_PARAM_BUFFER_POINTER"):
+        _extra_args(array.ctypes.data, 8)
