@@ -43,7 +43,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GpuWork:
-    """One kernel, copy or memset as the GPU runs it; ``dur`` in microseconds."""
+    """One kernel, copy or memset as the GPU runs it; ``dur`` in microseconds.
+
+    ``kind`` ``"collective"`` is a collective's kernel (an NCCL all-reduce): run with other
+    ranks' programs (``grape.sim.engine.simulate_ranks``) it cannot finish before every rank's
+    matching collective has started, and ``dur`` is its time once they all have.
+    """
 
     kind: str
     name: str

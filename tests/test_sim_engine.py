@@ -119,3 +119,39 @@ def test_a_wait_on_finished_work_holds_nothing_back():
     _, log = _log(p)
     assert [e for e in log if e[0] != "host"] == [("stream 7", "a", 3, 4),
                                                   ("stream 8", "b", 14, 19)]
+
+
+def _rank_program(host_before: float, collective: str = "all_reduce") -> Program:
+    from grape.program import GpuWork
+
+    def launch(kind, name, dur):
+        return Launch("cudaLaunchKernel", 1.0, (GpuWork(kind, name, dur, 7),))
+    return Program("rank", [(HostWork(host_before), launch("kernel", "gemv", 10.0),
+                             launch("collective", collective, 5.0),
+                             launch("kernel", "gemv", 10.0), Sync("cudaStreamSynchronize", 0.0))])
+
+
+def test_ranks_meet_at_their_collectives_and_the_slow_host_sets_the_pace():
+    from grape.sim.engine import simulate_ranks
+
+    costs = Costs(launch_latency=0.0, kernel_gap=0.0)
+    slow, fast = _rank_program(100.0), _rank_program(0.0)
+    # Alone, the fast rank would finish at 1 + 10 + 5 + 10.
+    assert simulate(fast, costs).iteration_times == [26.0]
+    results = simulate_ranks([slow, fast], costs)
+    # The slow rank's collective starts at 111 (after its first kernel, 101-111); both leave
+    # it at 116 and run their last kernel to 126. The fast rank's GPU waited inside it.
+    assert [r.iteration_times for r in results] == [[126.0], [126.0]]
+    assert results[1].gpu_busy == 126.0 - 1.0
+
+
+def test_ranks_whose_collectives_do_not_match_are_refused():
+    from grape.errors import GrapeError
+    from grape.sim.engine import simulate_ranks
+
+    with pytest.raises(GrapeError, match="expected collective 1 to be 'all_reduce' on every "
+                                         "rank, found 'all_gather' on rank 1"):
+        simulate_ranks([_rank_program(0.0), _rank_program(0.0, "all_gather")])
+    lonely = Program("rank", [(Launch("cudaLaunchKernel", 1.0, ()),)])
+    with pytest.raises(GrapeError, match="reached by ranks \\[0\\] alone"):
+        simulate_ranks([_rank_program(0.0), lonely])

@@ -24,7 +24,7 @@ from grape.errors import GrapeError
 from grape.program import GpuWork, GraphLaunch, HostWork, Launch, Program, StreamWait, Sync
 from grape.records import GpuOp, HostCall, union_length
 
-__all__ = ["Costs", "Interval", "SimResult", "simulate"]
+__all__ = ["Costs", "Interval", "SimResult", "simulate", "simulate_ranks"]
 
 
 @dataclass(frozen=True)
@@ -144,8 +144,32 @@ class _Item:
     work: tuple[GpuWork, ...] = ()
 
 
+class _Rendezvous:
+    """Collectives across ranks: the n-th collective a rank's GPU starts meets the n-th of
+    every other rank; all leave together once the last has arrived."""
+
+    def __init__(self, env: simpy.Environment, ranks: int) -> None:
+        self.env, self.ranks = env, ranks
+        self.arrived: dict[int, list[int]] = {}  # collective index -> ranks arrived
+        self.all_in: dict[int, simpy.Event] = {}
+        self.names: dict[int, str] = {}
+
+    def arrive(self, index: int, rank: int, name: str) -> simpy.Event:
+        expected = self.names.setdefault(index, name)
+        if expected != name:
+            raise GrapeError(f"expected collective {index} to be {expected!r} on every rank, "
+                             f"found {name!r} on rank {rank}")
+        event = self.all_in.setdefault(index, self.env.event())
+        arrived = self.arrived.setdefault(index, [])
+        arrived.append(rank)
+        if len(arrived) == self.ranks:
+            event.succeed()
+        return event
+
+
 class _Machine:
-    def __init__(self, env: simpy.Environment, costs: Costs, timeline: bool) -> None:
+    def __init__(self, env: simpy.Environment, costs: Costs, timeline: bool,
+                 rank: int = 0, rendezvous: _Rendezvous | None = None) -> None:
         self.env = env
         self.costs = costs
         self.streams: dict[int, _Stream] = {}
@@ -158,6 +182,8 @@ class _Machine:
         self.stall = 0.0
         self.ops: list[GpuOp] | None = None  # set when recording
         self.correlation = 0
+        self.rank, self.rendezvous = rank, rendezvous
+        self.collectives = 0  # started on this rank's GPU so far
 
     def stream(self, sid: int) -> _Stream:
         stream = self.streams.get(sid)
@@ -187,7 +213,14 @@ class _Machine:
                 self.slot.succeed()
                 self.slot = None
             start = max(item.ready, free + gap, env.now)
-            yield env.timeout(start - env.now + item.dur)  # one event per kernel: the hot path
+            if item.kind == "collective" and self.rendezvous is not None:
+                # A collective's kernel starts, then waits (spinning, busy) for every rank's.
+                yield env.timeout(start - env.now)
+                self.collectives += 1
+                yield self.rendezvous.arrive(self.collectives, self.rank, item.name)
+                yield env.timeout(item.dur)
+            else:
+                yield env.timeout(start - env.now + item.dur)  # one event per kernel: hot path
             free = env.now
             stream.finished += 1
             if stream.waiters:  # another stream waits for this one's work
@@ -302,6 +335,44 @@ def _host(m: _Machine, program: Program, times: list[float],
             yield env.timeout(carried)
         times.append(env.now - began)
         windows.append((began, env.now))
+
+
+def simulate_ranks(programs: list[Program], costs: Costs | None = None,
+                   timeline: bool = False) -> list[SimResult]:
+    """Several ranks' programs run together, each rank a host and a GPU of its own, their
+    collectives (``GpuWork`` of kind ``"collective"``) meeting in issue order: the n-th
+    collective of every rank finishes ``dur`` after the last rank's has started.
+
+    Raises
+    ------
+    GrapeError
+        Ranks whose n-th collectives differ by name, or that run different numbers of them
+        (a rank would wait forever).
+    """
+    if not programs:
+        raise GrapeError("expected a program per rank, found none")
+    env = simpy.Environment()
+    rendezvous = _Rendezvous(env, len(programs))
+    runs = []
+    for rank, program in enumerate(programs):
+        m = _Machine(env, costs or Costs(), timeline, rank, rendezvous)
+        times: list[float] = []
+        windows: list[tuple[float, float]] = []
+        env.process(_host(m, program, times, None, windows))
+        runs.append((m, times, program))
+    env.run()
+    if stuck := sorted(i for i, ranks in rendezvous.arrived.items()
+                       if len(ranks) < len(programs)):
+        raise GrapeError(f"expected every rank to reach each collective, found collective "
+                         f"{stuck[0]} ({rendezvous.names[stuck[0]]!r}) reached by ranks "
+                         f"{rendezvous.arrived[stuck[0]]} alone")
+    results = []
+    for m, times, program in runs:
+        synced = all(any(isinstance(s, Sync) for s in steps) for steps in program.iterations)
+        end = max((b for _, b in m.busy), default=0.0)
+        results.append(SimResult(times, union_length(m.busy), max(end, sum(times)),
+                                 m.timeline or [], m.stall, synced))
+    return results
 
 
 def simulate(program: Program, costs: Costs | None = None, timeline: bool = False,
