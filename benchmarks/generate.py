@@ -32,8 +32,8 @@ H200, and random weights give near ties. Each run is made twice per strategy: wi
 tokens), and with an EOS that occurs mid-way (the token the first run made most often).
 
 Run on a GPU: python benchmarks/generate.py [--small] [--deterministic] [--out FILE] [--plot PNG]
-(committed: benchmarks/results/generate_h200.json and .png; ``--plot-only JSON`` redraws the
-plot from a results file)
+(committed: benchmarks/results/generate_h200_runs/, one file per call, and generate_h200.png;
+``--plot-only JSON [JSON ...]`` draws the plot from results files)
 """
 
 from __future__ import annotations
@@ -297,14 +297,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, metavar="FILE",
                         help="write the results as JSON here (nothing is written without it)")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG")
-    parser.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
-                        help="draw --plot from this results file and measure nothing")
+    parser.add_argument("--plot-only", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="draw --plot from these results files and measure nothing")
     args = parser.parse_args()
     if args.plot_only:
         if not args.plot:
             parser.error("--plot-only needs --plot PNG")
-        doc = json.loads(args.plot_only.read_text())
-        plot([r for r in doc["results"] if "failed" not in r], args.plot)
+        rows = []
+        for path in args.plot_only:
+            doc = json.loads(path.read_text())
+            size = doc.get("size") or ("small" if "--small" in doc["command"] else "bench")
+            rows += [{"size": size, **r} for r in doc["results"] if "failed" not in r]
+        plot(rows, args.plot)
         return
     if args.deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before the first cuBLAS handle

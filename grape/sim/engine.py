@@ -213,7 +213,7 @@ class _Machine:
                 self.slot.succeed()
                 self.slot = None
             start = max(item.ready, free + gap, env.now)
-            if item.kind == "collective" and self.rendezvous is not None:
+            if self.rendezvous is not None and item.kind == "collective":
                 # A collective's kernel starts, then waits (spinning, busy) for every rank's.
                 yield env.timeout(start - env.now)
                 self.collectives += 1
