@@ -20,12 +20,12 @@ Small host constants the forward copies to the GPU (``torch.tensor(0.0, device=.
 used as an index) are staged through pinned memory (``grape.torch.staging``), and refused where
 they differ between the two captures.
 
-With ``compile=True`` the step's kernels are Inductor's (``torch.compile`` with ``mode="max-
-autotune-no-cudagraphs"``: fused Triton kernels, no PyTorch CUDA graphs), still inside grape's
-one-launch loop; the prompt, at its own shape, runs the model's own kernels. The compiled
-forward is built once per model and compiled once per step shape (the first call of a shape pays
-for it, minutes with autotuning on large models); its kernels differ from the eager ones by
-design, so its tokens are compared with a tolerance, not for equality.
+With ``compile=True`` the step's kernels are Inductor's (``torch.compile`` with
+``mode="max-autotune-no-cudagraphs"``: fused Triton kernels, no PyTorch CUDA graphs), still
+inside grape's one-launch loop; the prompt, at its own shape, runs the model's own kernels.
+The compiled forward is built once per model and compiled once per step shape (the first call
+of a shape pays for it, minutes with autotuning on large models); its kernels differ from the
+eager ones by design, so its tokens are compared with a tolerance, not for equality.
 
 Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, a
 forward that cannot be captured) runs through ``model.generate`` after one warning saying why;
