@@ -6,7 +6,9 @@ decode step's layers, three ways side by side: eagerly, as PyTorch's own capture
 grape's executable rebuilt from the IR read out of that capture (NCCL's kernel nodes included).
 Writes, per rank, ``tp_collectives_rank<r>.json``: what the IR read (node kinds, NCCL kernels
 and their argument bytes), whether each way's result equals eager's bitwise, and GPU time per
-chain (CUDA events, median of ``--repeats``).
+chain (CUDA events, median of ``--repeats``); with ``--profile``, also a torch.profiler trace per
+rank of a few eager chains and PyTorch graph replays (``tp_collectives_rank<r>.kineto.json.gz``:
+each kernel's duration, the all-reduce's among them, for the simulator's collective costs).
 
 Run on 2 GPUs: NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py
 --out DIR (NVLink multicast stays off)
@@ -39,11 +41,36 @@ def _time(fn, repeats: int) -> list[float]:
     return out
 
 
+def _profile(chain, captured, path: Path) -> None:
+    """Three eager chains and three replays of PyTorch's graph under torch.profiler."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for name, fn in (("eager", chain),
+                         ("graph", captured.torch_graph.replay if captured else None)):
+            for i in range(3 if fn is not None else 0):
+                dist.barrier()
+                torch.cuda.synchronize()
+                with record_function(f"{name} chain {i}"):
+                    fn()
+                torch.cuda.synchronize()
+    raw = path.with_suffix("")
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--profile", action="store_true",
+                        help="also record a torch.profiler trace per rank")
     args = parser.parse_args()
     if os.environ.get("NCCL_NVLS_ENABLE") != "0":
         raise SystemExit("expected NCCL_NVLS_ENABLE=0 (NVLink multicast off), found it unset")
@@ -115,6 +142,8 @@ def main() -> None:
         except Exception as e:
             doc["grape_failed"] = f"{type(e).__name__}: {e}"[:500]
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        _profile(chain, captured, args.out / f"tp_collectives_rank{rank}.kineto.json.gz")
     (args.out / f"tp_collectives_rank{rank}.json").write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps({k: v for k, v in doc.items() if k != "ir"}), flush=True)
     dist.destroy_process_group()
