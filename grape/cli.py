@@ -482,6 +482,9 @@ def _validate(args: argparse.Namespace) -> None:
     if failures:
         raise GrapeError(f"expected every trace to be read and predicted, found {len(failures)} "
                          f"that could not be (each named above)")
+    stated = [p.inside for p in predictions if p.inside is not None]
+    if stated:
+        print(f"{'intervals':<33} measured inside {sum(stated)} of {len(stated)} stated")
     errors = [abs(p.error) * 100 for p in predictions]
     if statistics.median(errors) > args.median_bound or max(errors) > args.max_bound:
         raise SystemExit(1)
@@ -491,13 +494,18 @@ def _print_predictions(predictions: list, median_bound: float, max_bound: float)
     print(f"{'workload':<32} {'question':<33} {'measured':>11} {'predicted':>11} {'':<3}"
           f"{'error':>7}")
     for p in predictions:
+        interval = ("" if p.inside is None else
+                    f"  [{p.low:.3f}-{p.high:.3f}{'' if p.inside else ', measured outside'}]")
         print(f"{p.workload:<32} {p.question:<33} {p.measured:11.3f} "
-              f"{p.predicted:11.3f} {p.unit:<3}{100 * p.error:+6.1f}%"
+              f"{p.predicted:11.3f} {p.unit:<3}{100 * p.error:+6.1f}%{interval}"
               + (f"  ({p.note})" if p.note else ""))
     for question in dict.fromkeys(p.question for p in predictions):
         errs = [abs(p.error) * 100 for p in predictions if p.question == question]
         print(f"{question:<33} median {statistics.median(errs):5.1f}%  largest {max(errs):5.1f}%"
               f"  ({len(errs)} predictions)")
+    stated = [p.inside for p in predictions if p.inside is not None]
+    if stated:
+        print(f"{'intervals':<33} measured inside {sum(stated)} of {len(stated)} stated")
     errors = [abs(p.error) * 100 for p in predictions]
     print(f"{'all':<33} median absolute error {statistics.median(errors):.1f}% (bound "
           f"{median_bound:g}%), largest {max(errors):.1f}% (bound {max_bound:g}%), "

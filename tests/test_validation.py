@@ -204,3 +204,21 @@ def test_the_latest_recording_is_predicted_within_the_bound():
     found = _predication(".")
     assert len(found) == 4
     assert all(abs(p.error) <= 0.15 for p in found)
+
+
+def test_every_eager_replay_states_an_interval_around_its_prediction(predictions):
+    eager = [p for p in predictions if p.question == "replay eager"]
+    assert len(eager) == 19
+    assert all(p.low <= p.predicted <= p.high for p in eager)
+    others = [p for p in predictions if p.question != "replay eager"]
+    assert all(p.inside is None for p in others)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the eager replays' intervals (each profiled iteration predicted, widened by the "
+    "recording's 10th-90th percentile spread of unprofiled wall times) hold the measured step "
+    "in 11 of 38 on the two recordings (h200 7 of 19, h200_second 4 of 19): the profiled steps "
+    "ran slower than the timed ones, by more than the recording's own spread"))
+def test_eager_replay_intervals_hold_the_measurement_nine_times_in_ten(predictions):
+    eager = [p for p in predictions if p.question == "replay eager"]
+    assert sum(p.inside for p in eager) >= 0.9 * len(eager)

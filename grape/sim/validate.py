@@ -51,6 +51,16 @@ class Prediction:
     predicted: float
     note: str = ""
     unit: str = "ms"  # of measured and predicted: "ms" per iteration, or "MB" of device memory
+    # An interval the prediction claims, where it states one (eager replays; see _interval).
+    low: float | None = None
+    high: float | None = None
+
+    @property
+    def inside(self) -> bool | None:
+        """Whether the measured value lies in the stated interval (None: none stated)."""
+        if self.low is None or self.high is None:
+            return None
+        return self.low <= self.measured <= self.high
 
     def __post_init__(self) -> None:
         # A gate on a NaN always passes (every comparison with NaN is false): refuse it here.
@@ -122,9 +132,11 @@ def predictions(trace: Trace, profile: DeviceProfile, graph: Trace | None = None
     workload, mode = trace.workload, trace.mode
     measured = trace.grape.wall_time_median_us
     program = unprofiled_program(trace, profile)
+    replay = simulate(program, costs)
+    low, high = _interval(trace, replay.iteration_times) if mode == "eager" else (None, None)
     found = [Prediction(workload, f"replay {mode}", measured / 1000,
-                        simulate(program, costs).per_iteration / 1000,
-                        _host_bound(trace) if mode == "eager" else "")]
+                        replay.per_iteration / 1000,
+                        _host_bound(trace) if mode == "eager" else "", low=low, high=high)]
     found.extend(_family_memory(trace, profile))
     found.extend(_device_loop(trace, program, costs))
     found.extend(_family_step(trace, program, costs))
@@ -160,6 +172,19 @@ def _eager_to_graph(trace: Trace, program, graph: Trace, profile: DeviceProfile,
     return [Prediction(trace.workload, "eager -> graph", measured, alone / 1000, note),
             Prediction(trace.workload, "eager -> graph, borrowed GPU time", measured,
                        borrowed / 1000, "GPU time from the graphed recording's kernels")]
+
+
+def _interval(trace: Trace, predicted: list[float]) -> tuple[float | None, float | None]:
+    """An eager replay's interval (ms): the profiled iterations each predicted on their own
+    (their host pace differs), widened by the recording's own spread of unprofiled wall times
+    (10th and 90th percentiles against the median). It claims no more than the recording
+    shows of its own noise."""
+    wall = sorted(trace.grape.wall_time_us) if trace.grape else []
+    if not predicted or len(wall) < 2:
+        return None, None
+    median = wall[len(wall) // 2]
+    p10, p90 = wall[len(wall) // 10], wall[(len(wall) * 9) // 10]
+    return min(predicted) * p10 / median / 1000, max(predicted) * p90 / median / 1000
 
 
 def _host_bound(trace: Trace) -> str:
