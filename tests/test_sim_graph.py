@@ -281,3 +281,41 @@ def test_a_family_pays_the_updates_its_transitions_need_and_each_shape_s_own_gpu
     assert whole == [0, 3, 0, 0, 3]
     with pytest.raises(SimulationError, match="found none for 256"):
         family_program(graphs, [64, 256], table, costs)
+
+
+def _tp_chain(gemv_us: float, collectives=("AllReduce", "AllReduce")):
+    """A rank's graph: a GEMV then an NCCL collective, per name given."""
+    g = KernelGraph()
+    last = None
+    for i, op in enumerate(collectives):
+        g.add(f"gemv{i}", _kernel("gemv"), after=[last] if last else [])
+        g.add(f"nccl{i}", _kernel(f"ncclDevKernel_{op}_Sum_f16_RING_LL"), after=[f"gemv{i}"])
+        last = f"nccl{i}"
+    return g, _table(gemv=gemv_us)
+
+
+def test_ranks_graphs_meet_at_their_collectives():
+    from grape.sim.graph import run_graph_ranks
+
+    costs = Costs(graph_node_overhead=0.0)
+    (g0, d0), (g1, d1) = _tp_chain(10.0), _tp_chain(20.0)
+    runs = run_graph_ranks([g0, g1], [d0, d1], costs, collective_cost=lambda k: 5.0)
+    # The slower rank sets each collective's end: 20 + 5, then 25 + 20 + 5.
+    assert [r.gpu_time for r in runs] == [50.0, 50.0]
+    assert [iv for iv in runs[0].intervals if iv[2] == "nccl0"] == [(10.0, 25.0, "nccl0")]
+    alone = run_graph(g0, _table(gemv=10.0, **{"ncclDevKernel_AllReduce_Sum_f16_RING_LL": 5.0}),
+                      costs)
+    assert alone.gpu_time == 30.0  # one rank by itself: the traced durations, no waiting
+
+
+def test_ranks_whose_graphs_collect_differently_are_refused():
+    from grape.sim.graph import run_graph_ranks
+
+    costs = Costs(graph_node_overhead=0.0)
+    (g0, d0), (g1, d1) = _tp_chain(10.0), _tp_chain(10.0, ("AllReduce",))
+    with pytest.raises(SimulationError, match="expected every rank to reach collective 2, "
+                                              "found rank \\[1\\] finished"):
+        run_graph_ranks([g0, g1], [d0, d1], costs, collective_cost=lambda k: 5.0)
+    (g2, d2) = _tp_chain(10.0, ("AllReduce", "AllGather"))
+    with pytest.raises(SimulationError, match="expected collective 2 to be one operation"):
+        run_graph_ranks([g0, g2], [d0, d2], costs, collective_cost=lambda k: 5.0)

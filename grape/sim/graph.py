@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import cxxfilt
@@ -43,8 +43,8 @@ from grape.program import GpuWork, GraphLaunch, HostWork, Program, Sync
 from grape.records import GpuOp
 from grape.sim.engine import Costs
 
-__all__ = ["Choices", "Durations", "GraphRun", "family_program", "kernel_key",
-           "program_from_graph", "run_graph"]
+__all__ = ["Choices", "Durations", "GraphRun", "family_program", "is_nccl_collective",
+           "kernel_key", "program_from_graph", "run_graph", "run_graph_ranks"]
 
 KernelKey = tuple[str, tuple[int, int, int], tuple[int, int, int]]
 
@@ -128,13 +128,19 @@ def _copy_time(op: Memcpy | Memset, costs: Costs) -> float:
 
 
 class _Schedule:
-    def __init__(self, durations: Durations, costs: Costs, choices: Choices) -> None:
+    """The list schedule of one graph launch, as a generator: it yields ``(start, node,
+    kernel)`` where a collective's kernel starts (only where ``collective`` says a kernel is
+    one) and takes back the time that collective ends, which depends on the other ranks."""
+
+    def __init__(self, durations: Durations, costs: Costs, choices: Choices,
+                 collective: Callable[[Kernel], bool] | None = None) -> None:
         self.durations, self.costs, self.choices = durations, costs, choices
+        self.collective = collective
         self.intervals: list[tuple[float, float, str]] = []
         self.names: list[tuple[str, str]] = []
         self.nodes_run = 0
 
-    def graph(self, graph: KernelGraph, begin: float, prefix: str) -> float:
+    def graph(self, graph: KernelGraph, begin: float, prefix: str) -> Generator:
         """Run ``graph`` from ``begin``; returns when its last node ends."""
         finish: dict[str, float] = {}
         front = begin  # when the front end can dispatch the next node
@@ -143,17 +149,21 @@ class _Schedule:
             ready = max((finish[p] for p in graph.dag.predecessors(node)), default=begin)
             start = max(ready, front + self.costs.graph_node_overhead)
             front = start
-            finish[node] = self.op(graph.op(node), start, f"{prefix}{node}")
+            finish[node] = yield from self.op(graph.op(node), start, f"{prefix}{node}")
             end = max(end, finish[node])
         return end
 
-    def op(self, op: Op, start: float, name: str) -> float:
+    def op(self, op: Op, start: float, name: str) -> Generator:
         self.nodes_run += 1
         if isinstance(op, Conditional):
-            return self.conditional(op, start, name)
+            return (yield from self.conditional(op, start, name))
         if isinstance(op, Kernel):
-            dur = self.durations.kernel(op, name)
             self.names.append((demangle(op.name), "kernel"))
+            if self.collective is not None and self.collective(op):
+                end = yield start, name, op
+                self.intervals.append((start, end, name))
+                return end
+            dur = self.durations.kernel(op, name)
         elif isinstance(op, Memcpy | Memset):
             key = ("memcpy", op.size) if isinstance(op, Memcpy) else ("memset", op.extent)
             dur = self.durations.transfers.get(key)
@@ -167,7 +177,7 @@ class _Schedule:
         self.intervals.append((start, start + dur, name))
         return start + dur
 
-    def conditional(self, op: Conditional, start: float, name: str) -> float:
+    def conditional(self, op: Conditional, start: float, name: str) -> Generator:
         choices = self.choices
         if op.type is ConditionalKind.WHILE:
             if name not in choices.iterations:
@@ -175,7 +185,8 @@ class _Schedule:
                                       f"found none")
             t = start
             for _ in range(choices.iterations[name]):
-                t = self.graph(op.bodies[0], t, f"{name}/0/") + self.costs.while_per_iteration
+                t = (yield from self.graph(op.bodies[0], t, f"{name}/0/")) + (
+                    self.costs.while_per_iteration)
             return t
         if op.type in (ConditionalKind.IF, ConditionalKind.IF_ELSE):
             if name not in choices.taken:
@@ -183,13 +194,16 @@ class _Schedule:
             body = 0 if choices.taken[name] else 1
             if body >= len(op.bodies):
                 return start
-            return self.graph(op.bodies[body], start, f"{name}/{body}/")
+            return (yield from self.graph(op.bodies[body], start, f"{name}/{body}/"))
         if name not in choices.branch:
             raise SimulationError(f"expected the branch SWITCH node {name!r} takes, found none")
         branch = choices.branch[name]
         if not 0 <= branch < len(op.bodies):  # CUDA runs no branch for an index out of range
             return start
-        return self.graph(op.bodies[branch], start, f"{name}/{branch}/")
+        return (yield from self.graph(op.bodies[branch], start, f"{name}/{branch}/"))
+
+    def result(self, end: float) -> GraphRun:
+        return GraphRun(end, tuple(self.intervals), self.nodes_run, tuple(self.names))
 
 
 def run_graph(graph: KernelGraph, durations: Durations, costs: Costs,
@@ -202,8 +216,64 @@ def run_graph(graph: KernelGraph, durations: Durations, costs: Costs,
         A kernel without a duration, a conditional without its choice.
     """
     schedule = _Schedule(durations, costs, choices or Choices())
-    end = schedule.graph(graph, 0.0, "")
-    return GraphRun(end, tuple(schedule.intervals), schedule.nodes_run, tuple(schedule.names))
+    run = schedule.graph(graph, 0.0, "")
+    try:
+        next(run)  # without a collective predicate the schedule never yields
+    except StopIteration as done:
+        return schedule.result(done.value)
+    raise AssertionError("unreachable: a schedule without collectives yielded")
+
+
+def is_nccl_collective(k: Kernel) -> bool:
+    """NCCL's collective kernels, by name (``ncclDevKernel_AllReduce_...`` and the like)."""
+    return "nccl" in k.name.lower() and "Kernel" in k.name
+
+
+def run_graph_ranks(graphs: Sequence[KernelGraph], durations: Sequence[Durations],
+                    costs: Costs, collective_cost: Callable[[Kernel], float],
+                    choices: Choices | None = None,
+                    collective: Callable[[Kernel], bool] = is_nccl_collective
+                    ) -> list[GraphRun]:
+    """One launch of each rank's graph, launched together, their collectives meeting: the n-th
+    collective kernel of every rank ends ``collective_cost(kernel)`` after the last rank's has
+    started (each rank's other kernels take their traced durations).
+
+    Raises
+    ------
+    SimulationError
+        Ranks whose collectives differ (in name at one index, or in number).
+    """
+    if len(graphs) != len(durations) or not graphs:
+        raise SimulationError(f"expected a graph and a duration table per rank, found "
+                              f"{len(graphs)} and {len(durations)}")
+    schedules = [_Schedule(d, costs, choices or Choices(), collective) for d in durations]
+    runs = [s.graph(g, 0.0, "") for s, g in zip(schedules, graphs, strict=True)]
+    ends: list[float | None] = [None] * len(runs)
+    waiting: list[tuple[float, str, Kernel] | None] = [None] * len(runs)
+
+    def advance(rank: int, value: float | None) -> None:
+        try:
+            waiting[rank] = runs[rank].send(value) if value is not None else next(runs[rank])
+        except StopIteration as done:
+            waiting[rank], ends[rank] = None, done.value
+
+    for rank in range(len(runs)):
+        advance(rank, None)
+    index = 0
+    while any(w is not None for w in waiting):
+        index += 1
+        if any(w is None for w in waiting):
+            done = [r for r, w in enumerate(waiting) if w is None]
+            raise SimulationError(f"expected every rank to reach collective {index}, found "
+                                  f"rank{'s' if len(done) > 1 else ''} {done} finished")
+        names = {demangle(w[2].name) for w in waiting}
+        if len(names) > 1:
+            raise SimulationError(f"expected collective {index} to be one operation on every "
+                                  f"rank, found {sorted(names)}")
+        end = max(w[0] for w in waiting) + collective_cost(waiting[0][2])
+        for rank in range(len(runs)):
+            advance(rank, end)
+    return [s.result(e) for s, e in zip(schedules, ends, strict=True)]
 
 
 def program_from_graph(graph: KernelGraph, durations: Durations, costs: Costs,
