@@ -43,10 +43,9 @@ def _time(fn, repeats: int) -> list[float]:
 
 def _profile(chain, captured, path: Path) -> None:
     """Three eager chains and three replays of PyTorch's graph under torch.profiler."""
-    import gzip
-    import shutil
-
     from torch.profiler import ProfilerActivity, profile, record_function
+
+    from grape.jsonio import dump_json, load_json
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for name, fn in (("eager", chain),
@@ -59,8 +58,7 @@ def _profile(chain, captured, path: Path) -> None:
                 torch.cuda.synchronize()
     raw = path.with_suffix("")
     prof.export_chrome_trace(str(raw))
-    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
-        shutil.copyfileobj(src, dst)
+    dump_json(path, load_json(raw))
     raw.unlink()
 
 
