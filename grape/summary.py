@@ -13,7 +13,7 @@ import networkx as nx
 from grape.errors import ProfileError
 from grape.ir import KernelGraph
 from grape.profile import CONSTANTS, DeviceProfile
-from grape.trace import Trace
+from grape.trace import SIMULATED, Trace
 
 __all__ = ["Summary", "graph_summary", "profile_summary", "trace_summary"]
 
@@ -38,7 +38,8 @@ def _origin(t: Trace) -> str:
     where = f"{t.device_name}" + (f" ({versions})" if versions else "")
     if t.grape:
         wall = t.grape.wall_time_median_us
-        measured = f"; measured {wall / 1000:.3f} ms per iteration" if wall else ""
+        how = "simulated" if t.grape.mode == SIMULATED else "measured"
+        measured = f"; {how} {wall / 1000:.3f} ms per iteration" if wall else ""
         return f"grape trace, {t.grape.mode} {t.grape.workload} on {where}{measured}"
     return f"torch.profiler trace on {where}"
 

@@ -42,6 +42,9 @@ GRAPE_SCHEMA_VERSION = 1
 KINETO_SCHEMA_VERSIONS = (1,)
 
 
+SIMULATED = "simulated"  # the mode of a trace grape's simulator wrote (grape.sim.tracing)
+
+
 @dataclass(frozen=True)
 class GrapeMeta:
     """The ``grape`` block of a trace grape wrote."""

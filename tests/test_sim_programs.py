@@ -150,9 +150,10 @@ def test_simulate_command_prints_side_by_side_and_writes_a_grape_trace(capsys, t
     # The what-if's run as a grape trace: what grape reads recordings with reads it.
     simulated = read_trace(out_path)
     assert simulated.grape.mode == "simulated" and len(simulated.iterations) == 3
+    assert simulated.device_name == PROFILE.device
     assert all(len(it.graph_launches) == 1 and it.syncs for it in simulated.iterations)
     assert main(["info", str(out_path)]) == 0
-    assert "simulated" in capsys.readouterr().out
+    assert "; simulated 0." in capsys.readouterr().out  # not "measured": nothing was
 
 
 def test_a_simulated_trace_replayed_is_the_simulation_it_came_from(tmp_path):

@@ -17,11 +17,9 @@ from grape.jsonio import dump_json
 from grape.kineto import encode
 from grape.records import HostCall
 from grape.sim.engine import SimResult
-from grape.trace import GrapeMeta
+from grape.trace import SIMULATED, GrapeMeta
 
 __all__ = ["SIMULATED", "write_simulated_trace"]
-
-SIMULATED = "simulated"  # the mode of a trace the simulator wrote
 
 
 def write_simulated_trace(path: str | Path, result: SimResult, workload: str,
@@ -37,6 +35,7 @@ def write_simulated_trace(path: str | Path, result: SimResult, workload: str,
     meta = GrapeMeta(workload=workload, mode=SIMULATED, device=device, driver="none (simulated)",
                      wall_time_us=tuple(t for t in result.iteration_times if t > 0),
                      notes=notes or "written by grape's simulator")
-    doc = {"schemaVersion": 1, "displayTimeUnit": "ms", "grape": meta.to_json(),
+    doc = {"schemaVersion": 1, "displayTimeUnit": "ms", "deviceProperties": [{"name": device}],
+           "grape": meta.to_json(),
            "traceEvents": encode(result.calls, [], steps, result.gpu_ops)}
     return dump_json(path, doc)

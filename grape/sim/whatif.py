@@ -23,7 +23,7 @@ from grape.program import (
     program_from_trace,
 )
 from grape.sim.engine import Costs
-from grape.trace import Trace
+from grape.trace import SIMULATED, Trace
 
 __all__ = [
     "copy_into_placeholders",
@@ -58,8 +58,6 @@ def overhead_from_profile(profile: DeviceProfile, trace: Trace) -> ProfilerOverh
     """What the profiler added to ``trace``'s host side: per operator and API call where it
     recorded PyTorch operators, per API call alone where it recorded CUDA activity only; none
     where grape's simulator wrote it."""
-    from grape.sim.tracing import SIMULATED
-
     if trace.grape is not None and trace.grape.mode == SIMULATED:
         return ProfilerOverhead()
     if trace.ops:
