@@ -24,7 +24,9 @@ the prompt run under capture as in grape's launch, and ``eager_host_loop_tokens_
 whether it equals the host loop with an eager prompt, whose attention kernels Hugging Face may
 pick differently; null for the compiled ways, whose kernels differ by design: there
 ``token_agreement`` is the fraction of new tokens equal to ``hf_static``'s) and ``capture_s``
-(for ``grape_compiled`` it includes compilation).
+(for ``grape_compiled`` it includes compilation). A grape row whose tokens differ says how
+much (``token_agreement``), from which new token (``first_difference``) and, for greedy,
+whether they equal grape's own step driven by the host (``host_loop_tokens_identical``).
 
 With ``--deterministic`` (deterministic kernels, cuBLAS workspace :4096:8) token comparisons
 mean something: without it the eager kernels do not repeat their own results bitwise on the
@@ -183,9 +185,23 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
         for row in rows:
             if row["way"] in ("grape", "hf_static"):
                 row["tokens_identical"] = _same(tokens[row["way"]], tokens["hf_static"])
+                if not row["tokens_identical"]:  # where, and how much, for the note
+                    row["token_agreement"] = _agreement(tokens[row["way"]],
+                                                        tokens["hf_static"], args.prompt)
+                    row["first_difference"] = _first_difference(
+                        tokens[row["way"]], tokens["hf_static"], args.prompt)
             elif row["way"] in ("grape_compiled", "hf_static_compiled"):
                 row["token_agreement"] = _agreement(tokens[row["way"]], tokens["hf_static"],
                                                     args.prompt)
+    if strategy == "greedy" and "grape" in tokens:
+        row = next(r for r in rows if r["way"] == "grape")
+        if row["tokens_identical"] is False:  # grape's own step on the host, prompt captured
+            from grape.torch.options import resolve
+
+            options, m = resolve(model, ids, mask, kw)
+            decoder = TokenDecoder(model, batch, args.prompt, options)
+            row["host_loop_tokens_identical"] = _same(_host_loop(decoder, ids, m, True),
+                                                      tokens["grape"])
     if strategy == "sample" and "grape" in tokens:
         row = next(r for r in rows if r["way"] == "grape")
         again = grape.generate(model, ids, mask, seed=7, **kw)
@@ -234,6 +250,13 @@ def _agreement(a, b, prompt: int) -> float:
     n = min(a.shape[1], b.shape[1])
     equal = int((a[:, prompt:n] == b[:, prompt:n]).sum())
     return equal / (a.shape[0] * new) if new else 1.0
+
+
+def _first_difference(a, b, prompt: int) -> int:
+    """The first new-token position where any row differs (or where one output ends)."""
+    n = min(a.shape[1], b.shape[1])
+    differs = (a[:, prompt:n] != b[:, prompt:n]).any(0).nonzero()
+    return int(differs[0]) if len(differs) else n - prompt
 
 
 def _most_common_new_token(out, prompt: int) -> int:

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grape.errors import GrapeError, GraphError
+from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Buffer, BufferRole, Empty, Kernel, KernelGraph, Memcpy, Span
 from grape.passes.compress import CODECS, best, decode, encode, xor
-from grape.passes.delta import apply, changed_nodes, delta, transition
+from grape.passes.delta import apply, changed_nodes, delta, join, transition
 from grape.passes.families import canonical_order, group, match
 from tests.strategies import graphs
 
@@ -135,3 +135,41 @@ def test_transition_agrees_with_applying_every_node(lengths):
         ops = transition(template, a, b)
         assert sorted(ops) == sorted(changed_nodes(template, a, b))
         assert all(ops[n] == apply(template, b)[n] for n in ops)
+
+
+def _with_copy(kv: int, buffers: dict[str, tuple[int, int]]) -> KernelGraph:
+    """A decode step whose output is copied out of buffer "kv" into "out"."""
+    g = _decode_step(kv)
+    for name, (size, address) in buffers.items():
+        g.add_buffer(Buffer(name, size, BufferRole.INTERNAL, address=address))
+    g.add("copy", Memcpy(Span("out"), Span("kv", 8 * kv), 8), after=["mlp"])
+    return g
+
+
+def test_joining_takes_the_members_buffers_and_refuses_what_cannot_change_in_place():
+    template = _with_copy(100, {"kv": (1024, 0x1000), "out": (64, 0x9000)})
+    member = _with_copy(101, {"kv": (4096, 0x1000), "out": (64, 0x9000),
+                              "s1/input0": (8, 0x7000)})
+    d = join(template, member)
+    assert sorted(nd.node for nd in d.nodes) == ["attn", "copy"]
+    # The table takes the member's new buffer, and the larger extent of a shared block.
+    assert template.buffers["s1/input0"].address == 0x7000
+    assert template.buffers["kv"].size == 4096
+
+    moved = _with_copy(101, {"kv": (1024, 0x2000), "out": (64, 0x9000)})
+    before = dict(template.buffers)
+    with pytest.raises(UnsupportedError, match="expected buffer 'kv' at one address in both "
+                                               "graphs, found it at 4096 and 8192"):
+        join(template, moved)
+    assert template.buffers == before  # a refusal leaves the template as it was
+
+    attributed = _with_copy(100, {"kv": (1024, 0x1000), "out": (64, 0x9000)})
+    attn = attributed.op("attn")
+    attributed.dag.nodes["attn"]["op"] = dataclasses.replace(
+        attn, attributes=(("cluster_dim", (2, 1, 1)),))
+    with pytest.raises(UnsupportedError, match="attributes change"):
+        join(template, attributed)
+    other = _with_copy(100, {"kv": (1024, 0x1000), "out": (64, 0x9000)})
+    other.dag.remove_edge("mlp", "copy")
+    with pytest.raises(UnsupportedError, match="expected graphs of one structure"):
+        join(template, other)

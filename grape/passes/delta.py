@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from grape.errors import GraphError
+from grape.errors import GraphError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Op
 from grape.passes.compress import best, decode, encode, xor
 from grape.passes.families import match
 
-__all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "delta",
+__all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "delta", "join",
            "transition"]
 
 # Kernel fields a delta carries whole when they differ (args get their own coding).
@@ -140,3 +140,47 @@ def transition(template: KernelGraph, current: ShapeDelta, target: ShapeDelta) -
         else:
             ops[node] = _apply_kernel(t, nd.kernel)
     return ops
+
+
+def _attributes_change(d: ShapeDelta) -> bool:
+    return any(nd.kernel is not None and "attributes" in dict(nd.kernel.fields) for nd in d.nodes)
+
+
+def join(template: KernelGraph, other: KernelGraph) -> ShapeDelta:
+    """``other``'s delta against ``template``, where an executable of ``template`` can be
+    brought to ``other`` by updating nodes in place; the template's buffer table then takes
+    ``other``'s buffers (an executable's builder resolves copies' and memsets' addresses through
+    it). Only kernels' functions, launch dimensions and arguments, and copies and memsets,
+    change in place: a kernel's launch attributes cannot (the driver took such changes on the
+    H200, and the kernels then stopped on an illegal instruction).
+
+    Raises
+    ------
+    UnsupportedError
+        The two graphs differ in structure, in a kernel's launch attributes or in a node that
+        cannot change in place, or name one buffer at two addresses; the template is unchanged.
+    """
+    try:
+        d = delta(template, other)
+    except GraphError as e:
+        raise UnsupportedError(str(e)) from None
+    if _attributes_change(d):
+        raise UnsupportedError("expected kernels whose launch attributes stay, found one whose "
+                               "attributes change, which an executable cannot take in place")
+    for nd in d.nodes:
+        op = template.op(nd.node)
+        if nd.replacement is not None and op.kind not in ("memcpy", "memset"):
+            raise UnsupportedError(f"expected only kernels, copies and memsets to change, found "
+                                   f"node {nd.node!r} ({op.kind}) changing")
+    for b in other.buffers.values():
+        mine = template.buffers.get(b.id)
+        if mine is not None and mine.address != b.address:
+            raise UnsupportedError(f"expected buffer {b.id!r} at one address in both graphs, "
+                                   f"found it at {mine.address} and {b.address}")
+    for b in other.buffers.values():
+        mine = template.buffers.get(b.id)
+        if mine is None:
+            template.add_buffer(b)
+        elif b.size > mine.size:  # a pool block reused at another size: one start, one address
+            template.buffers[b.id] = b
+    return d

@@ -10,7 +10,7 @@ which PyTorch's caching allocator makes the common case. No byte is copied eithe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,22 +38,28 @@ class Inputs:
     addresses: list[int]  # where the executable reads each now
 
     @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor]) -> Inputs:
-        """The tensors a graph is captured on, as its capture names them."""
+    def of(cls, tensors: Sequence[torch.Tensor], tag: str = "") -> Inputs:
+        """The tensors a graph is captured on, as its capture (with ``tag``) names them."""
         addresses = _addresses(tensors)
         if len(set(addresses)) != len(addresses):
             raise GrapeError("expected every tensor argument to have its own memory, found two "
                              "that share one (views of one tensor)")
-        return cls([f"input{i}" for i in range(len(tensors))], addresses)
+        return cls([f"{tag}input{i}" for i in range(len(tensors))], addresses)
+
+    def moves(self, tensors: Sequence[torch.Tensor], read: Collection[str]) -> dict[str, int]:
+        """The buffers of ``read`` (those a graph reads) whose tensor now lies elsewhere, with
+        their new addresses; from now on the tensors are where the executable reads them."""
+        now = _addresses(tensors)
+        moved = {n: a for n, a, was in zip(self.names, now, self.addresses, strict=True)
+                 if a != was and n in read}
+        self.addresses = now
+        return moved
 
     def point(self, graph: Graph, executable: Executable,
               tensors: Sequence[torch.Tensor]) -> int:
         """Point ``executable`` (built from ``graph``) at ``tensors``; the nodes updated."""
-        now = _addresses(tensors)
         # A tensor the graph never reads (absent from its table) needs no pointing.
-        moved = {n: a for n, a, was in zip(self.names, now, self.addresses, strict=True)
-                 if a != was and n in graph.ir.buffers}
-        self.addresses = now
+        moved = self.moves(tensors, graph.ir.buffers)
         if not moved:
             return 0
         ir, changed = repoint(graph.ir, moved)

@@ -94,7 +94,7 @@ def _failure(error: BaseException) -> str:
 
 def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tensor] | None = None,
             pool: Any = None, warmup: int = 1, instantiate: bool = True,
-            collect: bool = True, staging: Any = None) -> TorchCapture:
+            collect: bool = True, staging: Any = None, tag: str = "") -> TorchCapture:
     """Capture ``fn(*args)`` into a CUDA graph and read it into the IR.
 
     Tensors in ``args`` become input placeholders, ``params`` (for instance
@@ -105,7 +105,8 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     families, capturing many shapes into one pool, skip it (it dominates their capture time).
     ``staging`` (a ``grape.torch.staging.HostConstants``) is active while ``fn`` is captured:
     copies of host constants to the device are staged through pinned memory instead of
-    breaking the capture.
+    breaking the capture. ``tag`` prefixes the input and output buffers' names
+    (``{tag}input0``), for captures whose graphs share one buffer table (``grape.graphed``).
 
     Raises
     ------
@@ -115,7 +116,8 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     """
     buffers = BufferMap()
     _name(buffers, "param:", (params or {}).items(), BufferRole.PARAMETER)
-    _name(buffers, "input", ((str(i), t) for i, t in enumerate(_tensors(args))), BufferRole.INPUT)
+    _name(buffers, f"{tag}input", ((str(i), t) for i, t in enumerate(_tensors(args))),
+          BufferRole.INPUT)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # lazy initialisation (cuBLAS handles, autotuning) stays out
@@ -147,7 +149,7 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     if instantiate:
         g.instantiate()
     pool_bytes = torch.cuda.memory_reserved() - reserved
-    _name(buffers, "output", ((str(i), t) for i, t in enumerate(_tensors(outputs))),
+    _name(buffers, f"{tag}output", ((str(i), t) for i, t in enumerate(_tensors(outputs))),
           BufferRole.OUTPUT)
     raw = driver.CUgraph(g.raw_cuda_graph())
     return TorchCapture(Graph(read_graph(raw, buffers), raw, owned=False), g, outputs,

@@ -29,7 +29,7 @@ import torch
 from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, UnsupportedError
 from grape.ir import KernelGraph, fingerprint
-from grape.passes.delta import ShapeDelta, delta, transition
+from grape.passes.delta import ShapeDelta, delta, join, transition
 from grape.torch.capture import capture
 
 __all__ = ["Family", "capture_family"]
@@ -165,7 +165,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
             graphs[shape] = Graph.build(ir)
             key, deltas[shape] = _place_whole(groups, topology, ir, graphs[shape])
         else:
-            key, deltas[shape] = _place(groups, topology, ir, shape)
+            key, deltas[shape] = _place(groups, topology, ir)
         if key not in groups:
             graph = graphs.get(shape) or Graph.build(ir)
             groups[key] = _Group(shape, ir, graph, graph.instantiate(), shape)
@@ -188,12 +188,11 @@ def _place_whole(groups: Mapping[str, _Group], topology: str, ir: KernelGraph,
     at capture, not at run time), or a new one."""
     variants = [k for k in groups if k.split("#")[0] == topology]
     for key in variants:
-        d = delta(groups[key].template, ir)
-        if _attributes_change(d):
-            # cuGraphExecUpdate took such changes on the H200 and the kernels then hit an
-            # illegal instruction (Wav2Vec2's, whose cluster shapes vary with the length).
-            continue
         try:
+            # join refuses kernels whose attributes change: cuGraphExecUpdate took such
+            # changes on the H200 and the kernels then hit an illegal instruction (Wav2Vec2's,
+            # whose cluster shapes vary with the length).
+            d = join(groups[key].template, ir)
             groups[key].executable.update(graph)
         except UnsupportedError:
             continue
@@ -202,48 +201,18 @@ def _place_whole(groups: Mapping[str, _Group], topology: str, ir: KernelGraph,
     return key, delta(ir, ir)
 
 
-def _attributes_change(d: ShapeDelta) -> bool:
-    return any(nd.kernel is not None and "attributes" in dict(nd.kernel.fields)
-               for nd in d.nodes)
-
-
-def _place(groups: Mapping[str, _Group], topology: str, ir: KernelGraph, shape: Hashable
+def _place(groups: Mapping[str, _Group], topology: str, ir: KernelGraph
            ) -> tuple[str, ShapeDelta]:
     """The group a shape joins, and its delta against the group's template: the first
-    executable of its topology that can take the shape by updates in place. Where none can (a
-    kernel whose attributes change with the shape, as the H200's convolution kernels for
-    Wav2Vec2 did), the shape starts another executable of that topology, keyed
-    ``topology#n``, and its delta is empty."""
+    executable of its topology that can take the shape by updates in place
+    (``grape.passes.delta.join``). Where none can (a kernel whose attributes change with the
+    shape, as the H200's convolution kernels for Wav2Vec2 did), the shape starts another
+    executable of that topology, keyed ``topology#n``, and its delta is empty."""
     variants = [k for k in groups if k.split("#")[0] == topology]
     for key in variants:
-        template = groups[key].template
-        d = delta(template, ir)
-        clash = [b for b in ir.buffers.values()
-                 if b.id in template.buffers and template.buffers[b.id] != b]
         try:
-            _check_updatable(template, d, shape)
+            return key, join(groups[key].template, ir)
         except UnsupportedError:
             continue
-        if clash:
-            continue
-        # The shape's nodes may write memory the template's never touched (the shared pool
-        # handed its capture another block): the executable's builder resolves addresses
-        # through the template's table, so the table takes the shape's buffers too.
-        for b in ir.buffers.values():
-            if b.id not in template.buffers:
-                template.add_buffer(b)
-        return key, d
     key = f"{topology}#{len(variants)}" if variants else topology
     return key, delta(ir, ir)
-
-
-def _check_updatable(template: KernelGraph, d: ShapeDelta, shape: Hashable) -> None:
-    """Refuse, at capture, a shape whose delta an executable cannot take in place."""
-    if _attributes_change(d):
-        raise UnsupportedError("a kernel's launch attributes change, which an executable "
-                               "cannot take in place")
-    for nd in d.nodes:
-        op = template.op(nd.node)
-        if nd.replacement is not None and op.kind not in ("memcpy", "memset"):
-            raise UnsupportedError(f"node {nd.node!r} ({op.kind}) changes, and only kernels, "
-                                   f"copies and memsets update in place")

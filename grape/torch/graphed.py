@@ -4,31 +4,50 @@
 placeholder tensors, so every call first copies the caller's tensors into them. A
 :class:`Graphed` callable reads the caller's tensors where they lie instead (alias
 prediction): the first call of each input signature (shapes, dtypes, strides) captures
-``fn`` on the caller's tensors into the IR and builds its own executable; a later call whose
-tensors sit at other addresses updates only the nodes that read them
-(``grape.passes.alias.repoint``), and one whose tensors sit where they did (PyTorch's caching
-allocator tends to give a call site the same block again) updates nothing. :attr:`stats`
-counts both per call; ``copy_bytes`` is always 0.
+``fn`` on the caller's tensors into the IR; a later call whose tensors sit at other addresses
+updates only the nodes that read them (``grape.passes.alias.repoint``), and one whose tensors
+sit where they did (PyTorch's caching allocator tends to give a call site the same block
+again) updates nothing. ``copy_bytes`` is always 0.
 
-What a call returns are the graph's own output tensors: the next call of the same signature
-writes its results into them, so clone what must outlive it (as with any CUDA graph's
-outputs). Signatures share one memory pool; calls run on the current stream, one at a time.
+Signatures form families: a signature whose graph has the topology of one captured before
+(an encoder at another sequence length, usually) joins that signature's executable as a
+parameter delta (``grape.passes.delta.join``) instead of instantiating its own, and a call
+brings the executable to its signature by updating the nodes that differ, prepared once per
+pair of signatures. So executables' device memory grows with the topologies a callable has,
+not with its shapes. A signature the executable cannot take in place (a kernel whose launch
+attributes change with the shape) gets an executable of its own. ``shapes`` (argument tuples)
+captures signatures when the callable is made, largest first, so that no call pays a capture.
+
+What a call returns are the graph's own output tensors, valid until the next call: the next
+call of the same signature writes its results into them, and a call of another signature may
+write its activations over them (signatures share one memory pool, so that every length's
+activations fit in the memory of the largest: PyTorch's graphs sharing a pool behave alike).
+Clone what must outlive the call. Calls run on the current stream, one at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from grape.cuda.build import Executable, Graph
-from grape.errors import GrapeError
+from grape.cuda.build import Executable, Graph, Update
+from grape.errors import GrapeError, UnsupportedError
+from grape.ir import Kernel, KernelGraph, Memcpy, Memset, fingerprint
+from grape.passes.alias import repoint
+from grape.passes.delta import ShapeDelta, delta, join
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.capture import TorchCapture, capture
 
-__all__ = ["Graphed", "graphed"]
+__all__ = ["CallStats", "Graphed", "graphed"]
+
+# A switch that changes more than this fraction of an executable's nodes takes the signature's
+# whole graph in one cuGraphExecUpdate: on the H200 that cost about 0.9 us per node of the
+# graph, against about 2.4 us per changed node updated one cuda-python call at a time
+# (benchmarks/README.md, families).
+_WHOLE = 0.4
 
 
 @dataclass
@@ -36,27 +55,99 @@ class CallStats:
     calls: int = 0
     captures: int = 0
     pointer_updates: int = 0  # nodes re-pointed at inputs that moved, over all calls
+    switches: int = 0  # calls that brought a shared executable to another signature
+    switch_updates: int = 0  # nodes those calls updated
     copy_bytes: int = 0  # inputs copied into placeholders: none, by construction
 
 
-@dataclass
-class _Entry:
-    captured: TorchCapture
+@dataclass(eq=False)
+class _Shared:
+    """One executable, and the graph whose topology every signature it serves shares."""
+
+    template: KernelGraph  # the first signature's graph; its table takes every member's buffers
     graph: Graph
     executable: Executable
-    inputs: Inputs  # where the executable reads each tensor argument
+    holds: _Entry | None = None  # the signature whose parameters the executable has now
+
+
+@dataclass(eq=False)
+class _Entry:
+    captured: TorchCapture  # keeps the capture's memory in the pool, and its outputs
+    ir: KernelGraph  # this signature's graph, reading its inputs where they lay last
+    shared: _Shared
+    delta: ShapeDelta  # against shared.template
+    nodes: dict[str, str]  # template node -> this graph's node
+    inputs: Inputs
+    reads: frozenset[str]  # template nodes whose parameters name this signature's inputs
+    varies: frozenset[str]  # template nodes whose parameters this signature changes, or reads
+    # This signature's own graph, built as the executable's was (host memory only; for the
+    # first signature, the one the executable was instantiated from): a switch that changes
+    # most nodes takes its parameters in one cuGraphExecUpdate. None: the driver refused it.
+    graph: Graph | None = None
+    captured_at: tuple[int, ...] = ()  # input addresses ``graph`` reads
+    updates: dict[str, Update] = field(default_factory=dict)  # per template node, prepared
+    switches: dict[int, list[str]] = field(default_factory=dict)  # nodes to update, by holder
+
+    def update(self, node: str) -> Update:
+        """The prepared update that gives ``node`` this signature's parameters as they are."""
+        u = self.updates.get(node)
+        if u is None:
+            (u,) = self.shared.graph.prepare({node: self.ir.op(self.nodes[node])})
+            self.updates[node] = u
+        return u
+
+
+def _reading(ir: KernelGraph, names: set[str]) -> set[str]:
+    """The nodes of ``ir`` that point into one of the buffers ``names``."""
+    nodes = set()
+    for node, op in ir.ops():
+        if isinstance(op, Kernel):
+            spans = [p.target for p in op.pointers]
+        elif isinstance(op, Memcpy | Memset):
+            spans = list(op.spans())
+        else:
+            continue
+        if any(s.buffer in names for s in spans):
+            nodes.add(node)
+    return nodes
 
 
 @dataclass
 class Graphed:
     fn: Callable[..., Any]
     params: Mapping[str, torch.Tensor] | None = None
+    share: bool = True  # signatures of one topology share an executable (False: one each)
     stats: CallStats = field(default_factory=CallStats)
     _entries: dict[tuple, _Entry] = field(default_factory=dict)
+    _shared: dict[str, list[_Shared]] = field(default_factory=dict)  # by topology
     _pool: Any = None
 
+    @property
+    def signatures(self) -> int:
+        return len(self._entries)
+
+    @property
+    def executables(self) -> int:
+        return sum(len(v) for v in self._shared.values())
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the executables took at instantiation (free memory's drop, so exact
+        only to the driver's allocation granularity: see ``Executable``)."""
+        return sum(s.executable.device_bytes for v in self._shared.values() for s in v)
+
     def __call__(self, *args: Any) -> Any:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        entry, tensors = self._entry(args)
+        self._bring(entry, tensors)
+        entry.shared.executable.launch(torch.cuda.current_stream().cuda_stream)
+        self.stats.calls += 1
+        return entry.captured.outputs
+
+    def prepare(self, *args: Any) -> None:
+        """Capture ``args``' signature now, if it is new, without running ``fn`` for it."""
+        self._entry(args)
+
+    def _entry(self, args: tuple) -> tuple[_Entry, list[torch.Tensor]]:
         for a in args:
             if isinstance(a, torch.Tensor) and not a.is_cuda:
                 raise GrapeError(f"expected CUDA tensors as inputs of a graphed callable, found "
@@ -64,47 +155,122 @@ class Graphed:
             if isinstance(a, list | tuple | dict):
                 raise GrapeError(f"expected tensors and plain values as arguments, found a "
                                  f"{type(a).__name__} (pass its tensors one by one)")
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
         key = tuple(signature(a) if isinstance(a, torch.Tensor) else ("value", a)
                     for a in args)
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = self._capture(args, tensors)
-        else:
-            self.stats.pointer_updates += entry.inputs.point(entry.graph, entry.executable,
-                                                             tensors)
-        entry.executable.launch(torch.cuda.current_stream().cuda_stream)
-        self.stats.calls += 1
-        return entry.captured.outputs
+        return entry, tensors
 
     def _capture(self, args: tuple, tensors: list[torch.Tensor]) -> _Entry:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        inputs = Inputs.of(tensors)  # refuses views sharing memory, before the capture's cost
+        # Each signature names its inputs and outputs apart: members of one executable share
+        # its buffer table.
+        tag = f"s{len(self._entries)}/"
+        inputs = Inputs.of(tensors, tag)  # refuses views sharing memory, before the capture
         captured = capture(self.fn, *args, params=self.params, pool=self._pool,
-                           instantiate=False)
-        graph = Graph.build(captured.ir)
+                           instantiate=False, tag=tag)
         self.stats.captures += 1
-        return _Entry(captured, graph, graph.instantiate(), inputs)
+        ir = captured.ir
+        variants = self._shared.setdefault(fingerprint(ir, launch=False), [])
+        for shared in variants if self.share else ():
+            try:
+                d = join(shared.template, ir)
+            except UnsupportedError:
+                continue
+            nodes = dict(d.mapping)
+            break
+        else:
+            graph = Graph.build(ir)
+            shared = _Shared(ir, graph, graph.instantiate())
+            variants.append(shared)
+            d, nodes = delta(ir, ir), {n: n for n in ir.dag}
+        back = {mine: t for t, mine in nodes.items()}
+        reads = frozenset(back[n] for n in _reading(ir, set(inputs.names)))
+        varies = reads | {nd.node for nd in d.nodes}
+        entry = _Entry(captured, ir, shared, d, nodes, inputs, reads, varies)
+        # Built now, so that a first switch costs what later ones do.
+        entry.graph = shared.graph if shared.holds is None else Graph.build(ir)
+        entry.captured_at = tuple(inputs.addresses)
+        if shared.holds is None:  # instantiated from this signature's graph
+            shared.holds = entry
+        return entry
+
+    def _bring(self, entry: _Entry, tensors: list[torch.Tensor]) -> None:
+        """Update the entry's executable to read ``tensors`` with the entry's parameters."""
+        shared = entry.shared
+        moved = entry.inputs.moves(tensors, entry.ir.buffers)
+        changed: list[str] = []
+        if moved:
+            entry.ir, ops = repoint(entry.ir, moved)
+            for name in moved:  # copies and memsets resolve addresses through the table
+                shared.template.buffers[name] = entry.ir.buffers[name]
+            back = {mine: t for t, mine in entry.nodes.items()}
+            changed = [back[n] for n in ops]
+            for n in changed:
+                entry.updates.pop(n, None)
+            self.stats.pointer_updates += len(changed)
+        held = shared.holds
+        if held is entry:
+            Graph.apply(shared.executable, [entry.update(n) for n in changed])
+            return
+        # Another signature's parameters: update every node whose parameters differ between
+        # the two or that reads either's inputs.
+        # Every node either signature changes against the template: a superset of those that
+        # differ between the two, found without decoding a delta's arguments (which cost
+        # milliseconds per pair in Python, and most nodes differ anyway).
+        nodes = entry.switches.get(id(held))
+        if nodes is None:
+            nodes = entry.switches[id(held)] = sorted(held.varies | entry.varies)
+        updated = len(nodes)
+        if entry.graph is not None and len(nodes) > _WHOLE * len(shared.template):
+            try:
+                shared.executable.update(entry.graph)
+                nodes = [n for n in entry.reads if tuple(entry.inputs.addresses)
+                         != entry.captured_at]
+            except UnsupportedError:
+                entry.graph = None  # the driver refuses: node by node from now on
+        Graph.apply(shared.executable, [entry.update(n) for n in nodes])
+        shared.holds = entry
+        self.stats.switches += 1
+        self.stats.switch_updates += updated
 
     def close(self) -> None:
         for entry in self._entries.values():
-            entry.executable.close()
-            entry.graph.close()
+            if entry.graph is not None and entry.graph is not entry.shared.graph:
+                entry.graph.close()
+        for variants in self._shared.values():
+            for shared in variants:
+                shared.executable.close()
+                shared.graph.close()
+        self._shared.clear()
         self._entries.clear()
 
 
-def graphed(fn: Callable[..., Any], *, params: Mapping[str, torch.Tensor] | None = None
-            ) -> Graphed:
+def graphed(fn: Callable[..., Any], *, params: Mapping[str, torch.Tensor] | None = None,
+            shapes: Iterable[tuple] | None = None, share: bool = True) -> Graphed:
     """``fn`` as graph launches: captured on its first call per input signature, then re-pointed
-    at each call's tensors rather than copying them (see the module's documentation).
+    at each call's tensors rather than copying them, signatures of one topology sharing one
+    executable (see the module's documentation).
 
     ``fn`` must be capturable (no host syncs, no copies from pageable CPU memory) and run on
     its tensor arguments; its first call per signature runs it once eagerly before capturing
     it (lazy initialisation must happen outside a capture), so it should not update state in
     place, or tolerate doing so twice. ``params`` (``dict(model.named_parameters())``) names
     the weights in the IR. Non-tensor arguments are part of the signature: another value
-    captures anew.
+    captures anew. ``shapes``: argument tuples whose signatures are captured now, in the order
+    given (largest first lets every smaller shape's activations reuse the largest's memory).
+    ``share=False`` instantiates an executable per signature (what per-shape graphs cost; for
+    comparisons).
     """
     if not callable(fn):
         raise GrapeError(f"expected a callable to graph, found {type(fn).__name__}")
-    return Graphed(fn, params)
+    g = Graphed(fn, params, share)
+    for args in shapes or ():
+        if not isinstance(args, tuple):
+            raise GrapeError(f"expected shapes as tuples of arguments, found a "
+                             f"{type(args).__name__}")
+        g.prepare(*args)
+    return g
