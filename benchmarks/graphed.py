@@ -166,6 +166,7 @@ def _run(name: str, fn: Callable, make: Callable[[int], torch.Tensor], lengths: 
         elif runner is not None:
             row["executables"] = runner.executables
             row["switches_per_call"] = round(runner.stats.switches / runner.stats.calls, 3)
+            row["whole_graph_switches"] = runner.stats.whole_updates
             row["nodes_updated_per_call"] = round(
                 (runner.stats.switch_updates + runner.stats.pointer_updates)
                 / runner.stats.calls, 2)

@@ -57,6 +57,7 @@ class CallStats:
     pointer_updates: int = 0  # nodes re-pointed at inputs that moved, over all calls
     switches: int = 0  # calls that brought a shared executable to another signature
     switch_updates: int = 0  # nodes those calls updated
+    whole_updates: int = 0  # switches made as one whole-graph update
     copy_bytes: int = 0  # inputs copied into placeholders: none, by construction
 
 
@@ -228,6 +229,7 @@ class Graphed:
         if entry.graph is not None and len(nodes) > _WHOLE * len(shared.template):
             try:
                 shared.executable.update(entry.graph)
+                self.stats.whole_updates += 1
                 nodes = [n for n in entry.reads if tuple(entry.inputs.addresses)
                          != entry.captured_at]
             except UnsupportedError:
