@@ -101,3 +101,31 @@ def test_a_length_never_captured_runs_eagerly_with_a_warning(decode, family):
         family.run(20)
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+def test_lengths_never_captured_are_derived_and_compute_what_their_own_graphs_compute(decode):
+    # One length in eight captured, the rest derived from them (grape.passes.derive), a held-
+    # out length per stretch captured and compared byte for byte; every derived length then
+    # runs bitwise as PyTorch's own graph of it.
+    from grape.torch.family import capture_family
+
+    model, step, out = decode
+    lengths = list(range(63, 0, -1))
+    fam = capture_family(step, lengths, params=dict(model.named_parameters()),
+                         derive_every=8, checks=1)
+    try:
+        sampled = fam.sampled
+        assert sorted(sampled.captured + sampled.derived) == sorted(lengths)
+        assert sampled.derived and not sampled.refused
+        assert all(diff == [] for diff in sampled.checked.values())
+        for n in sampled.derived[:: max(1, len(sampled.derived) // 6)]:
+            g = _graph_of(step, n)
+            g.replay()
+            torch.cuda.synchronize()
+            expected = out.clone()
+            out.zero_()
+            fam.run(n)
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected), f"derived KV length {n}"
+    finally:
+        fam.close()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from grape.errors import GraphError, UnsupportedError
+from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Memcpy, Param, Pointer, Span
-from grape.passes.derive import derive
+from grape.passes.derive import derive, derive_lengths
 
 ROW = 128  # bytes of cache per position
 
@@ -84,3 +84,57 @@ def test_check_names_the_nodes_a_derivation_does_not_reproduce():
     captured.dag.nodes["attn"]["op"] = dataclasses.replace(
         attn, args=attn.args[:12] + (65).to_bytes(4, "little"))
     assert d.check(100, captured) == ["attn"]
+
+
+def _recorder(make):
+    calls = []
+
+    def capture(n):
+        calls.append(n)
+        return make(n)
+    return capture, calls
+
+
+def test_a_family_captures_one_length_in_eight_and_derives_the_rest_byte_for_byte():
+    capture, calls = _recorder(step)
+    got = derive_lengths(capture, range(1, 257), every=8, checks=2)
+    assert calls == got.captured
+    samples = sorted(set(range(1, 257, 8)) | {256}, reverse=True)
+    assert calls[:len(samples)] == samples  # samples first, largest first
+    assert len(got.checked) == 2 and all(v == [] for v in got.checked.values())
+    assert got.refused == []
+    assert sorted(got.captured + got.derived) == list(range(1, 257))
+    for n in got.derived:
+        assert got.graphs[n] == step(n), n
+    # Only the lengths where the grid steps between two samples are captured besides them.
+    assert len(got.captured) < 256 // 4 and len(got.derived) > 3 * 256 // 4
+
+
+def test_a_check_that_disagrees_refuses_its_stretch_and_its_lengths_are_captured():
+    def odd(n):  # off its line at every length no sample sits on: only a check can tell
+        return step(n) if n % 8 == 1 or n == 100 else step(n, square=True)
+
+    capture, _ = _recorder(odd)
+    got = derive_lengths(capture, range(1, 101), every=8, checks=1)
+    assert got.refused and all(v for v in got.checked.values())
+    assert got.derived == [] and sorted(got.captured) == list(range(1, 101))
+
+
+def test_nothing_is_derived_across_a_change_of_kernel():
+    def switching(n):
+        return step(n, function="attn@0x1" if n < 130 else "attn_split@0x2")
+
+    capture, _ = _recorder(switching)
+    got = derive_lengths(capture, range(1, 257), every=8, checks=1)
+    assert got.refused == []
+    for n in got.derived:
+        assert got.graphs[n] == switching(n), n
+    assert set(range(130, 137)) <= set(got.captured)  # between the samples 129 and 137
+
+
+def test_derive_lengths_refuses_bad_arguments():
+    with pytest.raises(GrapeError, match="expected lengths, every >= 1 and checks >= 0, found "
+                                         "0 lengths, every=8, checks=1"):
+        derive_lengths(step, [])
+    with pytest.raises(GrapeError, match="every=0"):
+        derive_lengths(step, [1, 2], every=0)

@@ -10,7 +10,9 @@ stretch is trusted only where at least three captured lengths lie on its line, a
 derivable only where every varying number has a trusted stretch around it.
 :meth:`Derivation.graph_at` then builds the graph at a derivable length without capturing it,
 and :meth:`Derivation.check` compares a derived graph with a captured one, operation by
-operation, byte for byte.
+operation, byte for byte. :func:`derive_lengths` is the whole procedure a family's capture
+runs: capture every few lengths, derive the rest where a captured check agrees, capture what
+cannot be derived.
 
 What is not a number (a kernel's function, its launch attributes, which buffer a pointer points
 into, a node's kind) must be equal at every captured length; a node where it is not refuses the
@@ -25,18 +27,18 @@ height, pitch and offset; every buffer's size and address.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
 import networkx as nx
 
-from grape.errors import GraphError, UnsupportedError
-from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span
+from grape.errors import GrapeError, GraphError, UnsupportedError
+from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span, fingerprint
 from grape.passes.families import match
 
-__all__ = ["Derivation", "Segment", "derive"]
+__all__ = ["Derivation", "Sampled", "Segment", "derive", "derive_lengths"]
 
 MIN_SUPPORT = 3  # captured lengths on a stretch's line before it is trusted
 
@@ -233,3 +235,107 @@ def _first_difference(a: tuple, b: tuple) -> str:
         if x != y:
             return _FIXED_NAMES[i] if a[0] == "kernel" and i < len(_FIXED_NAMES) else "kind"
     return "kind"
+
+
+@dataclass
+class Sampled:
+    """Graphs at every length asked for, and how each was had (see :func:`derive_lengths`)."""
+
+    graphs: dict[int, KernelGraph]
+    captured: list[int] = field(default_factory=list)  # in the order captured
+    derived: list[int] = field(default_factory=list)
+    checked: dict[int, list[str]] = field(default_factory=dict)  # held-out length -> differing
+    refused: list[tuple[int, int]] = field(default_factory=list)  # stretches a check refuted
+
+
+def _runs(graphs: Mapping[int, KernelGraph]) -> list[list[int]]:
+    """Captured lengths, ascending, cut wherever the next one's graph differs in more than
+    numbers (another topology, another kernel function): lengths between two runs belong to
+    neither, so nothing is derived across a change."""
+    runs: list[list[int]] = []
+    last_topology = None
+    for n in sorted(graphs):
+        topology = fingerprint(graphs[n], launch=False)
+        if runs and topology == last_topology:
+            try:
+                derive({runs[-1][-1]: graphs[runs[-1][-1]], n: graphs[n]})
+                runs[-1].append(n)
+                continue
+            except GraphError:
+                pass
+        runs.append([n])
+        last_topology = topology
+    return runs
+
+
+def _spread(candidates: list[int], k: int) -> list[int]:
+    """``k`` of ``candidates`` (ascending), spread evenly across them."""
+    if k <= 0 or not candidates:
+        return []
+    if k >= len(candidates):
+        return candidates
+    return sorted({candidates[(2 * i + 1) * len(candidates) // (2 * k)] for i in range(k)})
+
+
+def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int], *,
+                   every: int = 8, checks: int = 1,
+                   progress: Callable[[str], None] = lambda line: None) -> Sampled:
+    """The graphs at ``lengths``, most derived rather than captured.
+
+    ``capture(n)`` gives the graph at length ``n``; it is called for every ``every``-th length
+    and the last, largest first (a family's pool then holds the largest shape's memory), then
+    for ``checks`` lengths per stretch that a derivation covers but no sample is at (held-out
+    checks: a stretch whose derived graph differs from the captured one in any byte is refused,
+    and its lengths are captured), and last for every length no trusted stretch covers.
+
+    What a held-out check cannot see, it cannot refuse: a number that leaves its line between
+    two samples and returns to it (a kernel chosen for a few lengths only) is derived wrongly
+    there. Samples closer together (smaller ``every``) and more ``checks`` narrow that.
+
+    Raises
+    ------
+    GrapeError
+        ``every`` below 1, ``checks`` below 0, or no lengths.
+    """
+    want = sorted(set(lengths))
+    if not want or every < 1 or checks < 0:
+        raise GrapeError(f"expected lengths, every >= 1 and checks >= 0, found "
+                         f"{len(want)} lengths, every={every}, checks={checks}")
+    out = Sampled({})
+
+    def take(n: int) -> KernelGraph:
+        out.graphs[n] = capture(n)
+        out.captured.append(n)
+        if len(out.captured) % 50 == 0:
+            progress(f"captured {len(out.captured)} lengths")
+        return out.graphs[n]
+
+    for n in sorted(set(want[::every]) | {want[-1]}, reverse=True):
+        take(n)
+    derivations = [derive({n: out.graphs[n] for n in run}) for run in _runs(out.graphs)
+                   if len(run) >= MIN_SUPPORT]
+    trusted = []
+    for d in derivations:
+        inside = [n for n in want if d.lengths[0] < n < d.lengths[-1]
+                  and n not in out.graphs and d.covers(n)]
+        refuted = False
+        for n in _spread(inside, checks):
+            out.checked[n] = d.check(n, take(n))
+            refuted = refuted or bool(out.checked[n])
+        if refuted:
+            out.refused.append((d.lengths[0], d.lengths[-1]))
+        else:
+            trusted.append(d)
+    for n in want:
+        if n in out.graphs:
+            continue
+        d = next((d for d in trusted if d.lengths[0] <= n <= d.lengths[-1] and d.covers(n)),
+                 None)
+        if d is None:
+            take(n)
+        else:
+            out.graphs[n] = d.graph_at(n)
+            out.derived.append(n)
+    progress(f"{len(want)} lengths: {len(out.captured)} captured, {len(out.derived)} derived, "
+             f"{len(out.refused)} stretches refused by a check")
+    return out

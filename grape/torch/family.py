@@ -30,6 +30,7 @@ from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, UnsupportedError
 from grape.ir import KernelGraph, fingerprint
 from grape.passes.delta import ShapeDelta, delta, join, transition
+from grape.passes.derive import Sampled, derive_lengths
 from grape.torch.capture import capture
 
 __all__ = ["Family", "capture_family"]
@@ -62,6 +63,7 @@ class Family:
     graphs: dict[Hashable, Graph] = field(default_factory=dict)
     update: str = "nodes"  # how executables are brought to shapes: "nodes" or "graph"
     _changed: dict[tuple[Hashable, Hashable], int] = field(default_factory=dict)
+    sampled: Sampled | None = None  # with derive_every: which lengths were captured, derived
 
     @property
     def graph_bytes(self) -> int:
@@ -125,7 +127,8 @@ class Family:
 def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                    params: Mapping[str, torch.Tensor] | None = None,
                    progress: Callable[[str], None] = lambda line: None,
-                   update: str = "nodes") -> Family:
+                   update: str = "nodes", derive_every: int | None = None,
+                   checks: int = 1) -> Family:
     """Capture ``step(shape)`` for each shape (largest first) into one family.
 
     ``update`` says how an executable is brought to a shape: ``"nodes"`` updates the nodes
@@ -135,12 +138,19 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     executable, as with ``"nodes"`` (the driver took attribute changes on the H200, and the
     kernels then stopped on an illegal instruction).
 
+    ``derive_every`` (shapes then are integer lengths): capture one length in that many, and
+    derive the others' graphs from them (``grape.passes.derive.derive_lengths``: numbers
+    fitted as piecewise-affine functions of the length, ``checks`` held-out lengths per
+    stretch captured and compared byte for byte, a stretch they refute captured whole, any
+    length no trusted stretch covers captured). :attr:`Family.sampled` says which were which.
+
     Raises
     ------
     CaptureError
         ``step`` cannot be captured for some shape (the message names the user's line).
     GrapeError
-        No shapes, a shape given twice, or an unknown ``update``.
+        No shapes, a shape given twice, an unknown ``update``, or ``derive_every`` with shapes
+        that are not integers.
     """
     if update not in ("nodes", "graph"):
         raise GrapeError(f"expected update 'nodes' or 'graph', found {update!r}")
@@ -148,18 +158,35 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     if not shapes or len(set(shapes)) != len(shapes):
         raise GrapeError(f"expected distinct shapes to capture, found {len(shapes)} with "
                          f"{len(shapes) - len(set(shapes))} repeated")
+    if derive_every is not None and not all(type(s) is int for s in shapes):
+        odd = next(s for s in shapes if type(s) is not int)
+        raise GrapeError(f"expected integer lengths as shapes to derive between, found "
+                         f"{odd!r}")
     began = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
     reserved = torch.cuda.memory_reserved()
+    torch_graphs: dict[Hashable, Any] = {}
+
+    def captured(shape: Hashable) -> KernelGraph:
+        cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
+                      collect=False)
+        torch_graphs[shape] = cap.torch_graph
+        return cap.ir
+
+    sampled = None
+    if derive_every is not None:
+        sampled = derive_lengths(captured, shapes, every=derive_every, checks=checks,
+                                 progress=progress)
+        irs = sampled.graphs
+    else:
+        irs = _Lazy(captured)
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
     deltas: dict[Hashable, ShapeDelta] = {}
     graphs: dict[Hashable, Graph] = {}
     keep: list[Any] = []
     for i, shape in enumerate(shapes):
-        cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
-                      collect=False)
-        ir = cap.ir
+        ir = irs[shape]
         topology = fingerprint(ir, launch=False)
         if update == "graph":
             graphs[shape] = Graph.build(ir)
@@ -169,16 +196,30 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         if key not in groups:
             graph = graphs.get(shape) or Graph.build(ir)
             groups[key] = _Group(shape, ir, graph, graph.instantiate(), shape)
-            keep.append(cap.torch_graph)  # keeps the shared pool's memory for the family
         elif update == "graph":
             groups[key].holds = shape  # _place_whole brought the executable to it
         group_of[shape] = key
+        # The first captured graph keeps the shared pool, and with it every shape's memory;
+        # the others go (largest first, every later shape's blocks came from the pool).
+        if shape in torch_graphs and (not keep or groups[key].template_shape == shape):
+            keep.append(torch_graphs[shape])
+        torch_graphs.pop(shape, None)
         if (i + 1) % 50 == 0 or i + 1 == len(shapes):
-            progress(f"captured {i + 1}/{len(shapes)} shapes, {len(groups)} executables")
+            progress(f"placed {i + 1}/{len(shapes)} shapes, {len(groups)} executables")
     torch.cuda.synchronize()
     return Family(step, groups, group_of, deltas,
                   torch.cuda.memory_reserved() - reserved, time.perf_counter() - began, keep,
-                  graphs=graphs, update=update)
+                  graphs=graphs, update=update, sampled=sampled)
+
+
+@dataclass
+class _Lazy:
+    """Each shape's graph, captured when first asked for (in the caller's order)."""
+
+    capture: Callable[[Hashable], KernelGraph]
+
+    def __getitem__(self, shape: Hashable) -> KernelGraph:
+        return self.capture(shape)
 
 
 def _place_whole(groups: Mapping[str, _Group], topology: str, ir: KernelGraph,
