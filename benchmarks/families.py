@@ -219,8 +219,8 @@ def wav2vec2_audio(lengths: list[int]) -> Workload:
                     {"batch": 1, "audio_samples": [lengths[0], lengths[-1]]})
 
 
-def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes"
-            ) -> dict[str, object]:
+def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
+            derive_every: int | None = None) -> dict[str, object]:
     if update == "graph":
         w = replace(w, name=f"{w.name} (whole-graph updates)", slug=f"{w.slug}_whole")
     lengths, step, out, label = w.shapes, w.step, w.out, w.name
@@ -229,7 +229,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes"
     # what destroyed executables held to the next ones, which hides their memory.
     reserved_a = torch.cuda.memory_reserved()
     family = capture_family(step, sorted(lengths, reverse=True),
-                            params=w.params, update=update,
+                            params=w.params, update=update, derive_every=derive_every,
                             progress=lambda line: _log(f"  {label} family: {line}"))
     _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
     # One or two executables sit below the driver's allocation granularity, so their memory is
@@ -308,7 +308,14 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes"
         "step_ms_naive_synced": naive_sync, "step_ms_family_synced": family_sync,
         "bitwise_identical": {str(n): same for n, same in zip(sample, identical, strict=True)},
         "reserved_after_family": reserved2,
+        "derive_every": derive_every,
     }
+    if family.sampled is not None:  # lengths captured, derived, checked, refused
+        result.update(captured_lengths=len(family.sampled.captured),
+                      derived_lengths=len(family.sampled.derived),
+                      held_out_checks_failed=sum(bool(d) for d in
+                                                 family.sampled.checked.values()),
+                      stretches_refused=len(family.sampled.refused))
     if trace_dir is not None:
         window = order[len(order) // 2:len(order) // 2 + 32]
         counters = {k: float(result[k]) for k in (
@@ -350,6 +357,8 @@ def main() -> None:
     parser.add_argument("--update", choices=("nodes", "graph"), default="nodes",
                         help="bring executables to shapes node by node from the deltas, or "
                              "whole, from each shape's graph kept on the host")
+    parser.add_argument("--derive-every", type=int, default=None, metavar="N",
+                        help="capture one length in N and derive the others (issue 15)")
     parser.add_argument("--append", action="store_true",
                         help="keep the entries of other workloads already in --out")
     args = parser.parse_args()
@@ -364,7 +373,7 @@ def main() -> None:
         w = load()
         _log(f"[+] {w.name}, {len(w.shapes)} shapes ({w.shape_name} {w.shapes[0]}.."
              f"{w.shapes[-1]})")
-        results.append(measure(w, args.traces, args.update))
+        results.append(measure(w, args.traces, args.update, args.derive_every))
         _log(json.dumps({k: v for k, v in results[-1].items()
                          if k != "changed_between_neighbours"}))
         _log(json.dumps(results[-1]["changed_between_neighbours"]))
