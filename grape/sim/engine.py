@@ -172,6 +172,7 @@ class _Machine:
                  rank: int = 0, rendezvous: _Rendezvous | None = None) -> None:
         self.env = env
         self.costs = costs
+        self.latency = costs.launch_latency
         self.streams: dict[int, _Stream] = {}
         self.pending = 0  # launches queued and not yet started
         self.slot: simpy.Event | None = None  # fires when a full queue frees a slot
@@ -193,8 +194,10 @@ class _Machine:
         return stream
 
     def _run_stream(self, sid: int, stream: _Stream) -> Generator[Any, Any, None]:
+        # The hot loop of every simulation: one pass per kernel; names bound locally.
         env, gap, free = self.env, self.costs.kernel_gap, float("-inf")
-        items = stream.items
+        items, timeout, busy = stream.items, env.timeout, self.busy
+        rendezvous = self.rendezvous
         while True:
             if not items:
                 stream.wake = env.event()
@@ -212,20 +215,25 @@ class _Machine:
             if self.slot is not None:
                 self.slot.succeed()
                 self.slot = None
-            start = max(item.ready, free + gap, env.now)
-            if self.rendezvous is not None and item.kind == "collective":
+            now = env.now
+            start = item.ready
+            if free + gap > start:
+                start = free + gap
+            if now > start:
+                start = now
+            if rendezvous is not None and item.kind == "collective":
                 # A collective's kernel starts, then waits (spinning, busy) for every rank's.
-                yield env.timeout(start - env.now)
+                yield timeout(start - now)
                 self.collectives += 1
-                yield self.rendezvous.arrive(self.collectives, self.rank, item.name)
-                yield env.timeout(item.dur)
+                yield rendezvous.arrive(self.collectives, self.rank, item.name)
+                yield timeout(item.dur)
             else:
-                yield env.timeout(start - env.now + item.dur)  # one event per kernel: hot path
+                yield timeout(start - now + item.dur)  # one event per kernel
             free = env.now
             stream.finished += 1
             if stream.waiters:  # another stream waits for this one's work
                 stream.wake_waiters()
-            self.busy.append((start, free))
+            busy.append((start, free))
             if self.timeline is not None:
                 self.timeline.append(Interval(f"stream {sid}", item.name, start, free))
             if self.ops is not None:
@@ -243,15 +251,19 @@ class _Machine:
             yield self.slot
             self.stall += self.env.now - t
 
-    def submit(self, sid: int, name: str, dur: float, kind: str = "kernel",
+    def submit(self, sid: int, name: str, dur: float, at: float, kind: str = "kernel",
                work: tuple[GpuWork, ...] = ()) -> None:
-        """Queue work on a stream (the caller has waited for a free slot)."""
+        """Queue work issued at host time ``at`` (no earlier than now) on a stream (the caller
+        has waited for a free slot)."""
         self.pending += 1
         self.outstanding += 1
-        stream = self.stream(sid)
+        stream = self.streams.get(sid) or self.stream(sid)
         stream.submitted += 1
-        stream.put(_Item(name, dur, self.env.now + self.costs.launch_latency, None, kind,
-                         self.correlation, work))
+        stream.items.append(_Item(name, dur, at + self.latency, None, kind, self.correlation,
+                                  work))
+        if stream.wake is not None:  # the stream sits idle: wake it
+            stream.wake.succeed()
+            stream.wake = None
 
     def wait(self, sid: int, on: int) -> None:
         """Stream ``sid`` waits for the work queued on ``on`` so far (no driver slot: an event
@@ -284,57 +296,61 @@ def _recorded(item: _Item, sid: int, start: float, end: float) -> list[GpuOp]:
 def _host(m: _Machine, program: Program, times: list[float],
           calls: list[HostCall] | None, windows: list[tuple[float, float]]
           ) -> Generator[Any, Any, None]:
-    env, timeline = m.env, m.timeline
+    """The host thread. It keeps its own clock and runs ahead of the simulation's, waiting
+    (an event) only where the GPU's state decides what it does next: a full launch queue, a
+    sync, the program's end. Nothing it issues can start before the time it is issued (launch
+    latency comes after), so a stream handed work early still runs it when it would have; and
+    the launches pending at the simulation's time bound those pending at the host's from above
+    (a stream only takes work off the queue), so a queue that looks short enough is. That
+    makes a launch cost no event of its own, where a timeout each used to be a third of a
+    host-bound run's events."""
+    env, timeline, depth = m.env, m.timeline, m.costs.queue_depth
+    clock = env.now
 
     def call(name: str, start: float, end: float) -> None:  # only when recording
         m.correlation += 1  # ties the call to the work it queues, as CUPTI's ids do
         calls.append(HostCall(name, "runtime", start, end - start, 1, m.correlation))
 
     for steps in program.iterations:
-        began = env.now
-        carried = 0.0  # host work not yet waited for: paid with the next launch's cost
+        began = clock
         for step in steps:
-            t = env.now
+            t = clock
             if isinstance(step, HostWork):
-                if timeline is None:
-                    carried += step.dur
-                    continue
-                yield env.timeout(step.dur)
-            elif isinstance(step, Launch):
+                clock += step.dur
+            elif isinstance(step, Launch | GraphLaunch):
+                graph = isinstance(step, GraphLaunch)
                 if calls is not None:
-                    call(step.api, env.now + carried, env.now + carried + step.cost)
-                yield env.timeout(carried + step.cost)
-                carried = 0.0
-                for w in step.work:
-                    if m.pending >= m.costs.queue_depth:
-                        yield from m.wait_for_slot()
-                    m.submit(w.stream, w.name, w.dur, w.kind)
-            elif isinstance(step, GraphLaunch):
-                if calls is not None:
-                    call("cudaGraphLaunch", env.now + carried, env.now + carried + step.cost)
-                yield env.timeout(carried + step.cost)
-                carried = 0.0
-                if m.pending >= m.costs.queue_depth:
-                    yield from m.wait_for_slot()
-                m.submit(step.stream, f"graph ({step.nodes} nodes)", step.gpu_time,
-                         work=step.work if calls is not None else ())
+                    call("cudaGraphLaunch" if graph else step.api, clock, clock + step.cost)
+                clock += step.cost
+                for w in (step,) if graph else step.work:
+                    if m.pending >= depth:  # perhaps full: look at the host's own time
+                        if clock > env.now:
+                            yield env.timeout(clock - env.now)
+                        if m.pending >= depth:
+                            yield from m.wait_for_slot()
+                            clock = env.now
+                    if graph:
+                        m.submit(step.stream, f"graph ({step.nodes} nodes)", step.gpu_time,
+                                 clock, work=step.work if calls is not None else ())
+                    else:
+                        m.submit(w.stream, w.name, w.dur, clock, w.kind)
             elif isinstance(step, StreamWait):
                 m.wait(step.stream, step.on)
             elif isinstance(step, Sync):
-                if carried:
-                    yield env.timeout(carried)
-                    carried = 0.0
+                if clock > env.now:
+                    yield env.timeout(clock - env.now)
                 synced = env.now
                 yield from m.drain()
                 yield env.timeout(step.cost)
+                clock = env.now
                 if calls is not None:
                     calls.append(HostCall(step.api, "runtime", synced, env.now - synced, 1))
-            if timeline is not None and env.now > t:
-                timeline.append(Interval("host", type(step).__name__, t, env.now))
-        if carried:
-            yield env.timeout(carried)
-        times.append(env.now - began)
-        windows.append((began, env.now))
+            if timeline is not None and clock > t:
+                timeline.append(Interval("host", type(step).__name__, t, clock))
+        times.append(clock - began)
+        windows.append((began, clock))
+    if clock > env.now:  # the run ends no sooner than its host
+        yield env.timeout(clock - env.now)
 
 
 def simulate_ranks(programs: list[Program], costs: Costs | None = None,
