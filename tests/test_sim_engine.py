@@ -155,3 +155,24 @@ def test_ranks_whose_collectives_do_not_match_are_refused():
     lonely = Program("rank", [(Launch("cudaLaunchKernel", 1.0, ()),)])
     with pytest.raises(GrapeError, match="reached by ranks \\[0\\] alone"):
         simulate_ranks([_rank_program(0.0), lonely])
+
+
+def test_a_launch_costs_one_event_of_the_simulation(monkeypatch):
+    # The host runs ahead on its own clock and waits only on a full queue, a sync or the end:
+    # what makes a million launches simulate in seconds (benchmarks/sim_speed.py). A count,
+    # not a time: three events per launch before.
+    import simpy
+
+    steps = 0
+    original = simpy.Environment.step
+
+    def counting(env):
+        nonlocal steps
+        steps += 1
+        original(env)
+
+    monkeypatch.setattr(simpy.Environment, "step", counting)
+    launch = (HostWork(4.0), Launch("cudaLaunchKernel", 5.0, (_k(3.0),)))
+    r = simulate(Program("p", [launch * 500 + (Sync("sync", 0),)] * 4), COSTS)
+    assert r.iteration_times[0] == pytest.approx(500 * 9 + 2 + 3)  # host-bound, then drained
+    assert 2000 <= steps <= 2000 * 1.05
