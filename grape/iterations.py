@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from grape.errors import EmptyTraceError, IterationError
 from grape.kineto import Decoded
-from grape.records import HostCall, Iteration, Launch, top_level
+from grape.records import HostCall, Iteration, LaunchRecord, top_level
 
 __all__ = ["Split", "repeating_period", "smallest_period", "split_iterations"]
 
@@ -143,14 +143,14 @@ def split_iterations(d: Decoded, count: int | None = None, source: str = "trace"
     return _assemble(d, groups, windows, method)
 
 
-def _split_by_steps(d: Decoded, launches: list[Launch]) -> Split:
+def _split_by_steps(d: Decoded, launches: list[LaunchRecord]) -> Split:
     starts = [launch.call.ts for launch in launches]
     groups = [launches[bisect_left(starts, s.ts):bisect_left(starts, s.end)] for s in d.steps]
     windows = [(s.ts, s.end) for s in d.steps]
     return _assemble(d, groups, windows, f"{len(d.steps)} ProfilerStep annotations")
 
 
-def _assemble(d: Decoded, groups: list[list[Launch]], windows: list[tuple[float, float]],
+def _assemble(d: Decoded, groups: list[list[LaunchRecord]], windows: list[tuple[float, float]],
               method: str) -> Split:
     starts = [c.ts for c in d.calls]
     iterations, inside = [], set()
@@ -162,7 +162,7 @@ def _assemble(d: Decoded, groups: list[list[Launch]], windows: list[tuple[float,
     return Split(tuple(iterations), method, outside)
 
 
-def _host_windows(d: Decoded, groups: list[list[Launch]]) -> list[tuple[float, float]]:
+def _host_windows(d: Decoded, groups: list[list[LaunchRecord]]) -> list[tuple[float, float]]:
     # Work on the thread that issued most launches; other threads join by time in _assemble.
     tid = Counter(launch.call.tid for g in groups for launch in g).most_common(1)[0][0]
     calls = [(launch.call.ts, gi) for gi, g in enumerate(groups) for launch in g

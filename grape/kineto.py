@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from grape.errors import TraceFormatError
-from grape.records import GpuOp, HostCall, Launch, StreamWait
+from grape.records import GpuRecord, HostCall, LaunchRecord, WaitRecord
 
 __all__ = ["Decoded", "decode", "encode"]
 
@@ -40,10 +40,11 @@ class Decoded:
     calls: list[HostCall] = field(default_factory=list)  # CUDA runtime and driver calls
     ops: list[HostCall] = field(default_factory=list)  # framework operators, annotations
     steps: list[HostCall] = field(default_factory=list)  # ProfilerStep annotations
-    gpu_ops: list[GpuOp] = field(default_factory=list)
-    launches: list[Launch] = field(default_factory=list)
-    orphans: list[GpuOp] = field(default_factory=list)  # GPU work with no host call in the trace
-    waits: list[StreamWait] = field(default_factory=list)  # which stream waits, per wait call
+    gpu_ops: list[GpuRecord] = field(default_factory=list)
+    launches: list[LaunchRecord] = field(default_factory=list)
+    # GPU work with no host call in the trace
+    orphans: list[GpuRecord] = field(default_factory=list)
+    waits: list[WaitRecord] = field(default_factory=list)  # which stream waits, per wait call
     unknown: dict[str, int] = field(default_factory=dict)  # category -> events not modelled
 
 
@@ -124,9 +125,9 @@ def _host(ev: _Event, category: str) -> HostCall:
                     correlation=ev.integer("correlation", None))
 
 
-def _gpu(ev: _Event, kind: str) -> GpuOp:
+def _gpu(ev: _Event, kind: str) -> GpuRecord:
     stream = ev.integer("stream", None)
-    return GpuOp(kind=kind, name=ev.text("name"), ts=ev.time("ts"),
+    return GpuRecord(kind=kind, name=ev.text("name"), ts=ev.time("ts"),
                  dur=ev.time("dur", duration=True),
                  stream=ev.integer("tid", 0, in_args=False) if stream is None else stream,
                  correlation=ev.integer("correlation"),
@@ -137,8 +138,8 @@ def _gpu(ev: _Event, kind: str) -> GpuOp:
                  bytes=ev.integer("bytes", None, minimum=0))
 
 
-def _wait(ev: _Event) -> StreamWait:
-    return StreamWait(correlation=ev.integer("correlation"), stream=ev.integer("stream"),
+def _wait(ev: _Event) -> WaitRecord:
+    return WaitRecord(correlation=ev.integer("correlation"), stream=ev.integer("stream"),
                       ts=ev.time("ts"), dur=ev.time("dur", duration=True),
                       device=ev.integer("device", 0, minimum=0),
                       on_stream=ev.integer("wait_on_stream", -1))
@@ -178,13 +179,13 @@ def decode(events: Iterable[Any], source: str) -> Decoded:
     out.unknown = dict(unknown)
     for seq in (out.calls, out.ops, out.steps, out.gpu_ops, out.waits):
         seq.sort(key=lambda r: (r.ts, -r.dur))
-    by_corr: dict[int, list[GpuOp]] = defaultdict(list)
+    by_corr: dict[int, list[GpuRecord]] = defaultdict(list)
     for op in out.gpu_ops:
         by_corr[op.correlation].append(op)
     for call in out.calls:
         ops = by_corr.pop(call.correlation, None) if call.correlation is not None else None
         if ops:
-            out.launches.append(Launch(call, tuple(ops)))
+            out.launches.append(LaunchRecord(call, tuple(ops)))
     out.orphans = sorted((op for ops in by_corr.values() for op in ops), key=lambda o: o.ts)
     return out
 
@@ -199,8 +200,8 @@ def _meta(kind: str, pid: Any, tid: Any, name: str) -> dict:
 
 
 def encode(calls: Iterable[HostCall], ops: Iterable[HostCall], steps: Iterable[HostCall],
-           gpu_ops: Iterable[GpuOp], pid: int = HOST_PID,
-           waits: Iterable[StreamWait] = ()) -> list[dict]:
+           gpu_ops: Iterable[GpuRecord], pid: int = HOST_PID,
+           waits: Iterable[WaitRecord] = ()) -> list[dict]:
     """Chrome trace events in Kineto's shapes: host on process ``pid``, GPUs by device."""
     host_cat = {"runtime": "cuda_runtime", "driver": "cuda_driver"}
     gpu_cat = {v: k for k, v in GPU_CATEGORIES.items()}

@@ -23,8 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from grape.ir import KernelGraph
-from grape.records import GpuOp, Iteration, span, union_length
-from grape.records import StreamWait as WaitRecord
+from grape.records import GpuRecord, Iteration, WaitRecord, span, union_length
 from grape.trace import Trace
 
 __all__ = [
@@ -141,7 +140,7 @@ class Program:
         return Program(self.name, iterations, list(self.approximations), list(self.blockers))
 
 
-def _work(ops: tuple[GpuOp, ...]) -> tuple[GpuWork, ...]:
+def _work(ops: tuple[GpuRecord, ...]) -> tuple[GpuWork, ...]:
     return tuple(GpuWork(op.kind, op.name, op.dur, op.stream)
                  for op in sorted(ops, key=lambda o: o.ts))
 

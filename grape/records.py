@@ -1,6 +1,9 @@
 """What a trace is made of: host calls, GPU operations, launches and iterations.
 
-Times are microseconds on the trace's clock, as in the Chrome Trace Event format.
+Times are microseconds on the trace's clock, as in the Chrome Trace Event format. These are
+what a recording saw; a ``*Record`` never names what a program will do
+(``grape.program``'s ``GpuWork``, ``Launch`` and ``StreamWait`` are those: one name per
+concept on each side).
 """
 
 from __future__ import annotations
@@ -9,8 +12,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["GRAPH_LAUNCH_CALLS", "SYNC_CALLS", "GpuOp", "HostCall", "Iteration", "Launch",
-           "StreamWait", "busy_time", "span", "top_level", "union_length"]
+__all__ = ["GRAPH_LAUNCH_CALLS", "SYNC_CALLS", "GpuRecord", "HostCall", "Iteration",
+           "LaunchRecord", "WaitRecord", "busy_time", "span", "top_level", "union_length"]
 
 # Host calls that block until the GPU (or a stream, or an event) has caught up.
 SYNC_CALLS = frozenset({
@@ -46,7 +49,7 @@ class HostCall:
 
 
 @dataclass(frozen=True)
-class GpuOp:
+class GpuRecord:
     """A kernel, copy or memset as the GPU ran it."""
 
     kind: str  # "kernel", "memcpy" or "memset"
@@ -68,7 +71,7 @@ class GpuOp:
 
 
 @dataclass(frozen=True)
-class StreamWait:
+class WaitRecord:
     """CUPTI's record of one ``cudaStreamWaitEvent``: ``stream`` waits for an event.
 
     ``correlation`` is the host call's. ``on_stream`` is the stream the event was recorded on
@@ -85,11 +88,11 @@ class StreamWait:
 
 
 @dataclass(frozen=True)
-class Launch:
+class LaunchRecord:
     """One host call and the GPU operations it caused (many, for a graph launch)."""
 
     call: HostCall
-    ops: tuple[GpuOp, ...]
+    ops: tuple[GpuRecord, ...]
 
     @property
     def is_graph(self) -> bool:
@@ -115,12 +118,12 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def busy_time(ops: Iterable[GpuOp]) -> float:
+def busy_time(ops: Iterable[GpuRecord]) -> float:
     """Microseconds during which at least one of ``ops`` ran (overlaps counted once)."""
     return union_length((op.ts, op.end) for op in ops)
 
 
-def span(ops: Sequence[GpuOp]) -> float:
+def span(ops: Sequence[GpuRecord]) -> float:
     """From the first operation's start to the last one's end (0 for none)."""
     return max(op.end for op in ops) - min(op.ts for op in ops) if ops else 0.0
 
@@ -132,19 +135,19 @@ class Iteration:
     index: int
     start: float
     end: float
-    launches: tuple[Launch, ...]
+    launches: tuple[LaunchRecord, ...]
     calls: tuple[HostCall, ...]  # every CUDA API call in the window, launches included
 
     @cached_property
-    def gpu_ops(self) -> tuple[GpuOp, ...]:
+    def gpu_ops(self) -> tuple[GpuRecord, ...]:
         return tuple(op for launch in self.launches for op in launch.ops)
 
     @cached_property
-    def kernels(self) -> tuple[GpuOp, ...]:
+    def kernels(self) -> tuple[GpuRecord, ...]:
         return tuple(op for op in self.gpu_ops if op.kind == "kernel")
 
     @property
-    def graph_launches(self) -> tuple[Launch, ...]:
+    def graph_launches(self) -> tuple[LaunchRecord, ...]:
         return tuple(launch for launch in self.launches if launch.is_graph)
 
     @property

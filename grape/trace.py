@@ -23,15 +23,15 @@ from grape.errors import SchemaVersionError, TraceFormatError
 from grape.iterations import split_iterations
 from grape.jsonio import dump_json, load_json
 from grape.kineto import MAX_US, decode, encode
-from grape.records import GpuOp, HostCall, Iteration, Launch, StreamWait
+from grape.records import GpuRecord, HostCall, Iteration, LaunchRecord, WaitRecord
 
 __all__ = [
     "GRAPE_SCHEMA_VERSION",
-    "GpuOp",
+    "GpuRecord",
     "GrapeMeta",
     "HostCall",
     "Iteration",
-    "Launch",
+    "LaunchRecord",
     "Trace",
     "read_trace",
     "trace_from_json",
@@ -137,16 +137,16 @@ class Trace:
     source: str
     calls: list[HostCall]
     ops: list[HostCall]
-    gpu_ops: list[GpuOp]
-    launches: list[Launch]
+    gpu_ops: list[GpuRecord]
+    launches: list[LaunchRecord]
     iterations: tuple[Iteration, ...]
     split_method: str
     outside: tuple[HostCall, ...]  # API calls outside every iteration
-    orphans: list[GpuOp]  # GPU work no host call in the trace accounts for
+    orphans: list[GpuRecord]  # GPU work no host call in the trace accounts for
     unknown: dict[str, int]  # event categories grape does not model, with counts
     device: dict[str, Any] = field(default_factory=dict)
     # CUPTI's stream-wait records, where the trace has them (profiled with cuda sync events)
-    waits: list[StreamWait] = field(default_factory=list)
+    waits: list[WaitRecord] = field(default_factory=list)
     versions: dict[str, Any] = field(default_factory=dict)
     grape: GrapeMeta | None = None
     split_warning: str | None = None  # a split to look at (one iteration that repeats)

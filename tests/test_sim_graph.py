@@ -27,7 +27,7 @@ from grape.ir import (
     Span,
 )
 from grape.profile import DEFAULT_PROFILE, load_profile
-from grape.records import GpuOp
+from grape.records import GpuRecord
 from grape.sim.engine import Costs, simulate
 from grape.sim.graph import Choices, Durations, demangle, program_from_graph, run_graph
 from grape.sim.whatif import costs_from_profile
@@ -175,9 +175,9 @@ def test_copies_take_the_traced_time_of_their_size_else_the_profile_s():
 
 
 def test_durations_come_from_the_trace_s_kernels_by_demangled_name_and_configuration():
-    op = GpuOp(kind="kernel", name="void f<int>(int)", ts=0.0, dur=2.0, stream=7,
+    op = GpuRecord(kind="kernel", name="void f<int>(int)", ts=0.0, dur=2.0, stream=7,
                correlation=1, grid=(3, 1, 1), block=(64, 1, 1))
-    table = Durations.from_ops([op, GpuOp(**{**op.__dict__, "dur": 4.0, "ts": 9.0})], "t")
+    table = Durations.from_ops([op, GpuRecord(**{**op.__dict__, "dur": 4.0, "ts": 9.0})], "t")
     k = Kernel(function="_Z1fIiEvi@0x9", name="_Z1fIiEvi", grid=(3, 1, 1), block=(64, 1, 1))
     assert demangle(k.name) == "void f<int>(int)"
     assert table.kernel(k, "k") == 3.0

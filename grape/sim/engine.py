@@ -22,7 +22,7 @@ import simpy
 
 from grape.errors import GrapeError
 from grape.program import GpuWork, GraphLaunch, HostWork, Launch, Program, StreamWait, Sync
-from grape.records import GpuOp, HostCall, union_length
+from grape.records import GpuRecord, HostCall, union_length
 
 __all__ = ["Costs", "Interval", "SimResult", "simulate", "simulate_ranks"]
 
@@ -79,7 +79,7 @@ class SimResult:
     synchronised: bool = True  # every iteration waits for the GPU before the next begins
     # Only when asked to record: the run as a trace would hold it (grape.sim.tracing).
     calls: list[HostCall] = field(default_factory=list)  # API calls, with correlation ids
-    gpu_ops: list[GpuOp] = field(default_factory=list)  # a graph's kernels laid out inside it
+    gpu_ops: list[GpuRecord] = field(default_factory=list)  # a graph's kernels laid out inside it
     windows: list[tuple[float, float]] = field(default_factory=list)  # each iteration's
 
     @property
@@ -181,7 +181,7 @@ class _Machine:
         self.busy: list[tuple[float, float]] = []
         self.timeline: list[Interval] | None = [] if timeline else None
         self.stall = 0.0
-        self.ops: list[GpuOp] | None = None  # set when recording
+        self.ops: list[GpuRecord] | None = None  # set when recording
         self.correlation = 0
         self.rank, self.rendezvous = rank, rendezvous
         self.collectives = 0  # started on this rank's GPU so far
@@ -278,17 +278,17 @@ class _Machine:
             yield self.drained
 
 
-def _recorded(item: _Item, sid: int, start: float, end: float) -> list[GpuOp]:
+def _recorded(item: _Item, sid: int, start: float, end: float) -> list[GpuRecord]:
     """What a trace would show of a finished item: itself, or a graph's kernels laid out in
     order over the graph's time, the time they leave spread evenly between them."""
     if not item.work:
-        return [GpuOp(item.kind, item.name, start, end - start, sid, item.correlation)]
+        return [GpuRecord(item.kind, item.name, start, end - start, sid, item.correlation)]
     busy = sum(w.dur for w in item.work)
     scale = min(1.0, (end - start) / busy) if busy else 1.0
     gap = max(end - start - busy, 0.0) / len(item.work)
     ops, t = [], start
     for w in item.work:
-        ops.append(GpuOp(w.kind, w.name, t + gap, w.dur * scale, sid, item.correlation))
+        ops.append(GpuRecord(w.kind, w.name, t + gap, w.dur * scale, sid, item.correlation))
         t += gap + w.dur * scale
     return ops
 

@@ -40,7 +40,7 @@ import networkx as nx
 from grape.errors import SimulationError
 from grape.ir import Conditional, ConditionalKind, Kernel, KernelGraph, Memcpy, Memset, Op
 from grape.program import GpuWork, GraphLaunch, HostWork, Program, Sync
-from grape.records import GpuOp
+from grape.records import GpuRecord
 from grape.sim.engine import Costs
 
 __all__ = ["Choices", "Durations", "GraphRun", "family_program", "is_nccl_collective",
@@ -70,7 +70,7 @@ class Durations:
     transfers: Mapping[tuple[str, int], float] = field(default_factory=dict)  # (kind, bytes)
 
     @classmethod
-    def from_ops(cls, ops: Iterable[GpuOp], source: str) -> Durations:
+    def from_ops(cls, ops: Iterable[GpuRecord], source: str) -> Durations:
         seen: dict[KernelKey, list[float]] = defaultdict(list)
         moved: dict[tuple[str, int], list[float]] = defaultdict(list)
         for op in ops:
