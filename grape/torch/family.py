@@ -128,7 +128,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                    params: Mapping[str, torch.Tensor] | None = None,
                    progress: Callable[[str], None] = lambda line: None,
                    update: str = "nodes", derive_every: int | None = None,
-                   checks: int = 1) -> Family:
+                   checks: int = 1, warmup: int = 1) -> Family:
     """Capture ``step(shape)`` for each shape (largest first) into one family.
 
     ``update`` says how an executable is brought to a shape: ``"nodes"`` updates the nodes
@@ -143,6 +143,10 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     fitted as piecewise-affine functions of the length, ``checks`` held-out lengths per
     stretch captured and compared byte for byte, a stretch they refute captured whole, any
     length no trusted stretch covers captured). :attr:`Family.sampled` says which were which.
+
+    ``warmup``: eager runs of ``step(shape)`` before each capture (lazy initialisation must not
+    happen inside one); 0 where running the step changes state the caller keeps (a training
+    step) and it has already run once.
 
     Raises
     ------
@@ -169,7 +173,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
 
     def captured(shape: Hashable) -> KernelGraph:
         cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
-                      collect=False)
+                      collect=False, warmup=warmup)
         torch_graphs[shape] = cap.torch_graph
         return cap.ir
 

@@ -1,0 +1,245 @@
+"""Wav2Vec2 CTC fine-tuning steps over variable audio lengths: eager, per-shape graphs and a
+grape family, side by side (GPU).
+
+A ``Wav2Vec2ForCTC`` built from its config with random weights, fp32 master weights under fp16
+autocast with ``grape.torch.training.LossScaler`` (``GradScaler``'s scaling, its skip an IF
+node), AdamW with a tensor learning rate on a linear warm-up schedule computed on the device,
+gradients clipped to norm 1 on the device, labels padded to a fixed length with -100. Audio
+lengths are drawn like a speech corpus's (uniform over 1 to 10 s at 16 kHz, rounded to 20 ms),
+``--lengths`` distinct ones; a fixed shuffled sequence of ``--steps`` batches, each of one of
+them. Ways, each on a model built from the same seed:
+
+- ``eager``: ``GraphedTraining(graphs=False)``: the same step code, run eagerly;
+- ``per_shape_graphs``: one CUDA graph per length, each with its own memory pool (as PyTorch's
+  graphs are made per shape), captured from the same step; device memory is reported, or the
+  length at which the GPU ran out of it;
+- ``grape_family``: ``GraphedTraining``: the first step eager, then one family over every
+  length (largest first, one pool), each later step one launch.
+
+Written per way: ``ms_per_step`` (mean over the sequence, one sync at the end, first step
+excluded: the eager warm-up and the capture happen there), ``device_bytes_graphs`` (free
+memory's drop over the captures), ``capture_s``, and ``params_bitwise_equal_to_eager`` (after
+the whole sequence; meaningful with ``--deterministic``), with the final loss scale.
+
+Run on a GPU: python benchmarks/training.py [--small] [--deterministic] [--lengths 100]
+[--steps 20] [--batch 8] [--derive-every N] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+LABEL = 64  # label positions per utterance (padded with -100)
+VOCAB = 32
+
+
+def _config(small: bool) -> dict[str, Any]:
+    if small:
+        return dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=256, vocab_size=VOCAB)
+    return dict(vocab_size=VOCAB)  # Wav2Vec2-base's own sizes
+
+
+def _ctc_loss(model, inputs, targets):
+    return model(inputs, labels=targets).loss
+
+
+def _build(args, graphs: bool):
+    import torch
+    import transformers
+
+    from grape.torch.training import GraphedTraining, LossScaler
+
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(**_config(args.small), ctc_loss_reduction="mean")
+    model = transformers.Wav2Vec2ForCTC(config).cuda().train()
+    model.freeze_feature_encoder()  # as fine-tuning recipes do
+    lr = torch.tensor(1e-4, device="cuda")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                            capturable=True, foreach=True)
+    peak, warmup = 1e-4, 10.0
+
+    def schedule(step):  # linear warm-up, on the device
+        return torch.clamp(step / warmup, max=1.0) * peak
+
+    trainer = GraphedTraining(model, _ctc_loss, opt, lengths=args.audio_lengths,
+                              input_shape=(args.batch, max(args.audio_lengths)),
+                              target_shape=(args.batch, LABEL), amp=torch.float16,
+                              scaler=LossScaler("cuda", init_scale=2.0 ** 16),
+                              clip_norm=1.0, schedule=schedule, graphs=graphs,
+                              derive_every=args.derive_every)
+    return model, trainer
+
+
+def _batches(args):
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    order = [args.audio_lengths[i % len(args.audio_lengths)] for i in range(args.steps)]
+    random.Random(4).shuffle(order)
+    out = []
+    for n in order:
+        audio = torch.randn(args.batch, n, generator=g).pin_memory()
+        labels = torch.full((args.batch, LABEL), -100, dtype=torch.long)
+        for row in labels:
+            k = int(torch.randint(5, LABEL, (1,), generator=g))
+            row[:k] = torch.randint(1, VOCAB, (k,), generator=g)
+        out.append((audio, labels.pin_memory()))
+    return out
+
+
+def _memory() -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def _run_trainer(args, graphs: bool, batches) -> tuple[dict[str, Any], Any]:
+    import torch
+
+    model, trainer = _build(args, graphs)
+    free = _memory()
+    t0 = time.perf_counter()
+    trainer(batches[0][0].cuda(non_blocking=True), batches[0][1].cuda(non_blocking=True))
+    if graphs:  # the family is captured at the second call: make it now, timed apart
+        trainer.capture()
+    first_s = time.perf_counter() - t0
+    graph_bytes = free - _memory()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for audio, labels in batches[1:]:
+        trainer(audio.cuda(non_blocking=True), labels.cuda(non_blocking=True))
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t) * 1e3 / max(1, len(batches) - 1)
+    row = {"way": "grape_family" if graphs else "eager", "ms_per_step": round(ms, 3),
+           "device_bytes_graphs": graph_bytes if graphs else None,
+           "capture_s": round(trainer.stats.capture_s, 2) if graphs else None,
+           "first_step_s": round(first_s, 2), "graphed_steps": trainer.stats.graphed_steps,
+           "eager_steps": trainer.stats.eager_steps, "fallback": trainer.stats.fallback,
+           "executables": trainer.stats.executables if graphs else None,
+           "final_loss_scale": trainer.scaler.get_scale(),
+           "final_loss": float(trainer.loss)}
+    params = [p.detach().clone() for p in model.parameters()]
+    trainer.close()
+    return row, params
+
+
+def _per_shape(args, batches) -> dict[str, Any]:
+    """One CUDA graph per length, each with its own pool, from the same step code."""
+    import torch
+
+    from grape.torch.control import graph
+
+    _, trainer = _build(args, graphs=False)
+    audio, labels = batches[0]
+    trainer(audio.cuda(), labels.cuda())  # the optimizer's state, as grape's first step
+    free = _memory()
+    graphs: dict[int, Any] = {}
+    t = time.perf_counter()
+    oom = None
+    for n in sorted(args.audio_lengths, reverse=True):
+        g = torch.cuda.CUDAGraph()
+        try:
+            with graph(g):
+                trainer.step_at(n)
+        except torch.OutOfMemoryError:
+            oom = n
+            break
+        except Exception as e:  # a capture that breaks: say so, keep the other ways' rows
+            return {"way": "per_shape_graphs", "failed": f"{type(e).__name__}: {e}"[:300],
+                    "device_bytes_graphs": None, "capture_s": None, "ms_per_step": None}
+        graphs[n] = g
+    capture_s = time.perf_counter() - t
+    used = free - _memory()
+    row = {"way": "per_shape_graphs", "device_bytes_graphs": used,
+           "capture_s": round(capture_s, 2), "executables": len(graphs),
+           "out_of_memory_at_length": oom, "ms_per_step": None}
+    if oom is None:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for audio, labels in batches[1:]:
+            n = audio.shape[1]
+            trainer.inputs[:, :n].copy_(audio.cuda(non_blocking=True), non_blocking=True)
+            trainer.targets.copy_(labels.cuda(non_blocking=True), non_blocking=True)
+            graphs[n].replay()
+        torch.cuda.synchronize()
+        row["ms_per_step"] = round((time.perf_counter() - t) * 1e3 / (len(batches) - 1), 3)
+    del graphs
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a small config (for tests)")
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--lengths", type=int, default=100, help="distinct audio lengths")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--ways", default="eager,grape_family,per_shape_graphs")
+    parser.add_argument("--derive-every", type=int, default=None, metavar="N")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE")
+    args = parser.parse_args()
+    if args.steps < 2 or args.lengths < 1:
+        parser.error("expected --steps of at least 2 and --lengths of at least 1")
+    if args.deterministic:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before the first cuBLAS handle
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/training.py needs a CUDA device; torch sees none")
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rng = random.Random(5)
+    lengths: set[int] = set()
+    while len(lengths) < args.lengths:  # 1 to 10 s at 16 kHz, in 20 ms steps
+        lengths.add(320 * rng.randint(50, 500))
+    args.audio_lengths = sorted(lengths)
+    batches = _batches(args)
+    ways = args.ways.split(",")
+    rows, params = [], {}
+    for way in ways:
+        _log(f"[+] {way}")
+        if way == "per_shape_graphs":
+            rows.append(_per_shape(args, batches))
+        else:
+            row, params[way] = _run_trainer(args, way == "grape_family", batches)
+            rows.append(row)
+        torch.cuda.empty_cache()
+        _log(json.dumps(rows[-1]))
+    for row in rows:
+        row.update(model="wav2vec2-small" if args.small else "wav2vec2-base",
+                   batch=args.batch, lengths=len(args.audio_lengths), steps=args.steps)
+        if "eager" in params and row["way"] in params:
+            row["params_bitwise_equal_to_eager"] = all(
+                torch.equal(a, b) for a, b in zip(params[row["way"]], params["eager"],
+                                                  strict=True))
+    if args.out:
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                        "torch": torch.__version__,
+                                        "command": " ".join(sys.argv), "results": rows},
+                                       indent=1) + "\n")
+    print(f"{'way':18} {'ms/step':>8} {'graph MB':>9} {'capture s':>9} {'execs':>6} equal")
+    for r in rows:
+        mb = "" if r["device_bytes_graphs"] is None else f"{r['device_bytes_graphs'] / 2**20:.0f}"
+        print(f"{r['way']:18} {r['ms_per_step'] or '':>8} {mb:>9} {r['capture_s'] or '':>9} "
+              f"{r.get('executables') or '':>6} {r.get('params_bitwise_equal_to_eager', '')}")
+
+
+if __name__ == "__main__":
+    main()
