@@ -58,17 +58,22 @@ def _graph_of(step, n):
     return g
 
 
+def _same_as_graph(graph, family, n, out) -> bool:
+    """Whether the family at length ``n`` writes bitwise what PyTorch's graph of it writes."""
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = out.clone()
+    out.zero_()
+    family.run(n)
+    torch.cuda.synchronize()
+    return torch.equal(out, expected)
+
+
 def test_every_length_computes_bitwise_what_its_own_graph_computes(decode, family):
     _, step, out = decode
     graphs = {n: _graph_of(step, n) for n in LENGTHS}
     for n in [1, 58, 59, 60, 9, 33, 32, 1]:  # back and forth across the family
-        graphs[n].replay()
-        torch.cuda.synchronize()
-        expected = out.clone()
-        out.zero_()
-        family.run(n)
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected), f"KV length {n}"
+        assert _same_as_graph(graphs[n], family, n, out), f"KV length {n}"
 
 
 def test_neighbouring_lengths_update_few_nodes(family):
@@ -119,13 +124,6 @@ def test_lengths_never_captured_are_derived_and_compute_what_their_own_graphs_co
         assert sampled.derived and not sampled.refused
         assert all(diff == [] for diff in sampled.checked.values())
         for n in sampled.derived[:: max(1, len(sampled.derived) // 6)]:
-            g = _graph_of(step, n)
-            g.replay()
-            torch.cuda.synchronize()
-            expected = out.clone()
-            out.zero_()
-            fam.run(n)
-            torch.cuda.synchronize()
-            assert torch.equal(out, expected), f"derived KV length {n}"
+            assert _same_as_graph(_graph_of(step, n), fam, n, out), f"derived KV length {n}"
     finally:
         fam.close()

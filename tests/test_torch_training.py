@@ -29,6 +29,16 @@ def _batches(steps=12, overflow=(3, 7)):
     return out
 
 
+def _scaled_step(model, opt, scaler, loss):
+    """The mixed-precision recipe, clipping included, with either scaler."""
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=False)
+
+
 def test_the_loss_scaler_scales_skips_and_grows_bitwise_as_grad_scaler_does():
     ours, theirs = _model(), _model()
     opt_a = torch.optim.AdamW(ours.parameters(), lr=1e-2)
@@ -38,13 +48,7 @@ def test_the_loss_scaler_scales_skips_and_grows_bitwise_as_grad_scaler_does():
     scales = []
     for x, y in _batches():
         for model, opt, scaler in ((ours, opt_a, a), (theirs, opt_b, b)):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=False)
+            _scaled_step(model, opt, scaler, torch.nn.functional.mse_loss(model(x), y))
         assert a.get_scale() == b.get_scale()
         scales.append(a.get_scale())
         for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
@@ -88,12 +92,7 @@ def test_the_step_run_eagerly_trains_as_a_plain_loop_does():
         x, y = torch.randn(3, length, 4, generator=g), torch.randn(3, 1, generator=g)
         loss = trainer(x, y)
         expected = _sequence_loss(reference, x, y)
-        scaler.scale(expected).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0, foreach=True)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=False)
+        _scaled_step(reference, opt, scaler, expected)
         assert torch.equal(loss, expected.detach())
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q)

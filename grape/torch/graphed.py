@@ -230,8 +230,9 @@ class Graphed:
             try:
                 shared.executable.update(entry.graph)
                 self.stats.whole_updates += 1
-                nodes = [n for n in entry.reads if tuple(entry.inputs.addresses)
-                         != entry.captured_at]
+                # The graph reads the inputs where the capture found them: re-point if moved.
+                moved_since = tuple(entry.inputs.addresses) != entry.captured_at
+                nodes = sorted(entry.reads) if moved_since else []
             except UnsupportedError:
                 entry.graph = None  # the driver refuses: node by node from now on
         Graph.apply(shared.executable, [entry.update(n) for n in nodes])
