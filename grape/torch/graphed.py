@@ -217,11 +217,10 @@ class Graphed:
         if held is entry:
             Graph.apply(shared.executable, [entry.update(n) for n in changed])
             return
-        # Another signature's parameters: update every node whose parameters differ between
-        # the two or that reads either's inputs.
-        # Every node either signature changes against the template: a superset of those that
-        # differ between the two, found without decoding a delta's arguments (which cost
-        # milliseconds per pair in Python, and most nodes differ anyway).
+        # Another signature's parameters: update every node either signature changes against
+        # the template or reads its inputs through, a superset of those that differ between
+        # the two, found without decoding a delta's arguments (which cost milliseconds per
+        # pair in Python, and most nodes differ anyway).
         nodes = entry.switches.get(id(held))
         if nodes is None:
             nodes = entry.switches[id(held)] = sorted(held.varies | entry.varies)

@@ -1,0 +1,131 @@
+"""How a graphed callable brings a shared executable to a call (grape.torch.graphed), on the
+CPU: synthetic graphs, a recording stand-in for the driver."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+
+import grape.torch.graphed as graphed_module  # noqa: E402
+from grape.cuda.build import Update  # noqa: E402
+from grape.errors import UnsupportedError  # noqa: E402
+from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Param, Pointer, Span  # noqa: E402
+from grape.passes.delta import delta, join  # noqa: E402
+from grape.torch.aliasing import Inputs  # noqa: E402
+from grape.torch.graphed import Graphed, _Entry, _Shared  # noqa: E402
+
+
+def _step(tag: str, x: torch.Tensor, grid: int) -> KernelGraph:
+    """Five kernels in a chain; the first reads input ``x``, the third's grid is ``grid``."""
+    g = KernelGraph()
+    name = f"{tag}input0"
+    address = x.untyped_storage().data_ptr()
+    g.add_buffer(Buffer(name, x.nbytes, BufferRole.INPUT, address=address))
+    previous: list[str] = []
+    for i in range(5):
+        pointers = (Pointer(0, Span(name)),) if i == 0 else ()
+        args = address.to_bytes(8, "little") if i == 0 else i.to_bytes(8, "little")
+        node = f"{tag}k{i}"
+        g.add(node, Kernel(f"f{i}@0x{i}", f"f{i}", (grid if i == 2 else 1, 1, 1), (32, 1, 1),
+                           args=args, params=(Param(0, 8),), pointers=pointers), after=previous)
+        previous = [node]
+    return g
+
+
+class _Graph:
+    """Stands in for grape.cuda.build.Graph: prepared updates record what they set."""
+
+    def __init__(self, ir: KernelGraph, log: list) -> None:
+        self.ir, self.log = ir, log
+
+    def prepare(self, ops):
+        def record(handle, node, op):
+            self.log.append((node, op))
+            return (driver.CUresult.CUDA_SUCCESS,)
+        return [Update(n, record, (n, op)) for n, op in ops.items()]
+
+
+class _Executable:
+    handle = "executable"
+
+    def __init__(self, log: list, refuse: bool = False) -> None:
+        self.log, self.refuse = log, refuse
+
+    def update(self, graph) -> None:
+        if self.refuse:
+            raise UnsupportedError("refused")
+        self.log.append(("whole", graph.ir))
+
+
+def _family(refuse: bool = False):
+    log: list = []
+    xa, xb = torch.zeros(4), torch.zeros(8)
+    template = _step("s0/", xa, 1)
+    member = _step("s1/", xb, 3)
+    shared = _Shared(template, _Graph(template, log), _Executable(log, refuse))
+    a = _Entry(None, template, shared, delta(template, template),
+               {n: n for n in template.dag}, Inputs.of([xa], "s0/"), frozenset({"s0/k0"}),
+               frozenset({"s0/k0"}), shared.graph, (xa.untyped_storage().data_ptr(),))
+    d = join(template, member)
+    b = _Entry(None, member, shared, d, dict(d.mapping), Inputs.of([xb], "s1/"),
+               frozenset({"s0/k0"}), frozenset({"s0/k0"}) | {nd.node for nd in d.nodes},
+               _Graph(member, log), (xb.untyped_storage().data_ptr(),))
+    shared.holds = a
+    return Graphed(lambda x: x), a, b, xa, xb, log
+
+
+def _pointer(op) -> int:
+    return int.from_bytes(op.args[:8], "little")
+
+
+def test_a_call_where_the_inputs_lie_updates_nothing_and_a_moved_input_one_node():
+    g, a, _, xa, _, log = _family()
+    g._bring(a, [xa])
+    assert log == []
+    moved = torch.zeros(4)
+    g._bring(a, [moved])
+    assert [node for node, _ in log] == ["s0/k0"]
+    assert _pointer(log[0][1]) == moved.untyped_storage().data_ptr()
+    assert g.stats.pointer_updates == 1 and g.stats.switches == 0
+
+
+def test_switching_signatures_updates_what_either_changes_with_the_callers_own():
+    g, a, b, xa, xb, log = _family()
+    g._bring(b, [xb])  # 2 of 5 nodes: node by node
+    assert sorted(node for node, _ in log) == ["s0/k0", "s0/k2"]
+    set_to = dict(log)
+    assert set_to["s0/k2"].grid == (3, 1, 1)
+    assert _pointer(set_to["s0/k0"]) == xb.untyped_storage().data_ptr()
+    log.clear()
+    g._bring(a, [xa])  # and back: the template's own parameters
+    assert dict(log)["s0/k2"].grid == (1, 1, 1)
+    assert _pointer(dict(log)["s0/k0"]) == xa.untyped_storage().data_ptr()
+    assert g.stats.switches == 2 and g.stats.switch_updates == 4 and a.shared.holds is a
+
+
+def test_a_switch_that_changes_most_nodes_is_one_whole_graph_update(monkeypatch):
+    monkeypatch.setattr(graphed_module, "_WHOLE", 0.1)
+    g, a, b, xa, xb, log = _family()
+    g._bring(b, [xb])
+    assert log == [("whole", b.graph.ir)]  # its input lies where its graph reads it
+    log.clear()
+    g._bring(b, [xb])  # the same signature, the same place: nothing
+    assert log == []
+    g._bring(a, [xa])
+    log.clear()
+    moved = torch.zeros(8)  # b's input elsewhere: its whole graph, then its input re-pointed
+    g._bring(b, [moved])
+    assert log[0] == ("whole", b.graph.ir)
+    assert [node for node, _ in log[1:]] == ["s0/k0"]
+    assert _pointer(log[1][1]) == moved.untyped_storage().data_ptr()
+    assert g.stats.whole_updates == 3
+
+
+def test_a_whole_graph_update_the_driver_refuses_goes_node_by_node(monkeypatch):
+    monkeypatch.setattr(graphed_module, "_WHOLE", 0.1)
+    g, _, b, _, xb, log = _family(refuse=True)
+    g._bring(b, [xb])
+    assert b.graph is None and sorted(node for node, _ in log) == ["s0/k0", "s0/k2"]
+    assert g.stats.whole_updates == 0 and g.stats.switches == 1
