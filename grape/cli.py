@@ -108,8 +108,9 @@ def _parser() -> argparse.ArgumentParser:
                     "profile's costs, and print measured, predicted and what-if figures side "
                     "by side.")
     sim.add_argument("trace", type=Path, metavar="TRACE",
-                     help="a torch.profiler or grape trace, or a kernel graph (*.ir.json, "
-                          "*.ir.json.gz) to run on the simulated GPU")
+                     help="a torch.profiler or grape trace, a kernel graph (*.ir.json, "
+                          "*.ir.json.gz) to run on the simulated GPU, or a saved graph family "
+                          "(*.family.json.gz) to run over a sequence of its shapes")
     sim.add_argument("--durations", type=Path, action="append", default=[], metavar="TRACE",
                      help="kernel graphs: a trace of the same kernels (their durations by name "
                           "and launch configuration); several merge, the first one's figure "
@@ -120,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
                      metavar="NODE=taken|skipped", help="kernel graphs: whether IF node NODE runs")
     sim.add_argument("--switch", dest="switch_branches", action="append", default=[],
                      metavar="NODE=I", help="kernel graphs: the branch SWITCH node NODE takes")
+    sim.add_argument("--sequence", metavar="SHAPES",
+                     help="graph families: the shapes to run, in order, as A,B,... or "
+                          "FIRST:LAST[:STRIDE] (default: every saved shape, as saved)")
     sim.add_argument("--launches", type=_positive, default=1, metavar="N",
                      help="kernel graphs: launches, each waited for (default 1)")
     sim.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="FILE",
@@ -144,7 +148,8 @@ def _parser() -> argparse.ArgumentParser:
                           "each graph launch (a graph family; see the trace's counters)")
     sim.add_argument("--update-whole", action="store_true",
                      help="what if one executable served every shape, brought to each by one "
-                          "cuGraphExecUpdate from the shape's graph before each launch")
+                          "cuGraphExecUpdate from the shape's graph before each launch (for a "
+                          "saved family: price its updates that way)")
     sim.add_argument("--placeholder-copies", type=_amount, metavar="BYTES",
                      help="what if BYTES of inputs were copied into the graph's placeholder "
                           "tensors before each graph launch (a plain capture's static inputs; "
@@ -289,8 +294,13 @@ def _simulate(args: argparse.Namespace) -> None:
         unprofiled_program,
     )
 
+    if _is_family_file(args.trace):
+        return _simulate_family(args)
     if _is_graph_file(args.trace):
         return _simulate_graph(args)
+    if args.sequence:
+        raise GrapeError(f"expected a saved graph family (*.family.json.gz) with --sequence, "
+                         f"found {args.trace}")
     graph_only = [flag for flag, given in (("--durations", args.durations),
                                            ("--while", args.while_counts),
                                            ("--if", args.if_taken),
@@ -375,6 +385,85 @@ def _is_graph_file(path: Path) -> bool:
     return path.name.endswith((".ir.json", ".ir.json.gz"))
 
 
+def _is_family_file(path: Path) -> bool:
+    return path.name.endswith((".family.json", ".family.json.gz"))
+
+
+def _sequence(text: str | None, shapes: list) -> list:
+    """``--sequence``: shapes as saved (integers parsed as such), or every saved shape."""
+    if text is None:
+        return shapes
+    first, sep, rest = text.partition(":")
+    try:
+        if sep:
+            last, _, stride = rest.partition(":")
+            return list(range(int(first), int(last) + 1, int(stride or 1)))
+        return [int(x) if x.lstrip("-").isdigit() else x for x in text.split(",")]
+    except ValueError:
+        raise GrapeError(f"expected --sequence as A,B,... or FIRST:LAST[:STRIDE], found "
+                         f"{text!r}") from None
+
+
+def _simulate_family(args: argparse.Namespace) -> None:
+    """A saved family run over a sequence of its shapes on the simulated GPU: each step's
+    update priced from the shapes' own changes, each launch from the shape's own graph."""
+    from grape.familyio import load_family
+    from grape.profile import load_profile
+    from grape.sim.engine import simulate
+    from grape.sim.graph import Durations, family_program
+    from grape.sim.tracing import write_simulated_trace
+    from grape.sim.whatif import costs_from_profile
+
+    misplaced = [flag for flag, given in (("--graph", args.graph),
+                                          ("--graph-region", args.graph_region),
+                                          ("--host-scale", args.host_scale is not None),
+                                          ("--launch-cost", args.launch_cost is not None),
+                                          ("--update-nodes", args.update_nodes is not None),
+                                          ("--placeholder-copies",
+                                           args.placeholder_copies is not None),
+                                          ("--device-loop", args.device_loop),
+                                          ("--plot", args.plot), ("--launches",
+                                                                  args.launches != 1))
+                 if given]
+    if misplaced:
+        raise GrapeError(f"expected a trace with {misplaced[0]}, found the graph family "
+                         f"{args.trace}")
+    if not args.durations:
+        raise GrapeError(f"expected --durations TRACE (a trace of the same kernels) to run the "
+                         f"graph family {args.trace}, found none")
+    saved = load_family(args.trace)
+    sequence = _sequence(args.sequence, list(saved.members))
+    if missing := [shape for shape in sequence if shape not in saved.members]:
+        raise GrapeError(f"{args.trace}: expected shapes of the family in --sequence, found "
+                         f"{missing[0]!r} (it has {len(saved.members)})")
+    # Each executable's template first, so that the program's executables start from them.
+    templates = [s for s, (_, changes) in saved.members.items() if not changes]
+    graphs = {s: saved.graph(s) for s in dict.fromkeys([*templates, *sequence])}
+    tables = [Durations.from_ops(read_trace(p).gpu_ops, str(p)) for p in args.durations]
+    durations = tables[0]
+    for table in tables[1:]:
+        durations = durations.merged(table)
+    profile = load_profile(args.profile)
+    overrides = ({} if args.node_overhead is None
+                 else {"graph_node_overhead": args.node_overhead})
+    costs = costs_from_profile(profile, **overrides)
+    program, updated = family_program(graphs, sequence, durations, costs, _choices(args),
+                                      whole=args.update_whole, name=args.trace.name)
+    result = simulate(program, costs, record=args.chrome is not None)
+    print(f"{args.trace}: {len(saved.templates)} executables, {len(saved.members)} shapes; "
+          f"{len(sequence)} steps (kernel durations from {durations.source})")
+    print(f"  per step, launch to sync       {result.per_iteration / 1000:10.3f} ms (median)")
+    print(f"  nodes updated per step         {sum(updated) / len(updated):10.1f} "
+          f"({'whole-graph updates' if args.update_whole else 'node by node'})")
+    for note in program.approximations:
+        print(f"  approximated: {note}")
+    if args.chrome:
+        write_simulated_trace(args.chrome, result, args.trace.name.split(".")[0],
+                              profile.device, f"grape simulate {args.trace}")
+        print(f"  simulated trace: {args.chrome} (grape info reads it; open it in "
+              f"https://ui.perfetto.dev)")
+
+
 def _choices(args: argparse.Namespace) -> Any:
     from grape.sim.graph import Choices
 
@@ -419,6 +508,7 @@ def _simulate_graph(args: argparse.Namespace) -> None:
     from grape.sim.whatif import costs_from_profile
 
     trace_only = [flag for flag, given in (("--graph", args.graph),
+                                           ("--sequence", args.sequence),
                                            ("--graph-region", args.graph_region),
                                            ("--host-scale", args.host_scale is not None),
                                            ("--launch-cost", args.launch_cost is not None),

@@ -108,7 +108,8 @@ def test_a_length_never_captured_runs_eagerly_with_a_warning(decode, family):
     assert torch.equal(out, expected)
 
 
-def test_lengths_never_captured_are_derived_and_compute_what_their_own_graphs_compute(decode):
+def test_lengths_never_captured_are_derived_and_compute_what_their_own_graphs_compute(
+        decode, tmp_path):
     # One length in eight captured, the rest derived from them (grape.passes.derive), a held-
     # out length per stretch captured and compared byte for byte; every derived length then
     # runs bitwise as PyTorch's own graph of it.
@@ -125,5 +126,13 @@ def test_lengths_never_captured_are_derived_and_compute_what_their_own_graphs_co
         assert all(diff == [] for diff in sampled.checked.values())
         for n in sampled.derived[:: max(1, len(sampled.derived) // 6)]:
             assert _same_as_graph(_graph_of(step, n), fam, n, out), f"derived KV length {n}"
+        # Saved, the family reloads with every length and the environment it was made in.
+        from grape.familyio import load_family
+        from grape.torch.family import environment
+
+        params = dict(model.named_parameters())
+        loaded = load_family(fam.save(tmp_path / "decode.family.json.gz", params))
+        assert set(loaded.members) == set(lengths)
+        loaded.check(environment(params))
     finally:
         fam.close()

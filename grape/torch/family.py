@@ -22,18 +22,20 @@ import time
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, UnsupportedError
+from grape.familyio import SavedFamily, save_family
 from grape.ir import KernelGraph, fingerprint
 from grape.passes.delta import ShapeDelta, delta, join, transition
 from grape.passes.derive import Sampled, derive_lengths
 from grape.torch.capture import capture
 
-__all__ = ["Family", "capture_family"]
+__all__ = ["Family", "capture_family", "environment"]
 
 
 @dataclass
@@ -77,6 +79,15 @@ class Family:
     def delta_bytes(self) -> int:
         """Host bytes the coded argument deltas keep, all shapes."""
         return sum(d.args_bytes for d in self.deltas.values())
+
+    def save(self, path: str | Path, params: Mapping[str, torch.Tensor] | None = None) -> Path:
+        """Write the family to ``path`` (``grape.familyio``): each executable's template, each
+        shape's changes to it, and the environment it was captured in (``params``: the model's
+        parameters, whose layout a reload must match). ``grape simulate`` runs the file."""
+        saved = SavedFamily.of({key: g.template for key, g in self.groups.items()},
+                               {s: (key, self.deltas[s]) for s, key in self.group_of.items()},
+                               environment(params))
+        return save_family(path, saved)
 
     def run(self, shape: Hashable, stream: int | None = None) -> None:
         """Run ``step(shape)``: the family's executable brought to ``shape``, or eagerly (with
@@ -122,6 +133,23 @@ class Family:
         for graph in self.graphs.values():
             if all(graph is not g.graph for g in self.groups.values()):
                 graph.close()
+
+
+def environment(params: Mapping[str, torch.Tensor] | None = None) -> dict[str, str]:
+    """What a captured graph depends on beyond itself: the driver, the GPU, the libraries whose
+    kernels it runs, and (given ``params``) the parameters' names, shapes, dtypes and strides."""
+    import hashlib
+
+    import grape
+    from grape.cuda.capability import driver_version
+
+    env = {"grape": grape.__version__, "torch": torch.__version__,
+           "cuda runtime": str(torch.version.cuda), "cudnn": str(torch.backends.cudnn.version()),
+           "driver": str(driver_version()), "gpu": torch.cuda.get_device_name()}
+    if params is not None:
+        layout = repr([(n, tuple(t.shape), str(t.dtype), t.stride()) for n, t in params.items()])
+        env["parameters"] = hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()
+    return env
 
 
 def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],

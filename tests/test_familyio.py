@@ -1,0 +1,106 @@
+"""Graph families on disk (grape.familyio) and ``grape simulate`` running a saved one."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+from grape.cli import main
+from grape.errors import GrapeError
+from grape.familyio import SavedFamily, load_family, save_family
+from grape.ir import Kernel, KernelGraph
+from grape.passes.delta import delta, join
+
+TWIN = Path(__file__).parent.parent / "traces" / "h200_ir"
+
+
+def _variant(template: KernelGraph, changed: int) -> KernelGraph:
+    """``template`` with the last argument byte of its first ``changed`` kernels flipped: a
+    shape whose kernels are the template's, at other parameters."""
+    g = KernelGraph()
+    for b in template.buffers.values():
+        g.add_buffer(b)
+    touched = 0
+    for node in nx.topological_sort(template.dag):
+        op = template.op(node)
+        if isinstance(op, Kernel) and op.args and touched < changed:
+            op = dataclasses.replace(op, args=op.args[:-1] + bytes([op.args[-1] ^ 1]))
+            touched += 1
+        g.add(node, op, after=list(template.dag.predecessors(node)))
+    return g
+
+
+@pytest.fixture(scope="module")
+def family():
+    template = KernelGraph.load(TWIN / "twin_step.ir.json.gz")
+    members = {1: template, 2: _variant(template, 1), 3: _variant(template, 5)}
+    placed = {1: ("t", delta(template, template))}
+    placed.update({s: ("t", join(template, g)) for s, g in members.items() if s != 1})
+    saved = SavedFamily.of({"t": template}, placed, {"gpu": "NVIDIA H200", "driver": "13000"})
+    return saved, members
+
+
+def test_a_saved_family_reloads_every_shape_as_it_was(family, tmp_path):
+    saved, members = family
+    path = save_family(tmp_path / "f.family.json.gz", saved)
+    loaded = load_family(path)
+    assert loaded.environment == saved.environment
+    assert [len(changes) for _, changes in loaded.members.values()] == [0, 1, 5]
+    for shape, graph in members.items():
+        assert loaded.graph(shape) == graph, shape
+    # Only what a shape changes is kept: the three shapes cost little more than one graph.
+    one = save_family(tmp_path / "one.family.json.gz",
+                      SavedFamily({"t": members[1]}, {1: ("t", {})}))
+    assert path.stat().st_size < 1.1 * one.stat().st_size
+
+
+def test_a_family_from_another_environment_is_refused_naming_what_differs(family):
+    saved, _ = family
+    saved.check({"gpu": "NVIDIA H200", "driver": "13000"})
+    with pytest.raises(GrapeError, match="f.family.json.gz: expected driver '13000' as it was "
+                                         "captured with, found '12080' here: capture the "
+                                         "family again"):
+        saved.check({"gpu": "NVIDIA H200", "driver": "12080"}, "f.family.json.gz")
+    with pytest.raises(GrapeError, match="expected parameters None"):
+        saved.check({"gpu": "NVIDIA H200", "driver": "13000", "parameters": "ab12"})
+
+
+def test_bad_family_files_and_shapes_are_one_line_errors(family, tmp_path):
+    saved, members = family
+    with pytest.raises(GrapeError, match="expected shapes that are integers, strings or tuples"):
+        save_family(tmp_path / "x.family.json", SavedFamily({"t": members[1]},
+                                                            {1.5: ("t", {})}))
+    bad = tmp_path / "bad.family.json"
+    bad.write_text('{"schema": "grape.ir", "version": 1}')
+    with pytest.raises(GrapeError, match="bad.family.json: expected a grape.family document, "
+                                         "found 'grape.ir'"):
+        load_family(bad)
+    _, op = next(iter(members[1].ops()))
+    stray = SavedFamily({"t": members[1]}, {1: ("t", {"nowhere": op})})
+    path = save_family(tmp_path / "stray.family.json", stray)
+    with pytest.raises(GrapeError, match="member 0: expected changes to nodes of template 't', "
+                                         "found node 'nowhere'"):
+        load_family(path)
+    with pytest.raises(GrapeError, match="expected a shape of the family, found 7"):
+        saved.graph(7)
+
+
+def test_grape_simulate_runs_a_saved_family_over_a_sequence(family, tmp_path, capsys):
+    saved, _ = family
+    path = save_family(tmp_path / "twin.family.json.gz", saved)
+    durations = str(TWIN / "twin_step.kineto.json.gz")
+    code = main(["simulate", str(path), "--durations", durations, "--sequence", "1,2,3,1"])
+    out = capsys.readouterr().out
+    assert code == 0 and "1 executables, 3 shapes; 4 steps" in out
+    # The first step holds its shape; 1 to 2: one node; 2 to 3: four (the first kernel is
+    # changed alike in both); 3 to 1: five.
+    assert float(out.split("nodes updated per step")[1].split("(")[0]) == (0 + 1 + 4 + 5) / 4
+    code = main(["simulate", str(path), "--durations", durations, "--update-whole"])
+    assert code == 0 and "whole-graph updates" in capsys.readouterr().out
+    assert main(["simulate", str(path), "--durations", durations, "--sequence", "9"]) != 0
+    assert "expected shapes of the family in --sequence, found 9" in capsys.readouterr().err
+    assert main(["simulate", str(path), "--durations", durations, "--graph"]) != 0
+    assert "expected a trace with --graph, found the graph family" in capsys.readouterr().err
