@@ -29,7 +29,7 @@ from grape.irjson import graph_from_json, graph_to_json
 from grape.jsonio import check_schema, dump_json, load_json
 from grape.passes.delta import ShapeDelta, apply
 
-__all__ = ["SCHEMA", "SavedFamily", "load_family", "save_family"]
+__all__ = ["SCHEMA", "SavedFamily", "graph_with", "load_family", "save_family"]
 
 SCHEMA = "grape.family"
 VERSION = 1
@@ -59,14 +59,7 @@ class SavedFamily:
             raise GrapeError(f"expected a shape of the family, found {shape!r} (it has "
                              f"{len(self.members)})")
         key, changes = self.members[shape]
-        template = self.templates[key]
-        out = KernelGraph()
-        for b in template.buffers.values():
-            out.add_buffer(b)
-        for node in nx.topological_sort(template.dag):
-            out.add(node, changes.get(node, template.op(node)),
-                    after=list(template.dag.predecessors(node)))
-        return out
+        return graph_with(self.templates[key], changes)
 
     def check(self, here: Mapping[str, str], source: str = "the saved family") -> None:
         """Refuse a family captured elsewhere: the first entry of the environment that differs
@@ -76,6 +69,17 @@ class SavedFamily:
             if saved != now:
                 raise GrapeError(f"{source}: expected {name} {saved!r} as it was captured with, "
                                  f"found {now!r} here: capture the family again")
+
+
+def graph_with(template: KernelGraph, ops: Mapping[str, Op]) -> KernelGraph:
+    """``template`` with some nodes' operations replaced: same ids, edges and buffers."""
+    out = KernelGraph()
+    for b in template.buffers.values():
+        out.add_buffer(b)
+    for node in nx.topological_sort(template.dag):
+        out.add(node, ops.get(node, template.op(node)),
+                after=list(template.dag.predecessors(node)))
+    return out
 
 
 def _shape_to_json(shape: Hashable) -> Any:

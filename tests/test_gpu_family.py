@@ -131,8 +131,18 @@ def test_lengths_never_captured_are_derived_and_compute_what_their_own_graphs_co
         from grape.torch.family import environment
 
         params = dict(model.named_parameters())
-        loaded = load_family(fam.save(tmp_path / "decode.family.json.gz", params))
+        path = fam.save(tmp_path / "decode.family.json.gz", params)
+        loaded = load_family(path)
         assert set(loaded.members) == set(lengths)
         loaded.check(environment(params))
+        # Loaded back with one capture per executable, every other length moved from the file.
+        from grape.torch.family import load_family as warm_start
+
+        warm = warm_start(step, path, params)
+        try:
+            for n in (1, 17, 40, 63):
+                assert _same_as_graph(_graph_of(step, n), warm, n, out), f"warm length {n}"
+        finally:
+            warm.close()
     finally:
         fam.close()

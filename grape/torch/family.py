@@ -29,13 +29,13 @@ import torch
 
 from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, UnsupportedError
-from grape.familyio import SavedFamily, save_family
+from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import KernelGraph, fingerprint
 from grape.passes.delta import ShapeDelta, delta, join, transition
 from grape.passes.derive import Sampled, derive_lengths
 from grape.torch.capture import capture
 
-__all__ = ["Family", "capture_family", "environment"]
+__all__ = ["Family", "capture_family", "environment", "load_family"]
 
 
 @dataclass
@@ -252,6 +252,81 @@ class _Lazy:
 
     def __getitem__(self, shape: Hashable) -> KernelGraph:
         return self.capture(shape)
+
+
+def load_family(step: Callable[[Hashable], Any], path: str | Path,
+                params: Mapping[str, torch.Tensor] | None = None,
+                progress: Callable[[str], None] = lambda line: None) -> Family:
+    """A family saved by :meth:`Family.save`, in this process, capturing one shape per
+    executable rather than every shape (the warm start).
+
+    The file is refused, naming what differs, where its environment (driver, GPU, library
+    versions, ``params``' layout) is not this process's. Each executable's template shape is
+    captured here and the saved template moved onto it (``grape.passes.relocate``: kernel
+    functions by name, memory by the pointers' places, checked byte for byte against the
+    capture); every other shape's saved changes are moved the same way. A shape whose changes
+    use a kernel or memory its template never did, and every shape of an executable whose
+    template does not move, is captured here instead (with a warning that counts them).
+    Not yet run on a GPU.
+
+    Raises
+    ------
+    GrapeError
+        The file is not a family, or was captured elsewhere.
+    """
+    from grape.familyio import load_family as read_family
+    from grape.passes.relocate import relocate_all, relocation
+
+    saved = read_family(path)
+    saved.check(environment(params), str(path))
+    began = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
+    reserved = torch.cuda.memory_reserved()
+    groups: dict[str, _Group] = {}
+    group_of: dict[Hashable, str] = {}
+    deltas: dict[Hashable, ShapeDelta] = {}
+    keep: list[Any] = []
+    captured: list[Hashable] = []
+
+    def here(shape: Hashable) -> KernelGraph:
+        cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
+                      collect=False)
+        if not keep:
+            keep.append(cap.torch_graph)  # keeps the shared pool, as capture_family does
+        captured.append(shape)
+        return cap.ir
+
+    for key, template in saved.templates.items():
+        shapes = [s for s, (k, _) in saved.members.items() if k == key]
+        first = next(s for s in shapes if not saved.members[s][1])
+        fresh = here(first)
+        try:
+            moved = relocation(template, fresh)
+        except UnsupportedError:
+            moved = None
+        for shape in shapes:
+            changes = saved.members[shape][1]
+            ir = fresh if shape == first else None
+            if ir is None and moved is not None:
+                try:
+                    ir = graph_with(fresh, relocate_all(changes, moved))
+                except UnsupportedError:
+                    ir = None
+            if ir is None:
+                ir = here(shape)
+            name, deltas[shape] = _place(groups, fingerprint(ir, launch=False), ir)
+            if name not in groups:
+                graph = Graph.build(ir)
+                groups[name] = _Group(shape, ir, graph, graph.instantiate(), shape)
+            group_of[shape] = name
+    if len(captured) > len(saved.templates):
+        warnings.warn(f"{path}: {len(captured)} of {len(saved.members)} shapes captured here "
+                      f"({len(saved.templates)} templates; the others' saved changes did not "
+                      f"move to this process)", stacklevel=2)
+    progress(f"loaded {len(saved.members)} shapes, {len(captured)} captured here")
+    torch.cuda.synchronize()
+    return Family(step, groups, group_of, deltas, torch.cuda.memory_reserved() - reserved,
+                  time.perf_counter() - began, keep)
 
 
 def _place_whole(groups: Mapping[str, _Group], topology: str, ir: KernelGraph,

@@ -1,0 +1,87 @@
+"""Moving a saved graph's operations into another process (grape.passes.relocate)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from grape.errors import UnsupportedError
+from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Memcpy, Param, Pointer, Span
+from grape.passes.relocate import Moved, relocate, relocate_all, relocation
+
+
+def _kernel(function, name, grid, pointers, extra=7):
+    """A kernel whose arguments are one word per pointer (address + offset), then ``extra``."""
+    args = b"".join(address.to_bytes(8, "little") for address, _ in pointers)
+    args += extra.to_bytes(8, "little")
+    return Kernel(function, name, (grid, 1, 1), (128, 1, 1), args=args,
+                  params=tuple(Param(8 * i, 8) for i in range(len(pointers) + 1)),
+                  pointers=tuple(Pointer(8 * i, span) for i, (_, span) in enumerate(pointers)))
+
+
+def _step(pool: int, weight: int, out: int, functions=("f@0x1", "g@0x2"), grid=2,
+          offset=256, extra=7) -> KernelGraph:
+    """Two kernels and a copy over a pool block, a weight and an output, at these addresses."""
+    g = KernelGraph()
+    block = f"alloc@{pool:#x}"
+    g.add_buffer(Buffer(block, 4096, BufferRole.INTERNAL, address=pool))
+    g.add_buffer(Buffer("param:w", 1024, BufferRole.PARAMETER, address=weight))
+    g.add_buffer(Buffer(f"alloc@{out:#x}", 64, BufferRole.INTERNAL, address=out))
+    g.add("a", _kernel(functions[0], "f", 1, [(pool + 64, Span(block, 64)),
+                                               (weight, Span("param:w"))], extra))
+    g.add("b", _kernel(functions[1], "g", grid, [(pool + offset, Span(block, offset))]),
+          after=["a"])
+    g.add("c", Memcpy(Span(block, offset), Span(f"alloc@{out:#x}"), 16), after=["b"])
+    return g
+
+
+SAVED = _step(0x1000, 0x9000, 0x20000)
+FRESH = _step(0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"))
+
+
+def test_the_saved_template_maps_onto_the_capture_here():
+    r = relocation(SAVED, FRESH)
+    assert r.functions == {"f@0x1": "f@0x7", "g@0x2": "g@0x8"}
+    assert r.buffers["alloc@0x1000"] == Moved("alloc@0x5000", 0x4000, 0, 4096)
+    assert r.buffers["param:w"] == Moved("param:w", 0x1000, 0, 1024)
+    assert {n: relocate(SAVED.op(n), r) for n in SAVED.dag} == dict(FRESH.ops())
+
+
+def test_a_member_shapes_changes_move_with_it():
+    r = relocation(SAVED, FRESH)
+    member = _step(0x1000, 0x9000, 0x20000, grid=3, offset=512)
+    moved = relocate_all({"b": member.op("b"), "c": member.op("c")}, r)
+    here = _step(0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"), grid=3, offset=512)
+    assert moved == {"b": here.op("b"), "c": here.op("c")}
+
+
+def test_what_the_template_never_used_cannot_move():
+    r = relocation(SAVED, FRESH)
+    other_kernel = dataclasses.replace(SAVED.op("b"), function="h@0x3", name="h")
+    with pytest.raises(UnsupportedError, match="found 'h', which it never runs here"):
+        relocate(other_kernel, r)
+    past = _step(0x1000, 0x9000, 0x20000, offset=4096 + 64).op("b")
+    with pytest.raises(UnsupportedError, match="expected memory within the 4096 bytes of "
+                                               "buffer 'alloc@0x5000' here, found offset 4160"):
+        relocate(past, r)
+    elsewhere = _step(0x2000, 0x9000, 0x20000).op("b")
+    with pytest.raises(UnsupportedError, match="found buffer 'alloc@0x2000', which it never "
+                                               "touches"):
+        relocate(elsewhere, r)
+
+
+def test_a_capture_here_that_differs_beyond_addresses_is_refused():
+    with pytest.raises(UnsupportedError, match="found node 'a' different beyond its functions "
+                                               "and addresses"):
+        relocation(SAVED, _step(0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"),
+                                extra=8))
+    renamed = _step(0x5000, 0xA000, 0x30000)
+    renamed.dag.nodes["b"]["op"] = dataclasses.replace(renamed.op("b"), name="g2")
+    with pytest.raises(UnsupportedError, match="expected kernel 'g' at node 'b' here, found "
+                                               "'g2'"):
+        relocation(SAVED, renamed)
+    split = _step(0x5000, 0xA000, 0x30000, offset=512)  # b's memory moved within the block
+    with pytest.raises(UnsupportedError, match="expected one buffer here for saved "
+                                               "'alloc@0x1000'"):
+        relocation(SAVED, split)
