@@ -229,3 +229,21 @@ def test_a_graphed_speech_model_over_audio_lengths_matches_eager(cuda):
         torch.testing.assert_close(got, hear(audio), rtol=2e-3, atol=2e-3)
     assert f.stats.captures == 3 and 1 <= f.executables <= 3
     f.close()
+
+
+def test_a_graphed_callable_takes_keyword_and_nested_tensor_arguments(cuda):
+    import grape
+
+    def f(x, *, pair, mask=None):
+        return x * pair[0] + pair[1] + (0 if mask is None else mask)
+
+    g = grape.graphed(f)
+    x = torch.randn(8, device="cuda")
+    pair = (torch.randn(8, device="cuda"), torch.randn(8, device="cuda"))
+    for _ in range(3):
+        torch.testing.assert_close(g(x, pair=pair), f(x, pair=pair), rtol=0, atol=0)
+    mask = torch.ones(8, device="cuda")
+    torch.testing.assert_close(g(x, pair=pair, mask=mask), f(x, pair=pair, mask=mask), rtol=0,
+                               atol=0)
+    assert g.stats.captures == 2 and g.stats.copy_bytes == 0
+    g.close()

@@ -10,7 +10,7 @@ driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is no
 
 import grape.torch.graphed as graphed_module  # noqa: E402
 from grape.cuda.build import Update  # noqa: E402
-from grape.errors import UnsupportedError  # noqa: E402
+from grape.errors import GrapeError, UnsupportedError  # noqa: E402
 from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Param, Pointer, Span  # noqa: E402
 from grape.passes.delta import delta, join  # noqa: E402
 from grape.torch.aliasing import Inputs  # noqa: E402
@@ -129,3 +129,16 @@ def test_a_whole_graph_update_the_driver_refuses_goes_node_by_node(monkeypatch):
     g._bring(b, [xb])
     assert b.graph is None and sorted(node for node, _ in log) == ["s0/k0", "s0/k2"]
     assert g.stats.whole_updates == 0 and g.stats.switches == 1
+
+
+def test_arguments_a_graph_cannot_take_are_refused_before_any_capture():
+    g = Graphed(lambda *a, **k: None)
+    with pytest.raises(GrapeError, match="expected CUDA tensors as inputs of a graphed "
+                                         "callable, found one on cpu"):
+        g(torch.ones(2), scale=1.0)
+    with pytest.raises(GrapeError, match="expected CUDA tensors"):  # nested in a keyword
+        g(pair=(1, torch.ones(2)))
+    with pytest.raises(GrapeError, match="expected tensors and hashable values as arguments, "
+                                         "found a bytearray"):
+        g(bytearray(b"x"))
+    assert g.stats.captures == 0 and g.signatures == 0

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, UnsupportedError
@@ -137,41 +138,61 @@ class Graphed:
         only to the driver's allocation granularity: see ``Executable``)."""
         return sum(s.executable.device_bytes for v in self._shared.values() for s in v)
 
-    def __call__(self, *args: Any) -> Any:
-        entry, tensors = self._entry(args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        entry, tensors = self._entry(args, kwargs)
         self._bring(entry, tensors)
         entry.shared.executable.launch(torch.cuda.current_stream().cuda_stream)
         self.stats.calls += 1
         return entry.captured.outputs
 
-    def prepare(self, *args: Any) -> None:
-        """Capture ``args``' signature now, if it is new, without running ``fn`` for it."""
-        self._entry(args)
+    def prepare(self, *args: Any, **kwargs: Any) -> None:
+        """Capture the arguments' signature now, if it is new, without running ``fn`` for it."""
+        self._entry(args, kwargs)
 
-    def _entry(self, args: tuple) -> tuple[_Entry, list[torch.Tensor]]:
-        for a in args:
-            if isinstance(a, torch.Tensor) and not a.is_cuda:
-                raise GrapeError(f"expected CUDA tensors as inputs of a graphed callable, found "
-                                 f"one on {a.device}")
-            if isinstance(a, list | tuple | dict):
-                raise GrapeError(f"expected tensors and plain values as arguments, found a "
-                                 f"{type(a).__name__} (pass its tensors one by one)")
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        key = tuple(signature(a) if isinstance(a, torch.Tensor) else ("value", a)
-                    for a in args)
-        entry = self._entries.get(key)
+    def _entry(self, args: tuple, kwargs: dict) -> tuple[_Entry, list[torch.Tensor]]:
+        # Arguments as PyTorch's pytrees see them: tensors anywhere in tuples, lists and dicts
+        # (keyword arguments too) are inputs; everything else is part of the signature.
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors, key = [], [spec]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if not leaf.is_cuda:
+                    raise GrapeError(f"expected CUDA tensors as inputs of a graphed callable, "
+                                     f"found one on {leaf.device}")
+                tensors.append(leaf)
+                key.append(signature(leaf))
+            else:
+                try:
+                    hash(leaf)
+                except TypeError:
+                    raise GrapeError(f"expected tensors and hashable values as arguments, "
+                                     f"found a {type(leaf).__name__}") from None
+                key.append(("value", leaf))
+        entry = self._entries.get(tuple(key))
         if entry is None:
-            entry = self._entries[key] = self._capture(args, tensors)
+            entry = self._entries[tuple(key)] = self._capture(leaves, spec, tensors)
         return entry, tensors
 
-    def _capture(self, args: tuple, tensors: list[torch.Tensor]) -> _Entry:
+    def _capture(self, leaves: list, spec: Any, tensors: list[torch.Tensor]) -> _Entry:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # Each signature names its inputs and outputs apart: members of one executable share
         # its buffer table.
         tag = f"s{len(self._entries)}/"
         inputs = Inputs.of(tensors, tag)  # refuses views sharing memory, before the capture
-        captured = capture(self.fn, *args, params=self.params, pool=self._pool,
+        # The values kept, not the first call's tensors (they would stay alive with the entry).
+        kept = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        fn = self.fn
+
+        def call(*given: torch.Tensor) -> Any:
+            filled = list(kept)
+            for i, t in zip(at, given, strict=True):
+                filled[i] = t
+            args, kwargs = tree_unflatten(filled, spec)
+            return fn(*args, **kwargs)
+
+        captured = capture(call, *tensors, params=self.params, pool=self._pool,
                            instantiate=False, tag=tag)
         self.stats.captures += 1
         ir = captured.ir
@@ -258,12 +279,15 @@ def graphed(fn: Callable[..., Any], *, params: Mapping[str, torch.Tensor] | None
     executable (see the module's documentation).
 
     ``fn`` must be capturable (no host syncs, no copies from pageable CPU memory) and run on
-    its tensor arguments; its first call per signature runs it once eagerly before capturing
-    it (lazy initialisation must happen outside a capture), so it should not update state in
-    place, or tolerate doing so twice. ``params`` (``dict(model.named_parameters())``) names
-    the weights in the IR. Non-tensor arguments are part of the signature: another value
-    captures anew. ``shapes``: argument tuples whose signatures are captured now, in the order
-    given (largest first lets every smaller shape's activations reuse the largest's memory).
+    its tensor arguments, which may sit anywhere in its positional and keyword arguments
+    (tuples, lists and dicts of them, as PyTorch's pytrees see them); its first call per
+    signature runs it once eagerly before capturing it (lazy initialisation must happen
+    outside a capture), so it should not update state in place, or tolerate doing so twice.
+    ``params`` (``dict(model.named_parameters())``) names the weights in the IR. Non-tensor
+    arguments (hashable values) and the arguments' structure are part of the signature:
+    another value captures anew. ``shapes``: positional argument tuples whose signatures are
+    captured now, in the order given (largest first lets every smaller shape's activations
+    reuse the largest's memory).
     ``share=False`` instantiates an executable per signature (what per-shape graphs cost; for
     comparisons).
     """
