@@ -408,11 +408,8 @@ def _simulate_family(args: argparse.Namespace) -> None:
     """A saved family run over a sequence of its shapes on the simulated GPU: each step's
     update priced from the shapes' own changes, each launch from the shape's own graph."""
     from grape.familyio import load_family
-    from grape.profile import load_profile
     from grape.sim.engine import simulate
-    from grape.sim.graph import Durations, family_program
-    from grape.sim.tracing import write_simulated_trace
-    from grape.sim.whatif import costs_from_profile
+    from grape.sim.graph import family_program
 
     misplaced = [flag for flag, given in (("--graph", args.graph),
                                           ("--graph-region", args.graph_region),
@@ -439,14 +436,7 @@ def _simulate_family(args: argparse.Namespace) -> None:
     # Each executable's template first, so that the program's executables start from them.
     templates = [s for s, (_, changes) in saved.members.items() if not changes]
     graphs = {s: saved.graph(s) for s in dict.fromkeys([*templates, *sequence])}
-    tables = [Durations.from_ops(read_trace(p).gpu_ops, str(p)) for p in args.durations]
-    durations = tables[0]
-    for table in tables[1:]:
-        durations = durations.merged(table)
-    profile = load_profile(args.profile)
-    overrides = ({} if args.node_overhead is None
-                 else {"graph_node_overhead": args.node_overhead})
-    costs = costs_from_profile(profile, **overrides)
+    durations, profile, costs = _graph_inputs(args)
     program, updated = family_program(graphs, sequence, durations, costs, _choices(args),
                                       whole=args.update_whole, name=args.trace.name)
     result = simulate(program, costs, record=args.chrome is not None)
@@ -455,6 +445,30 @@ def _simulate_family(args: argparse.Namespace) -> None:
     print(f"  per step, launch to sync       {result.per_iteration / 1000:10.3f} ms (median)")
     print(f"  nodes updated per step         {sum(updated) / len(updated):10.1f} "
           f"({'whole-graph updates' if args.update_whole else 'node by node'})")
+    _graph_outputs(args, program, result, profile)
+
+
+def _graph_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """Kernel graphs and families: the duration table (the ``--durations`` traces merged, the
+    first one's figure winning), the device profile and its costs."""
+    from grape.profile import load_profile
+    from grape.sim.graph import Durations
+    from grape.sim.whatif import costs_from_profile
+
+    tables = [Durations.from_ops(read_trace(p).gpu_ops, str(p)) for p in args.durations]
+    durations = tables[0]
+    for table in tables[1:]:
+        durations = durations.merged(table)
+    profile = load_profile(args.profile)
+    overrides = ({} if args.node_overhead is None
+                 else {"graph_node_overhead": args.node_overhead})
+    return durations, profile, costs_from_profile(profile, **overrides)
+
+
+def _graph_outputs(args: argparse.Namespace, program: Any, result: Any, profile: Any) -> None:
+    """Kernel graphs and families: what the run approximated, and the ``--chrome`` trace."""
+    from grape.sim.tracing import write_simulated_trace
+
     for note in program.approximations:
         print(f"  approximated: {note}")
     if args.chrome:
@@ -501,11 +515,8 @@ _CHOICE_HELP = {"--while": "grape:while=63", "--if": "node=taken or node=skipped
 
 def _simulate_graph(args: argparse.Namespace) -> None:
     """A kernel graph run on the simulated GPU, with kernel durations from a trace."""
-    from grape.profile import load_profile
     from grape.sim.engine import simulate
-    from grape.sim.graph import Durations, program_from_graph
-    from grape.sim.tracing import write_simulated_trace
-    from grape.sim.whatif import costs_from_profile
+    from grape.sim.graph import program_from_graph
 
     trace_only = [flag for flag, given in (("--graph", args.graph),
                                            ("--sequence", args.sequence),
@@ -525,14 +536,7 @@ def _simulate_graph(args: argparse.Namespace) -> None:
         raise GrapeError(f"expected --durations TRACE (a trace of the same kernels) to run the "
                          f"kernel graph {args.trace}, found none")
     graph = KernelGraph.load(args.trace)
-    tables = [Durations.from_ops(read_trace(p).gpu_ops, str(p)) for p in args.durations]
-    durations = tables[0]
-    for table in tables[1:]:
-        durations = durations.merged(table)
-    profile = load_profile(args.profile)
-    overrides = ({} if args.node_overhead is None
-                 else {"graph_node_overhead": args.node_overhead})
-    costs = costs_from_profile(profile, **overrides)
+    durations, profile, costs = _graph_inputs(args)
     program, run = program_from_graph(graph, durations, costs, _choices(args), args.launches,
                                       name=args.trace.name)
     result = simulate(program, costs, record=args.chrome is not None)
@@ -541,13 +545,7 @@ def _simulate_graph(args: argparse.Namespace) -> None:
     print(f"  GPU time per launch            {run.gpu_time / 1000:10.3f} ms")
     print(f"  launch to sync, per launch     {result.per_iteration / 1000:10.3f} ms "
           f"({args.launches} launch{'es' if args.launches > 1 else ''})")
-    for note in program.approximations:
-        print(f"  approximated: {note}")
-    if args.chrome:
-        write_simulated_trace(args.chrome, result, args.trace.name.split(".")[0],
-                              profile.device, f"grape simulate {args.trace}")
-        print(f"  simulated trace: {args.chrome} (grape info reads it; open it in "
-              f"https://ui.perfetto.dev)")
+    _graph_outputs(args, program, result, profile)
 
 
 def _validate(args: argparse.Namespace) -> None:
