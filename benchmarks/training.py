@@ -14,7 +14,10 @@ them. Ways, each on a model built from the same seed:
   graphs are made per shape), captured from the same step; device memory is reported, or the
   length at which the GPU ran out of it;
 - ``grape_family``: ``GraphedTraining``: the first step eager, then one family over every
-  length (largest first, one pool), each later step one launch.
+  length (largest first, one pool), each later step one launch, each batch copied into the
+  family's input buffer;
+- ``grape_family_aliased``: the same with ``inputs_by="alias"``: the graphs re-pointed at each
+  batch where it lies (``grape.graphed``), nothing copied.
 
 Written per way: ``ms_per_step`` (mean over the sequence, one sync at the end, first step
 excluded: the eager warm-up and the capture happen there), ``device_bytes_graphs`` (free
@@ -56,7 +59,7 @@ def _ctc_loss(model, inputs, targets):
     return model(inputs, labels=targets).loss
 
 
-def _build(args, graphs: bool):
+def _build(args, graphs: bool, inputs_by: str = "copy"):
     import torch
     import transformers
 
@@ -79,7 +82,7 @@ def _build(args, graphs: bool):
                               target_shape=(args.batch, LABEL), amp=torch.float16,
                               scaler=LossScaler("cuda", init_scale=2.0 ** 16),
                               clip_norm=1.0, schedule=schedule, graphs=graphs,
-                              derive_every=args.derive_every)
+                              derive_every=args.derive_every, inputs_by=inputs_by)
     return model, trainer
 
 
@@ -107,10 +110,11 @@ def _memory() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def _run_trainer(args, graphs: bool, batches) -> tuple[dict[str, Any], Any]:
+def _run_trainer(args, way: str, batches) -> tuple[dict[str, Any], Any]:
     import torch
 
-    model, trainer = _build(args, graphs)
+    graphs = way != "eager"
+    model, trainer = _build(args, graphs, "alias" if way == "grape_family_aliased" else "copy")
     free = _memory()
     t0 = time.perf_counter()
     trainer(batches[0][0].cuda(non_blocking=True), batches[0][1].cuda(non_blocking=True))
@@ -124,7 +128,7 @@ def _run_trainer(args, graphs: bool, batches) -> tuple[dict[str, Any], Any]:
         trainer(audio.cuda(non_blocking=True), labels.cuda(non_blocking=True))
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t) * 1e3 / max(1, len(batches) - 1)
-    row = {"way": "grape_family" if graphs else "eager", "ms_per_step": round(ms, 3),
+    row = {"way": way, "ms_per_step": round(ms, 3),
            "device_bytes_graphs": graph_bytes if graphs else None,
            "capture_s": round(trainer.stats.capture_s, 2) if graphs else None,
            "first_step_s": round(first_s, 2), "graphed_steps": trainer.stats.graphed_steps,
@@ -188,7 +192,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, default=100, help="distinct audio lengths")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--ways", default="eager,grape_family,per_shape_graphs")
+    parser.add_argument("--ways", default="eager,grape_family,grape_family_aliased,"
+                                           "per_shape_graphs")
     parser.add_argument("--derive-every", type=int, default=None, metavar="N")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE")
     args = parser.parse_args()
@@ -218,7 +223,7 @@ def main() -> None:
         if way == "per_shape_graphs":
             rows.append(_per_shape(args, batches))
         else:
-            row, params[way] = _run_trainer(args, way == "grape_family", batches)
+            row, params[way] = _run_trainer(args, way, batches)
             rows.append(row)
         torch.cuda.empty_cache()
         _log(json.dumps(rows[-1]))

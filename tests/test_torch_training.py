@@ -130,6 +130,9 @@ def test_bad_input_is_refused_with_what_was_expected():
     with pytest.raises(GrapeError, match="expected a LossScaler with fp16 autocast"):
         GraphedTraining(model, _sequence_loss, opt, [6], (3, 6, 4), (3, 1), graphs=False,
                         amp=torch.float16)
+    with pytest.raises(GrapeError, match="expected inputs_by 'copy' or 'alias', found 'move'"):
+        GraphedTraining(model, _sequence_loss, opt, [6], (3, 6, 4), (3, 1), graphs=False,
+                        inputs_by="move")
     with pytest.raises(GrapeError, match="learning rate is a tensor"):
         GraphedTraining(model, _sequence_loss, opt, [6], (3, 6, 4), (3, 1), graphs=False,
                         schedule=lambda step: step)

@@ -119,6 +119,7 @@ class Graphed:
     fn: Callable[..., Any]
     params: Mapping[str, torch.Tensor] | None = None
     share: bool = True  # signatures of one topology share an executable (False: one each)
+    warmup: int = 1  # eager runs before each capture (0 where fn changes state it keeps)
     stats: CallStats = field(default_factory=CallStats)
     _entries: dict[tuple, _Entry] = field(default_factory=dict)
     _shared: dict[str, list[_Shared]] = field(default_factory=dict)  # by topology
@@ -193,7 +194,7 @@ class Graphed:
             return fn(*args, **kwargs)
 
         captured = capture(call, *tensors, params=self.params, pool=self._pool,
-                           instantiate=False, tag=tag)
+                           instantiate=False, tag=tag, warmup=self.warmup)
         self.stats.captures += 1
         ir = captured.ir
         variants = self._shared.setdefault(fingerprint(ir, launch=False), [])
@@ -273,7 +274,8 @@ class Graphed:
 
 
 def graphed(fn: Callable[..., Any], *, params: Mapping[str, torch.Tensor] | None = None,
-            shapes: Iterable[tuple] | None = None, share: bool = True) -> Graphed:
+            shapes: Iterable[tuple] | None = None, share: bool = True,
+            warmup: int = 1) -> Graphed:
     """``fn`` as graph launches: captured on its first call per input signature, then re-pointed
     at each call's tensors rather than copying them, signatures of one topology sharing one
     executable (see the module's documentation).
@@ -289,11 +291,12 @@ def graphed(fn: Callable[..., Any], *, params: Mapping[str, torch.Tensor] | None
     captured now, in the order given (largest first lets every smaller shape's activations
     reuse the largest's memory).
     ``share=False`` instantiates an executable per signature (what per-shape graphs cost; for
-    comparisons).
+    comparisons). ``warmup=0`` captures without running ``fn`` first, for a ``fn`` that
+    changes state it keeps (a training step) and has already run once.
     """
     if not callable(fn):
         raise GrapeError(f"expected a callable to graph, found {type(fn).__name__}")
-    g = Graphed(fn, params, share)
+    g = Graphed(fn, params, share, warmup)
     for args in shapes or ():
         if not isinstance(args, tuple):
             raise GrapeError(f"expected shapes as tuples of arguments, found a "

@@ -18,7 +18,8 @@ back), and inputs whose length changes from batch to batch. Here:
 - the batch is copied (non-blocking, from the loader's pinned memory) into a static input
   buffer of the largest length, and the step at length ``n`` reads its first ``n`` columns: a
   family (``grape.torch.family``) with one executable per topology, every length's activations
-  in the memory of the largest.
+  in the memory of the largest; or, with ``inputs_by="alias"``, the graphs read each batch where
+  it lies (``grape.graphed``: re-pointed when it moves, nothing copied).
 
 :class:`GraphedTraining` puts these together. A batch longer than the family's largest length
 runs eagerly with a warning (never truncated); a step that cannot be captured (a host sync in
@@ -133,7 +134,8 @@ class GraphedTraining:
     model: ``model(inputs, labels=targets).loss``). ``inputs`` is (batch, length, ...) and
     varies in ``length``; ``targets`` has one fixed shape (pad labels to ``target_shape``, as
     ``-100`` for a CTC model). ``lengths``: the input lengths to capture (the family); a batch
-    of another length runs eagerly, with a warning once per length. ``amp``: autocast's dtype
+    of another length runs eagerly, with a warning once per length (with ``inputs_by="alias"``
+    it is captured on first use instead). ``amp``: autocast's dtype
     (None: no autocast); ``scaler``: a :class:`LossScaler` (fp16 needs one). ``clip_norm``:
     gradients clipped to this global norm, on the device. ``schedule(step)``, where the
     optimizer's learning rate is a tensor: the rate for the step count (a device tensor), set
@@ -155,6 +157,9 @@ class GraphedTraining:
     schedule: Callable[[torch.Tensor], torch.Tensor] | None = None
     graphs: bool = True
     derive_every: int | None = None  # capture one length in N, derive the rest (issue 15)
+    # "copy": each batch copied into the static input buffer the family reads; "alias": the
+    # graphs re-pointed at each batch where it lies (grape.graphed), nothing copied.
+    inputs_by: str = "copy"
     stats: TrainingStats = field(default_factory=TrainingStats)
 
     def __post_init__(self) -> None:
@@ -176,6 +181,8 @@ class GraphedTraining:
             raise GrapeError("expected an optimizer whose learning rate is a tensor (lr="
                              "torch.tensor(...), capturable=True) to schedule it on the "
                              "device, found a float")
+        if self.inputs_by not in ("copy", "alias"):
+            raise GrapeError(f"expected inputs_by 'copy' or 'alias', found {self.inputs_by!r}")
         if self.amp == torch.float16 and self.scaler is None:
             raise GrapeError("expected a LossScaler with fp16 autocast (gradients underflow "
                              "without one), found none")
@@ -189,7 +196,8 @@ class GraphedTraining:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._params = params
-        self._family: Any = None
+        self._family: Any = None  # inputs_by="copy": a grape.torch.family.Family
+        self._graphed: Any = None  # inputs_by="alias": a grape.torch.graphed.Graphed
         self._warned: set[int] = set()
 
     # The step itself, on the static buffers: the one code path, eager or captured.
@@ -232,11 +240,22 @@ class GraphedTraining:
                                f"tensors")
             self._eager_on(inputs, targets)
             return self.loss
+        if self.graphs and self.stats.fallback is None and self.stats.steps > 0:
+            self.capture()  # once: optimizer state exists after one real step
+        if self._graphed is not None:
+            try:
+                self._graphed(inputs.to(self.device, non_blocking=True),
+                              targets.to(self.device, non_blocking=True))
+            except (CaptureError, GrapeError) as e:  # a length captured on first use
+                self._give_up(e)
+                self._eager_on(inputs, targets)
+                return self.loss
+            self.stats.graphed_steps += 1
+            self.stats.steps += 1
+            self.stats.executables = self._graphed.executables
+            return self.loss
         self.inputs[:, :length].copy_(inputs, non_blocking=True)
         self.targets.copy_(targets, non_blocking=True)
-        if self.graphs and self._family is None and self.stats.fallback is None \
-                and self.stats.steps > 0:  # optimizer state exists after one real step
-            self.capture()
         family = self._family
         if family is not None and length in family.group_of:
             family.run(length)
@@ -268,49 +287,69 @@ class GraphedTraining:
             self._warned.add(length)
             warnings.warn(message, stacklevel=3)
 
-    def _eager_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """A step on the caller's own tensors (a batch the static buffers cannot hold)."""
+    def _step_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """The step on the caller's own tensors, issued now (eagerly or into a capture)."""
         saved = self.inputs, self.targets
-        self.inputs, self.targets = inputs.to(self.device), targets.to(self.device)
+        self.inputs, self.targets = inputs, targets
         try:
             self.step_at(inputs.shape[1])
         finally:
             self.inputs, self.targets = saved
+
+    def _eager_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """A step on the caller's own tensors (a batch the static buffers cannot hold)."""
+        self._step_on(inputs.to(self.device), targets.to(self.device))
         self.stats.eager_steps += 1
         self.stats.steps += 1
 
-    def capture(self) -> None:
-        """Capture the family now (the second step does otherwise); a step must have run
-        first, eagerly, so that the optimizer's state exists. A step that cannot be captured
-        leaves training eager, with one warning naming why."""
-        from grape.torch.family import capture_family
+    def _give_up(self, error: Exception) -> None:
+        self.stats.fallback = str(error).splitlines()[0]
+        warnings.warn(f"grape trains eagerly: the step cannot be graphed: "
+                      f"{self.stats.fallback}", stacklevel=3)
+        self.close()
 
-        if not self.graphs or self._family is not None:
+    def capture(self) -> None:
+        """Capture the graphs now (the second step does otherwise): every length of the
+        family, largest first. A step must have run first, eagerly, so that the optimizer's
+        state exists. A step that cannot be captured leaves training eager, with one warning
+        naming why."""
+        from grape.torch.family import capture_family
+        from grape.torch.graphed import graphed
+
+        if not self.graphs or self._family is not None or self._graphed is not None \
+                or self.stats.fallback is not None:
             return
         if self.stats.steps == 0:
             raise GrapeError("expected one step run before capturing (it creates the "
                              "optimizer's state), found none")
-
         began = time.perf_counter()
+        params = dict(self.model.named_parameters())
         try:
             # No warm-up per length: it would train on whatever the buffers hold. The real
             # step already run initialised what is lazy (optimizer state, library handles).
-            self._family = capture_family(self.step_at, self.lengths,
-                                          params=dict(self.model.named_parameters()),
-                                          derive_every=self.derive_every, warmup=0)
+            if self.inputs_by == "copy":
+                self._family = capture_family(self.step_at, self.lengths, params=params,
+                                              derive_every=self.derive_every, warmup=0)
+                self.stats.lengths_captured = len(self._family.group_of)
+                self.stats.executables = len(self._family.groups)
+            else:
+                self._graphed = graphed(self._step_on, params=params, warmup=0)
+                for n in self.lengths:  # captured on stand-ins; each call re-points them
+                    self._graphed.prepare(self.inputs[:, :n].clone(), self.targets.clone())
+                self.stats.lengths_captured = self._graphed.signatures
+                self.stats.executables = self._graphed.executables
         except (CaptureError, GrapeError) as e:
-            self.stats.fallback = str(e).splitlines()[0]
-            warnings.warn(f"grape trains eagerly: the step cannot be graphed: "
-                          f"{self.stats.fallback}", stacklevel=3)
+            self._give_up(e)
             return
         self.stats.capture_s = time.perf_counter() - began
-        self.stats.lengths_captured = len(self._family.group_of)
-        self.stats.executables = len(self._family.groups)
 
     def close(self) -> None:
         if self._family is not None:
             self._family.close()
             self._family = None
+        if self._graphed is not None:
+            self._graphed.close()
+            self._graphed = None
 
 
 def pad_batch(samples: Iterable[torch.Tensor], length: int, value: float = 0.0
