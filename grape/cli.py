@@ -411,23 +411,7 @@ def _simulate_family(args: argparse.Namespace) -> None:
     from grape.sim.engine import simulate
     from grape.sim.graph import family_program
 
-    misplaced = [flag for flag, given in (("--graph", args.graph),
-                                          ("--graph-region", args.graph_region),
-                                          ("--host-scale", args.host_scale is not None),
-                                          ("--launch-cost", args.launch_cost is not None),
-                                          ("--update-nodes", args.update_nodes is not None),
-                                          ("--placeholder-copies",
-                                           args.placeholder_copies is not None),
-                                          ("--device-loop", args.device_loop),
-                                          ("--plot", args.plot), ("--launches",
-                                                                  args.launches != 1))
-                 if given]
-    if misplaced:
-        raise GrapeError(f"expected a trace with {misplaced[0]}, found the graph family "
-                         f"{args.trace}")
-    if not args.durations:
-        raise GrapeError(f"expected --durations TRACE (a trace of the same kernels) to run the "
-                         f"graph family {args.trace}, found none")
+    _refuse_trace_flags(args, "graph family", launches=True)
     saved = load_family(args.trace)
     sequence = _sequence(args.sequence, list(saved.members))
     if missing := [shape for shape in sequence if shape not in saved.members]:
@@ -446,6 +430,27 @@ def _simulate_family(args: argparse.Namespace) -> None:
     print(f"  nodes updated per step         {sum(updated) / len(updated):10.1f} "
           f"({'whole-graph updates' if args.update_whole else 'node by node'})")
     _graph_outputs(args, program, result, profile)
+
+
+def _refuse_trace_flags(args: argparse.Namespace, what: str, sequence: bool = False,
+                        update_whole: bool = False, launches: bool = False) -> None:
+    """Kernel graphs and families: refuse the what-if flags that only a trace takes (and
+    those of the others that this kind of file does not), and require --durations."""
+    given = [flag for flag, on in (
+        ("--graph", args.graph), ("--sequence", sequence and args.sequence),
+        ("--graph-region", args.graph_region),
+        ("--host-scale", args.host_scale is not None),
+        ("--launch-cost", args.launch_cost is not None),
+        ("--update-nodes", args.update_nodes is not None),
+        ("--update-whole", update_whole and args.update_whole),
+        ("--placeholder-copies", args.placeholder_copies is not None),
+        ("--device-loop", args.device_loop), ("--plot", args.plot),
+        ("--launches", launches and args.launches != 1)) if on]
+    if given:
+        raise GrapeError(f"expected a trace with {given[0]}, found the {what} {args.trace}")
+    if not args.durations:
+        raise GrapeError(f"expected --durations TRACE (a trace of the same kernels) to run the "
+                         f"{what} {args.trace}, found none")
 
 
 def _graph_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -518,23 +523,7 @@ def _simulate_graph(args: argparse.Namespace) -> None:
     from grape.sim.engine import simulate
     from grape.sim.graph import program_from_graph
 
-    trace_only = [flag for flag, given in (("--graph", args.graph),
-                                           ("--sequence", args.sequence),
-                                           ("--graph-region", args.graph_region),
-                                           ("--host-scale", args.host_scale is not None),
-                                           ("--launch-cost", args.launch_cost is not None),
-                                           ("--update-nodes", args.update_nodes is not None),
-                                           ("--update-whole", args.update_whole),
-                                           ("--placeholder-copies",
-                                            args.placeholder_copies is not None),
-                                           ("--device-loop", args.device_loop),
-                                           ("--plot", args.plot)) if given]
-    if trace_only:
-        raise GrapeError(f"expected a trace with {trace_only[0]}, found the kernel graph "
-                         f"{args.trace}")
-    if not args.durations:
-        raise GrapeError(f"expected --durations TRACE (a trace of the same kernels) to run the "
-                         f"kernel graph {args.trace}, found none")
+    _refuse_trace_flags(args, "kernel graph", sequence=True, update_whole=True)
     graph = KernelGraph.load(args.trace)
     durations, profile, costs = _graph_inputs(args)
     program, run = program_from_graph(graph, durations, costs, _choices(args), args.launches,

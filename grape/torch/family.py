@@ -209,27 +209,16 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     if derive_every is not None:
         sampled = derive_lengths(captured, shapes, every=derive_every, checks=checks,
                                  progress=progress)
-        irs = sampled.graphs
-    else:
-        irs = _Lazy(captured)
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
     deltas: dict[Hashable, ShapeDelta] = {}
     graphs: dict[Hashable, Graph] = {}
     keep: list[Any] = []
     for i, shape in enumerate(shapes):
-        ir = irs[shape]
-        topology = fingerprint(ir, launch=False)
+        ir = sampled.graphs[shape] if sampled is not None else captured(shape)
         if update == "graph":
             graphs[shape] = Graph.build(ir)
-            key, deltas[shape] = _place_whole(groups, topology, ir, graphs[shape])
-        else:
-            key, deltas[shape] = _place(groups, topology, ir)
-        if key not in groups:
-            graph = graphs.get(shape) or Graph.build(ir)
-            groups[key] = _Group(shape, ir, graph, graph.instantiate(), shape)
-        elif update == "graph":
-            groups[key].holds = shape  # _place_whole brought the executable to it
+        key, deltas[shape] = _add_shape(groups, shape, ir, graphs.get(shape))
         group_of[shape] = key
         # The first captured graph keeps the shared pool, and with it every shape's memory;
         # the others go (largest first, every later shape's blocks came from the pool).
@@ -242,16 +231,6 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     return Family(step, groups, group_of, deltas,
                   torch.cuda.memory_reserved() - reserved, time.perf_counter() - began, keep,
                   graphs=graphs, update=update, sampled=sampled)
-
-
-@dataclass
-class _Lazy:
-    """Each shape's graph, captured when first asked for (in the caller's order)."""
-
-    capture: Callable[[Hashable], KernelGraph]
-
-    def __getitem__(self, shape: Hashable) -> KernelGraph:
-        return self.capture(shape)
 
 
 def load_family(step: Callable[[Hashable], Any], path: str | Path,
@@ -314,11 +293,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
                     ir = None
             if ir is None:
                 ir = here(shape)
-            name, deltas[shape] = _place(groups, fingerprint(ir, launch=False), ir)
-            if name not in groups:
-                graph = Graph.build(ir)
-                groups[name] = _Group(shape, ir, graph, graph.instantiate(), shape)
-            group_of[shape] = name
+            group_of[shape], deltas[shape] = _add_shape(groups, shape, ir)
     if len(captured) > len(saved.templates):
         warnings.warn(f"{path}: {len(captured)} of {len(saved.members)} shapes captured here "
                       f"({len(saved.templates)} templates; the others' saved changes did not "
@@ -327,6 +302,24 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     torch.cuda.synchronize()
     return Family(step, groups, group_of, deltas, torch.cuda.memory_reserved() - reserved,
                   time.perf_counter() - began, keep)
+
+
+def _add_shape(groups: dict[str, _Group], shape: Hashable, ir: KernelGraph,
+               graph: Graph | None = None) -> tuple[str, ShapeDelta]:
+    """Put ``shape`` in the group whose executable can take it, or start one: its key and its
+    delta against the group's template. ``graph``: the shape's own graph, built, for
+    whole-graph updates (the executable is then brought to it here)."""
+    topology = fingerprint(ir, launch=False)
+    if graph is not None:
+        key, d = _place_whole(groups, topology, ir, graph)
+    else:
+        key, d = _place(groups, topology, ir)
+    if key not in groups:
+        built = graph or Graph.build(ir)
+        groups[key] = _Group(shape, ir, built, built.instantiate(), shape)
+    elif graph is not None:
+        groups[key].holds = shape  # _place_whole brought the executable to it
+    return key, d
 
 
 def _place_whole(groups: Mapping[str, _Group], topology: str, ir: KernelGraph,
