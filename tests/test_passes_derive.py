@@ -129,7 +129,8 @@ def test_nothing_is_derived_across_a_change_of_kernel():
     assert got.refused == []
     for n in got.derived:
         assert got.graphs[n] == switching(n), n
-    assert set(range(130, 137)) <= set(got.captured)  # between the samples 129 and 137
+    # The change, between the samples 129 and 137, is bisected down to its two sides.
+    assert {129, 130} <= set(got.captured) and len(got.captured) < 256 // 4
 
 
 def test_derive_lengths_refuses_bad_arguments():
@@ -138,3 +139,27 @@ def test_derive_lengths_refuses_bad_arguments():
         derive_lengths(step, [])
     with pytest.raises(GrapeError, match="every=0"):
         derive_lengths(step, [1, 2], every=0)
+
+
+def test_kernels_that_change_every_few_lengths_are_located_and_the_runs_between_derived():
+    # A kernel change every 12 lengths: sampled one in eight, no run has three samples and
+    # nothing could be derived. Each change is bisected down to its neighbouring lengths and
+    # runs short of support get more samples; everything else is derived, byte for byte.
+    def choppy(n):
+        return step(n, function=f"attn@{(n - 1) // 12:#x}")
+
+    capture, calls = _recorder(choppy)
+    got = derive_lengths(capture, range(1, 97), every=8, checks=1)
+    assert got.refused == [] and got.derived
+    assert sorted(got.captured + got.derived) == list(range(1, 97))
+    assert len(set(calls)) == len(calls)  # no length captured twice
+    for n in got.derived:
+        assert got.graphs[n] == choppy(n), n
+    for change in range(12, 96, 12):  # both sides of every change were captured
+        assert {change, change + 1} <= set(got.captured), change
+
+
+def test_a_topology_that_changes_at_every_length_is_captured_at_every_length():
+    capture, _ = _recorder(lambda n: step(n, function=f"attn@{n:#x}"))
+    got = derive_lengths(capture, range(1, 41), every=8, checks=1)
+    assert got.derived == [] and sorted(got.captured) == list(range(1, 41))

@@ -268,6 +268,37 @@ def _runs(graphs: Mapping[int, KernelGraph]) -> list[list[int]]:
     return runs
 
 
+def _refine(want: list[int], graphs: Mapping[int, KernelGraph],
+            take: Callable[[int], KernelGraph]) -> None:
+    """Capture more lengths where the samples alone cannot carry a derivation: between two runs
+    (a change of topology or kernel somewhere in the gap: bisected until the change lies between
+    neighbouring lengths, so each run reaches it) and inside a run of fewer than MIN_SUPPORT
+    samples (its widest gap halved until it has the support or no gap is left).
+
+    Without this, a model whose kernels change every few lengths (small GPT-2 models pick
+    another attention or GEMM kernel every few KV lengths) leaves runs of one or two samples,
+    and nothing is derived at all. Each change costs about log2(every) captures."""
+    while True:
+        runs = _runs(graphs)
+        todo = set()
+        for left, right in zip(runs, runs[1:], strict=False):
+            todo.add(_middle([n for n in want if left[-1] < n < right[0]]))
+        for run in runs:
+            if 1 < len(run) < MIN_SUPPORT:
+                gaps = [[n for n in want if a < n < b] for a, b in zip(run, run[1:],
+                                                                     strict=False)]
+                todo.add(_middle(max(gaps, key=len)))
+        todo.discard(None)
+        if not todo:
+            return
+        for n in sorted(todo, reverse=True):
+            take(n)
+
+
+def _middle(lengths: list[int]) -> int | None:
+    return lengths[len(lengths) // 2] if lengths else None
+
+
 def _spread(candidates: list[int], k: int) -> list[int]:
     """``k`` of ``candidates`` (ascending), spread evenly across them."""
     if k <= 0 or not candidates:
@@ -312,6 +343,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
 
     for n in sorted(set(want[::every]) | {want[-1]}, reverse=True):
         take(n)
+    _refine(want, out.graphs, take)
     derivations = [derive({n: out.graphs[n] for n in run}) for run in _runs(out.graphs)
                    if len(run) >= MIN_SUPPORT]
     trusted = []
