@@ -56,7 +56,11 @@ def _config(small: bool) -> dict[str, Any]:
 
 
 def _ctc_loss(model, inputs, targets):
-    return model(inputs, labels=targets).loss
+    # The model's own loss, with grape's CTC: PyTorch's reads the lengths back to the host (no
+    # capture) and adds with atomics (not deterministic). Both ways run this same code.
+    from grape.torch.ctc import hf_ctc_loss
+
+    return hf_ctc_loss(model, inputs, targets)
 
 
 def _build(args, graphs: bool, inputs_by: str = "copy"):

@@ -30,6 +30,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
+from itertools import pairwise
 from typing import Any
 
 import networkx as nx
@@ -281,12 +282,11 @@ def _refine(want: list[int], graphs: Mapping[int, KernelGraph],
     while True:
         runs = _runs(graphs)
         todo = set()
-        for left, right in zip(runs, runs[1:], strict=False):
+        for left, right in pairwise(runs):
             todo.add(_middle([n for n in want if left[-1] < n < right[0]]))
         for run in runs:
             if 1 < len(run) < MIN_SUPPORT:
-                gaps = [[n for n in want if a < n < b] for a, b in zip(run, run[1:],
-                                                                     strict=False)]
+                gaps = [[n for n in want if a < n < b] for a, b in pairwise(run)]
                 todo.add(_middle(max(gaps, key=len)))
         todo.discard(None)
         if not todo:
