@@ -34,3 +34,24 @@ def test_twenty_graphed_training_steps_leave_the_parameters_eager_training_leave
         assert grape_row["params_bitwise_equal_to_eager"] is True, way
         assert grape_row["final_loss_scale"] == rows["eager"]["final_loss_scale"], way
         assert grape_row["final_loss"] == rows["eager"]["final_loss"], way
+
+
+def test_a_step_that_draws_dropout_masks_is_not_graphed(cuda):
+    # grape's launches would repeat one step's masks: refused with one warning, trained eagerly.
+    from grape.torch.training import GraphedTraining
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(m, x, y):
+        return torch.nn.functional.mse_loss(m(x).mean(1), y)
+
+    trainer = GraphedTraining(model, loss_fn, opt, lengths=[3, 2], input_shape=(2, 3, 4),
+                              target_shape=(2, 4))
+    x, y = torch.randn(2, 3, 4, device="cuda"), torch.randn(2, 4, device="cuda")
+    trainer(x, y)
+    with pytest.warns(UserWarning, match="expected a step that draws no random numbers on the "
+                                         "device, found the CUDA generator advanced by"):
+        trainer(x, y)
+    assert trainer.stats.graphed_steps == 0 and trainer.stats.eager_steps == 2
+    assert "dropout" in trainer.stats.fallback

@@ -24,7 +24,9 @@ back), and inputs whose length changes from batch to batch. Here:
 :class:`GraphedTraining` puts these together. A batch longer than the family's largest length
 runs eagerly with a warning (never truncated); a step that cannot be captured (a host sync in
 a custom autograd function, a non-capturable optimizer) is named in one warning and training
-goes on eagerly.
+goes on eagerly; so is a step that draws random numbers on the device (dropout): PyTorch's
+replays give each launch a fresh philox offset, grape's launches do not yet, and would repeat
+one step's dropout masks forever.
 """
 
 from __future__ import annotations
@@ -199,6 +201,7 @@ class GraphedTraining:
         self._family: Any = None  # inputs_by="copy": a grape.torch.family.Family
         self._graphed: Any = None  # inputs_by="alias": a grape.torch.graphed.Graphed
         self._warned: set[int] = set()
+        self._random_draws = 0  # philox offset an eager step advanced the generator by
 
     # The step itself, on the static buffers: the one code path, eager or captured.
     def step_at(self, length: int) -> None:
@@ -242,6 +245,7 @@ class GraphedTraining:
             return self.loss
         if self.graphs and self.stats.fallback is None and self.stats.steps > 0:
             self.capture()  # once: optimizer state exists after one real step
+        drawn = self._random_offset()
         if self._graphed is not None:
             try:
                 self._graphed(inputs.to(self.device, non_blocking=True),
@@ -265,8 +269,16 @@ class GraphedTraining:
                 self._warn(length, f"length {length} is not in the family: it runs eagerly")
             self.step_at(length)
             self.stats.eager_steps += 1
+            self._random_draws = max(self._random_draws, self._random_offset() - drawn)
         self.stats.steps += 1
         return self.loss
+
+    def _random_offset(self) -> int:
+        """Where the device's random generator stands (philox offset): a step that moves it
+        draws random numbers (dropout), which a relaunched graph would draw again, the same."""
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.default_generators[self.device.index or 0].get_offset()
 
     def _check(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
         if inputs.dim() != len(self.input_shape) or inputs.shape[0] != self.input_shape[0] \
@@ -322,6 +334,16 @@ class GraphedTraining:
         if self.stats.steps == 0:
             raise GrapeError("expected one step run before capturing (it creates the "
                              "optimizer's state), found none")
+        if self._random_draws:
+            # PyTorch's own replays advance the generator and hand each graph a fresh offset;
+            # grape's executables are launched without that prologue, so every step would
+            # repeat the captured step's dropout masks. Refused rather than trained wrongly.
+            self._give_up(GrapeError(
+                f"expected a step that draws no random numbers on the device, found the CUDA "
+                f"generator advanced by {self._random_draws} in an eager step (dropout?): "
+                f"graphed steps would repeat the same draws; set the model's dropout "
+                f"probabilities to 0 to graph it"))
+            return
         began = time.perf_counter()
         params = dict(self.model.named_parameters())
         try:
