@@ -23,8 +23,9 @@ them. Ways, each on a model built from the same seed:
 
 Written per way: ``ms_per_step`` (mean over the sequence, one sync at the end, first step
 excluded: the eager warm-up and the capture happen there), ``device_bytes_graphs`` (free
-memory's drop over the captures), ``capture_s``, and ``params_bitwise_equal_to_eager`` (after
-the whole sequence; meaningful with ``--deterministic``), with the final loss scale.
+memory's drop over the captures), ``capture_s``, ``params_bitwise_equal_to_eager`` and
+``params_bitwise_equal_to_per_shape_graphs`` (after the whole sequence; meaningful with
+``--deterministic``), with the final loss scale and loss.
 
 Run on a GPU: python benchmarks/training.py [--small] [--deterministic] [--lengths 100]
 [--steps 20] [--batch 8] [--derive-every N] [--out FILE]
@@ -41,9 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+_T0 = time.perf_counter()
+
 
 def _log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {line}", file=sys.stderr, flush=True)
 
 
 LABEL = 64  # label positions per utterance (padded with -100)
@@ -95,7 +98,8 @@ def _build(args, graphs: bool, inputs_by: str = "copy"):
                               target_shape=(args.batch, LABEL), amp=torch.float16,
                               scaler=LossScaler("cuda", init_scale=2.0 ** 16),
                               clip_norm=1.0, schedule=schedule, graphs=graphs,
-                              derive_every=args.derive_every, inputs_by=inputs_by)
+                              derive_every=args.derive_every, inputs_by=inputs_by,
+                              progress=_log)
     return model, trainer
 
 
@@ -154,13 +158,13 @@ def _run_trainer(args, way: str, batches) -> tuple[dict[str, Any], Any]:
     return row, params
 
 
-def _per_shape(args, batches) -> dict[str, Any]:
+def _per_shape(args, batches) -> tuple[dict[str, Any], Any]:
     """One CUDA graph per length, each with its own pool, from the same step code."""
     import torch
 
     from grape.torch.control import graph
 
-    _, trainer = _build(args, graphs=False)
+    model, trainer = _build(args, graphs=False)
     audio, labels = batches[0]
     trainer(audio.cuda(), labels.cuda())  # the optimizer's state, as grape's first step
     free = _memory()
@@ -177,7 +181,7 @@ def _per_shape(args, batches) -> dict[str, Any]:
             break
         except Exception as e:  # a capture that breaks: say so, keep the other ways' rows
             return {"way": "per_shape_graphs", "failed": f"{type(e).__name__}: {e}"[:300],
-                    "device_bytes_graphs": None, "capture_s": None, "ms_per_step": None}
+                    "device_bytes_graphs": None, "capture_s": None, "ms_per_step": None}, None
         graphs[n] = g
     capture_s = time.perf_counter() - t
     used = free - _memory()
@@ -194,8 +198,11 @@ def _per_shape(args, batches) -> dict[str, Any]:
             graphs[n].replay()
         torch.cuda.synchronize()
         row["ms_per_step"] = round((time.perf_counter() - t) * 1e3 / (len(batches) - 1), 3)
+        row["final_loss_scale"] = trainer.scaler.get_scale()
+        row["final_loss"] = float(trainer.loss)
+    params = [p.detach().clone() for p in model.parameters()] if oom is None else None
     del graphs
-    return row
+    return row, params
 
 
 def main() -> None:
@@ -234,7 +241,10 @@ def main() -> None:
     for way in ways:
         _log(f"[+] {way}")
         if way == "per_shape_graphs":
-            rows.append(_per_shape(args, batches))
+            row, got = _per_shape(args, batches)
+            rows.append(row)
+            if got is not None:
+                params[way] = got
         else:
             row, params[way] = _run_trainer(args, way, batches)
             rows.append(row)
@@ -243,20 +253,26 @@ def main() -> None:
     for row in rows:
         row.update(model="wav2vec2-small" if args.small else "wav2vec2-base",
                    batch=args.batch, lengths=len(args.audio_lengths), steps=args.steps)
-        if "eager" in params and row["way"] in params:
-            row["params_bitwise_equal_to_eager"] = all(
-                torch.equal(a, b) for a, b in zip(params[row["way"]], params["eager"],
-                                                  strict=True))
+        # Against eager, and against PyTorch's own graphs of the same step: where a capture
+        # picks other kernels than eager runs (cuDNN, cuBLAS under capture), only the second
+        # compares the same kernels.
+        for other in ("eager", "per_shape_graphs"):
+            if other in params and row["way"] in params and row["way"] != other:
+                row[f"params_bitwise_equal_to_{other}"] = all(
+                    torch.equal(a, b) for a, b in zip(params[row["way"]], params[other],
+                                                      strict=True))
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                         "torch": torch.__version__,
                                         "command": " ".join(sys.argv), "results": rows},
                                        indent=1) + "\n")
-    print(f"{'way':18} {'ms/step':>8} {'graph MB':>9} {'capture s':>9} {'execs':>6} equal")
+    print(f"{'way':20} {'ms/step':>8} {'graph MB':>9} {'capture s':>9} {'execs':>6} "
+          f"=eager =torch graphs")
     for r in rows:
         mb = "" if r["device_bytes_graphs"] is None else f"{r['device_bytes_graphs'] / 2**20:.0f}"
-        print(f"{r['way']:18} {r['ms_per_step'] or '':>8} {mb:>9} {r['capture_s'] or '':>9} "
-              f"{r.get('executables') or '':>6} {r.get('params_bitwise_equal_to_eager', '')}")
+        print(f"{r['way']:20} {r['ms_per_step'] or '':>8} {mb:>9} {r['capture_s'] or '':>9} "
+              f"{r.get('executables') or '':>6} {r.get('params_bitwise_equal_to_eager', '')!s:6} "
+              f"{r.get('params_bitwise_equal_to_per_shape_graphs', '')}")
 
 
 if __name__ == "__main__":

@@ -26,14 +26,18 @@ def test_twenty_graphed_training_steps_leave_the_parameters_eager_training_leave
     # schedule on the device; parameters bitwise those of the same steps run eagerly.
     doc = run_benchmark("training.py", tmp_path, "--small", "--deterministic", "--lengths",
                         "6", "--steps", "20", "--batch", "2", "--ways",
-                        "eager,grape_family,grape_family_aliased")
+                        "eager,grape_family,grape_family_aliased,per_shape_graphs")
     rows = {r["way"]: r for r in doc["results"]}
+    torch_graphs_as_eager = rows["per_shape_graphs"]["params_bitwise_equal_to_eager"]
     for way in ("grape_family", "grape_family_aliased"):  # batches copied, or re-pointed at
         grape_row = rows[way]
         assert grape_row["fallback"] is None and grape_row["graphed_steps"] == 19, way
-        assert grape_row["params_bitwise_equal_to_eager"] is True, way
+        # The same kernels as PyTorch's own graphs of the step, so the same bits; and as
+        # eager's wherever PyTorch's graphs are (a capture may pick other library kernels).
+        assert grape_row["params_bitwise_equal_to_per_shape_graphs"] is True, way
+        assert grape_row["params_bitwise_equal_to_eager"] is torch_graphs_as_eager, way
         assert grape_row["final_loss_scale"] == rows["eager"]["final_loss_scale"], way
-        assert grape_row["final_loss"] == rows["eager"]["final_loss"], way
+        assert grape_row["final_loss"] == rows["per_shape_graphs"]["final_loss"], way
 
 
 def test_a_step_that_draws_dropout_masks_is_not_graphed(cuda):
@@ -47,7 +51,7 @@ def test_a_step_that_draws_dropout_masks_is_not_graphed(cuda):
         return torch.nn.functional.mse_loss(m(x).mean(1), y)
 
     trainer = GraphedTraining(model, loss_fn, opt, lengths=[3, 2], input_shape=(2, 3, 4),
-                              target_shape=(2, 4))
+                              target_shape=(2, 4), target_dtype=torch.float32)
     x, y = torch.randn(2, 3, 4, device="cuda"), torch.randn(2, 4, device="cuda")
     trainer(x, y)
     with pytest.warns(UserWarning, match="expected a step that draws no random numbers on the "

@@ -155,6 +155,8 @@ def test_kernels_that_change_every_few_lengths_are_located_and_the_runs_between_
     assert len(set(calls)) == len(calls)  # no length captured twice
     for n in got.derived:
         assert got.graphs[n] == choppy(n), n
+    assert [(a, b) for a, b, _ in got.cuts] == [(c, c + 1) for c in range(12, 96, 12)]
+    assert "function changed" in got.cuts[0][2]
     for change in range(12, 96, 12):  # both sides of every change were captured
         assert {change, change + 1} <= set(got.captured), change
 

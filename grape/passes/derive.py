@@ -247,23 +247,46 @@ class Sampled:
     derived: list[int] = field(default_factory=list)
     checked: dict[int, list[str]] = field(default_factory=dict)  # held-out length -> differing
     refused: list[tuple[int, int]] = field(default_factory=list)  # stretches a check refuted
+    # Neighbouring captured lengths nothing is derived across, and why (a change of topology or
+    # kernel, or buffers that differ): what to read when fewer lengths were derived than hoped.
+    cuts: list[tuple[int, int, str]] = field(default_factory=list)
 
 
-def _runs(graphs: Mapping[int, KernelGraph]) -> list[list[int]]:
+def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | None = None,
+          seen: dict[tuple[int, int], str | None] | None = None,
+          prints: dict[int, str] | None = None) -> list[list[int]]:
     """Captured lengths, ascending, cut wherever the next one's graph differs in more than
     numbers (another topology, another kernel function): lengths between two runs belong to
-    neither, so nothing is derived across a change."""
+    neither, so nothing is derived across a change. Each cut's lengths and reason are appended
+    to ``cuts`` where given; ``seen`` keeps what neighbouring pairs gave (comparing two graphs
+    of thousands of nodes takes a while, and refinement asks again and again)."""
+    seen = {} if seen is None else seen
+    prints = {} if prints is None else prints
     runs: list[list[int]] = []
     last_topology = None
     for n in sorted(graphs):
-        topology = fingerprint(graphs[n], launch=False)
+        if n not in prints:
+            prints[n] = fingerprint(graphs[n], launch=False)
+        topology = prints[n]
+        why: str | None = "another topology"
         if runs and topology == last_topology:
-            try:
-                derive({runs[-1][-1]: graphs[runs[-1][-1]], n: graphs[n]})
+            pair = (runs[-1][-1], n)
+            if pair not in seen:
+                try:
+                    derive({pair[0]: graphs[pair[0]], n: graphs[n]})
+                    seen[pair] = None
+                except GraphError as e:
+                    seen[pair] = str(e)
+            why = seen[pair]
+            if why is None:
                 runs[-1].append(n)
                 continue
-            except GraphError:
-                pass
+        if runs and cuts is not None:
+            previous = runs[-1][-1]
+            if why == "another topology":
+                why = (f"another topology ({len(graphs[previous].dag)} nodes, then "
+                       f"{len(graphs[n].dag)})")
+            cuts.append((previous, n, why))
         runs.append([n])
         last_topology = topology
     return runs
@@ -279,8 +302,10 @@ def _refine(want: list[int], graphs: Mapping[int, KernelGraph],
     Without this, a model whose kernels change every few lengths (small GPT-2 models pick
     another attention or GEMM kernel every few KV lengths) leaves runs of one or two samples,
     and nothing is derived at all. Each change costs about log2(every) captures."""
+    seen: dict[tuple[int, int], str | None] = {}
+    prints: dict[int, str] = {}
     while True:
-        runs = _runs(graphs)
+        runs = _runs(graphs, seen=seen, prints=prints)
         todo = set()
         for left, right in pairwise(runs):
             todo.add(_middle([n for n in want if left[-1] < n < right[0]]))
@@ -337,7 +362,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     def take(n: int) -> KernelGraph:
         out.graphs[n] = capture(n)
         out.captured.append(n)
-        if len(out.captured) % 50 == 0:
+        if len(out.captured) % 10 == 0:
             progress(f"captured {len(out.captured)} lengths")
         return out.graphs[n]
 
@@ -368,6 +393,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         else:
             out.graphs[n] = d.graph_at(n)
             out.derived.append(n)
+    _runs(out.graphs, out.cuts)
     progress(f"{len(want)} lengths: {len(out.captured)} captured, {len(out.derived)} derived, "
-             f"{len(out.refused)} stretches refused by a check")
+             f"{len(out.refused)} stretches refused by a check, {len(out.cuts)} changes")
     return out

@@ -225,7 +225,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         if shape in torch_graphs and (not keep or groups[key].template_shape == shape):
             keep.append(torch_graphs[shape])
         torch_graphs.pop(shape, None)
-        if (i + 1) % 50 == 0 or i + 1 == len(shapes):
+        if (i + 1) % 10 == 0 or i + 1 == len(shapes):
             progress(f"placed {i + 1}/{len(shapes)} shapes, {len(groups)} executables")
     torch.cuda.synchronize()
     return Family(step, groups, group_of, deltas,
