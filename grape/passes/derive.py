@@ -250,6 +250,8 @@ class Sampled:
     # Neighbouring captured lengths nothing is derived across, and why (a change of topology or
     # kernel, or buffers that differ): what to read when fewer lengths were derived than hoped.
     cuts: list[tuple[int, int, str]] = field(default_factory=list)
+    # Each length's fingerprint(launch=False), computed once (thousands of nodes take a while).
+    topologies: dict[int, str] = field(default_factory=dict)
 
 
 def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | None = None,
@@ -293,7 +295,8 @@ def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | 
 
 
 def _refine(want: list[int], graphs: Mapping[int, KernelGraph],
-            take: Callable[[int], KernelGraph]) -> None:
+            take: Callable[[int], KernelGraph], seen: dict[tuple[int, int], str | None],
+            prints: dict[int, str]) -> None:
     """Capture more lengths where the samples alone cannot carry a derivation: between two runs
     (a change of topology or kernel somewhere in the gap: bisected until the change lies between
     neighbouring lengths, so each run reaches it) and inside a run of fewer than MIN_SUPPORT
@@ -302,8 +305,6 @@ def _refine(want: list[int], graphs: Mapping[int, KernelGraph],
     Without this, a model whose kernels change every few lengths (small GPT-2 models pick
     another attention or GEMM kernel every few KV lengths) leaves runs of one or two samples,
     and nothing is derived at all. Each change costs about log2(every) captures."""
-    seen: dict[tuple[int, int], str | None] = {}
-    prints: dict[int, str] = {}
     while True:
         runs = _runs(graphs, seen=seen, prints=prints)
         todo = set()
@@ -368,8 +369,10 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
 
     for n in sorted(set(want[::every]) | {want[-1]}, reverse=True):
         take(n)
-    _refine(want, out.graphs, take)
-    derivations = [derive({n: out.graphs[n] for n in run}) for run in _runs(out.graphs)
+    seen: dict[tuple[int, int], str | None] = {}
+    _refine(want, out.graphs, take, seen, out.topologies)
+    derivations = [derive({n: out.graphs[n] for n in run})
+                   for run in _runs(out.graphs, seen=seen, prints=out.topologies)
                    if len(run) >= MIN_SUPPORT]
     trusted = []
     for d in derivations:
@@ -393,7 +396,9 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         else:
             out.graphs[n] = d.graph_at(n)
             out.derived.append(n)
-    _runs(out.graphs, out.cuts)
+    _runs(out.graphs, out.cuts, seen, out.topologies)
+    for n in out.derived:  # a derived graph has its samples' topology
+        out.topologies[n] = fingerprint(out.graphs[n], launch=False)
     progress(f"{len(want)} lengths: {len(out.captured)} captured, {len(out.derived)} derived, "
              f"{len(out.refused)} stretches refused by a check, {len(out.cuts)} changes")
     return out

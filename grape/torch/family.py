@@ -218,7 +218,8 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         ir = sampled.graphs[shape] if sampled is not None else captured(shape)
         if update == "graph":
             graphs[shape] = Graph.build(ir)
-        key, deltas[shape] = _add_shape(groups, shape, ir, graphs.get(shape))
+        key, deltas[shape] = _add_shape(groups, shape, ir, graphs.get(shape),
+                                        sampled.topologies.get(shape) if sampled else None)
         group_of[shape] = key
         # The first captured graph keeps the shared pool, and with it every shape's memory;
         # the others go (largest first, every later shape's blocks came from the pool).
@@ -305,11 +306,13 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
 
 
 def _add_shape(groups: dict[str, _Group], shape: Hashable, ir: KernelGraph,
-               graph: Graph | None = None) -> tuple[str, ShapeDelta]:
+               graph: Graph | None = None, topology: str | None = None
+               ) -> tuple[str, ShapeDelta]:
     """Put ``shape`` in the group whose executable can take it, or start one: its key and its
     delta against the group's template. ``graph``: the shape's own graph, built, for
-    whole-graph updates (the executable is then brought to it here)."""
-    topology = fingerprint(ir, launch=False)
+    whole-graph updates (the executable is then brought to it here); ``topology``: its
+    ``fingerprint(launch=False)`` where already known."""
+    topology = topology or fingerprint(ir, launch=False)
     if graph is not None:
         key, d = _place_whole(groups, topology, ir, graph)
     else:
