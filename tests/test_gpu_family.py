@@ -126,9 +126,11 @@ def _why_nothing_derived(sampled) -> str:
 
 
 def test_lengths_never_captured_are_derived_and_compute_what_their_own_graphs_compute(decode):
-    # One length in eight captured, the rest derived from them (grape.passes.derive), a held-
-    # out length per stretch captured and compared byte for byte; every derived length then
-    # runs bitwise as PyTorch's own graph of it.
+    # One length in two captured, the rest derived from them (grape.passes.derive), held-out
+    # lengths per stretch captured and compared byte for byte; every derived length then runs
+    # bitwise as PyTorch's own graph of it. One in eight derived nothing on the H200 over these
+    # 63 lengths: some kernels' argument words step every few lengths (tile counts), so no
+    # three samples one in eight apart lie on one step.
     from grape.torch.family import capture_family
 
     model, step, out = decode
@@ -138,7 +140,7 @@ def test_lengths_never_captured_are_derived_and_compute_what_their_own_graphs_co
     # Here the family leaves them out, so that stretches of one topology remain to derive in.
     lengths = [n for n in range(63, 0, -1) if n % 8 != 7]
     fam = capture_family(step, lengths, params=dict(model.named_parameters()),
-                         derive_every=8, checks=1)
+                         derive_every=2, checks=2)
     try:
         sampled = fam.sampled
         assert sorted(sampled.captured + sampled.derived) == sorted(lengths)
