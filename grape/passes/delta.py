@@ -17,7 +17,7 @@ from grape.passes.compress import best, decode, encode, xor
 from grape.passes.families import match
 
 __all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "delta", "join",
-           "transition"]
+           "operation", "transition"]
 
 # Kernel fields a delta carries whole when they differ (args get their own coding).
 _WHOLE = ("function", "name", "grid", "block", "shared_mem", "attributes", "params", "pointers",
@@ -132,14 +132,16 @@ def transition(template: KernelGraph, current: ShapeDelta, target: ShapeDelta) -
         nd = after.get(node)
         if before.get(node) == nd:
             continue
-        t = template.op(node)
-        if nd is None:
-            ops[node] = t  # back to the template's own parameters
-        elif nd.replacement is not None:
-            ops[node] = nd.replacement
-        else:
-            ops[node] = _apply_kernel(t, nd.kernel)
+        # None: back to the template's own parameters
+        ops[node] = template.op(node) if nd is None else operation(template, nd)
     return ops
+
+
+def operation(template: KernelGraph, nd: NodeDelta) -> Op:
+    """One node's operation as the shape ``nd`` belongs to has it."""
+    if nd.replacement is not None:
+        return nd.replacement
+    return _apply_kernel(template.op(nd.node), nd.kernel)
 
 
 def _attributes_change(d: ShapeDelta) -> bool:

@@ -1,0 +1,91 @@
+"""How a family brings its executable from one shape to another (grape.torch.family), on the
+CPU: synthetic graphs, a recording stand-in for the driver."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+
+from grape.cuda.build import Update  # noqa: E402
+from grape.ir import Kernel, KernelGraph, Param  # noqa: E402
+from grape.passes.delta import join  # noqa: E402
+from grape.torch.family import Family, _Group  # noqa: E402
+
+
+def _step(grids: tuple[int, int, int]) -> KernelGraph:
+    g = KernelGraph()
+    previous: list[str] = []
+    for i, grid in enumerate(grids):
+        g.add(f"k{i}", Kernel(f"f{i}@0x{i}", f"f{i}", (grid, 1, 1), (32, 1, 1),
+                              args=i.to_bytes(8, "little"), params=(Param(0, 8),)),
+              after=previous)
+        previous = [f"k{i}"]
+    return g
+
+
+class _Graph:
+    """Stands in for grape.cuda.build.Graph: counts preparations; applied updates log what
+    they set."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.prepared = log, 0
+
+    def prepare(self, ops):
+        self.prepared += len(ops)
+
+        def record(handle, node, op):
+            self.log.append((node, op))
+            return (driver.CUresult.CUDA_SUCCESS,)
+        return [Update(n, record, (n, op)) for n, op in ops.items()]
+
+
+class _Executable:
+    handle = "executable"
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def launch(self, stream) -> None:
+        self.log.append("launch")
+
+
+SHAPES = {"a": (1, 1, 1), "b": (1, 2, 1), "c": (1, 3, 4)}  # a is the template
+
+
+@pytest.fixture
+def family():
+    log: list = []
+    graphs = {s: _step(grids) for s, grids in SHAPES.items()}
+    template = graphs["a"]
+    graph = _Graph(log)
+    group = _Group("a", template, graph, _Executable(log), "a")
+    deltas = {s: join(template, g) for s, g in graphs.items()}
+    fam = Family(lambda s: None, {"g": group}, dict.fromkeys(SHAPES, "g"), deltas, 0, 0.0)
+    return fam, graphs, graph, log
+
+
+def test_updates_are_prepared_once_up_front_and_a_switch_sets_what_differs(family):
+    fam, graphs, graph, log = family
+    # b changes k1; c changes k1 and k2; and the template's own k1 and k2, to go back to.
+    assert fam.prepare_updates() == 5 and graph.prepared == 5
+    for shape, expected in (("b", ["k1"]), ("c", ["k1", "k2"]), ("a", ["k1", "k2"]),
+                            ("c", ["k1", "k2"]), ("b", ["k1", "k2"])):
+        log.clear()
+        fam.run(shape, stream=0)
+        assert [node for node, _ in log[:-1]] == expected, shape
+        assert all(op == graphs[shape].op(node) for node, op in log[:-1]), shape
+        assert log[-1] == "launch"
+    assert graph.prepared == 5  # nothing prepared while running
+    assert fam.prepare_updates() == 0
+
+
+def test_without_preparing_up_front_each_node_update_is_prepared_on_first_use(family):
+    fam, _, graph, _ = family
+    fam.run("c", stream=0)
+    assert graph.prepared == 2
+    fam.run("b", stream=0)  # b's k1, the template's k2
+    assert graph.prepared == 4
+    fam.run("c", stream=0)  # c's k1 and k2 were prepared already
+    assert graph.prepared == 4 and fam.updated_nodes == 6
