@@ -49,6 +49,7 @@ from grape.torch.capture import capture
 from grape.torch.decoding import Decoder, TokenDecoder
 from grape.torch.loop import DeviceLoop
 from grape.torch.options import NotGraphable, Options, resolve
+from grape.torch.parallel import agree, group_of
 from grape.torch.staging import HostConstants, PinnedArena
 
 __all__ = ["GenerationStats", "clear_cache", "generate", "last_stats"]
@@ -264,7 +265,18 @@ def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
     captured = entry is None
     if entry is None:
         step_model = cache.step_model(model) if compiled else None
-        entry = cache.entries[key] = _build(model, input_ids, mask, options, step_model)
+        group = group_of(model)
+        try:
+            built, failure = _build(model, input_ids, mask, options, step_model), None
+        except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
+            built, failure = None, e
+        # Split over ranks: every rank graphs, or every rank falls back together (a rank
+        # that fell back alone would leave the others waiting in their first all-reduce).
+        if group is not None and not agree(failure is None, group):
+            raise failure or NotGraphable("another rank could not graph its step")
+        if failure is not None:
+            raise failure
+        entry = cache.entries[key] = built
     decoder = entry.decoder
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
         decoder.set_seed(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)

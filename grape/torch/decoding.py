@@ -32,6 +32,7 @@ from transformers.generation.logits_process import (
 )
 
 from grape.torch.options import NotGraphable, Options
+from grape.torch.parallel import group_of
 
 __all__ = ["Decoder", "TokenDecoder", "static_cache"]
 
@@ -88,6 +89,10 @@ class Decoder:
         prepare = inspect.signature(model.prepare_inputs_for_generation).parameters
         self.cache_name = "cache" if "cache" in prepare else "past_key_values"
         self.uses_mask = _accepts(model, "attention_mask")
+        # Split over ranks (grape.torch.parallel): the loop condition is agreed every step.
+        self.group = group_of(model)
+        self._agreed = (torch.zeros(1, dtype=torch.int32, device=device)
+                        if self.group is not None else None)
 
     # --- the model, called as generate calls it ---------------------------------------------
 
@@ -124,6 +129,7 @@ class Decoder:
         self.position.copy_(position[:, -1:] + 1)
         self.count.zero_()
         self._emit(logits)
+        self._agree()
         return 0 if ones else mask.numel() * mask.element_size()
 
     @torch.no_grad()
@@ -134,6 +140,19 @@ class Decoder:
         logits = self._logits(self.next_ids, self.mask, self.position, first=False)
         self.position.add_(1)
         self._emit(logits)
+        self._agree()
+
+    def _agree(self) -> None:
+        """On a model split over ranks, go on while any rank goes on (a maximum, all-reduced on
+        the device): every rank leaves a device loop on the same token, and none is left
+        waiting in a collective the others have stopped calling."""
+        if self.group is None:
+            return
+        import torch.distributed as dist
+
+        self._agreed.copy_(self.running)
+        dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX, group=self.group)
+        torch.ne(self._agreed[0], 0, out=self.running)
 
     def generate_on_host(self, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor | None) -> torch.Tensor:
