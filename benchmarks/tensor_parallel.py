@@ -125,6 +125,48 @@ def _measure(model, ids, tp: int, args: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _record(model, ids, directory: Path, name: str) -> None:
+    """Each rank's TP decode step, eagerly and as PyTorch's graph of it, as grape traces
+    (``grape record``'s format: wall time per step measured before the profiler first runs,
+    then a torch.profiler trace of a few steps), for the simulator's two-rank model."""
+    from grape.torch.record import _driver, _libraries, profile_steps, timed_calls
+    from grape.trace import GrapeMeta, write_trace
+
+    rank = dist.get_rank()
+    runs = {}
+    for mode in ("eager", "graph"):
+        decoder, mask = _decoder(model, ids, 96)  # room for every step below
+        decoder.prefill(ids, mask)
+        decoder.step()
+        if mode == "graph":
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                decoder.step()
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                decoder.step()
+            runs[mode] = (decoder, graph.replay)
+        else:
+            runs[mode] = (decoder, decoder.step)
+    walls = {}
+    for mode, (_, run) in runs.items():
+        dist.barrier()
+        walls[mode] = timed_calls(run, 30)
+    for mode, (_, run) in runs.items():
+        dist.barrier()
+        trace = profile_steps(run, 4)
+        meta = GrapeMeta(workload=f"{name}-rank{rank}", mode=mode,
+                         device=torch.cuda.get_device_name(), driver=_driver(),
+                         libraries=_libraries(), wall_time_us=tuple(walls[mode]),
+                         notes=f"rank {rank} of {dist.get_world_size()}, tensor-parallel decode "
+                               f"step, batch {ids.shape[0]}; fp16, random weights; wall time: "
+                               f"30 synchronised steps before the profiler ran",
+                         iterations=len(trace.iterations))
+        write_trace(directory / f"{name}.rank{rank}.{mode}.json.gz", trace, meta)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a small Llama (for a smoke run)")
@@ -133,6 +175,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, metavar="FILE")
+    parser.add_argument("--traces", type=Path, default=None, metavar="DIR",
+                        help="also record each rank's TP decode step, eager and graphed, as "
+                             "grape traces (last: the profiler slows what runs after it)")
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
         sys.exit("benchmarks/tensor_parallel.py runs under torchrun (one process per GPU)")
@@ -152,6 +197,9 @@ def main() -> None:
     dist.barrier()
     model = shard(_model(args.small))
     split = _measure(model, ids, world, args)
+    if args.traces:
+        args.traces.mkdir(parents=True, exist_ok=True)
+        _record(model, ids, args.traces, f"llama-tp{world}")
     mine = [r["tokens"] for r in split]
     every = [None] * world
     dist.all_gather_object(every, mine)
