@@ -94,8 +94,8 @@ def _record(out_dir: Path, w: Workload, window: list[int], naive: dict, family,
     import gzip
     import tempfile
 
-    from grape.torch.record import _driver, _libraries, profile_steps
-    from grape.trace import GrapeMeta, write_trace
+    from grape.torch.record import machine_meta, profile_steps
+    from grape.trace import write_trace
 
     out_dir.mkdir(parents=True, exist_ok=True)
     walls = _synced_us(lambda n: naive[n].replay(), window)
@@ -109,13 +109,11 @@ def _record(out_dir: Path, w: Workload, window: list[int], naive: dict, family,
         "whole_graph_update": float(family.update == "graph")}
     shapes = iter([window[0], *window])  # the profiler's warm-up step, then the window
     trace = profile_steps(lambda: naive[next(shapes)].replay(), len(window))
-    meta = GrapeMeta(workload=w.slug, mode="graph",
-                     device=torch.cuda.get_device_name(), driver=_driver(),
-                     libraries=_libraries(), wall_time_us=tuple(walls),
-                     notes=f"{w.notes}, {w.shape_name} {window[0]}..{window[-1]}, one step "
-                           f"per shape; one torch.cuda.CUDAGraph per {w.shape_name}; the "
-                           f"family's figures over the same window in the counters",
-                     iterations=len(trace.iterations), counters=counters)
+    meta = machine_meta(w.slug, "graph", walls,
+                        f"{w.notes}, {w.shape_name} {window[0]}..{window[-1]}, one step per "
+                        f"shape; one torch.cuda.CUDAGraph per {w.shape_name}; the family's "
+                        f"figures over the same window in the counters",
+                        len(trace.iterations), counters)
     write_trace(out_dir / f"{w.slug}.graph.json.gz", trace, meta)
     family.run(window[0])
     torch.cuda.synchronize()

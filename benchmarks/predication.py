@@ -202,8 +202,8 @@ def _record(ways: Ways, out_dir: Path, name: str, counters: dict[str, float],
     import gzip
     import tempfile
 
-    from grape.torch.record import _driver, _libraries, profile_steps
-    from grape.trace import GrapeMeta, write_trace
+    from grape.torch.record import machine_meta, profile_steps
+    from grape.trace import write_trace
 
     def token() -> None:
         ways.step_graph.replay()
@@ -226,11 +226,10 @@ def _record(ways: Ways, out_dir: Path, name: str, counters: dict[str, float],
                            "device_loop_decode_ms_per_token_spread": max(device) - min(device)}
     ways.decoder.prefill()
     trace = profile_steps(token, steps)
-    meta = GrapeMeta(workload=name, mode="graph", device=torch.cuda.get_device_name(),
-                     driver=_driver(), libraries=_libraries(), wall_time_us=tuple(walls),
-                     notes="greedy decoding, one token per iteration: a torch.cuda.CUDAGraph "
-                           "of GreedyDecoder.step replayed, then its running flag read back",
-                     iterations=len(trace.iterations), counters=counters)
+    meta = machine_meta(name, "graph", walls,
+                        "greedy decoding, one token per iteration: a torch.cuda.CUDAGraph of "
+                        "GreedyDecoder.step replayed, then its running flag read back",
+                        len(trace.iterations), counters)
     write_trace(out_dir / f"{name}.graph.json.gz", trace, meta)
     ways.decoder.prefill()
     torch.cuda.synchronize()

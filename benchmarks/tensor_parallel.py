@@ -129,8 +129,8 @@ def _record(model, ids, directory: Path, name: str) -> None:
     """Each rank's TP decode step, eagerly and as PyTorch's graph of it, as grape traces
     (``grape record``'s format: wall time per step measured before the profiler first runs,
     then a torch.profiler trace of a few steps), for the simulator's two-rank model."""
-    from grape.torch.record import _driver, _libraries, profile_steps, timed_calls
-    from grape.trace import GrapeMeta, write_trace
+    from grape.torch.record import machine_meta, profile_steps, timed_calls
+    from grape.trace import write_trace
 
     rank = dist.get_rank()
     runs = {}
@@ -157,13 +157,11 @@ def _record(model, ids, directory: Path, name: str) -> None:
     for mode, (_, run) in runs.items():
         dist.barrier()
         trace = profile_steps(run, 4)
-        meta = GrapeMeta(workload=f"{name}-rank{rank}", mode=mode,
-                         device=torch.cuda.get_device_name(), driver=_driver(),
-                         libraries=_libraries(), wall_time_us=tuple(walls[mode]),
-                         notes=f"rank {rank} of {dist.get_world_size()}, tensor-parallel decode "
-                               f"step, batch {ids.shape[0]}; fp16, random weights; wall time: "
-                               f"30 synchronised steps before the profiler ran",
-                         iterations=len(trace.iterations))
+        meta = machine_meta(f"{name}-rank{rank}", mode, walls[mode],
+                            f"rank {rank} of {dist.get_world_size()}, tensor-parallel decode "
+                            f"step, batch {ids.shape[0]}; fp16, random weights; wall time: 30 "
+                            f"synchronised steps before the profiler ran",
+                            len(trace.iterations))
         write_trace(directory / f"{name}.rank{rank}.{mode}.json.gz", trace, meta)
 
 

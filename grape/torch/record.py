@@ -31,7 +31,7 @@ from grape.torch.capture import capture
 from grape.torch.workloads import Workload
 from grape.trace import GrapeMeta, Trace, read_trace, write_trace
 
-__all__ = ["Recording", "profile_steps", "record", "timed_calls"]
+__all__ = ["Recording", "machine_meta", "profile_steps", "record", "timed_calls"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,15 @@ def _libraries() -> dict[str, str]:
     return {"grape": grape.__version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "cuda-bindings": cuda.bindings.__version__,
             "cuda": str(torch.version.cuda)}
+
+
+def machine_meta(workload: str, mode: str, wall_time_us: Sequence[float], notes: str,
+                 iterations: int, counters: dict[str, float] | None = None) -> GrapeMeta:
+    """A trace's ``grape`` block for a recording made here: this GPU, its driver and the
+    libraries' versions, with the caller's measurements."""
+    return GrapeMeta(workload=workload, mode=mode, device=torch.cuda.get_device_name(),
+                     driver=_driver(), libraries=_libraries(), wall_time_us=tuple(wall_time_us),
+                     notes=notes, iterations=iterations, counters=dict(counters or {}))
 
 
 def _runner(w: Workload, mode: str) -> tuple[Callable[[], object], int | None]:
@@ -138,14 +147,12 @@ def record(w: Workload, modes: Sequence[str], out_dir: Path, timed: int = 30,
         walls[mode] = timed_calls(run, timed, before=w.refresh)  # fresh inputs, untimed
     for mode, (run, nodes) in runs.items():
         trace = profile_steps(run, profiled, cpu_ops)
-        meta = GrapeMeta(workload=w.name, mode=mode, device=torch.cuda.get_device_name(),
-                         driver=_driver(), libraries=_libraries(),
-                         wall_time_us=tuple(walls[mode]),
-                         notes=f"{w.spec}; fp16, random weights; wall time: {timed} "
-                               f"synchronised steps after {warmup} warm-ups, in a process "
-                               f"where the profiler had not yet run; profiled: "
-                               f"{'operators and ' if cpu_ops else ''}CUDA activity",
-                         iterations=len(trace.iterations))
+        meta = machine_meta(w.name, mode, walls[mode],
+                            f"{w.spec}; fp16, random weights; wall time: {timed} "
+                            f"synchronised steps after {warmup} warm-ups, in a process "
+                            f"where the profiler had not yet run; profiled: "
+                            f"{'operators and ' if cpu_ops else ''}CUDA activity",
+                            len(trace.iterations))
         path = write_trace(out_dir / f"{w.name}.{mode}.json.gz", trace, meta)
         kernels = len(trace.iterations[0].kernels) if trace.iterations else 0
         results.append(Recording(w.name, mode, path, statistics.median(walls[mode]) / 1000,
