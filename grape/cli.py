@@ -158,6 +158,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="what if every iteration ran inside one WHILE node on the device: one "
                           "launch and one sync for the whole run (needs graphed iterations: a "
                           "graphed trace, or --graph)")
+    sim.add_argument("--rank", dest="ranks", type=Path, action="append", default=[],
+                     metavar="TRACE",
+                     help="another rank's trace of the same step (tensor parallelism): TRACE "
+                          "is rank 0 and each --rank the next; the ranks run together, their "
+                          "NCCL collectives meeting, each priced at its shortest recorded time "
+                          "across the ranks (with --graph: each rank's iteration one graph)")
     sim.add_argument("--chrome", type=Path, metavar="FILE",
                      help="write the simulated run (of the what-if, if any) as a grape trace: "
                           "grape info reads it, Perfetto opens it")
@@ -294,6 +300,8 @@ def _simulate(args: argparse.Namespace) -> None:
         unprofiled_program,
     )
 
+    if args.ranks:
+        return _simulate_ranks(args)
     if _is_family_file(args.trace):
         return _simulate_family(args)
     if _is_graph_file(args.trace):
@@ -374,6 +382,57 @@ def _simulate(args: argparse.Namespace) -> None:
         plot_simulation(args.plot, shown, trace.workload, curve,
                         "host cost, times what the trace shows")
         print(f"  plot: {args.plot}")
+
+
+def _simulate_ranks(args: argparse.Namespace) -> None:
+    """``--rank``: several ranks' eager traces of one step, run together."""
+    from grape.profile import load_profile
+    from grape.sim.engine import simulate
+    from grape.sim.ranks import mark_collectives, predict_ranks
+    from grape.sim.whatif import costs_from_profile, unprofiled_program
+
+    others = [flag for flag, given in (
+        ("--graph-region", args.graph_region), ("--host-scale", args.host_scale),
+        ("--launch-cost", args.launch_cost), ("--node-overhead", args.node_overhead),
+        ("--update-nodes", args.update_nodes), ("--update-whole", args.update_whole),
+        ("--placeholder-copies", args.placeholder_copies), ("--device-loop", args.device_loop),
+        ("--chrome", args.chrome), ("--plot", args.plot), ("--sequence", args.sequence),
+        ("--durations", args.durations)) if given]
+    if others:
+        raise GrapeError(f"expected only --graph, --iterations and --profile with --rank, "
+                         f"found {others[0]}")
+    paths = [args.trace, *args.ranks]
+    if any(_is_graph_file(p) or _is_family_file(p) for p in paths):
+        raise GrapeError("expected a trace per rank with --rank, found a kernel graph or a "
+                         "family file")
+    profile = load_profile(args.profile)
+    costs = costs_from_profile(profile)
+    traces = [read_trace(p, args.iterations) for p in paths]
+    for t in traces:
+        _warn_split(t)
+    programs = [mark_collectives(unprofiled_program(t, profile)) for t in traces]
+    _, eager = predict_ranks(programs, costs)
+    rows = [("predicted, ranks together", [r.per_iteration for r in eager])]
+    alone = [simulate(p, costs).per_iteration for p in programs]
+    rows.insert(0, ("predicted, each rank alone", alone))
+    graphed = None
+    if args.graph:
+        graphed, results = predict_ranks(programs, costs, graph=True)
+        rows.append(("what if: each iteration one graph", [r.per_iteration for r in results]))
+    measured = [t.grape.wall_time_median_us if t.grape else None for t in traces]
+    print(f"{len(paths)} ranks: {', '.join(str(p) for p in paths)}")
+    print(f"  {'':<36}" + "".join(f"{'rank ' + str(r):>12}" for r in range(len(paths))))
+    for label, values in [("measured (no profiler)", measured), *rows]:
+        cells = "".join(f"{'-' if v is None else f'{v / 1000:.3f} ms':>12}" for v in values)
+        print(f"  {label:<36}{cells}")
+    collectives = sum(1 for s in programs[0].steps() for w in getattr(s, "work", ())
+                      if w.kind == "collective")
+    print(f"  collectives in each rank's trace: {collectives} (NCCL kernels), each priced at "
+          f"its shortest recorded time across the ranks")
+    for note in dict.fromkeys(n for p in graphed or [] for n in p.approximations):
+        print(f"  approximated: {note}")
+    for blocker in dict.fromkeys(b for p in graphed or [] for b in p.blockers):
+        print(f"  cannot be captured as recorded: {blocker}")
 
 
 def _warn_split(trace: Trace) -> None:

@@ -42,6 +42,7 @@ from grape.ir import Conditional, ConditionalKind, Kernel, KernelGraph, Memcpy, 
 from grape.program import GpuWork, GraphLaunch, HostWork, Program, Sync
 from grape.records import GpuRecord
 from grape.sim.engine import Costs
+from grape.sim.ranks import collective_name
 
 __all__ = ["Choices", "Durations", "GraphRun", "family_program", "is_nccl_collective",
            "kernel_key", "program_from_graph", "run_graph", "run_graph_ranks"]
@@ -226,7 +227,7 @@ def run_graph(graph: KernelGraph, durations: Durations, costs: Costs,
 
 def is_nccl_collective(k: Kernel) -> bool:
     """NCCL's collective kernels, by name (``ncclDevKernel_AllReduce_...`` and the like)."""
-    return "nccl" in k.name.lower() and "Kernel" in k.name
+    return collective_name(k.name)
 
 
 def run_graph_ranks(graphs: Sequence[KernelGraph], durations: Sequence[Durations],
