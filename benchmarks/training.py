@@ -6,7 +6,7 @@ autocast with ``grape.torch.training.LossScaler`` (``GradScaler``'s scaling, its
 node), AdamW with a tensor learning rate on a linear warm-up schedule computed on the device,
 gradients clipped to norm 1 on the device, labels padded to a fixed length with -100, the CTC
 loss ``grape.torch.ctc.hf_ctc_loss`` (the model's own, with lengths kept on the device), and
-no dropout, LayerDrop or SpecAugment (see ``NO_RANDOMNESS``). Audio
+no dropout, LayerDrop or SpecAugment (``grape.torch.workloads.NO_RANDOMNESS``). Audio
 lengths are drawn like a speech corpus's (uniform over 1 to 10 s at 16 kHz, rounded to 20 ms),
 ``--lengths`` distinct ones; a fixed shuffled sequence of ``--steps`` batches, each of one of
 them. Ways, each on a model built from the same seed:
@@ -53,14 +53,12 @@ LABEL = 64  # label positions per utterance (padded with -100)
 VOCAB = 32
 
 
-# Off in every way: SpecAugment's masks and LayerDrop's choices are drawn on the host each step
-# (numpy, CPU tensors: nothing a graph can hold), and dropout's draws on the device would be
-# repeated by grape's launches (GraphedTraining refuses to graph a step that draws).
-NO_RANDOMNESS = dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-                     feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0)
-
-
 def _config(small: bool) -> dict[str, Any]:
+    # Off in every way: SpecAugment's masks and LayerDrop's choices are drawn on the host each
+    # step (numpy, CPU tensors: nothing a graph can hold), and dropout's draws on the device
+    # would be repeated by grape's launches (GraphedTraining refuses to graph a step that draws).
+    from grape.torch.workloads import NO_RANDOMNESS
+
     if small:
         return dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                     intermediate_size=256, vocab_size=VOCAB, **NO_RANDOMNESS)

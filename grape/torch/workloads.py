@@ -20,6 +20,11 @@ __all__ = ["DEFAULT_SUITE", "Workload", "parse_spec"]
 
 GPT2 = {"gpt2-small": {}, "gpt2-medium": {"n_embd": 1024, "n_layer": 24, "n_head": 16}}
 WAV2VEC2 = {"wav2vec2-base": {}}
+# Training workloads draw nothing at random on the host or the device: SpecAugment's masks and
+# LayerDrop's choices come from the host each step, and dropout's draws would be frozen into a
+# graph (GraphedTraining refuses those).
+NO_RANDOMNESS = dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                     feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0)
 
 DEFAULT_SUITE = (
     [f"{m}:b{b}:kv{kv}" for m in GPT2 for b in (1, 8) for kv in (32, 128, 512, 1000)]
@@ -95,6 +100,43 @@ def _audio(model_name: str, samples: int) -> Workload:
                     dict(model.named_parameters()), refresh)
 
 
+def _train(model_name: str, batch: int, samples: int) -> Workload:
+    """One Wav2Vec2 CTC fine-tuning step (forward, backward, loss scaling with its IF node,
+    clipping, AdamW) at one audio length, as ``benchmarks/training.py`` runs it: the step
+    ``GraphedTraining`` captures, here run eagerly or captured whole. It trains the model
+    further at every call (timing, not numerics, is what a recording keeps)."""
+    import transformers
+
+    from grape.torch.ctc import hf_ctc_loss
+    from grape.torch.training import GraphedTraining, LossScaler
+
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(**WAV2VEC2[model_name], vocab_size=32,
+                                         ctc_loss_reduction="mean", **NO_RANDOMNESS)
+    model = transformers.Wav2Vec2ForCTC(config).cuda().train()
+    model.freeze_feature_encoder()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                            lr=torch.tensor(1e-5, device="cuda"), capturable=True, foreach=True)
+    trainer = GraphedTraining(model, hf_ctc_loss, opt, lengths=[samples],
+                              input_shape=(batch, samples), target_shape=(batch, 64),
+                              amp=torch.float16, scaler=LossScaler("cuda"), clip_norm=1.0,
+                              graphs=False)
+
+    def refresh() -> None:
+        trainer.inputs.normal_()
+        trainer.targets.copy_(torch.randint(1, 32, trainer.targets.shape, device="cuda"))
+
+    def step(audio: torch.Tensor) -> torch.Tensor:
+        trainer.step_at(samples)  # reads ``audio``: the trainer's own input buffer
+        return trainer.loss
+
+    refresh()
+    step(trainer.inputs)  # the optimizer's state exists before any capture
+    name = f"{model_name.replace('-', '_')}_train_b{batch}_{samples}"
+    return Workload(name, f"{model_name}:train:b{batch}:{samples}", step, (trainer.inputs,),
+                    dict(model.named_parameters()), refresh)
+
+
 def check_spec(spec: str) -> tuple[str, ...]:
     """The parts of a workload spec, or a GrapeError saying what a spec looks like."""
     if m := re.fullmatch(r"(gpt2-\w+):b(\d+):kv(\d+)", spec):
@@ -103,18 +145,26 @@ def check_spec(spec: str) -> tuple[str, ...]:
             raise GrapeError(f"expected a GPT-2 model among {sorted(GPT2)}, a batch of at "
                              f"least 1 and a KV length in 1..1022, found {spec!r}")
         return ("decode", model, str(batch), str(kv))
+    if m := re.fullmatch(r"(wav2vec2-\w+):train:b(\d+):(\d+)", spec):
+        if m.group(1) not in WAV2VEC2 or int(m.group(2)) < 1 or int(m.group(3)) < 400:
+            raise GrapeError(f"expected a Wav2Vec2 model among {sorted(WAV2VEC2)}, a batch of "
+                             f"at least 1 and at least 400 audio samples, found {spec!r}")
+        return ("train", m.group(1), m.group(2), m.group(3))
     if m := re.fullmatch(r"(wav2vec2-\w+):(\d+)", spec):
         if m.group(1) not in WAV2VEC2 or int(m.group(2)) < 400:
             raise GrapeError(f"expected a Wav2Vec2 model among {sorted(WAV2VEC2)} and at least "
                              f"400 audio samples, found {spec!r}")
         return ("audio", m.group(1), m.group(2))
-    raise GrapeError(f"expected a workload like gpt2-small:b1:kv32 or wav2vec2-base:16000, "
-                     f"found {spec!r}")
+    raise GrapeError(f"expected a workload like gpt2-small:b1:kv32, wav2vec2-base:16000 or "
+                     f"wav2vec2-base:train:b8:16000, found {spec!r}")
 
 
 def parse_spec(spec: str) -> Workload:
-    """``gpt2-small:b1:kv32`` (decode step) or ``wav2vec2-base:16000`` (audio samples)."""
+    """``gpt2-small:b1:kv32`` (decode step), ``wav2vec2-base:16000`` (audio samples) or
+    ``wav2vec2-base:train:b8:16000`` (a CTC training step at batch 8)."""
     kind, *parts = check_spec(spec)
     if kind == "decode":
         return _decode(parts[0], int(parts[1]), int(parts[2]))
+    if kind == "train":
+        return _train(parts[0], int(parts[1]), int(parts[2]))
     return _audio(parts[0], int(parts[1]))
