@@ -28,7 +28,7 @@ memory's drop over the captures), ``capture_s``, ``params_bitwise_equal_to_eager
 ``--deterministic``), with the final loss scale and loss.
 
 Run on a GPU: python benchmarks/training.py [--small] [--deterministic] [--lengths 100]
-[--steps 20] [--batch 8] [--derive-every N] [--out FILE]
+[--steps 20] [--batch 8] [--derive-every N] [--out FILE] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -125,8 +125,28 @@ def _memory() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def _run_trainer(args, way: str, batches) -> tuple[dict[str, Any], Any]:
+def _sequence(step, batches) -> tuple[float, dict[int, float]]:
+    """Run ``step(audio, labels)`` over ``batches`` with one sync at the end: ms per step over
+    the whole sequence, and each length's mean ms per step from CUDA events around every step
+    (stream-ordered: a step's span includes the GPU waiting on the host's launches)."""
     import torch
+
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(batches) + 1)]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    marks[0].record()
+    for i, (audio, labels) in enumerate(batches):
+        step(audio, labels)
+        marks[i + 1].record()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t) * 1e3 / len(batches)
+    spans: dict[int, list[float]] = {}
+    for i, (audio, _) in enumerate(batches):
+        spans.setdefault(audio.shape[1], []).append(marks[i].elapsed_time(marks[i + 1]))
+    return ms, {n: round(sum(v) / len(v), 3) for n, v in sorted(spans.items())}
+
+
+def _run_trainer(args, way: str, batches) -> tuple[dict[str, Any], Any]:
 
     graphs = way != "eager"
     model, trainer = _build(args, graphs, "alias" if way == "grape_family_aliased" else "copy")
@@ -137,13 +157,9 @@ def _run_trainer(args, way: str, batches) -> tuple[dict[str, Any], Any]:
         trainer.capture()
     first_s = time.perf_counter() - t0
     graph_bytes = free - _memory()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for audio, labels in batches[1:]:
-        trainer(audio.cuda(non_blocking=True), labels.cuda(non_blocking=True))
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t) * 1e3 / max(1, len(batches) - 1)
-    row = {"way": way, "ms_per_step": round(ms, 3),
+    ms, by_length = _sequence(lambda audio, labels: trainer(
+        audio.cuda(non_blocking=True), labels.cuda(non_blocking=True)), batches[1:])
+    row = {"way": way, "ms_per_step": round(ms, 3), "ms_by_length": by_length,
            "device_bytes_graphs": graph_bytes if graphs else None,
            "capture_s": round(trainer.stats.capture_s, 2) if graphs else None,
            "first_step_s": round(first_s, 2), "graphed_steps": trainer.stats.graphed_steps,
@@ -187,20 +203,39 @@ def _per_shape(args, batches) -> tuple[dict[str, Any], Any]:
            "capture_s": round(capture_s, 2), "executables": len(graphs),
            "out_of_memory_at_length": oom, "ms_per_step": None}
     if oom is None:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for audio, labels in batches[1:]:
+        def replay(audio, labels):
             n = audio.shape[1]
             trainer.inputs[:, :n].copy_(audio.cuda(non_blocking=True), non_blocking=True)
             trainer.targets.copy_(labels.cuda(non_blocking=True), non_blocking=True)
             graphs[n].replay()
-        torch.cuda.synchronize()
-        row["ms_per_step"] = round((time.perf_counter() - t) * 1e3 / (len(batches) - 1), 3)
+        ms, row["ms_by_length"] = _sequence(replay, batches[1:])
+        row["ms_per_step"] = round(ms, 3)
         row["final_loss_scale"] = trainer.scaler.get_scale()
         row["final_loss"] = float(trainer.loss)
     params = [p.detach().clone() for p in model.parameters()] if oom is None else None
-    del graphs
+    graphs.clear()  # their pools go back before the next way runs
     return row, params
+
+
+def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        if r.get("ms_by_length"):
+            lengths = sorted(r["ms_by_length"])
+            ax.plot([n / 16000 for n in lengths], [r["ms_by_length"][n] for n in lengths],
+                    marker=".", label=r["way"])
+    ax.set_xlabel("audio length, s (16 kHz)")
+    ax.set_ylabel("ms per training step")
+    ax.set_title(f"{rows[0]['model']}, batch {rows[0]['batch']}: one step per batch, "
+                 f"mean per length", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -214,6 +249,8 @@ def main() -> None:
                                            "per_shape_graphs")
     parser.add_argument("--derive-every", type=int, default=None, metavar="N")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                        help="ms per step by audio length, one line per way (matplotlib)")
     args = parser.parse_args()
     if args.steps < 2 or args.lengths < 1:
         parser.error("expected --steps of at least 2 and --lengths of at least 1")
@@ -264,6 +301,8 @@ def main() -> None:
                                         "torch": torch.__version__,
                                         "command": " ".join(sys.argv), "results": rows},
                                        indent=1) + "\n")
+    if args.plot:
+        _plot(args.plot, rows)
     print(f"{'way':20} {'ms/step':>8} {'graph MB':>9} {'capture s':>9} {'execs':>6} "
           f"=eager =torch graphs")
     for r in rows:
