@@ -40,22 +40,61 @@ def test_twenty_graphed_training_steps_leave_the_parameters_eager_training_leave
         assert grape_row["final_loss"] == rows["per_shape_graphs"]["final_loss"], way
 
 
-def test_a_step_that_draws_dropout_masks_is_not_graphed(cuda):
-    # grape's launches would repeat one step's masks: refused with one warning, trained eagerly.
+def test_a_step_that_draws_dropout_masks_is_graphed_with_fresh_masks_every_launch(cuda):
+    # grape's launches get PyTorch's replay prologue (grape.torch.rng): the same batch, steps
+    # apart, sees other dropout masks, as eager steps do.
     from grape.torch.training import GraphedTraining
 
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # no learning: only the masks change
+    seen = []
 
     def loss_fn(m, x, y):
-        return torch.nn.functional.mse_loss(m(x).mean(1), y)
+        out = m(x)
+        seen.append(out)  # eager calls only; under capture the graph's tensor, rewritten
+        return torch.nn.functional.mse_loss(out.mean(1), y)
 
-    trainer = GraphedTraining(model, loss_fn, opt, lengths=[3, 2], input_shape=(2, 3, 4),
-                              target_shape=(2, 4), target_dtype=torch.float32)
-    x, y = torch.randn(2, 3, 4, device="cuda"), torch.randn(2, 4, device="cuda")
+    trainer = GraphedTraining(model, loss_fn, opt, lengths=[3, 2], input_shape=(2, 3, 64),
+                              target_shape=(2, 64), target_dtype=torch.float32)
+    x, y = torch.randn(2, 3, 64, device="cuda"), torch.randn(2, 64, device="cuda")
     trainer(x, y)
-    with pytest.warns(UserWarning, match="expected a step that draws no random numbers on the "
-                                         "device, found the CUDA generator advanced by"):
+    losses = []
+    for _ in range(4):
         trainer(x, y)
-    assert trainer.stats.graphed_steps == 0 and trainer.stats.eager_steps == 2
-    assert "dropout" in trainer.stats.fallback
+        losses.append(trainer.loss.item())
+    assert trainer.stats.fallback is None and trainer.stats.graphed_steps == 4
+    assert trainer._random is not None and trainer._random.launches == 4
+    assert len(set(losses)) == 4, losses  # fresh masks: a different loss every step
+
+
+def test_without_the_prologue_a_family_repeats_its_draws_and_with_it_does_not(cuda):
+    from grape.torch.family import capture_family
+    from grape.torch.rng import GraphRandom
+
+    ones = torch.ones(2, 256, device="cuda")
+    out = torch.zeros(2, 256, device="cuda")
+
+    def step(n):
+        out[:, :n].copy_(torch.nn.functional.dropout(ones[:, :n], 0.5))
+
+    fam = capture_family(step, [256, 128])
+    try:
+        def masks(random):
+            got = []
+            for _ in range(3):
+                if random is not None:
+                    random.before_launch(torch.cuda.current_stream().cuda_stream)
+                fam.run(256)
+                torch.cuda.synchronize()
+                got.append(out.clone())
+            return got
+
+        same = masks(None)
+        assert torch.equal(same[0], same[1]) and torch.equal(same[1], same[2])
+        fresh = masks(GraphRandom.probe("cuda"))
+        assert not torch.equal(fresh[0], fresh[1]) and not torch.equal(fresh[1], fresh[2])
+        kept = torch.stack(fresh).ne(0).float().mean().item()
+        assert 0.4 < kept < 0.6  # dropout(0.5) keeps about half
+    finally:
+        fam.close()

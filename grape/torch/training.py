@@ -24,9 +24,10 @@ back), and inputs whose length changes from batch to batch. Here:
 :class:`GraphedTraining` puts these together. A batch longer than the family's largest length
 runs eagerly with a warning (never truncated); a step that cannot be captured (a host sync in
 a custom autograd function, a non-capturable optimizer) is named in one warning and training
-goes on eagerly; so is a step that draws random numbers on the device (dropout): PyTorch's
-replays give each launch a fresh philox offset, grape's launches do not yet, and would repeat
-one step's dropout masks forever.
+goes on eagerly. A step that draws random numbers on the device (dropout) gets fresh ones at
+every launch from ``grape.torch.rng.GraphRandom`` (PyTorch's replay prologue, for grape's
+launches), or, where that cannot be set up, is trained eagerly with a warning: never with one
+step's dropout masks repeated.
 """
 
 from __future__ import annotations
@@ -203,6 +204,7 @@ class GraphedTraining:
         self._graphed: Any = None  # inputs_by="alias": a grape.torch.graphed.Graphed
         self._warned: set[int] = set()
         self._random_draws = 0  # philox offset an eager step advanced the generator by
+        self._random: Any = None  # a grape.torch.rng.GraphRandom where the step draws
 
     # The step itself, on the static buffers: the one code path, eager or captured.
     def step_at(self, length: int) -> None:
@@ -248,6 +250,7 @@ class GraphedTraining:
             self.capture()  # once: optimizer state exists after one real step
         drawn = self._random_offset()
         if self._graphed is not None:
+            self._fresh_random()
             try:
                 self._graphed(inputs.to(self.device, non_blocking=True),
                               targets.to(self.device, non_blocking=True))
@@ -263,6 +266,7 @@ class GraphedTraining:
         self.targets.copy_(targets, non_blocking=True)
         family = self._family
         if family is not None and length in family.group_of:
+            self._fresh_random()
             family.run(length)
             self.stats.graphed_steps += 1
         else:
@@ -273,6 +277,10 @@ class GraphedTraining:
             self._random_draws = max(self._random_draws, self._random_offset() - drawn)
         self.stats.steps += 1
         return self.loss
+
+    def _fresh_random(self) -> None:
+        if self._random is not None:
+            self._random.before_launch(torch.cuda.current_stream(self.device).cuda_stream)
 
     def _random_offset(self) -> int:
         """Where the device's random generator stands (philox offset): a step that moves it
@@ -336,15 +344,19 @@ class GraphedTraining:
             raise GrapeError("expected one step run before capturing (it creates the "
                              "optimizer's state), found none")
         if self._random_draws:
-            # PyTorch's own replays advance the generator and hand each graph a fresh offset;
-            # grape's executables are launched without that prologue, so every step would
-            # repeat the captured step's dropout masks. Refused rather than trained wrongly.
-            self._give_up(GrapeError(
-                f"expected a step that draws no random numbers on the device, found the CUDA "
-                f"generator advanced by {self._random_draws} in an eager step (dropout?): "
-                f"graphed steps would repeat the same draws; set the model's dropout "
-                f"probabilities to 0 to graph it"))
-            return
+            # PyTorch's own replays move the generator on and hand each graph a fresh offset;
+            # grape's launches get the same from GraphRandom, or training is not graphed: a
+            # step that repeated its dropout masks every time would train wrongly.
+            from grape.torch.rng import GraphRandom
+
+            try:
+                self._random = GraphRandom.probe(self.device)
+            except (CaptureError, GrapeError) as e:
+                self._give_up(GrapeError(
+                    f"expected to give graphed steps fresh random numbers (the step draws: the "
+                    f"CUDA generator moved by {self._random_draws} in an eager step), found "
+                    f"{str(e).splitlines()[0]}"))
+                return
         began = time.perf_counter()
         params = dict(self.model.named_parameters())
         try:
