@@ -55,8 +55,9 @@ VOCAB = 32
 
 def _config(small: bool) -> dict[str, Any]:
     # Off in every way: SpecAugment's masks and LayerDrop's choices are drawn on the host each
-    # step (numpy, CPU tensors: nothing a graph can hold), and dropout's draws on the device
-    # would be repeated by grape's launches (GraphedTraining refuses to graph a step that draws).
+    # step (numpy, CPU tensors: nothing a graph can hold), and dropout's draws come at other
+    # generator offsets in graphed steps than in eager ones (grape.torch.rng), which would leave
+    # the parameters nothing to be compared with.
     from grape.torch.workloads import NO_RANDOMNESS
 
     if small:

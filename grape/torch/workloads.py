@@ -21,8 +21,9 @@ __all__ = ["DEFAULT_SUITE", "Workload", "parse_spec"]
 GPT2 = {"gpt2-small": {}, "gpt2-medium": {"n_embd": 1024, "n_layer": 24, "n_head": 16}}
 WAV2VEC2 = {"wav2vec2-base": {}}
 # Training workloads draw nothing at random on the host or the device: SpecAugment's masks and
-# LayerDrop's choices come from the host each step, and dropout's draws would be frozen into a
-# graph (GraphedTraining refuses those).
+# LayerDrop's choices come from the host each step (nothing a graph can hold), and dropout's
+# draws, which graphed steps take from the generator at other offsets than eager steps
+# (grape.torch.rng), would make graphed and eager steps incomparable.
 NO_RANDOMNESS = dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                      feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0)
 
