@@ -23,7 +23,8 @@ random draws in a step, graphed training is reproducible run to run, not equal t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,9 @@ class GraphRandom:
     offset_address: int
     stride: int = STRIDE
     launches: int = 0
+    # The probe's PyTorch graph, kept: the generator frees the two words when its last
+    # registered graph goes, and allocates them anew (elsewhere) for the next one.
+    keep: Any = field(default=None, repr=False)
 
     @classmethod
     def probe(cls, device: torch.device | str | int = "cuda") -> GraphRandom:
@@ -79,7 +83,7 @@ class GraphRandom:
                                    f"{offset_address:#x} to hold seed {generator.initial_seed()}"
                                    f" and offset {offset} after a replay, found {seed} and "
                                    f"{written}")
-        return cls(generator, seed_address, offset_address)
+        return cls(generator, seed_address, offset_address, keep=cap.torch_graph)
 
     def before_launch(self, stream: int) -> None:
         """Give the next launch on ``stream`` fresh numbers: the generator's seed and offset
