@@ -73,6 +73,21 @@ def _decoder(model, ids, new: int):
     return TokenDecoder(model, ids.shape[0], ids.shape[1], options), mask
 
 
+def _step_graph(decoder, ids, mask) -> torch.cuda.CUDAGraph:
+    """The decoder's step as one PyTorch CUDA graph, after a prefill and warm-up steps (on a
+    side stream, as PyTorch's capture wants them; every rank captures together)."""
+    decoder.prefill(ids, mask)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decoder.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.step()
+    return graph
+
+
 def _ways(model, ids, new: int) -> dict[str, Any]:
     """Each way as (a call that makes the tokens, host syncs per generation)."""
     import grape
@@ -80,16 +95,7 @@ def _ways(model, ids, new: int) -> dict[str, Any]:
     eager, mask = _decoder(model, ids, new)
 
     graphed, gmask = _decoder(model, ids, new)
-    graphed.prefill(ids, gmask)
-    graphed.step()  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        graphed.step()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        graphed.step()
+    graph = _step_graph(graphed, ids, gmask)
 
     def per_step():
         graphed.prefill(ids, gmask)
@@ -136,19 +142,10 @@ def _record(model, ids, directory: Path, name: str) -> None:
     runs = {}
     for mode in ("eager", "graph"):
         decoder, mask = _decoder(model, ids, 96)  # room for every step below
-        decoder.prefill(ids, mask)
-        decoder.step()
         if mode == "graph":
-            graph = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                decoder.step()
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(graph):
-                decoder.step()
-            runs[mode] = (decoder, graph.replay)
+            runs[mode] = (decoder, _step_graph(decoder, ids, mask).replay)
         else:
+            decoder.prefill(ids, mask)
             runs[mode] = (decoder, decoder.step)
     walls = {}
     for mode, (_, run) in runs.items():
