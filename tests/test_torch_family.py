@@ -8,10 +8,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
 
-from grape.cuda.build import Update  # noqa: E402
 from grape.ir import Kernel, KernelGraph, Param  # noqa: E402
 from grape.passes.delta import join  # noqa: E402
 from grape.torch.family import Family, _Group  # noqa: E402
+from tests.standins import RecordingGraph  # noqa: E402
 
 
 def _step(grids: tuple[int, int, int]) -> KernelGraph:
@@ -23,22 +23,6 @@ def _step(grids: tuple[int, int, int]) -> KernelGraph:
               after=previous)
         previous = [f"k{i}"]
     return g
-
-
-class _Graph:
-    """Stands in for grape.cuda.build.Graph: counts preparations; applied updates log what
-    they set."""
-
-    def __init__(self, log: list) -> None:
-        self.log, self.prepared = log, 0
-
-    def prepare(self, ops):
-        self.prepared += len(ops)
-
-        def record(handle, node, op):
-            self.log.append((node, op))
-            return (driver.CUresult.CUDA_SUCCESS,)
-        return [Update(n, record, (n, op)) for n, op in ops.items()]
 
 
 class _Executable:
@@ -59,7 +43,7 @@ def family():
     log: list = []
     graphs = {s: _step(grids) for s, grids in SHAPES.items()}
     template = graphs["a"]
-    graph = _Graph(log)
+    graph = RecordingGraph(log)
     group = _Group("a", template, graph, _Executable(log), "a")
     deltas = {s: join(template, g) for s, g in graphs.items()}
     fam = Family(lambda s: None, {"g": group}, dict.fromkeys(SHAPES, "g"), deltas, 0, 0.0)

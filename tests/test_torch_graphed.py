@@ -9,12 +9,12 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
 
 import grape.torch.graphed as graphed_module  # noqa: E402
-from grape.cuda.build import Update  # noqa: E402
 from grape.errors import GrapeError, UnsupportedError  # noqa: E402
 from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Param, Pointer, Span  # noqa: E402
 from grape.passes.delta import delta, join  # noqa: E402
 from grape.torch.aliasing import Inputs  # noqa: E402
 from grape.torch.graphed import Graphed, _Entry, _Shared  # noqa: E402
+from tests.standins import RecordingGraph  # noqa: E402
 
 
 def _step(tag: str, x: torch.Tensor, grid: int) -> KernelGraph:
@@ -34,19 +34,6 @@ def _step(tag: str, x: torch.Tensor, grid: int) -> KernelGraph:
     return g
 
 
-class _Graph:
-    """Stands in for grape.cuda.build.Graph: prepared updates record what they set."""
-
-    def __init__(self, ir: KernelGraph, log: list) -> None:
-        self.ir, self.log = ir, log
-
-    def prepare(self, ops):
-        def record(handle, node, op):
-            self.log.append((node, op))
-            return (driver.CUresult.CUDA_SUCCESS,)
-        return [Update(n, record, (n, op)) for n, op in ops.items()]
-
-
 class _Executable:
     handle = "executable"
 
@@ -64,14 +51,14 @@ def _family(refuse: bool = False):
     xa, xb = torch.zeros(4), torch.zeros(8)
     template = _step("s0/", xa, 1)
     member = _step("s1/", xb, 3)
-    shared = _Shared(template, _Graph(template, log), _Executable(log, refuse))
+    shared = _Shared(template, RecordingGraph(log, template), _Executable(log, refuse))
     a = _Entry(None, template, shared, delta(template, template),
                {n: n for n in template.dag}, Inputs.of([xa], "s0/"), frozenset({"s0/k0"}),
                frozenset({"s0/k0"}), shared.graph, (xa.untyped_storage().data_ptr(),))
     d = join(template, member)
     b = _Entry(None, member, shared, d, dict(d.mapping), Inputs.of([xb], "s1/"),
                frozenset({"s0/k0"}), frozenset({"s0/k0"}) | {nd.node for nd in d.nodes},
-               _Graph(member, log), (xb.untyped_storage().data_ptr(),))
+               RecordingGraph(log, member), (xb.untyped_storage().data_ptr(),))
     shared.holds = a
     return Graphed(lambda x: x), a, b, xa, xb, log
 
