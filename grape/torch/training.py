@@ -248,7 +248,6 @@ class GraphedTraining:
             return self.loss
         if self.graphs and self.stats.fallback is None and self.stats.steps > 0:
             self.capture()  # once: optimizer state exists after one real step
-        drawn = self._random_offset()
         if self._graphed is not None:
             self._fresh_random()
             try:
@@ -272,6 +271,7 @@ class GraphedTraining:
         else:
             if family is not None:
                 self._warn(length, f"length {length} is not in the family: it runs eagerly")
+            drawn = self._random_offset()
             self.step_at(length)
             self.stats.eager_steps += 1
             self._random_draws = max(self._random_draws, self._random_offset() - drawn)
