@@ -396,9 +396,9 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         else:
             out.graphs[n] = d.graph_at(n)
             out.derived.append(n)
-    _runs(out.graphs, out.cuts, seen, out.topologies)
-    for n in out.derived:  # a derived graph has its samples' topology
-        out.topologies[n] = fingerprint(out.graphs[n], launch=False)
+            out.topologies[n] = out.topologies[d.lengths[0]]  # numbers differ, nothing else
+    # The cuts between captured lengths (their pairs were compared already, in ``seen``).
+    _runs({n: out.graphs[n] for n in out.captured}, out.cuts, seen, out.topologies)
     progress(f"{len(want)} lengths: {len(out.captured)} captured, {len(out.derived)} derived, "
              f"{len(out.refused)} stretches refused by a check, {len(out.cuts)} changes")
     return out
