@@ -27,6 +27,22 @@ def test_a_captured_philox_argument_gives_the_seed_and_offset_addresses():
     assert rng._philox(_kernel(1)) == (0x7F0000001000, 0x7F0000001008)
 
 
+def test_the_32_byte_state_of_torch_2_11_is_read_too():
+    # Read from a captured torch.rand(1) on the H200 (torch 2.11+cu130): int64 numel, then a
+    # 32-byte state whose offset within the graph is 64-bit, its flag at byte 24; then the
+    # functors' bytes.
+    state = bytes.fromhex("0000a07ec47f00000002a07ec47f0000"
+                          "00000000000000000100000000000000")
+    args = (1).to_bytes(8, "little") + state + bytes(8) + bytes(24)
+    kernel = Kernel("rand@0x3", "distribution_elementwise_grid_stride_kernel", (1, 1, 1),
+                    (256, 1, 1), args=args,
+                    params=(Param(0, 8), Param(8, 32), Param(40, 1), Param(48, 24)))
+    assert rng._philox(kernel) == (0x7FC47EA00000, 0x7FC47EA00200)
+    flag_down = args[:32] + b"\x00" + args[33:]
+    assert rng._philox(Kernel("rand@0x3", "r", (1, 1, 1), (1, 1, 1), args=flag_down,
+                              params=kernel.params)) is None
+
+
 def test_an_argument_not_captured_or_not_pointers_is_not_taken():
     assert rng._philox(_kernel(0)) is None  # eager: the words are values, not pointers
     assert rng._philox(_kernel(1, seed=0x7F0000001003)) is None  # not aligned

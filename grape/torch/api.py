@@ -52,7 +52,14 @@ from grape.torch.options import NotGraphable, Options, resolve
 from grape.torch.parallel import agree, group_of
 from grape.torch.staging import HostConstants, PinnedArena
 
-__all__ = ["GenerationStats", "clear_cache", "generate", "last_stats"]
+__all__ = ["EXACT_FROM", "GenerationStats", "clear_cache", "generate", "last_stats"]
+
+# Generations of at least this many tokens (prompt and new) attend over exact lengths by
+# default. On the H200 (Llama shape, 2048 x 22, fp16; benchmarks/results/exact_lengths_h200.json)
+# exact lengths ran 1.14x faster per token than the whole cache at 1,056 tokens and batch 1,
+# 1.54x at batch 8, 1.36x and 2.94x at 4,032 tokens; at 288 tokens 1.05x and 1.15x, where the
+# tokens' bitwise equality with generate's (kept below this length) is worth more.
+EXACT_FROM = 1024
 
 try:  # what a failing torch.compile raises (Dynamo's and Inductor's errors)
     from torch._dynamo.exc import TorchDynamoException
@@ -80,6 +87,8 @@ class GenerationStats:
     # model (Hugging Face's mask code reads values back: 4 to 10 on the H200)
     host_syncs: int = 0
     launches: int = 0
+    # exact_lengths: how the step's attention calls ran ("exact", or "sdpa: <why not>")
+    attention: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,6 +99,7 @@ class _Entry:
     arena: PinnedArena  # host constants the loop's copies read at every launch
     inputs: Inputs | None  # the caller's tensors the captured prefill reads; None: eager
     copy_bytes: int
+    attention: dict[str, int]
 
 
 @dataclass
@@ -127,10 +137,10 @@ def clear_cache(model: torch.nn.Module | None = None) -> None:
 
 
 def _decoder(model: torch.nn.Module, batch: int, prompt_len: int, options: Options,
-             step_model: Any) -> Decoder:
+             step_model: Any, exact: bool) -> Decoder:
     if options.strategy == "beam":
-        return BeamDecoder(model, batch, prompt_len, options, step_model)
-    return TokenDecoder(model, batch, prompt_len, options, step_model)
+        return BeamDecoder(model, batch, prompt_len, options, step_model, exact)
+    return TokenDecoder(model, batch, prompt_len, options, step_model, exact)
 
 
 class _NoStaging:
@@ -148,13 +158,14 @@ class _NoStaging:
 
 
 def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None,
-           options: Options, step_model: Any = None) -> _Entry:
+           options: Options, step_model: Any = None, exact: bool = False,
+           warn_whole: bool = False) -> _Entry:
     """The decoder and its loop for this shape: warmed up eagerly (lazy initialisation, and
     compilation where asked, stay out of the capture), the step audited for host-side state,
     then captured in a loop."""
     began = time.perf_counter()
     batch, prompt_len = input_ids.shape
-    decoder = _decoder(model, batch, prompt_len, options, step_model)
+    decoder = _decoder(model, batch, prompt_len, options, step_model, exact)
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
         decoder.set_seed(0)
     params = dict(model.named_parameters())
@@ -166,6 +177,11 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
     staged = [staging(), staging()]
     decoder.prefill(input_ids, mask)
     decoder.step()
+    if exact and warn_whole and not decoder.lengths.served.get("exact"):
+        why = ", ".join(decoder.lengths.served) or (
+            "its attention does not dispatch through transformers' AttentionInterface")
+        warnings.warn(f"grape.generate attends over the whole cache, not exact lengths, for "
+                      f"{type(model).__name__}: {why}", stacklevel=4)
     first = capture(decoder.step, params=params, warmup=0, instantiate=False,
                     staging=staged[0])
     decoder.step()
@@ -196,7 +212,9 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
         inputs = None
         loop = DeviceLoop(decoder.step, decoder.running, options.max_new_tokens,
                           params=params, staging=staging())
-    return _Entry(decoder, loop, time.perf_counter() - began, arena, inputs, copy_bytes)
+    attention = dict(decoder.lengths.served) if exact else {}
+    return _Entry(decoder, loop, time.perf_counter() - began, arena, inputs, copy_bytes,
+                  attention)
 
 
 def _caller_tensors(input_ids: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -205,7 +223,8 @@ def _caller_tensors(input_ids: torch.Tensor, mask: torch.Tensor | None) -> list[
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor,
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
-             seed: int | None = None, compile: bool = False, **kwargs: Any) -> torch.Tensor:
+             seed: int | None = None, compile: bool = False,
+             exact_lengths: bool | None = None, **kwargs: Any) -> torch.Tensor:
     """``model.generate(input_ids, attention_mask=..., max_new_tokens=..., **kwargs)``, graphed.
 
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
@@ -217,7 +236,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     distribution exactly but are not ``torch.multinomial``'s, so they differ from
     ``generate``'s for the same seed. ``compile=True`` runs the step's kernels from
     ``torch.compile`` (see the module); a model that does not compile falls back to
-    ``model.generate`` with a warning, like one that does not capture.
+    ``model.generate`` with a warning, like one that does not capture. ``exact_lengths=True``
+    makes each token's attention read only the keys that exist
+    (``grape.torch.exact``: one kernel that takes each row's length from the device) instead of
+    the whole preallocated cache, masked: for long generations; its kernel differs from SDPA's,
+    so its tokens agree with ``generate``'s to a tolerance, not bit for bit. Prompts must be
+    left padded; a model whose attention cannot run it attends over the whole cache, with one
+    warning.
 
     Returns
     -------
@@ -237,13 +262,23 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
                          f"{type(model).__name__}")
     if not isinstance(compile, bool):
         raise GrapeError(f"expected compile to be True or False, found {compile!r}")
+    if exact_lengths is not None and not isinstance(exact_lengths, bool):
+        raise GrapeError(f"expected exact_lengths to be True, False or None, found "
+                         f"{exact_lengths!r}")
+    if compile and exact_lengths:
+        raise GrapeError("expected compile=True or exact_lengths=True, found both: exact "
+                         "lengths inside a compiled step are not supported yet")
     hf_kwargs = dict(kwargs, max_new_tokens=max_new_tokens)
     try:
         options, mask = resolve(model, input_ids, attention_mask, hf_kwargs)
         if input_ids.device.type != "cuda":
             raise NotGraphable(f"the model is on {input_ids.device}, and graphs need a CUDA "
                                f"device")
-        return _graphed_generate(model, input_ids, mask, options, seed, compile)
+        exact = exact_lengths if exact_lengths is not None else (
+            not compile and input_ids.shape[1] + options.max_new_tokens >= EXACT_FROM
+            and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
+        return _graphed_generate(model, input_ids, mask, options, seed, compile, exact,
+                                 warn_whole=exact_lengths is True)
     except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
         reason = str(e).splitlines()[0]
     except _COMPILE_ERRORS as e:  # only raised with compile=True
@@ -257,17 +292,20 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
 
 def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
                       mask: torch.Tensor | None, options: Options,
-                      seed: int | None, compiled: bool) -> torch.Tensor:
+                      seed: int | None, compiled: bool, exact: bool,
+                      warn_whole: bool) -> torch.Tensor:
     global _LAST
     cache = _CACHES.setdefault(model, _Cache())
-    key = (tuple(signature(t) for t in _caller_tensors(input_ids, mask)), options.key, compiled)
+    key = (tuple(signature(t) for t in _caller_tensors(input_ids, mask)), options.key, compiled,
+           exact)
     entry = cache.entries.get(key)
     captured = entry is None
     if entry is None:
         step_model = cache.step_model(model) if compiled else None
         group = group_of(model)
         try:
-            built, failure = _build(model, input_ids, mask, options, step_model), None
+            built, failure = _build(model, input_ids, mask, options, step_model, exact,
+                                    warn_whole), None
         except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
             built, failure = None, e
         # Split over ranks: every rank graphs, or every rank falls back together (a rank
@@ -292,5 +330,5 @@ def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
                             capture_s=entry.capture_s if captured else 0.0,
                             copy_bytes=entry.copy_bytes, pointer_updates=updates,
                             prefill_graphed=entry.inputs is not None, host_syncs=1,
-                            launches=1)
+                            launches=1, attention=entry.attention)
     return result

@@ -32,9 +32,9 @@ class BeamDecoder(Decoder):
     """``num_beams`` beams per prompt; rows are batch x beams, beams of a prompt adjacent."""
 
     def __init__(self, model: torch.nn.Module, batch: int, prompt_len: int,
-                 options: Options, step_model: Any = None) -> None:
+                 options: Options, step_model: Any = None, exact: bool = False) -> None:
         beams = options.num_beams
-        super().__init__(model, batch * beams, prompt_len, options, step_model)
+        super().__init__(model, batch * beams, prompt_len, options, step_model, exact)
         device = self.mask.device
         self.batch, self.beams = batch, beams
         self.vocab = model.config.get_text_config().vocab_size
@@ -148,4 +148,5 @@ class BeamDecoder(Decoder):
 
     def result(self, input_ids: torch.Tensor) -> torch.Tensor:
         made = int(((self.origins[:, 0] + 1).bool()).sum(dim=1).max().item())
+        self._check_lengths()
         return torch.cat([input_ids, self.tokens[:, 0, :made]], dim=1)

@@ -31,17 +31,20 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.options import NotGraphable, Options
 from grape.torch.parallel import group_of
 
 __all__ = ["Decoder", "TokenDecoder", "static_cache"]
 
 
-def static_cache(model: torch.nn.Module, max_len: int) -> StaticCache:
+def static_cache(model: torch.nn.Module, max_len: int,
+                 layer: type[StaticLayer] = StaticLayer) -> StaticCache:
     """The static cache ``generate`` would make, with every layer keeping its length on the
     device: a sliding-window layer whose window holds the whole generation is a plain static
     layer (the same attention), since the sliding layer counts its length on the host, which a
-    captured step would freeze at its capture-time value.
+    captured step would freeze at its capture-time value. ``layer``: the static layer class
+    (``grape.torch.exact.TokenMajorLayer`` for exact-length attention).
 
     Raises
     ------
@@ -49,14 +52,14 @@ def static_cache(model: torch.nn.Module, max_len: int) -> StaticCache:
         A layer that keeps host-side state the window cannot excuse.
     """
     cache = StaticCache(config=model.config, max_cache_len=max_len)
-    for i, layer in enumerate(cache.layers):
-        if type(layer) is StaticLayer:
+    for i, made in enumerate(cache.layers):
+        if type(made) is StaticLayer or (isinstance(made, StaticLayer)
+                                         and made.max_cache_len >= max_len):
+            if type(made) is not layer:
+                cache.layers[i] = layer(max_cache_len=max_len)
             continue
-        if isinstance(layer, StaticLayer) and layer.max_cache_len >= max_len:
-            cache.layers[i] = StaticLayer(max_cache_len=max_len)
-            continue
-        raise NotGraphable(f"cache layer {i} is a {type(layer).__name__} over "
-                           f"{getattr(layer, 'max_cache_len', '?')} tokens, which keeps its "
+        raise NotGraphable(f"cache layer {i} is a {type(made).__name__} over "
+                           f"{getattr(made, 'max_cache_len', '?')} tokens, which keeps its "
                            f"position on the host, for a generation of {max_len} tokens")
     return cache
 
@@ -69,7 +72,7 @@ class Decoder:
     """Fixed-shape state shared by every strategy; subclasses choose tokens (``_emit``)."""
 
     def __init__(self, model: torch.nn.Module, rows: int, prompt_len: int,
-                 options: Options, step_model: Any = None) -> None:
+                 options: Options, step_model: Any = None, exact: bool = False) -> None:
         self.model, self.options = model, options
         # What ``step`` calls: the model, or its compiled form (the prompt, at its own
         # shape, always runs the model itself).
@@ -77,7 +80,10 @@ class Decoder:
         self.rows, self.prompt_len = rows, prompt_len
         self.max_len = prompt_len + options.max_new_tokens
         device = next(model.parameters()).device
-        self.cache = static_cache(model, self.max_len)
+        # Exact lengths: attention over each row's valid keys, counted on the device.
+        self.lengths = Lengths(rows, self.max_len, device) if exact else None
+        self.cache = static_cache(model, self.max_len,
+                                  TokenMajorLayer if exact else StaticLayer)
         self.mask = torch.zeros((rows, self.max_len), dtype=torch.long, device=device)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.position = torch.zeros((rows, 1), dtype=torch.long, device=device)
@@ -105,7 +111,11 @@ class Decoder:
             kwargs["position_ids"] = position
         inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
                                                           **kwargs)
-        out = (self.model if first else self.step_model)(**inputs, return_dict=True)
+        if first or self.lengths is None:
+            out = (self.model if first else self.step_model)(**inputs, return_dict=True)
+        else:
+            with active(self.lengths, self.model):
+                out = self.step_model(**inputs, return_dict=True)
         return out.logits[:, -1, :].to(dtype=torch.float32)
 
     @torch.no_grad()
@@ -120,6 +130,8 @@ class Decoder:
         mask = torch.ones_like(input_ids) if ones else self._rows(attention_mask)
         position = mask.cumsum(-1) - 1
         position.masked_fill_(mask == 0, 0)
+        if self.lengths is not None:
+            self.lengths.set_prompt(None if ones else mask, self.prompt_len)
         logits = self._logits(input_ids, mask, position, first=True)
         self.mask.zero_()
         if ones:
@@ -137,6 +149,8 @@ class Decoder:
         """The next token for every row, at fixed shapes, with no host sync."""
         # The new token's column of the mask: where the cache writes it (its device length).
         self.mask.index_fill_(1, self.cache.layers[0].cumulative_length.view(1), 1)
+        if self.lengths is not None:
+            self.lengths.before_step(self.cache.layers[0].cumulative_length)
         logits = self._logits(self.next_ids, self.mask, self.position, first=False)
         self.position.add_(1)
         self._emit(logits)
@@ -162,6 +176,12 @@ class Decoder:
         while bool(self.running):
             self.step()
         return self.result(input_ids)
+
+    def _check_lengths(self) -> None:
+        """After a generation (its result read back): exact lengths had a left-padded prompt."""
+        if self.lengths is not None and not bool(self.lengths.ok):
+            raise NotGraphable("exact lengths need left-padded prompts (each row's ones in one "
+                               "run at the end), and this attention mask has a zero after a one")
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """The prompt's tensors as the decoder's rows (one per prompt here)."""
@@ -191,8 +211,8 @@ class TokenDecoder(Decoder):
     """
 
     def __init__(self, model: torch.nn.Module, rows: int, prompt_len: int,
-                 options: Options, step_model: Any = None) -> None:
-        super().__init__(model, rows, prompt_len, options, step_model)
+                 options: Options, step_model: Any = None, exact: bool = False) -> None:
+        super().__init__(model, rows, prompt_len, options, step_model, exact)
         device = self.mask.device
         self.tokens = torch.full((rows, options.max_new_tokens), options.pad, dtype=torch.long,
                                  device=device)
@@ -248,6 +268,7 @@ class TokenDecoder(Decoder):
 
     def result(self, input_ids: torch.Tensor) -> torch.Tensor:
         made = int(self.count.item())
+        self._check_lengths()
         return torch.cat([input_ids, self.tokens[:, :made]], dim=1)
 
 

@@ -11,7 +11,9 @@ after step.
 
 :class:`GraphRandom` is that prologue for grape's launches. It finds the two words' addresses
 by capturing one ``torch.rand`` and reading its kernel's philox argument (PyTorch's
-``PhiloxCudaState``: seed pointer, offset pointer, offset within the graph, a captured flag),
+``PhiloxCudaState``: seed pointer, offset pointer, offset within the graph, a captured flag;
+24 bytes with a 32-bit offset within the graph, 32 bytes where that offset is 64-bit, as in
+torch 2.11 on the H200),
 checks them by letting PyTorch's own replay write them and reading them back, and then, before
 each launch, writes the seed and the generator's offset there (two memsets on the launch's
 stream) and moves the generator on by ``stride``. The stride is a bound, not the graph's exact
@@ -34,7 +36,9 @@ from grape.ir import Kernel
 __all__ = ["GraphRandom"]
 
 STRIDE = 1 << 32  # philox offset per launch: a bound on any step's draw, a multiple of 4
-_STATE = 24  # bytes of PhiloxCudaState: two 8-byte words, a 4-byte offset, a flag, padding
+# PhiloxCudaState's size -> where its captured flag sits: two 8-byte words (seed and offset
+# pointers), the offset within the graph (4 or 8 bytes), the flag, padding.
+_FLAG_AT = {24: 20, 32: 24}
 
 
 @dataclass
@@ -101,10 +105,11 @@ def _philox(op: Kernel) -> tuple[int, int] | None:
     """The seed and offset addresses of a kernel's captured philox argument: a parameter of
     ``PhiloxCudaState``'s size whose flag says captured and whose words are pointers."""
     for p in op.params:
-        if p.size != _STATE or p.offset + _STATE > len(op.args):
+        flag = _FLAG_AT.get(p.size)
+        if flag is None or p.offset + p.size > len(op.args):
             continue
-        raw = op.args[p.offset:p.offset + _STATE]
-        if raw[20] != 1:  # captured_ (the bytes after it are padding, whatever they hold)
+        raw = op.args[p.offset:p.offset + p.size]
+        if raw[flag] != 1:  # captured_ (the bytes after it are padding, whatever they hold)
             continue
         seed = int.from_bytes(raw[0:8], "little")
         offset = int.from_bytes(raw[8:16], "little")

@@ -1,0 +1,155 @@
+"""Exact lengths inside one launch against attention over the whole cache (GPU).
+
+``grape.generate`` runs a whole generation as one graph launch; its step is captured once, so
+by default every token's attention reads the whole preallocated cache (prompt + max new
+tokens), masked. ``exact_lengths=True`` runs FlashAttention's variable-length kernel with each
+row's key count read from the device (``grape.torch.exact``): each token reads only the keys
+that exist. Side by side in one process, for each (batch, new tokens): both ways' ms per token
+(median of ``--repeats`` calls after the capturing one), capture time, how the step's attention
+calls ran, and whether the tokens are what greedy decoding makes: the whole sequence run again
+through the model in one forward (SDPA, no cache), each generated token's logit against that
+forward's best at its position. A generated token below the best by more than the tolerance is
+a wrong token; below it by less is a near-tie that fp16 arithmetic decides either way.
+
+python benchmarks/exact_lengths.py [--size llama2048x22] [--batches 1,8] [--new 256,1024,4000]
+    [--out benchmarks/results/exact_lengths_h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import SIZES, build  # noqa: E402
+
+WAYS = {"grape_whole_cache": False, "grape_exact": True}
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def greedy_gaps(model, out, mask, prompt: int, chunk: int = 256):
+    """Per generated token: the best logit at its position minus its own, from one forward
+    over the whole sequence (0 where the token is the forward's argmax)."""
+    import torch
+
+    full_mask = torch.cat([mask, torch.ones_like(out[:, prompt:])], dim=1)
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=out, attention_mask=full_mask).last_hidden_state
+        head = model.get_output_embeddings()
+        gaps = []
+        for start in range(prompt - 1, out.shape[1] - 1, chunk):
+            end = min(start + chunk, out.shape[1] - 1)
+            logits = head(hidden[:, start:end]).float()
+            chosen = logits.gather(-1, out[:, start + 1:end + 1, None]).squeeze(-1)
+            gaps.append(logits.max(-1).values - chosen)
+    return torch.cat(gaps, dim=1)
+
+
+def measure(model, batch: int, new: int, args) -> list[dict[str, Any]]:
+    import torch
+
+    import grape
+    from grape.torch.api import last_stats
+
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(1000 + batch)
+    ids = torch.randint(3, vocab, (batch, args.prompt), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    if batch > 1:  # left padding of different widths
+        for r in range(1, batch, 2):
+            mask[r, : (r * args.prompt) // (2 * batch)] = 0
+    kw = dict(max_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    rows, outputs = [], {}
+    for way, exact in WAYS.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            began = time.perf_counter()
+            grape.generate(model, ids, mask, exact_lengths=exact, **kw)
+            first_s = time.perf_counter() - began
+            first = last_stats()
+        times = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = grape.generate(model, ids, mask, exact_lengths=exact, **kw)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        stats = last_stats()
+        outputs[way] = out
+        gaps = greedy_gaps(model, out, mask, args.prompt)
+        made = out.shape[1] - args.prompt
+        rows.append({"batch": batch, "new_tokens": made, "max_len": args.prompt + new,
+                     "way": way, "ms_per_token": 1000 * statistics.median(times) / made,
+                     "ms_per_token_all": [1000 * s / made for s in times],
+                     "capture_s": first.capture_s, "first_call_s": first_s,
+                     "graphed": stats.graphed, "captured_again": stats.captured,
+                     "host_syncs": stats.host_syncs, "attention_calls": first.attention,
+                     "warnings": [str(w.message).splitlines()[0] for w in caught],
+                     "greedy_max_gap": float(gaps.max()),
+                     "greedy_tokens_off_by_more_than_tol": int((gaps > args.tol).sum()),
+                     "tokens": int(gaps.numel())})
+        _log(f"  batch {batch} new {new} {way}: {rows[-1]['ms_per_token']:.3f} ms/token, "
+             f"max gap {rows[-1]['greedy_max_gap']:.4f}")
+    a, b = outputs["grape_exact"], outputs["grape_whole_cache"]
+    agree = float((a[:, args.prompt:] == b[:, args.prompt:]).float().mean())
+    first_diff = (a != b).any(0).nonzero()
+    for row in rows:
+        row["tokens_agree_between_ways"] = agree
+        row["first_difference"] = (int(first_diff[0]) - args.prompt if len(first_diff)
+                                   else None)
+    whole = rows[0]["ms_per_token"]
+    rows[1]["speedup_vs_whole_cache"] = whole / rows[1]["ms_per_token"]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="llama")
+    parser.add_argument("--size", default="llama2048x22", choices=sorted(SIZES))
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--new", default="256,1024,4000", help="new tokens, comma-separated")
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tol", type=float, default=0.05,
+                        help="logit gap below which a different token is a near-tie")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE")
+    args = parser.parse_args()
+    import torch
+
+    import grape
+    from grape.torch.api import clear_cache
+
+    model = build(args.arch, SIZES[args.size])
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for new in (int(n) for n in args.new.split(",")):
+            rows.extend(measure(model, batch, new, args))
+            clear_cache(model)
+            torch.cuda.empty_cache()
+    print(f"{'batch':>5} {'new':>5} {'way':<18} {'ms/token':>9} {'speed-up':>8} "
+          f"{'max gap':>8} {'off':>4} {'agree':>6}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['new_tokens']:>5} {r['way']:<18} {r['ms_per_token']:>9.3f} "
+              f"{r.get('speedup_vs_whole_cache', 1.0):>8.2f} {r['greedy_max_gap']:>8.4f} "
+              f"{r['greedy_tokens_off_by_more_than_tol']:>4} "
+              f"{r['tokens_agree_between_ways']:>6.3f}")
+    if args.out:
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "grape": grape.__version__, "python": platform.python_version(),
+                  "command": " ".join(sys.argv), "arch": args.arch, "size": args.size,
+                  "prompt": args.prompt, "tol": args.tol, "results": rows}
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

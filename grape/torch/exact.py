@@ -1,0 +1,207 @@
+"""Exact lengths inside one launch: decode attention that reads each row's key count on the device.
+
+A device loop runs one captured step for every token, so the step's kernels are sized once, at
+capture. With a static cache that means attention over the whole preallocated length: at token
+100 of a 4,000-token generation every layer still reads 4,000 keys per row, masked. Families
+(``grape.torch.family``) size kernels exactly but need the host to update the executable per
+length, which a device loop has no host to do.
+
+This module takes the third way the problem allows: an attention kernel whose work is bounded
+by lengths it reads from device memory, so that one captured step serves every length and each
+token pays for the keys that exist. FlashAttention's variable-length forward (PyTorch's
+``_flash_attention_forward`` with ``seqused_k``) does that: rows are ranges of one flattened key
+tensor (``cu_seqlens_k``), and each range is cut to the row's used count, which the step
+advances on the device. Its grid depends on the maximum length only (fixed); the blocks past a
+row's used count exit at once.
+
+Three pieces make a Hugging Face model run it:
+
+- :class:`TokenMajorLayer`, a static cache layer whose buffers are laid out (batch, tokens,
+  heads, dim) and handed to the model as the (batch, heads, tokens, dim) views it expects (no
+  copy): flattened, every row's keys are one contiguous range of one tensor, which the varlen
+  kernel needs.
+- :class:`Lengths`: where each row's keys start (after its left padding) and how many it uses,
+  on the device; the prompt sets the starts, each step advances the counts.
+- :func:`attention`, registered with transformers' ``AttentionInterface`` as ``grape_exact``
+  and switched on around the decode step only (:func:`active`): a single-query call over
+  grape's cache runs the varlen kernel; anything else (the prompt, an option the kernel does not
+  reproduce: a sliding window shorter than the cache, soft-capping, attention sinks, dropout,
+  32-bit floats) runs transformers' SDPA path unchanged, and is counted with its reason.
+
+Left padding only: a row's valid keys must be one range. A prompt mask with zeros after its
+first one is detected on the device (``Lengths.ok``) and reported when the result is read.
+
+The kernels differ from SDPA's masked ones by design (another kernel, fewer keys summed), so
+tokens are compared with generate's by agreement and logit tolerance, not for equality.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers.cache_utils import StaticLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+__all__ = ["NAME", "Lengths", "TokenMajorLayer", "active", "attention", "register"]
+
+NAME = "grape_exact"
+
+# Keyword arguments transformers' attention modules pass that change nothing here (their
+# meaning is carried by the cache and the lengths); any other keyword is a reason to fall back.
+_INERT = {"position_ids", "cache_position", "output_attentions", "is_causal", "layer_idx",
+          "position_embeddings", "use_cache", "past_key_values", "cache"}
+
+
+class TokenMajorLayer(StaticLayer):
+    """``StaticLayer`` with (batch, tokens, heads, dim) buffers, seen as (batch, heads, tokens,
+    dim): flattening batch and tokens then makes each row's keys one contiguous range."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        shape = (self.batch_size, self.max_cache_len, self.num_heads)
+        self.key_buffer = torch.zeros((*shape, self.k_head_dim), dtype=self.dtype,
+                                      device=self.device)
+        self.value_buffer = torch.zeros((*shape, self.v_head_dim), dtype=self.dtype,
+                                        device=self.device)
+        self.keys = self.key_buffer.transpose(1, 2)
+        self.values = self.value_buffer.transpose(1, 2)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.is_initialized = True
+
+
+class Lengths:
+    """Each row's key range in the flattened cache, on the device, for ``rows`` rows of
+    ``max_len`` tokens: row r's keys are tokens ``pad[r]`` to the cache's length."""
+
+    def __init__(self, rows: int, max_len: int, device: torch.device) -> None:
+        self.rows, self.max_len = rows, max_len
+        i32 = dict(dtype=torch.int32, device=device)
+        self.cu_q = torch.arange(rows + 1, **i32)  # one query per row
+        self.starts = torch.arange(rows + 1, **i32) * max_len  # cu_seqlens_k
+        self.row_starts = self.starts[:-1].clone()  # each row's first token, unpadded
+        self.used = torch.zeros(rows, **i32)  # keys each row attends to
+        self.pad = torch.zeros(rows, dtype=torch.long, device=device)
+        self.ok = torch.ones((), dtype=torch.bool, device=device)
+        self.columns = torch.arange(max_len, device=device)
+        self.served: Counter[str] = Counter()  # attention calls by what ran them
+
+    def set_prompt(self, mask: torch.Tensor | None, prompt_len: int) -> None:
+        """The prompt's padding, from its (rows, prompt_len) mask (None: no padding); on the
+        device, so a captured prompt reads a new caller's mask at every launch."""
+        if mask is None:
+            self.pad.zero_()
+            self.ok.fill_(True)
+        else:
+            self.pad.copy_(prompt_len - mask.sum(dim=-1))
+            left_padded = (mask != 0) == (self.columns[:prompt_len] >= self.pad[:, None])
+            torch.all(left_padded, out=self.ok)
+        self.starts[:-1].copy_(self.row_starts + self.pad)
+
+    def before_step(self, cached: torch.Tensor) -> None:
+        """The counts for a step that appends one token to ``cached`` tokens (the cache's
+        device length before the step)."""
+        self.used.copy_(cached + 1 - self.pad)
+
+
+_ACTIVE: Lengths | None = None
+
+
+def register() -> None:
+    """Make ``grape_exact`` a name transformers' attention and mask dispatch know (the mask is
+    SDPA's: the prompt and every fallback run SDPA)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def active(lengths: Lengths, model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model``'s attention through :func:`attention` with ``lengths`` inside the block."""
+    global _ACTIVE
+    register()
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = NAME
+    _ACTIVE, lengths.served = lengths, Counter()
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+        _ACTIVE = None
+
+
+def _refusal(lengths: Lengths, query: torch.Tensor, key: torch.Tensor, dropout: float,
+             kwargs: dict[str, Any]) -> str | None:
+    """Why this attention call cannot run over exact lengths (None: it can)."""
+    if query.shape[2] != 1:
+        return "more than one query (a prompt)"
+    if key.shape[0] != lengths.rows or key.shape[2] != lengths.max_len:
+        return "keys that are not grape's cache"
+    if not key.transpose(1, 2).is_contiguous():
+        return "a cache not laid out by tokens"
+    if dropout:
+        return "attention dropout"
+    window = kwargs.get("sliding_window")
+    if window is not None and window < lengths.max_len:
+        return "a sliding window shorter than the cache"
+    for name, value in kwargs.items():
+        if name not in _INERT and name != "sliding_window" and value is not None:
+            return f"the keyword {name!r}"
+    if query.device.type == "cuda":
+        if query.dtype not in (torch.float16, torch.bfloat16):
+            return f"{query.dtype} (the kernel takes 16-bit floats)"
+        if query.shape[-1] % 8 or query.shape[-1] > 256:
+            return f"head dimension {query.shape[-1]}"
+        if torch.cuda.get_device_capability(query.device) < (8, 0):
+            return "a GPU before Ampere"
+    return None
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+              scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: (batch, heads, queries, dim) in, (batch, queries,
+    heads, dim) out."""
+    lengths = _ACTIVE
+    why = "outside a grape step" if lengths is None else _refusal(lengths, query, key, dropout,
+                                                                  kwargs)
+    if why is not None:
+        if lengths is not None:
+            lengths.served[f"sdpa: {why}"] += 1
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    lengths.served["exact"] += 1
+    rows, heads, _, dim = query.shape
+    q = query.transpose(1, 2).reshape(rows, heads, dim)
+    k = key.transpose(1, 2).reshape(rows * lengths.max_len, key.shape[1], dim)
+    v = value.transpose(1, 2).reshape(rows * lengths.max_len, value.shape[1], value.shape[-1])
+    if q.device.type == "cuda":
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, lengths.cu_q, lengths.starts, 1, lengths.max_len, 0.0, False, False,
+            scale=scaling, seqused_k=lengths.used)[0]
+    else:
+        out = _reference(q, k, v, lengths, scaling)
+    return out.view(rows, 1, heads, -1), None
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Lengths,
+               scaling: float | None) -> torch.Tensor:
+    """What the varlen kernel computes, row by row (reads the lengths back: for CPU tests of
+    the bookkeeping, never under capture)."""
+    out = []
+    groups = q.shape[1] // k.shape[1]
+    for r, (start, used) in enumerate(zip(lengths.starts[:-1].tolist(),
+                                          lengths.used.tolist(), strict=True)):
+        keys = k[start:start + used].transpose(0, 1).repeat_interleave(groups, dim=0)
+        values = v[start:start + used].transpose(0, 1).repeat_interleave(groups, dim=0)
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            q[r].unsqueeze(1), keys, values, scale=scaling).squeeze(1))
+    return torch.stack(out)

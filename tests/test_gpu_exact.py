@@ -1,0 +1,90 @@
+"""Exact-length attention on a real GPU: the varlen kernel over grape's token-major cache
+computes masked attention over the whole cache, to fp16 tolerance; grape.generate with
+exact_lengths=True is one launch whose tokens greedy decoding would make."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+from grape.torch.exact import Lengths, active, attention  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_the_varlen_kernel_over_the_cache_is_masked_attention_over_the_whole_cache(cuda, groups):
+    torch.manual_seed(0)
+    rows, heads, dim, max_len = 4, 8, 64, 600
+    kv_heads = heads // groups
+    buffer = torch.randn(2, rows, max_len, kv_heads, dim, device="cuda", dtype=torch.float16)
+    keys, values = buffer[0].transpose(1, 2), buffer[1].transpose(1, 2)  # as grape's cache
+    query = torch.randn(rows, heads, 1, dim, device="cuda", dtype=torch.float16)
+    lengths = Lengths(rows, max_len, torch.device("cuda"))
+    prompt = 40
+    mask = torch.ones(rows, prompt, dtype=torch.long, device="cuda")
+    mask[1, :5], mask[3, :39] = 0, 0
+    lengths.set_prompt(mask, prompt)
+    module = torch.nn.Module()
+    for cached in (prompt, 41, 300, max_len - 1):
+        lengths.before_step(torch.tensor(cached, device="cuda"))
+        with active(lengths, _Config()):
+            out, _ = attention(module, query, keys, values, None, scaling=dim ** -0.5)
+        columns = torch.arange(max_len, device="cuda")
+        valid = (columns <= cached) & (columns >= lengths.pad[:, None])
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            query, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1),
+            attn_mask=valid[:, None, None, :])
+        assert lengths.served == {"exact": 1}
+        torch.testing.assert_close(out, reference.transpose(1, 2), atol=2e-3, rtol=2e-3)
+
+
+class _Config:
+    """What ``active`` switches: a model's config and its attention implementation."""
+
+    def __init__(self) -> None:
+        self.config = type("C", (), {"_attn_implementation": "sdpa"})()
+
+
+def test_generate_with_exact_lengths_is_one_launch_of_greedy_tokens(cuda):
+    import grape
+    from exact_lengths import greedy_gaps
+    from grape.torch.api import clear_cache, last_stats
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=3, num_attention_heads=8,
+                                      num_key_value_heads=2, vocab_size=4000, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    model = model.cuda().eval()
+    ids = torch.randint(3, 4000, (3, 24), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    kw = dict(max_new_tokens=200, eos_token_id=None, pad_token_id=0, exact_lengths=True)
+    out = grape.generate(model, ids, mask, **kw)
+    stats = last_stats()
+    assert stats.graphed and stats.prefill_graphed and stats.host_syncs == 1
+    assert stats.attention == {"exact": 3}
+    other = torch.randint(3, 4000, (3, 24), device="cuda")
+    again = grape.generate(model, other, mask, **kw)
+    assert not last_stats().captured and not torch.equal(again, out)
+    for tokens, prompt in ((out, ids), (again, other)):
+        assert torch.equal(tokens[:, :24], prompt)
+        gaps = greedy_gaps(model, tokens, mask, 24)
+        assert gaps.shape == (3, 200)
+        # every token greedy decoding would make, up to fp16 near-ties
+        assert float(gaps.max()) < 0.05, float(gaps.max())
+    clear_cache(model)

@@ -1,0 +1,128 @@
+"""Exact-length attention (grape.torch.exact) on the CPU: the bookkeeping the GPU's varlen kernel
+is given (each row's key range in the token-major cache, its padding, its count) computes what
+masked attention over the whole cache computes, across architectures and strategies; what the
+kernel cannot take falls back by name; masks that are not left padding are caught."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+from grape.torch.beam import BeamDecoder  # noqa: E402
+from grape.torch.decoding import TokenDecoder  # noqa: E402
+from grape.torch.exact import Lengths, TokenMajorLayer  # noqa: E402
+from grape.torch.options import NotGraphable, resolve  # noqa: E402
+
+VOCAB = 300
+COMMON = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+# Architectures whose attention dispatches through transformers' AttentionInterface, one of them
+# with grouped keys (llama: 4 query heads over 2 key heads).
+CONFIGS = {
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 128},
+    "llama": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2},
+    "gpt_neox": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4},
+}
+
+
+def _model(arch):
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(arch, **CONFIGS[arch], **COMMON)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request):
+    return _model(request.param)
+
+
+def _prompt():
+    ids = torch.randint(30, VOCAB, (3, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding of different widths
+    mask[1, :1] = 0
+    return ids, mask
+
+
+def _decoder(model, ids, mask, exact, **kwargs):
+    options, m = resolve(model, ids, mask, dict(kwargs, max_new_tokens=10))
+    cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
+    return cls(model, ids.shape[0], ids.shape[1], options, exact=exact), m
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_beams": 3}], ids=["greedy", "beam 3"])
+def test_exact_lengths_make_the_tokens_masked_attention_makes(model, kwargs):
+    ids, mask = _prompt()
+    whole, m = _decoder(model, ids, mask, exact=False, **kwargs)
+    exact, _ = _decoder(model, ids, mask, exact=True, **kwargs)
+    assert torch.equal(exact.generate_on_host(ids, m), whole.generate_on_host(ids, m))
+    layers = model.config.num_hidden_layers
+    assert exact.lengths.served == {"exact": layers}  # the last step: every layer exact
+    beams = exact.rows // 3  # a prompt's beams are adjacent rows
+    assert exact.lengths.pad.tolist() == [p for p in (3, 1, 0) for _ in range(beams)]
+
+
+def test_each_row_attends_to_its_own_unpadded_keys_and_no_others():
+    model = _model("llama")
+    ids, mask = _prompt()
+    decoder, m = _decoder(model, ids, mask, exact=True)
+    decoder.prefill(ids, m)
+    decoder.step()
+    lengths = decoder.lengths
+    # After the prompt (7 tokens) and one step (the 8th): row r attends to 8 - pad[r] keys,
+    # starting after its padding in its own stretch of the flattened cache.
+    assert lengths.used.tolist() == [5, 7, 8]
+    assert lengths.starts.tolist() == [0 + 3, 17 + 1, 34 + 0, 51]
+    layer = decoder.cache.layers[0]
+    assert isinstance(layer, TokenMajorLayer) and layer.key_buffer.is_contiguous()
+    assert layer.keys.shape == (3, 2, 17, 16)  # what the model sees: (batch, heads, tokens, dim)
+
+
+def test_what_the_kernel_cannot_take_runs_sdpa_and_says_why():
+    model = _model("llama")
+    ids, mask = _prompt()
+    decoder, m = _decoder(model, ids, mask, exact=True)
+    decoder.prefill(ids, m)
+    attentions = [layer.self_attn for layer in model.model.layers]
+    for a in attentions:  # attention dropout, which the varlen call is not given
+        a.attention_dropout, a.training = 0.5, True
+    try:
+        decoder.step()
+    finally:
+        for a in attentions:
+            a.attention_dropout, a.training = 0.0, False
+    assert decoder.lengths.served == {"sdpa: attention dropout": 2}
+
+
+def test_a_mask_that_is_not_left_padding_is_caught_when_the_result_is_read():
+    model = _model("gpt2")
+    ids, mask = _prompt()
+    mask[2, 3] = 0  # a hole: row 2's keys are not one range
+    decoder, m = _decoder(model, ids, mask, exact=True)
+    with pytest.raises(NotGraphable, match="left-padded"):
+        decoder.generate_on_host(ids, m)
+
+
+def test_lengths_without_a_mask_have_no_padding():
+    lengths = Lengths(rows=2, max_len=5, device=torch.device("cpu"))
+    lengths.set_prompt(None, prompt_len=3)
+    lengths.before_step(torch.tensor(3))
+    assert lengths.starts.tolist() == [0, 5, 10] and lengths.used.tolist() == [4, 4]
+    assert bool(lengths.ok)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"exact_lengths": "yes"}, "expected exact_lengths to be True, False or None, found 'yes'"),
+    ({"exact_lengths": True, "compile": True}, "expected compile=True or exact_lengths=True"),
+])
+def test_exact_lengths_arguments_are_checked(kwargs, message):
+    import grape
+    from grape.errors import GrapeError
+
+    with pytest.raises(GrapeError, match=message):
+        grape.generate(_model("gpt2"), torch.zeros((1, 3), dtype=torch.long), max_new_tokens=2,
+                       **kwargs)
