@@ -222,3 +222,19 @@ def test_every_eager_replay_states_an_interval_around_its_prediction(predictions
 def test_eager_replay_intervals_hold_the_measurement_nine_times_in_ten(predictions):
     eager = [p for p in predictions if p.question == "replay eager"]
     assert sum(p.inside for p in eager) >= 0.9 * len(eager)
+
+
+def test_graphed_training_steps_are_predicted_from_their_recordings():
+    # Wav2Vec2-base CTC fine-tuning steps (forward, backward, loss scaling, clipping, AdamW) at
+    # batch 8 and 2 s and 6 s of audio, recorded eagerly and captured whole on the H200
+    # (grape record wav2vec2-base:train:b8:N). The graph replays hold the bounds. The
+    # what-if from the eager trace alone cannot: under capture Hugging Face materialises an
+    # all-true attention mask (it cannot look at tensors while a capture is under way), which
+    # sends SDPA from cuDNN's fused kernels to the fp32 math path; the prediction says so.
+    paths = sorted((TRACES / "h200_training").glob("*.json.gz"))
+    predictions = validate(paths, load_profile(DEFAULT_PROFILE))
+    assert len(paths) == 4 and len(predictions) == 8
+    for question in ("replay graph", BORROWED):
+        assert max(_errors(predictions, question)) <= 0.05
+    alone = [p for p in predictions if p.question == ALONE]
+    assert all("capture runs" in p.note and p.error < 0 for p in alone)
