@@ -43,6 +43,7 @@ import torch
 
 from grape.errors import CaptureError, GrapeError
 from grape.torch.control import predicate
+from grape.torch.hfmasks import no_padding_shortcut
 
 __all__ = ["GraphedTraining", "LossScaler", "TrainingStats", "pad_batch"]
 
@@ -214,7 +215,9 @@ class GraphedTraining:
         # No autocast weight cache: a cast cached in one step would be a captured constant.
         autocast = (torch.autocast(self.device.type, dtype=self.amp, cache_enabled=False)
                     if self.amp is not None else contextlib.nullcontext())
-        with autocast:
+        # Under a capture, Hugging Face's models would build an all-true attention mask where
+        # eagerly they pass none, and change SDPA's kernels (grape.torch.hfmasks).
+        with autocast, no_padding_shortcut():
             loss = self.loss_fn(self.model, inputs, self.targets)
         self.step_count.add_(1)
         if self.schedule is not None:
