@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from grape.ir import KernelGraph
-from grape.records import GpuRecord, Iteration, WaitRecord, span, union_length
+from grape.records import GpuRecord, Iteration, WaitRecord, alone_times, span, union_length
 from grape.trace import Trace
 
 __all__ = [
@@ -47,12 +47,22 @@ class GpuWork:
     ``kind`` ``"collective"`` is a collective's kernel (an NCCL all-reduce): run with other
     ranks' programs (``grape.sim.engine.simulate_ranks``) it cannot finish before every rank's
     matching collective has started, and ``dur`` is its time once they all have.
+
+    ``alone``: where the work ran beside other streams' work in the recording, the part of
+    ``dur`` the GPU spent on it, its duration divided among what ran with it
+    (``grape.records.alone_times``); None where it ran by itself (``alone`` is ``dur``).
     """
 
     kind: str
     name: str
     dur: float
     stream: int
+    alone: float | None = None
+
+    @property
+    def work(self) -> float:
+        """The GPU time this work takes when it shares the GPU as it did when recorded."""
+        return self.dur if self.alone is None else self.alone
 
 
 @dataclass(frozen=True)
@@ -140,9 +150,15 @@ class Program:
         return Program(self.name, iterations, list(self.approximations), list(self.blockers))
 
 
-def _work(ops: tuple[GpuRecord, ...]) -> tuple[GpuWork, ...]:
-    return tuple(GpuWork(op.kind, op.name, op.dur, op.stream)
+def _work(ops: tuple[GpuRecord, ...], alone: dict[int, float]) -> tuple[GpuWork, ...]:
+    return tuple(GpuWork(op.kind, op.name, op.dur, op.stream, _shared(op, alone))
                  for op in sorted(ops, key=lambda o: o.ts))
+
+
+def _shared(op: GpuRecord, alone: dict[int, float]) -> float | None:
+    """``op``'s alone time where it ran beside other work, else None."""
+    time = alone.get(id(op))
+    return None if time is None or time >= op.dur - 1e-9 else time
 
 
 def _count(sorted_ts: list[float], lo: float, hi: float) -> int:
@@ -151,11 +167,12 @@ def _count(sorted_ts: list[float], lo: float, hi: float) -> int:
 
 
 def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
-               tid: int, waits: dict[int, StreamWait]) -> tuple[Step, ...]:
+               tids: set[int], waits: dict[int, StreamWait], alone: dict[int, float]
+               ) -> tuple[Step, ...]:
     launches = {launch.call.correlation: launch for launch in it.launches}
     steps: list[Step] = []
     cursor = it.start
-    for call in sorted((c for c in it.calls if c.tid == tid), key=lambda c: c.ts):
+    for call in sorted((c for c in it.calls if c.tid in tids), key=lambda c: c.ts):
         if call.ts < cursor:  # nested inside a call already counted (driver under runtime)
             continue
         gap = call.ts - cursor - overhead.per_op * _count(ops_ts, cursor, call.ts)
@@ -169,10 +186,10 @@ def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
             # Under the profiler a graph launch call lasts as long as CUPTI takes to instrument
             # its nodes; the unprofiled cost is the device profile's (set by the caller).
             steps.append(GraphLaunch(cost=cost, nodes=len(kernels), gpu_time=span(launch.ops),
-                                     stream=min(streams), work=_work(launch.ops),
+                                     stream=min(streams), work=_work(launch.ops, alone),
                                      busy=union_length([(op.ts, op.end) for op in launch.ops])))
         elif launch is not None:
-            steps.append(Launch(call.name, cost, _work(launch.ops)))
+            steps.append(Launch(call.name, cost, _work(launch.ops, alone)))
         elif call.is_sync:
             steps.append(Sync(call.name, 0.0))
         else:
@@ -260,18 +277,22 @@ def program_from_trace(trace: Trace, overhead: ProfilerOverhead | None = None) -
 
     Host gaps and call costs are the trace's, less ``overhead`` per operator and API call the
     profiler recorded in them; a sync's own cost is taken as nothing (its duration in the trace
-    is waiting, which the simulator reproduces). Work on threads other than the one that issued
-    most launches is left out and listed in ``approximations``.
+    is waiting, which the simulator reproduces). The host is the thread that issued most
+    launches and every other launching thread that hands off with it (:func:`_host_threads`);
+    work on threads that ran beside it is left out and listed in ``approximations``.
     """
     overhead = overhead or ProfilerOverhead()
-    tids = [launch.call.tid for launch in trace.launches]
-    tid = max(set(tids), key=tids.count)
-    ops_ts = sorted(op.ts for op in trace.ops if op.tid == tid)
+    tids, beside = _host_threads(trace)
+    ops_ts = sorted(op.ts for op in trace.ops if op.tid in tids)
     records = {w.correlation: w for w in trace.waits}
+    alone = {}
+    for device in {op.device for op in trace.gpu_ops}:  # each GPU shared by its own work
+        ops = [op for op in trace.gpu_ops if op.device == device]
+        alone.update((id(op), t) for op, t in zip(ops, alone_times(ops), strict=True))
     iterations, inferred, unmatched = [], 0, 0
     for it in trace.iterations:
         waits, missed = _stream_waits(it, records)
-        iterations.append(_iteration(it, ops_ts, overhead, tid, waits))
+        iterations.append(_iteration(it, ops_ts, overhead, tids, waits, alone))
         inferred += sum(1 for c in waits if records[c].on_stream < 0)
         unmatched += missed
     program = Program(trace.workload, iterations)
@@ -295,8 +316,45 @@ def program_from_trace(trace: Trace, overhead: ProfilerOverhead | None = None) -
     if trace.orphans:
         program.approximations.append(f"{len(trace.orphans)} GPU operations with no host call "
                                       f"in the trace are left out")
-    others = {c.tid for it in trace.iterations for c in it.calls} - {tid}
+    others = {c.tid for it in trace.iterations for c in it.calls} - tids
     if others:
         program.approximations.append(f"API calls on threads {sorted(others)} left out; only "
-                                      f"the issuing thread {tid} is simulated")
+                                      f"the issuing thread{'s' if len(tids) > 1 else ''} "
+                                      f"{', '.join(map(str, sorted(tids)))} simulated"
+                                      + (f" ({sorted(beside)} issued launches while the host "
+                                         f"did)" if beside else ""))
     return program
+
+
+# A thread that hands off with the host may overlap it by a call's edge (clock slack): up to
+# this share of its call time.
+_HANDOFF_OVERLAP = 0.01
+
+
+def _host_threads(trace: Trace) -> tuple[set[int], set[int]]:
+    """The threads simulated as one host, and the launching threads left out.
+
+    The host is the thread that issued most launches, and with it every other launching thread
+    whose API calls never run while the host's do: PyTorch's autograd engine launches the
+    backward pass from its own thread while the caller waits in ``backward()``, so together
+    they are one sequence of calls, merged by time. A thread whose calls overlap the host's
+    (a data loader, a second stream's worker) runs beside it and is left out."""
+    counts: dict[int, int] = {}
+    for launch in trace.launches:
+        counts[launch.call.tid] = counts.get(launch.call.tid, 0) + 1
+    host = max(counts, key=counts.get)
+    calls: dict[int, list[tuple[float, float]]] = {}
+    for it in trace.iterations:
+        for c in it.calls:
+            calls.setdefault(c.tid, []).append((c.ts, c.end))
+    tids, beside = {host}, set()
+    for tid in sorted(counts, key=counts.get, reverse=True)[1:]:
+        mine = calls.get(tid, [])
+        theirs = [span for t in tids for span in calls.get(t, [])]
+        overlap = (union_length(mine) + union_length(theirs)
+                   - union_length(mine + theirs))
+        if overlap <= _HANDOFF_OVERLAP * union_length(mine):
+            tids.add(tid)
+        else:
+            beside.add(tid)
+    return tids, beside

@@ -118,6 +118,35 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+def alone_times(ops: Sequence[GpuRecord]) -> list[float]:
+    """Each op's duration divided among the streams whose work ran with it: over every stretch
+    where n streams had work running, each op then running is charged the stretch's length / n.
+    The charges add up to the busy time (``busy_time``): what the GPU spent on each op if
+    concurrent work shares it, as kernels big enough to fill it do. An op that ran alone is
+    charged its duration; ops of one stream that appear to overlap (clock slack, or a trace
+    edited by hand) do not divide their time, since a stream runs one op at a time."""
+    events = sorted([(op.ts, 1, i) for i, op in enumerate(ops)]
+                    + [(op.end, 0, i) for i, op in enumerate(ops)])  # ends before starts
+    alone = [0.0] * len(ops)
+    active: dict[int, set[int]] = {}  # stream -> its ops running
+    last = None
+    for t, starts, i in events:
+        if active and last is not None and t > last:
+            share = (t - last) / len(active)
+            for running in active.values():
+                for j in running:
+                    alone[j] += share
+        last = t
+        stream = ops[i].stream
+        if starts:
+            active.setdefault(stream, set()).add(i)
+        else:
+            active[stream].discard(i)
+            if not active[stream]:
+                del active[stream]
+    return alone
+
+
 def busy_time(ops: Iterable[GpuRecord]) -> float:
     """Microseconds during which at least one of ``ops`` ran (overlaps counted once)."""
     return union_length((op.ts, op.end) for op in ops)

@@ -59,8 +59,9 @@ class _Config:
 
 
 def test_generate_with_exact_lengths_is_one_launch_of_greedy_tokens(cuda):
-    import grape
     from exact_lengths import greedy_gaps
+
+    import grape
     from grape.torch.api import clear_cache, last_stats
 
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,

@@ -461,3 +461,15 @@ def test_the_what_if_chain_applies_in_order_and_refuses_what_does_not_apply():
     with pytest.raises(GrapeError, match="found both --update-nodes and --update-whole"):
         apply(trace, PROFILE, WhatIf(graph=True, update_nodes=1, update_whole=True))
     assert apply(trace, PROFILE, WhatIf()).labels == []
+
+
+def test_work_that_ran_beside_other_streams_is_charged_its_share_of_the_gpu():
+    from grape.records import GpuRecord, alone_times, busy_time
+
+    ops = [GpuRecord("kernel", "a", 0.0, 10.0, 7, 1), GpuRecord("kernel", "b", 5.0, 10.0, 13, 2),
+           GpuRecord("kernel", "c", 20.0, 4.0, 7, 3),
+           GpuRecord("kernel", "d", 22.0, 4.0, 7, 4)]  # overlaps c on its own stream
+    alone = alone_times(ops)
+    # a and b share 5..10: each is charged 2.5 there; c and d are one stream, not divided.
+    assert alone == [7.5, 7.5, 4.0, 4.0]
+    assert sum(alone[:2]) == busy_time(ops[:2])

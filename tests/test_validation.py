@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from grape.profile import DEFAULT_PROFILE, load_profile
+from grape.program import program_from_trace
 from grape.sim.engine import simulate
 from grape.sim.validate import validate
 from grape.sim.whatif import costs_from_profile, unprofiled_program
@@ -74,26 +75,26 @@ def test_the_what_if_from_the_eager_trace_alone_says_where_capture_changed_the_k
                for p in changed)
 
 
-def test_stream_waits_let_the_what_if_overlap_streams(recording, predictions):
-    # Wav2Vec2's eager forward runs on several streams: overlapped as the recorded waits say,
-    # it lands near the graph; without waits on record, back to back, far above it.
+def test_work_on_several_streams_is_priced_as_it_shared_the_gpu(recording, predictions):
+    # Wav2Vec2's eager forward runs on up to nine streams, whose kernels' recorded durations
+    # overlap (summed, 2.4 to 4.9 times the GPU's busy time). Where the recording holds stream
+    # waits, the graph runs the longest chain they order; where it does not, each kernel one
+    # after another at its share of the stretches it ran in: near the graph either way (summed
+    # back to back at their recorded durations, as before, 116 to 299% slow).
     wav2vec2 = [p for p in predictions
                 if p.question == ALONE and p.workload.startswith("wav2vec2")]
     assert len(wav2vec2) == 3
-    if recording == "h200_second":  # recorded with stream-wait events
-        assert all(abs(p.error) <= 0.20 and "back to back" not in p.note for p in wav2vec2)
-    else:
-        assert all(p.error > 1.0 and "streams back to back" in p.note for p in wav2vec2)
+    assert all(abs(p.error) <= 0.20 for p in wav2vec2), [(p.workload, p.error) for p in wav2vec2]
+    waits = recording == "h200_second"  # recorded with stream-wait events
+    assert all(("holds no stream waits" in p.note) is not waits for p in wav2vec2)
 
 
 @pytest.mark.xfail(strict=True, reason=(
     "from the eager trace alone, eager -> graph misses by 8 to 17% on GPT-2 (capture runs 43 "
     "to 79 more kernels, three more per layer: the model's attention takes another path under "
     "capture, as Hugging Face's mask code drops an all-ones mask only outside one); on "
-    "Wav2Vec2, whose eager work spans several streams, by -5 to -16% where the recording holds "
-    "stream waits (h200_second: branches overlap as they say) and by +116 to +299% where it "
-    "does not (h200: streams priced back to back); an eager trace does not show which kernels "
-    "capture will run"))
+    "Wav2Vec2, whose eager work spans several streams, by -4 to -16% (capture runs 225 more "
+    "kernels); an eager trace does not show which kernels capture will run"))
 def test_the_what_if_from_the_eager_trace_alone_meets_the_bound(predictions):
     errors = _errors(predictions, ALONE)
     assert statistics.median(errors) <= 0.10 and max(errors) <= 0.20
@@ -227,14 +228,14 @@ def test_eager_replay_intervals_hold_the_measurement_nine_times_in_ten(predictio
 def test_graphed_training_steps_are_predicted_from_their_recordings():
     # Wav2Vec2-base CTC fine-tuning steps (forward, backward, loss scaling, clipping, AdamW) at
     # batch 8 and 2 s and 6 s of audio, recorded eagerly and captured whole on the H200
-    # (grape record wav2vec2-base:train:b8:N). The graph replays hold the issue's bounds. The
-    # what-if from the eager trace alone does not: the feature encoder's convolutions run on
-    # eight side streams, and the simulator overlaps them as if each had the GPU to itself
-    # (traces/README.md); it predicts fast, and its note says the kernel counts differ.
+    # (grape record wav2vec2-base:train:b8:N). The backward pass is launched from autograd's
+    # thread while the caller waits in backward(): both threads are the host, merged by time
+    # (before, the backward's 2682 launches were left out and the eager-only what-if came out
+    # 39% fast). Graph replays and the eager-only what-if hold the issue's bound.
     paths = sorted((TRACES / "h200_training").glob("*.json.gz"))
     predictions = validate(paths, load_profile(DEFAULT_PROFILE))
     assert len(paths) == 4 and len(predictions) == 8
-    for question in ("replay graph", BORROWED):
-        assert max(_errors(predictions, question)) <= 0.05
-    alone = [p for p in predictions if p.question == ALONE]
-    assert all("capture runs" in p.note and p.error < 0 for p in alone)
+    for question in ("replay graph", BORROWED, ALONE):
+        assert max(_errors(predictions, question)) <= 0.05, question
+    eager = program_from_trace(read_trace(paths[0]))
+    assert not any("left out" in a for a in eager.approximations)

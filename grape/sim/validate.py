@@ -159,8 +159,8 @@ def _eager_to_graph(trace: Trace, program, graph: Trace, profile: DeviceProfile,
             f"what-if prices the eager ones")
     graphed = graph_iterations(program, costs)
     if len(graphed.approximations) > len(program.approximations):
-        note = "; ".join(filter(None, [note, "streams back to back: the trace holds no stream "
-                                             "waits"]))
+        note = "; ".join(filter(None, [note, "streams priced as they shared the GPU when "
+                                             "recorded: the trace holds no stream waits"]))
     if graphed.blockers:
         note = "; ".join(filter(None, [note, f"capture would refuse: {graphed.blockers[0]}"
                                        + (f" (and {len(graphed.blockers) - 1} more)"

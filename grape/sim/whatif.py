@@ -122,16 +122,18 @@ def set_launch_cost(program: Program, cost: float) -> Program:
 
 def _graph_gpu_time(steps: tuple[Step, ...] | list[Step], per_node: float
                     ) -> tuple[float, int, set[int]]:
-    """GPU time of ``steps``' eager work captured as one graph: each stream's work in order,
-    each operation costing its traced time plus the graph's per-node overhead, and the streams
-    running concurrently except where the trace's stream waits order them (capture turns an
-    event wait between streams into a dependency between branches). With one stream, or several
-    in a trace without stream-wait records (which then cannot say what waited for what), the
-    work back to back. Returns (GPU time, nodes, streams)."""
+    """GPU time of ``steps``' eager work captured as one graph, each operation plus the graph's
+    per-node overhead. Where the trace's stream waits say what waited for what, the longest
+    chain of work they order (capture turns an event wait between streams into a dependency
+    between branches; the streams run concurrently otherwise), each operation at its recorded
+    time. Without waits, the work one after another, each operation costing the GPU what it
+    did when recorded (``GpuWork.work``: work that ran beside other streams' shared the GPU with
+    it, so a stretch where n ran together costs its length once, not n times). Returns (GPU
+    time, nodes, streams)."""
     work = [w for s in steps if isinstance(s, Launch) for w in s.work]
     streams = {w.stream for w in work}
     if not any(isinstance(s, StreamWait) for s in steps):
-        return sum(w.dur for w in work) + per_node * len(work), len(work), streams
+        return sum(w.work for w in work) + per_node * len(work), len(work), streams
     ready: dict[int, float] = {}  # when each stream's work so far finishes
     for step in steps:
         if isinstance(step, Launch):
@@ -196,9 +198,10 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
         if captured_times:
             gpu = captured_times[i % len(captured_times)]
         elif len(streams) > 1 and not any(isinstance(s, StreamWait) for s in steps):
-            out.approximations.append(f"iteration {i}: work on {len(streams)} streams run back "
-                                      f"to back (the trace holds no stream waits to say which "
-                                      f"work could overlap)")
+            out.approximations.append(f"iteration {i}: work on {len(streams)} streams priced as "
+                                      f"the GPU time it took together when recorded (the trace "
+                                      f"holds no stream waits to say which work could overlap "
+                                      f"more)")
         for blocker in capture_blockers(steps):
             seen.setdefault(blocker, []).append(i)
         stream = min(streams) if streams else 0
