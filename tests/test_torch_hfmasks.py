@@ -43,8 +43,11 @@ def _masks(model, capturing: bool, shortcut: bool, **kwargs):
 
 def test_under_a_capture_no_padding_mask_means_no_mask_as_eagerly(model):
     assert _masks(model, capturing=False, shortcut=False) == [None, None]
-    assert _masks(model, capturing=True, shortcut=False) == [(2, 1, 399, 399)] * 2  # HF's own
     assert _masks(model, capturing=True, shortcut=True) == [None, None]
+    # transformers 5.17 (the GPU machine's) builds the full mask under a capture by itself;
+    # 5.24 no longer does, and the block then changes nothing.
+    assert _masks(model, capturing=True, shortcut=False) in ([None, None],
+                                                             [(2, 1, 399, 399)] * 2)
 
 
 def test_a_padding_mask_is_still_built_under_a_capture(model):
@@ -57,8 +60,9 @@ def test_a_padding_mask_is_still_built_under_a_capture(model):
 def test_the_block_restores_transformers_as_it_was(model):
     from transformers import masking_utils
 
+    own = _masks(model, capturing=True, shortcut=False)
     before = masking_utils._ignore_bidirectional_mask_sdpa
     with no_padding_shortcut(), no_padding_shortcut():  # nested: wrapped once
         assert masking_utils._ignore_bidirectional_mask_sdpa.grape_original is before
     assert masking_utils._ignore_bidirectional_mask_sdpa is before
-    assert _masks(model, capturing=True, shortcut=False) == [(2, 1, 399, 399)] * 2
+    assert _masks(model, capturing=True, shortcut=False) == own
