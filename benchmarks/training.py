@@ -224,14 +224,18 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    styles = {"eager": ("o", "-"), "grape_family": ("s", "-"),
+              "grape_family_aliased": ("^", "--"), "per_shape_graphs": ("x", ":")}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in rows:
-        if r.get("ms_by_length"):
-            lengths = sorted(r["ms_by_length"])
-            ax.plot([n / 16000 for n in lengths], [r["ms_by_length"][n] for n in lengths],
-                    marker=".", label=r["way"])
+        if r.get("ms_by_length"):  # keys are ints in memory, strings once read from JSON
+            by = {int(n): ms for n, ms in r["ms_by_length"].items()}
+            marker, line = styles.get(r["way"], (".", "-"))
+            ax.plot([n / 16000 for n in sorted(by)], [by[n] for n in sorted(by)],
+                    marker=marker, linestyle=line, markersize=4, label=r["way"])
+    ax.set_yscale("log")
     ax.set_xlabel("audio length, s (16 kHz)")
-    ax.set_ylabel("ms per training step")
+    ax.set_ylabel("ms per training step (log scale)")
     ax.set_title(f"{rows[0]['model']}, batch {rows[0]['batch']}: one step per batch, "
                  f"mean per length", fontsize=10)
     ax.legend()
@@ -252,7 +256,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, metavar="FILE")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
                         help="ms per step by audio length, one line per way (matplotlib)")
+    parser.add_argument("--plot-only", type=Path, default=None, metavar="JSON",
+                        help="draw --plot from a results file this script wrote; run nothing")
     args = parser.parse_args()
+    if args.plot_only is not None:
+        if args.plot is None:
+            parser.error("expected --plot PNG with --plot-only")
+        _plot(args.plot, json.loads(args.plot_only.read_text())["results"])
+        return
     if args.steps < 2 or args.lengths < 1:
         parser.error("expected --steps of at least 2 and --lengths of at least 1")
     if args.deterministic:
