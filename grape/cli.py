@@ -93,7 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="the committed set: GPT-2 small and medium decode (batch 1 and 8, "
                           "KV 32, 128, 512, 1000) and Wav2Vec2-base at three audio lengths")
     rec.add_argument("--out", type=Path, required=True, metavar="DIR")
-    rec.add_argument("--modes", default="eager,graph", help="comma-separated (eager,graph)")
+    rec.add_argument("--modes", default="eager,graph",
+                     help="comma-separated, among eager, graph (PyTorch's replay of the "
+                          "capture) and grape (the capture rebuilt and launched by grape's "
+                          "CUDA backend)")
     rec.add_argument("--timed", type=_positive, default=30, metavar="N",
                      help="timed steps per recording (median reported; default 30)")
     rec.add_argument("--profiled", type=_positive, default=3, metavar="N",
@@ -254,8 +257,8 @@ def _record(args: argparse.Namespace) -> None:
                          f"found {e}") from None
     specs = list(args.specs) + (list(DEFAULT_SUITE) if args.suite else [])
     modes = [m for m in args.modes.split(",") if m]
-    if not specs or set(modes) - {"eager", "graph"} or not modes:
-        raise GrapeError(f"expected workload specs (or --suite) and modes among eager,graph, "
+    if not specs or set(modes) - {"eager", "graph", "grape"} or not modes:
+        raise GrapeError(f"expected workload specs (or --suite) and modes among eager,graph,grape, "
                          f"found specs {specs} and modes {modes}")
     for spec in specs:  # refuse a bad spec before any GPU work starts
         check_spec(spec)

@@ -31,6 +31,15 @@ HOST_SYNC_KINDS = {"Context Sync", "Stream Sync", "Event Sync"}
 IGNORED_CATEGORIES = {"overhead", "Trace", "ac2g", "gpu_user_annotation", "python_function",
                       "cuda_profiler_range", None}
 PROFILER_STEP = "ProfilerStep#"
+# torch.profiler does not record the driver calls cuda-python makes (grape's own graph launches):
+# their GPU work arrives with a correlation no host call has. grape's CUDA backend marks each such
+# call with a user annotation "grape:<driver call>" (grape.cuda.check.observe), which the decoder
+# turns back into the call it stands for. "grape launch N" is how benchmarks/ir_twin.py marked
+# the launches of the recordings committed in traces/h200_ir, before that convention.
+GRAPE_CALL_PREFIX = "grape:"
+_LEGACY_LAUNCH_MARK = "grape launch "
+# CUPTI's GPU timestamps may lead the host's by about a microsecond.
+_CLOCK_SLACK_US = 2.0
 # Kineto puts GPU activity on pid = device index; host threads go on a pid no device can have.
 HOST_PID = 1 << 20
 
@@ -186,8 +195,51 @@ def decode(events: Iterable[Any], source: str) -> Decoded:
         ops = by_corr.pop(call.correlation, None) if call.correlation is not None else None
         if ops:
             out.launches.append(LaunchRecord(call, tuple(ops)))
+    _attribute_marked_calls(out, by_corr)
     out.orphans = sorted((op for ops in by_corr.values() for op in ops), key=lambda o: o.ts)
     return out
+
+
+def _marked_call(op: HostCall) -> str | None:
+    """The driver call a grape annotation stands for, or None for any other operator."""
+    if op.name.startswith(GRAPE_CALL_PREFIX):
+        return op.name[len(GRAPE_CALL_PREFIX):]
+    if op.name.startswith(_LEGACY_LAUNCH_MARK):
+        return "cuGraphLaunch"
+    return None
+
+
+def _attribute_marked_calls(out: Decoded, by_corr: dict[int, list[GpuRecord]]) -> None:
+    """Make grape's annotated driver calls host calls, each launch with the GPU work it caused.
+
+    A launch's work is one group of GPU operations sharing a correlation no call in the trace
+    has (CUPTI gives every kernel of one graph launch the launch's correlation). Launches and
+    groups are paired in order (the GPU runs one stream's launches in the order they were
+    issued), and only where they pair up: as many groups as launches, each group starting after
+    its launch began (within the clocks' slack). Otherwise the work stays orphaned, as before.
+    """
+    marked = [(op, _marked_call(op)) for op in out.ops]
+    marked = [(op, name) for op, name in marked if name is not None]
+    if not marked:
+        return
+    launches = [(op, name) for op, name in marked if name in ("cuGraphLaunch", "cudaGraphLaunch")]
+    groups = sorted(by_corr.items(), key=lambda item: min(o.ts for o in item[1]))
+    paired = len(launches) == len(groups) and all(
+        min(o.ts for o in ops) >= op.ts - _CLOCK_SLACK_US
+        for (op, _), (_, ops) in zip(launches, groups, strict=True))
+    taken = {id(op) for op, _ in marked}
+    out.ops = [op for op in out.ops if id(op) not in taken]
+    pairs = dict(zip((id(op) for op, _ in launches), groups, strict=True)) if paired else {}
+    for op, name in marked:
+        correlation, ops = pairs.get(id(op), (None, None))
+        call = HostCall(name=name, category="driver", ts=op.ts, dur=op.dur, tid=op.tid,
+                        correlation=correlation)
+        out.calls.append(call)
+        if ops:
+            out.launches.append(LaunchRecord(call, tuple(ops)))
+            del by_corr[correlation]
+    out.calls.sort(key=lambda r: (r.ts, -r.dur))
+    out.launches.sort(key=lambda r: (r.call.ts, -r.call.dur))
 
 
 def _x(name: str, cat: str, ts: float, dur: float, pid: Any, tid: Any, **args: Any) -> dict:

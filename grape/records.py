@@ -125,8 +125,9 @@ def alone_times(ops: Sequence[GpuRecord]) -> list[float]:
     concurrent work shares it, as kernels big enough to fill it do. An op that ran alone is
     charged its duration; ops of one stream that appear to overlap (clock slack, or a trace
     edited by hand) do not divide their time, since a stream runs one op at a time."""
-    events = sorted([(op.ts, 1, i) for i, op in enumerate(ops)]
-                    + [(op.end, 0, i) for i, op in enumerate(ops)])  # ends before starts
+    timed = [i for i, op in enumerate(ops) if op.end > op.ts]  # an instant shares nothing
+    events = sorted([(ops[i].ts, 1, i) for i in timed]
+                    + [(ops[i].end, 0, i) for i in timed])  # ends before starts
     alone = [0.0] * len(ops)
     active: dict[int, set[int]] = {}  # stream -> its ops running
     last = None

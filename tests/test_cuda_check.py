@@ -32,3 +32,29 @@ def test_failed_call_names_the_error_and_what_grape_was_doing():
 @pytest.mark.gpu
 def test_device_status_names_the_device():
     assert HAVE_DEVICE and WHY.startswith("NVIDIA")
+
+
+def test_an_observer_wraps_the_observed_driver_calls_and_no_others():
+    import contextlib
+
+    from grape.cuda.check import observe
+
+    def cuGraphLaunch(*args):
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def cuCtxGetDevice(*args):
+        return (driver.CUresult.CUDA_SUCCESS, 3)
+
+    seen = []
+
+    @contextlib.contextmanager
+    def span(name):
+        seen.append(f"enter {name}")
+        yield
+        seen.append(f"exit {name}")
+
+    with observe(span):
+        call(cuGraphLaunch, 1, 2, doing="launching")
+        assert call(cuCtxGetDevice, doing="asking") == 3
+    call(cuGraphLaunch, doing="launching, unobserved")
+    assert seen == ["enter cuGraphLaunch", "exit cuGraphLaunch"]

@@ -353,3 +353,52 @@ def test_one_iteration_that_obviously_repeats_is_flagged_with_what_to_do(tmp_pat
     assert main(["simulate", str(path), "--iterations", "2"]) == 0
     captured = capsys.readouterr()
     assert "2 iterations" in captured.out and "warning" not in captured.err
+
+
+# --- grape's own driver calls, which torch.profiler does not record --------------------------
+
+
+def _grape_launches(t0: float, corr: int, kernels: int = 3) -> list[dict]:
+    """A grape launch as the profiler records it: grape's annotation of the driver call, and
+    the graph's kernels under a correlation no recorded call has."""
+    return [_x("aten::add", "cpu_op", t0, 1),
+            _x("cudaLaunchKernel", "cuda_runtime", t0 + 1, 2, corr + 1000),
+            _x("add", "kernel", t0 + 2, 1, corr + 1000, stream=7),
+            _x("grape:cuGraphExecKernelNodeSetParams", "user_annotation", t0 + 4, 1),
+            _x("grape:cuGraphLaunch", "user_annotation", t0 + 6, 3)] + [
+        _x(f"k{i}", "kernel", t0 + 10 + 2 * i, 1, corr, stream=7) for i in range(kernels)]
+
+
+def test_grape_s_marked_launches_take_the_gpu_work_they_caused(tmp_path):
+    events = [e for i in range(3) for e in _grape_launches(100 * i, corr=i)]
+    t = read_trace(_write(tmp_path, events))
+    assert not t.orphans
+    graphs = [launch for launch in t.launches if launch.is_graph]
+    assert [(g.call.name, g.call.category, len(g.ops)) for g in graphs] == [
+        ("cuGraphLaunch", "driver", 3)] * 3
+    assert [c.name for c in t.calls].count("cuGraphExecKernelNodeSetParams") == 3
+    assert not any(op.name.startswith("grape:") for op in t.ops)  # calls now, not operators
+    assert len(t.iterations) == 3
+    written = read_trace(write_trace(tmp_path / "w.json.gz", t, META))
+    assert [len(g.ops) for g in written.launches if g.is_graph] == [3, 3, 3]
+    assert written.calls == t.calls and not written.orphans
+
+
+def test_marked_launches_that_do_not_pair_with_the_orphaned_work_leave_it_orphaned(tmp_path):
+    events = [e for i in range(2) for e in _grape_launches(100 * i, corr=i)]
+    events.append(_x("stray", "kernel", 400, 1, 77, stream=7))  # a third group, two launches
+    t = read_trace(_write(tmp_path, events))
+    assert not [launch for launch in t.launches if launch.is_graph]
+    assert len(t.orphans) == 7
+    assert [c.name for c in t.calls].count("cuGraphLaunch") == 2  # the calls are kept
+
+
+def test_the_committed_recordings_of_grape_s_own_launches_are_graph_launches():
+    # benchmarks/ir_twin.py on the H200 marked each launch "grape launch N": five launches of a
+    # GPT-2 decode step rebuilt by grape (342 kernels each) and of its device loop, whose
+    # conditional body CUPTI reports once per launch (345 kernels over a 48 ms span).
+    for name, kernels in (("twin_step", 342), ("twin_loop", 345)):
+        t = read_trace(Path(__file__).resolve().parents[1] / "traces" / "h200_ir"
+                       / f"{name}.kineto.json.gz")
+        graphs = [launch for launch in t.launches if launch.is_graph]
+        assert not t.orphans and [len(g.ops) for g in graphs] == [kernels] * 5

@@ -8,14 +8,38 @@ such error, never at import.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from cuda.bindings import driver, nvrtc, runtime
 
 from grape.errors import CudaError, UnsupportedError
 
-__all__ = ["call", "device_status"]
+__all__ = ["OBSERVED", "call", "device_status", "observe"]
+
+# Driver calls whose host time and GPU work a trace of grape's own runs needs: the launches, and
+# what brings an executable to a shape before one. torch.profiler does not record cuda-python's
+# driver calls, so grape marks them itself while an observer is set (:func:`observe`).
+OBSERVED = frozenset({"cuGraphLaunch", "cuGraphExecUpdate", "cuGraphExecKernelNodeSetParams",
+                      "cuGraphExecMemsetNodeSetParams", "cuGraphExecMemcpyNodeSetParams",
+                      "cuGraphExecNodeSetParams", "cuGraphInstantiate",
+                      "cuGraphInstantiateWithParams"})
+_OBSERVER: Callable[[str], Any] | None = None
+
+
+@contextlib.contextmanager
+def observe(span: Callable[[str], Any]) -> Iterator[None]:
+    """Inside the block, every :data:`OBSERVED` driver call runs inside ``span(name)``, a
+    context manager (``torch.profiler.record_function`` under ``f"grape:{name}"``, say), so that a
+    profiler's trace holds the call, and the GPU work a launch caused can be given to it
+    (``grape.kineto``)."""
+    global _OBSERVER
+    before, _OBSERVER = _OBSERVER, span
+    try:
+        yield
+    finally:
+        _OBSERVER = before
 
 _OK = (driver.CUresult.CUDA_SUCCESS, runtime.cudaError_t.cudaSuccess,
        nvrtc.nvrtcResult.NVRTC_SUCCESS)
@@ -44,13 +68,18 @@ def call(fn: Callable[..., tuple], *args: Any, doing: str) -> Any:
     UnsupportedError
         The driver has no such entry point (older than the bindings).
     """
+    name = getattr(fn, "__name__", "")
     try:
-        status, *values = fn(*args)
+        if _OBSERVER is not None and name in OBSERVED:
+            with _OBSERVER(name):
+                status, *values = fn(*args)
+        else:
+            status, *values = fn(*args)
     except RuntimeError as e:  # cuda.bindings loads libcuda/libnvrtc lazily, at the first call
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "not found" in first_line and "Function" in first_line:
             # The library loaded, but this driver predates the entry point.
-            raise UnsupportedError(f"the installed driver lacks {getattr(fn, '__name__', fn)} "
+            raise UnsupportedError(f"the installed driver lacks {name or fn} "
                                    f"(a newer driver has it), while {doing}") from None
         raise CudaError(f"no usable CUDA library ({first_line}), while {doing}") from None
     if status not in _OK:

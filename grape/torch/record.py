@@ -11,6 +11,13 @@ By default the profiler records CUDA activity only (API calls, kernels, copies),
 simulator uses: recording every PyTorch operator as well costs 1-5 us of host time per operator,
 and how much varies between models by more than the simulator's error bound, so traces meant
 for validation leave operators out (``cpu_ops=True`` keeps them, for people reading the trace).
+
+Modes: ``eager``, ``graph`` (PyTorch's replay of the step's capture) and ``grape`` (the capture
+read into the IR, rebuilt and launched by grape's CUDA backend: the backend's own run). The
+profiler does not record cuda-python's driver calls, so in ``grape`` mode grape marks its own
+(``grape.cuda.check.observe``) and the reader turns the marks back into the calls, each launch
+with the GPU work it caused (``grape.kineto``); operators are recorded in that mode, since the
+marks are host activity.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,10 +80,33 @@ def machine_meta(workload: str, mode: str, wall_time_us: Sequence[float], notes:
 
 
 def _runner(w: Workload, mode: str) -> tuple[Callable[[], object], int | None]:
+    """``eager``: the step as PyTorch runs it; ``graph``: PyTorch's replay of its capture;
+    ``grape``: the capture read into the IR, rebuilt and launched by grape's CUDA backend."""
     if mode == "eager":
         return (lambda: w.step(*w.inputs)), None
-    cap = capture(w.step, *w.inputs, params=w.params)
-    return cap.replay, sum(1 for _ in cap.ir.kernels())
+    instantiate = mode == "graph"
+    cap = capture(w.step, *w.inputs, params=w.params, instantiate=instantiate)
+    nodes = sum(1 for _ in cap.ir.kernels())
+    if mode == "graph":
+        return cap.replay, nodes
+    from grape.cuda.build import Graph
+
+    graph = Graph.build(cap.ir)
+    executable = graph.instantiate()
+
+    def launch() -> None:
+        executable.launch(torch.cuda.current_stream().cuda_stream)
+
+    launch.keep = (cap, graph, executable)  # type: ignore[attr-defined]  # the pool, the graph
+    return launch, nodes
+
+
+def _grape_calls_marked() -> Any:
+    """grape's own driver calls as profiler annotations ("grape:cuGraphLaunch"), which the
+    trace reader turns back into the calls, each with the GPU work it caused."""
+    from grape.cuda.check import observe
+
+    return observe(lambda name: torch.profiler.record_function(f"grape:{name}"))
 
 
 def timed_calls(run: Callable[[], object], steps: int,
@@ -146,7 +177,11 @@ def record(w: Workload, modes: Sequence[str], out_dir: Path, timed: int = 30,
             run()
         walls[mode] = timed_calls(run, timed, before=w.refresh)  # fresh inputs, untimed
     for mode, (run, nodes) in runs.items():
-        trace = profile_steps(run, profiled, cpu_ops)
+        if mode == "grape":  # annotations are host activity: the profiler records them with it
+            with _grape_calls_marked():
+                trace = profile_steps(run, profiled, cpu_ops=True)
+        else:
+            trace = profile_steps(run, profiled, cpu_ops)
         meta = machine_meta(w.name, mode, walls[mode],
                             f"{w.spec}; fp16, random weights; wall time: {timed} "
                             f"synchronised steps after {warmup} warm-ups, in a process "
@@ -169,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m grape.torch.record")
     parser.add_argument("spec")
-    parser.add_argument("--modes", default="eager,graph")
+    parser.add_argument("--modes", default="eager,graph", help="among eager, graph, grape")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timed", type=int, default=30)
     parser.add_argument("--profiled", type=int, default=3)
