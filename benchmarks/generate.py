@@ -78,7 +78,11 @@ SIZES = {"small": {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_he
                           "num_attention_heads": 32, "num_key_value_heads": 4,
                           "intermediate_size": 5632, "vocab_size": 32000},
          "gpt2small": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-                       "vocab_size": 50257}}
+                       "vocab_size": 50257},
+         # GPT-2 small with 4,096 positions: the families issue's exact-lengths shape.
+         "gpt2small4096": {"hidden_size": 768, "num_hidden_layers": 12,
+                           "num_attention_heads": 12, "vocab_size": 50257,
+                           "n_positions": 4096}}
 STRATEGIES = {"greedy": {}, "sample": {"do_sample": True, "temperature": 0.8, "top_k": 50,
                                        "top_p": 0.9},
               "beam5": {"num_beams": 5}}
