@@ -35,7 +35,8 @@ PROFILER_STEP = "ProfilerStep#"
 # their GPU work arrives with a correlation no host call has. grape's CUDA backend marks each such
 # call with a user annotation "grape:<driver call>" (grape.cuda.check.observe), which the decoder
 # turns back into the call it stands for. "grape launch N" is how benchmarks/ir_twin.py marked
-# the launches of the recordings committed in traces/h200_ir, before that convention.
+# the launches of the recordings committed in traces/h200_ir, before that convention (its spans
+# hold the Python call around the launch, so their host time is more than the driver call's).
 GRAPE_CALL_PREFIX = "grape:"
 _LEGACY_LAUNCH_MARK = "grape launch "
 # CUPTI's GPU timestamps may lead the host's by about a microsecond.

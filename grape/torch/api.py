@@ -239,10 +239,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     ``model.generate`` with a warning, like one that does not capture. ``exact_lengths=True``
     makes each token's attention read only the keys that exist
     (``grape.torch.exact``: one kernel that takes each row's length from the device) instead of
-    the whole preallocated cache, masked: for long generations; its kernel differs from SDPA's,
-    so its tokens agree with ``generate``'s to a tolerance, not bit for bit. Prompts must be
-    left padded; a model whose attention cannot run it attends over the whole cache, with one
-    warning.
+    the whole preallocated cache, masked; its kernel differs from SDPA's, so its tokens are
+    greedy decoding's to fp16 near-ties, not ``generate``'s bit for bit. Prompts must be left
+    padded (a mask with a zero after a one falls back to ``model.generate``, with a warning); a
+    model whose attention cannot run it attends over the whole cache, with one warning. The
+    default, None, turns it on for generations of at least ``EXACT_FROM`` tokens (prompt and
+    new) of 16-bit models without ``compile``, where it measured faster on the H200, and off
+    below, where grape's tokens are ``generate``'s bit for bit.
 
     Returns
     -------
