@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from grape.torch.beam import BeamDecoder  # noqa: E402
-from grape.torch.decoding import TokenDecoder  # noqa: E402
+from grape.torch.decoding import NotLeftPadded, TokenDecoder  # noqa: E402
 from grape.torch.exact import Lengths, TokenMajorLayer  # noqa: E402
-from grape.torch.options import NotGraphable, resolve  # noqa: E402
+from grape.torch.options import resolve  # noqa: E402
 
 VOCAB = 300
 COMMON = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -103,7 +103,7 @@ def test_a_mask_that_is_not_left_padding_is_caught_when_the_result_is_read():
     ids, mask = _prompt()
     mask[2, 3] = 0  # a hole: row 2's keys are not one range
     decoder, m = _decoder(model, ids, mask, exact=True)
-    with pytest.raises(NotGraphable, match="left-padded"):
+    with pytest.raises(NotLeftPadded, match="left-padded"):
         decoder.generate_on_host(ids, m)
 
 

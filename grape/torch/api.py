@@ -46,7 +46,7 @@ from grape.passes.audit import step_dependence
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.beam import BeamDecoder
 from grape.torch.capture import capture
-from grape.torch.decoding import Decoder, TokenDecoder
+from grape.torch.decoding import Decoder, NotLeftPadded, TokenDecoder
 from grape.torch.loop import DeviceLoop
 from grape.torch.options import NotGraphable, Options, resolve
 from grape.torch.parallel import agree, group_of
@@ -245,7 +245,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     model whose attention cannot run it attends over the whole cache, with one warning. The
     default, None, turns it on for generations of at least ``EXACT_FROM`` tokens (prompt and
     new) of 16-bit models without ``compile``, where it measured faster on the H200, and off
-    below, where grape's tokens are ``generate``'s bit for bit.
+    below, where grape's tokens are ``generate``'s bit for bit; a mask it cannot take then
+    runs the loop over the whole cache (found after the launch, which then runs again).
 
     Returns
     -------
@@ -280,8 +281,15 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
         exact = exact_lengths if exact_lengths is not None else (
             not compile and input_ids.shape[1] + options.max_new_tokens >= EXACT_FROM
             and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
-        return _graphed_generate(model, input_ids, mask, options, seed, compile, exact,
-                                 warn_whole=exact_lengths is True)
+        try:
+            return _graphed_generate(model, input_ids, mask, options, seed, compile, exact,
+                                     warn_whole=exact_lengths is True)
+        except NotLeftPadded:
+            if exact_lengths is not None:  # asked for: say so (below), and run generate
+                raise
+            # Chosen by grape: the loop over the whole cache takes any mask.
+            return _graphed_generate(model, input_ids, mask, options, seed, compile, False,
+                                     warn_whole=False)
     except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
         reason = str(e).splitlines()[0]
     except _COMPILE_ERRORS as e:  # only raised with compile=True

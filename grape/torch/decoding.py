@@ -35,7 +35,11 @@ from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.options import NotGraphable, Options
 from grape.torch.parallel import group_of
 
-__all__ = ["Decoder", "TokenDecoder", "static_cache"]
+__all__ = ["Decoder", "NotLeftPadded", "TokenDecoder", "static_cache"]
+
+
+class NotLeftPadded(NotGraphable):
+    """Exact lengths were asked of a prompt whose mask has a zero after a one."""
 
 
 def static_cache(model: torch.nn.Module, max_len: int,
@@ -180,8 +184,8 @@ class Decoder:
     def _check_lengths(self) -> None:
         """After a generation (its result read back): exact lengths had a left-padded prompt."""
         if self.lengths is not None and not bool(self.lengths.ok):
-            raise NotGraphable("exact lengths need left-padded prompts (each row's ones in one "
-                               "run at the end), and this attention mask has a zero after a one")
+            raise NotLeftPadded("exact lengths need left-padded prompts (each row's ones in one "
+                                "run at the end), and this attention mask has a zero after a one")
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """The prompt's tensors as the decoder's rows (one per prompt here)."""
