@@ -68,18 +68,16 @@ def call(fn: Callable[..., tuple], *args: Any, doing: str) -> Any:
     UnsupportedError
         The driver has no such entry point (older than the bindings).
     """
-    name = getattr(fn, "__name__", "")
     try:
-        if _OBSERVER is not None and name in OBSERVED:
-            with _OBSERVER(name):
-                status, *values = fn(*args)
-        else:
+        if _OBSERVER is None:  # the launch path: nothing more than the call
             status, *values = fn(*args)
+        else:
+            status, *values = _observed(fn, args)
     except RuntimeError as e:  # cuda.bindings loads libcuda/libnvrtc lazily, at the first call
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "not found" in first_line and "Function" in first_line:
             # The library loaded, but this driver predates the entry point.
-            raise UnsupportedError(f"the installed driver lacks {name or fn} "
+            raise UnsupportedError(f"the installed driver lacks {getattr(fn, '__name__', fn)} "
                                    f"(a newer driver has it), while {doing}") from None
         raise CudaError(f"no usable CUDA library ({first_line}), while {doing}") from None
     if status not in _OK:
@@ -87,6 +85,14 @@ def call(fn: Callable[..., tuple], *args: Any, doing: str) -> Any:
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+def _observed(fn: Callable[..., tuple], args: tuple) -> tuple:
+    name = getattr(fn, "__name__", "")
+    if name not in OBSERVED:
+        return fn(*args)
+    with _OBSERVER(name):
+        return fn(*args)
 
 
 def device_status() -> tuple[bool, str]:
