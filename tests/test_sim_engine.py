@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from grape.errors import GrapeError
@@ -157,22 +159,83 @@ def test_ranks_whose_collectives_do_not_match_are_refused():
         simulate_ranks([_rank_program(0.0), lonely])
 
 
-def test_a_launch_costs_one_event_of_the_simulation(monkeypatch):
-    # The host runs ahead on its own clock and waits only on a full queue, a sync or the end:
-    # what makes a million launches simulate in seconds (benchmarks/sim_speed.py). A count,
-    # not a time: three events per launch before.
+def _counting_steps(monkeypatch):
     import simpy
 
-    steps = 0
+    steps = [0]
     original = simpy.Environment.step
 
     def counting(env):
-        nonlocal steps
-        steps += 1
+        steps[0] += 1
         original(env)
 
     monkeypatch.setattr(simpy.Environment, "step", counting)
+    return steps
+
+
+def test_launches_cost_events_only_where_another_process_looks(monkeypatch):
+    # The host runs ahead on its own clock and waits only on a full queue, a sync or the end;
+    # a stream runs ahead of the simulation while no other process can look. What makes a
+    # million launches simulate in seconds (benchmarks/sim_speed.py). Counts, not times.
+    steps = _counting_steps(monkeypatch)
     launch = (HostWork(4.0), Launch("cudaLaunchKernel", 5.0, (_k(3.0),)))
     r = simulate(Program("p", [launch * 500 + (Sync("sync", 0),)] * 4), COSTS)
     assert r.iteration_times[0] == pytest.approx(500 * 9 + 2 + 3)  # host-bound, then drained
-    assert 2000 <= steps <= 2000 * 1.05
+    assert steps[0] <= 4 * 10  # a handful per iteration (one per launch before: 2,000)
+    # GPU-bound behind a full queue: each launch waits for a slot, at most three events each
+    # (the host's look at its own time, the freed slot, the kernel that freed it ending).
+    steps[0] = 0
+    slow = (Launch("cudaLaunchKernel", 1.0, (_k(30.0),)),)
+    simulate(Program("p", [slow * 500 + (Sync("sync", 0),)]),
+             dataclasses.replace(COSTS, queue_depth=8))
+    assert 500 <= steps[0] <= 3 * 500 + 10
+
+
+def _random_program(rng, streams: int) -> Program:
+    iterations = []
+    for _ in range(rng.randint(1, 4)):
+        steps = []
+        for _ in range(rng.randint(5, 60)):
+            roll = rng.random()
+            if roll < 0.45:
+                work = tuple(_k(rng.choice([0.0, 0.5, 3.0, 40.0]), rng.randrange(streams),
+                                f"k{len(steps)}") for _ in range(rng.randint(1, 3)))
+                steps.append(Launch("cudaLaunchKernel", rng.choice([0.5, 5.0]), work))
+            elif roll < 0.6:
+                steps.append(HostWork(rng.choice([1.0, 20.0, 200.0])))
+            elif roll < 0.7 and streams > 1:
+                a, b = rng.sample(range(streams), 2)
+                steps.append(StreamWait(a, b))
+            elif roll < 0.8:
+                work = tuple(_k(rng.choice([1.0, 9.0]), 0, "g") for _ in range(3))
+                steps.append(GraphLaunch(3.0, 3, 25.0, rng.randrange(streams), work))
+            elif roll < 0.85:
+                steps.append(Sync("sync", rng.choice([0.0, 4.0])))
+        if rng.random() < 0.7:
+            steps.append(Sync("sync", 0.0))
+        iterations.append(tuple(steps))
+    return Program("random", iterations)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_running_ahead_gives_the_times_an_event_per_kernel_gives(monkeypatch, seed):
+    # The reference: a simulation whose next event always looks imminent, so every stream
+    # ends every kernel with an event of its own (the engine before it ran ahead).
+    import random
+
+    import simpy
+
+    rng = random.Random(seed)
+    program = _random_program(rng, rng.choice([1, 2, 3]))
+    costs = dataclasses.replace(COSTS, queue_depth=rng.choice([2, 5, 1024]))
+
+    def run():
+        r = simulate(program, costs, timeline=True, record=True)
+        return (r.iteration_times, r.end, r.gpu_busy, r.host_stall, r.synchronised,
+                sorted((i.track, i.name, i.start, i.end) for i in r.intervals),
+                sorted((c.name, c.ts, c.dur) for c in r.calls),
+                sorted((o.name, o.ts, o.dur, o.stream) for o in r.gpu_ops))
+
+    ahead = run()
+    monkeypatch.setattr(simpy.Environment, "peek", lambda env: env.now)
+    assert run() == ahead

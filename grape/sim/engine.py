@@ -7,16 +7,21 @@ thousand pending launches); a kernel starts no sooner than the launch latency af
 and no sooner than the front end's gap after the stream's previous work; a stream told to wait
 for another (an event between streams) runs nothing more until the other has finished the work
 it had then; a sync waits for the device to drain.
+
+Both kinds of process keep clocks of their own and run ahead of SimPy's where nothing else can
+look, paying an event only where another process's next move depends on theirs: what makes a
+million launches a couple of seconds (``benchmarks/sim_speed.py``).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from array import array
 from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import simpy
 
@@ -101,14 +106,19 @@ class _Stream:
     """A stream's queue of work: a deque, and an event only while the stream sits idle.
 
     A :class:`simpy.Store` would cost a put and a get event per kernel; like SimPy's own
-    resources, this wakes the consumer only when it is waiting, so a busy stream costs one
-    event per kernel (its timeout).
+    resources, this wakes the consumer only when it is waiting, and the consumer runs ahead of
+    the simulation where no other process can look (``_Machine._run_stream``), so a busy stream
+    costs an event per stretch between other processes' events, not one per kernel.
     """
 
-    __slots__ = ("finished", "items", "submitted", "waiters", "wake")
+    __slots__ = ("finished", "items", "spans", "submitted", "waiters", "wake")
 
     def __init__(self) -> None:
         self.items: deque[_Item] = deque()
+        # When it ran work: start, end, start, end... in time order, never overlapping (a
+        # stream runs one item at a time). Floats in an array, not a tuple per kernel: a
+        # million tuples would keep the garbage collector scanning them.
+        self.spans = array("d")
         self.wake: simpy.Event | None = None
         self.submitted = 0  # work items queued, ever
         self.finished = 0  # work items run to the end, ever
@@ -131,8 +141,7 @@ class _Stream:
             self.wake = None
 
 
-@dataclass(slots=True)
-class _Item:
+class _Item(NamedTuple):
     name: str
     dur: float
     ready: float  # earliest start: launch latency after the launch call returned
@@ -142,6 +151,11 @@ class _Item:
     kind: str = "kernel"
     correlation: int = 0
     work: tuple[GpuWork, ...] = ()
+
+
+# One item per launch is built on the hot path: tuple.__new__ with every field is a C call,
+# where the NamedTuple's own constructor (keywords, defaults) runs Python, a third of a launch.
+_new_item = tuple.__new__
 
 
 class _Rendezvous:
@@ -178,13 +192,13 @@ class _Machine:
         self.slot: simpy.Event | None = None  # fires when a full queue frees a slot
         self.outstanding = 0  # work not yet finished, for syncs
         self.drained: simpy.Event | None = None
-        self.busy: list[tuple[float, float]] = []
         self.timeline: list[Interval] | None = [] if timeline else None
         self.stall = 0.0
         self.ops: list[GpuRecord] | None = None  # set when recording
         self.correlation = 0
         self.rank, self.rendezvous = rank, rendezvous
         self.collectives = 0  # started on this rank's GPU so far
+        self.unsynced = 0  # iterations the host ran without a sync (counted by _host)
 
     def stream(self, sid: int) -> _Stream:
         stream = self.streams.get(sid)
@@ -194,54 +208,101 @@ class _Machine:
         return stream
 
     def _run_stream(self, sid: int, stream: _Stream) -> Generator[Any, Any, None]:
-        # The hot loop of every simulation: one pass per kernel; names bound locally.
+        """The hot loop of every simulation: one pass per kernel.
+
+        The stream keeps its own clock, ``t``, and runs its queue ahead of the simulation's
+        without an event per kernel while nothing else can look: every other process sleeps
+        until the next scheduled event (``env.peek()``), and their state is what it was at
+        ``env.now``, so work this stream takes and finishes before that moment is invisible
+        until then, and finishing it now changes nothing another process sees. The stream
+        catches the simulation up to its clock (one timeout) before anything another process
+        can see at once: waking the host (a freed queue slot, a drained device), waking a
+        stream waiting on this one, waiting itself, or a kernel that ends at or after the next
+        event. A GPU-bound run then costs an event per stretch between other processes'
+        events, not one per kernel; the times are the same as one event per kernel gives.
+        """
         env, gap, free = self.env, self.costs.kernel_gap, float("-inf")
-        items, timeout, busy = stream.items, env.timeout, self.busy
+        items, timeout, peek = stream.items, env.timeout, env.peek
+        spans, timeline, recording = stream.spans, self.timeline, self.ops is not None
         rendezvous = self.rendezvous
+        t = env.now
+        # The next event of another process. Only a running process schedules events, and
+        # this one schedules none while it runs ahead, so it is read again after each yield.
+        horizon = peek()
         while True:
             if not items:
+                if t > env.now:
+                    yield timeout(t - env.now)
                 stream.wake = env.event()
                 yield stream.wake
+                t, horizon = env.now, peek()
             item = items.popleft()
-            if item.after is not None:  # a wait for another stream, not a launch
-                other, count = item.after
+            name, dur, ready, after, kind, _, _ = item  # one unpacking, not five lookups
+            if after is not None:  # a wait for another stream, not a launch
+                other, count = after
                 if other.finished < count:
+                    if t > env.now:
+                        yield timeout(t - env.now)
                     event = env.event()
                     other.waiters.append((count, event))
                     yield event
+                    t, horizon = env.now, peek()
                 continue
             # The front end has taken the launch from the driver's queue: its slot is free.
             self.pending -= 1
-            if self.slot is not None:
+            if self.slot is not None:  # the host waits for it
+                if t > env.now:
+                    yield timeout(t - env.now)
                 self.slot.succeed()
-                self.slot = None
-            now = env.now
-            start = item.ready
+                self.slot, horizon = None, env.now  # the host runs next, at this time
+            start = ready
             if free + gap > start:
                 start = free + gap
-            if now > start:
-                start = now
-            if rendezvous is not None and item.kind == "collective":
+            if t > start:
+                start = t
+            if rendezvous is not None and kind == "collective":
                 # A collective's kernel starts, then waits (spinning, busy) for every rank's.
-                yield timeout(start - now)
+                yield timeout(start - env.now)
                 self.collectives += 1
-                yield rendezvous.arrive(self.collectives, self.rank, item.name)
-                yield timeout(item.dur)
+                yield rendezvous.arrive(self.collectives, self.rank, name)
+                yield timeout(dur)
+                t, horizon = env.now, peek()
             else:
-                yield timeout(start - now + item.dur)  # one event per kernel
-            free = env.now
+                t = start + dur
+                if t >= horizon:  # another process wakes first: end the kernel as an event
+                    yield timeout(t - env.now)
+                    horizon = peek()
+            free = t
             stream.finished += 1
             if stream.waiters:  # another stream waits for this one's work
+                if t > env.now:
+                    yield timeout(t - env.now)
                 stream.wake_waiters()
-            busy.append((start, free))
-            if self.timeline is not None:
-                self.timeline.append(Interval(f"stream {sid}", item.name, start, free))
-            if self.ops is not None:
+                horizon = env.now  # a woken stream runs next, at this time
+            spans.append(start)
+            spans.append(free)
+            if timeline is not None:
+                timeline.append(Interval(f"stream {sid}", name, start, free))
+            if recording:
                 self.ops.extend(_recorded(item, sid, start, free))
             self.outstanding -= 1
             if self.outstanding == 0 and self.drained is not None:
+                if t > env.now:
+                    yield timeout(t - env.now)
                 self.drained.succeed()
-                self.drained = None
+                self.drained, horizon = None, env.now  # the host runs next, at this time
+
+    def busy(self) -> tuple[float, float]:
+        """How long some stream ran work, and when the last work ended."""
+        runs = [s.spans for s in self.streams.values() if s.spans]
+        if not runs:
+            return 0.0, 0.0
+        end = max(spans[-1] for spans in runs)
+        if len(runs) == 1:  # one stream's spans never overlap: add them up, in order
+            spans = runs[0]
+            return sum(e - s for s, e in zip(spans[0::2], spans[1::2], strict=True)), end
+        return union_length(pair for r in runs
+                            for pair in zip(r[0::2], r[1::2], strict=True)), end
 
     def wait_for_slot(self) -> Generator[Any, Any, None]:
         while self.pending >= self.costs.queue_depth:  # the driver's queue is full: stall
@@ -259,8 +320,8 @@ class _Machine:
         self.outstanding += 1
         stream = self.streams.get(sid) or self.stream(sid)
         stream.submitted += 1
-        stream.items.append(_Item(name, dur, at + self.latency, None, kind, self.correlation,
-                                  work))
+        stream.items.append(_new_item(_Item, (name, dur, at + self.latency, None, kind,
+                                              self.correlation, work)))
         if stream.wake is not None:  # the stream sits idle: wake it
             stream.wake.succeed()
             stream.wake = None
@@ -311,14 +372,16 @@ def _host(m: _Machine, program: Program, times: list[float],
         m.correlation += 1  # ties the call to the work it queues, as CUPTI's ids do
         calls.append(HostCall(name, "runtime", start, end - start, 1, m.correlation))
 
+    submit = m.submit
     for steps in program.iterations:
-        began = clock
+        began, synced = clock, False
         for step in steps:
             t = clock
-            if isinstance(step, HostWork):
+            kind = type(step)  # exact types: Program's steps are final dataclasses
+            if kind is HostWork:
                 clock += step.dur
-            elif isinstance(step, Launch | GraphLaunch):
-                graph = isinstance(step, GraphLaunch)
+            elif kind is Launch or kind is GraphLaunch:
+                graph = kind is GraphLaunch
                 if calls is not None:
                     call("cudaGraphLaunch" if graph else step.api, clock, clock + step.cost)
                 clock += step.cost
@@ -330,25 +393,30 @@ def _host(m: _Machine, program: Program, times: list[float],
                             yield from m.wait_for_slot()
                             clock = env.now
                     if graph:
-                        m.submit(step.stream, f"graph ({step.nodes} nodes)", step.gpu_time,
-                                 clock, work=step.work if calls is not None else ())
+                        submit(step.stream, f"graph ({step.nodes} nodes)", step.gpu_time,
+                               clock, work=step.work if calls is not None else ())
                     else:
-                        m.submit(w.stream, w.name, w.dur, clock, w.kind)
-            elif isinstance(step, StreamWait):
+                        submit(w.stream, w.name, w.dur, clock, w.kind)
+            elif kind is StreamWait:
                 m.wait(step.stream, step.on)
-            elif isinstance(step, Sync):
+            elif kind is Sync:
+                synced = True
                 if clock > env.now:
                     yield env.timeout(clock - env.now)
-                synced = env.now
+                at = env.now
                 yield from m.drain()
                 yield env.timeout(step.cost)
                 clock = env.now
                 if calls is not None:
-                    calls.append(HostCall(step.api, "runtime", synced, env.now - synced, 1))
+                    calls.append(HostCall(step.api, "runtime", at, env.now - at, 1))
+            else:
+                raise GrapeError(f"expected a program step (HostWork, Launch, GraphLaunch, "
+                                 f"StreamWait or Sync), found {kind.__name__}")
             if timeline is not None and clock > t:
-                timeline.append(Interval("host", type(step).__name__, t, clock))
+                timeline.append(Interval("host", kind.__name__, t, clock))
         times.append(clock - began)
         windows.append((began, clock))
+        m.unsynced += not synced
     if clock > env.now:  # the run ends no sooner than its host
         yield env.timeout(clock - env.now)
 
@@ -383,10 +451,10 @@ def simulate_ranks(programs: list[Program], costs: Costs | None = None,
                          f"{stuck[0]} ({rendezvous.names[stuck[0]]!r}) reached by ranks "
                          f"{rendezvous.arrived[stuck[0]]} alone")
     results = []
-    for m, times, program in runs:
-        synced = all(any(isinstance(s, Sync) for s in steps) for steps in program.iterations)
-        end = max((b for _, b in m.busy), default=0.0)
-        results.append(SimResult(times, union_length(m.busy), max(end, sum(times)),
+    for m, times, _ in runs:
+        synced = m.unsynced == 0
+        busy, end = m.busy()
+        results.append(SimResult(times, busy, max(end, sum(times)),
                                  m.timeline or [], m.stall, synced))
     return results
 
@@ -405,6 +473,6 @@ def simulate(program: Program, costs: Costs | None = None, timeline: bool = Fals
         m.ops = []
     env.process(_host(m, program, times, calls, windows))
     env.run()
-    synced = all(any(isinstance(s, Sync) for s in steps) for steps in program.iterations)
-    return SimResult(times, union_length(m.busy), env.now, m.timeline or [], m.stall, synced,
+    synced = m.unsynced == 0
+    return SimResult(times, m.busy()[0], env.now, m.timeline or [], m.stall, synced,
                      calls or [], m.ops or [], windows)
