@@ -89,3 +89,33 @@ def test_generate_with_exact_lengths_is_one_launch_of_greedy_tokens(cuda):
         # every token greedy decoding would make, up to fp16 near-ties
         assert float(gaps.max()) < 0.05, float(gaps.max())
     clear_cache(model)
+
+
+def test_a_cache_longer_than_the_generation_changes_what_is_read_not_the_tokens(cuda):
+    # cache_length sizes the cache as a server does, once: exact lengths never read the keys
+    # past the generation, so their tokens are the short cache's bit for bit; the loop over
+    # the whole cache reads them all, masked, so its tokens are greedy decoding's.
+    from exact_lengths import greedy_gaps
+
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+
+    config = transformers.GPT2Config(n_embd=256, n_layer=3, n_head=4, vocab_size=4000,
+                                     n_positions=1024, bos_token_id=1, eos_token_id=2,
+                                     pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    model = model.cuda().eval()
+    ids = torch.randint(3, 4000, (4, 16), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    kw = dict(max_new_tokens=64, eos_token_id=None, pad_token_id=0)
+    short = grape.generate(model, ids, mask, exact_lengths=True, **kw)
+    long = grape.generate(model, ids, mask, exact_lengths=True, cache_length=1024, **kw)
+    stats = last_stats()
+    assert stats.graphed and stats.captured and stats.attention == {"exact": 3}
+    assert torch.equal(long, short)
+    padded = grape.generate(model, ids, mask, exact_lengths=False, cache_length=1024, **kw)
+    assert last_stats().graphed and padded.shape == short.shape
+    assert float(greedy_gaps(model, padded, mask, 16).max()) < 0.05
+    clear_cache(model)

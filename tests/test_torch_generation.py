@@ -4,6 +4,7 @@ architectures and strategies; sampling, options, fallbacks and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -78,6 +79,24 @@ def test_the_host_loop_makes_generates_tokens(model, strategy):
     reference = model.generate(ids, attention_mask=mask, cache_implementation="static",
                                **kwargs)
     assert torch.equal(_host(model, ids, mask, **kwargs), reference)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam 4, EOS"])
+def test_a_cache_longer_than_the_generation_makes_the_same_tokens(strategy):
+    # A server's cache, sized once: the masked columns past the generation change nothing.
+    config = transformers.AutoConfig.for_model("llama", **CONFIGS["llama"], **COMMON)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = _prompt()
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=10)
+    options, m_mask = resolve(m, ids, mask, dict(kwargs))
+    longer = dataclasses.replace(options, cache_length=40)
+    assert longer.cache_tokens(ids.shape[1]) == 40 and options.cache_tokens(7) == 17
+    assert longer.key != options.key  # another executable
+    cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
+    decoder = cls(m, ids.shape[0], ids.shape[1], longer)
+    assert decoder.cache.layers[0].max_cache_len == 40
+    assert torch.equal(decoder.generate_on_host(ids, m_mask), _host(m, ids, mask, **kwargs))
 
 
 def test_the_comparisons_see_sequences_end_early():
@@ -163,15 +182,20 @@ def test_options_grape_does_not_reproduce_are_named(kwargs, reason):
      "expected max_new_tokens to be an integer of at least 1, found 0"),
     ((torch.zeros((1, 3), dtype=torch.long), None, "8"),
      "expected max_new_tokens to be an integer of at least 1, found '8'"),
+    ((torch.zeros((1, 3), dtype=torch.long), None, 4, 6),
+     "expected cache_length to be an integer of at least the prompt's length plus "
+     "max_new_tokens \\(7\\), found 6"),
+    ((torch.zeros((1, 3), dtype=torch.long), None, 4, 8.0),
+     "expected cache_length to be an integer .*, found 8.0"),
 ])
 def test_bad_input_is_one_line(args, message):
     import grape
 
     config = transformers.AutoConfig.for_model("gpt2", **CONFIGS["gpt2"], **COMMON)
     m = transformers.AutoModelForCausalLM.from_config(config)
-    ids, mask, new = args
+    ids, mask, new, *cache = args
     with pytest.raises(GrapeError, match=message) as info:
-        grape.generate(m, ids, mask, max_new_tokens=new)
+        grape.generate(m, ids, mask, max_new_tokens=new, cache_length=(cache or [None])[0])
     assert "\n" not in str(info.value)
 
 

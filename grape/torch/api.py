@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -224,7 +224,8 @@ def _caller_tensors(input_ids: torch.Tensor, mask: torch.Tensor | None) -> list[
 def generate(model: torch.nn.Module, input_ids: torch.Tensor,
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              seed: int | None = None, compile: bool = False,
-             exact_lengths: bool | None = None, **kwargs: Any) -> torch.Tensor:
+             exact_lengths: bool | None = None, cache_length: int | None = None,
+             **kwargs: Any) -> torch.Tensor:
     """``model.generate(input_ids, attention_mask=..., max_new_tokens=..., **kwargs)``, graphed.
 
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
@@ -247,6 +248,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     new) of 16-bit models without ``compile``, where it measured faster on the H200, and off
     below, where grape's tokens are ``generate``'s bit for bit; a mask it cannot take then
     runs the loop over the whole cache (found after the launch, which then runs again).
+    ``cache_length`` sizes the static cache (prompt and new tokens; default, their sum) as a
+    server sizes it once for generations of any length up to it: the loop over the whole cache
+    then attends over all of it every token, exact lengths over the keys that exist. The
+    executable is cached per cache length as well.
 
     Returns
     -------
@@ -275,11 +280,14 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     hf_kwargs = dict(kwargs, max_new_tokens=max_new_tokens)
     try:
         options, mask = resolve(model, input_ids, attention_mask, hf_kwargs)
+        if cache_length is not None:
+            options = replace(options, cache_length=_cache_length(
+                cache_length, input_ids.shape[1] + options.max_new_tokens))
         if input_ids.device.type != "cuda":
             raise NotGraphable(f"the model is on {input_ids.device}, and graphs need a CUDA "
                                f"device")
         exact = exact_lengths if exact_lengths is not None else (
-            not compile and input_ids.shape[1] + options.max_new_tokens >= EXACT_FROM
+            not compile and options.cache_tokens(input_ids.shape[1]) >= EXACT_FROM
             and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
         try:
             return _graphed_generate(model, input_ids, mask, options, seed, compile, exact,
@@ -299,6 +307,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     if attention_mask is not None:
         hf_kwargs["attention_mask"] = attention_mask
     return model.generate(input_ids, **hf_kwargs)
+
+
+def _cache_length(value: Any, least: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise GrapeError(f"expected cache_length to be an integer of at least the prompt's "
+                         f"length plus max_new_tokens ({least}), found {value!r}")
+    return value
 
 
 def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,

@@ -82,7 +82,7 @@ class Decoder:
         # shape, always runs the model itself).
         self.step_model = model if step_model is None else step_model
         self.rows, self.prompt_len = rows, prompt_len
-        self.max_len = prompt_len + options.max_new_tokens
+        self.max_len = options.cache_tokens(prompt_len)
         device = next(model.parameters()).device
         # Exact lengths: attention over each row's valid keys, counted on the device.
         self.lengths = Lengths(rows, self.max_len, device) if exact else None

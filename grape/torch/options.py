@@ -59,13 +59,20 @@ class Options:
     length_penalty: float
     early_stopping: bool | str
     config: GenerationConfig  # the merged config, as generate would use it
+    # Tokens the static cache holds, prompt included (None: prompt + max_new_tokens). Not a
+    # generate option: grape's, for a cache sized once for generations of several lengths.
+    cache_length: int | None = None
 
     @property
     def key(self) -> tuple:
         """What the generation's graph depends on (everything but the prompt and the seed)."""
         return (self.strategy, self.max_new_tokens, self.min_new_tokens, self.eos, self.pad,
                 self.temperature, self.top_k, self.top_p, self.num_beams, self.length_penalty,
-                self.early_stopping)
+                self.early_stopping, self.cache_length)
+
+    def cache_tokens(self, prompt_len: int) -> int:
+        """The static cache's length for a prompt of ``prompt_len`` tokens."""
+        return self.cache_length or prompt_len + self.max_new_tokens
 
 
 def _merged(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerationConfig:
