@@ -1,10 +1,12 @@
 """Record grape's own executions on the GPU, for the simulator to predict from their IR.
 
-Two executions of a GPT-2 small-shaped greedy decoder (fp16, random weights, batch 1, a static
-cache), each built by the CUDA backend from its IR:
+Executions of a GPT-2 small-shaped decoder (fp16, random weights, batch 1, a static cache),
+each built by the CUDA backend from its IR (``--runs`` picks among them):
 
-- ``step``: one decode step, captured into the IR and rebuilt as grape's executable;
-- ``loop``: the same step in a WHILE node (``DeviceLoop``), ``--new`` tokens per launch.
+- ``step``: one greedy decode step, captured into the IR and rebuilt as grape's executable;
+- ``loop``: the same step in a WHILE node (``DeviceLoop``), ``--new`` tokens per launch;
+- ``beam``: a 5-beam search step (``BeamDecoder``: top-k over the beams, the cache reordered
+  by beam on the device) in a WHILE node, ``--new`` tokens per launch.
 
 For each: the IR (``<name>.ir.json.gz``), a torch.profiler trace of ``--profiled`` launches
 (``<name>.kineto.json.gz``: the kernels' durations as CUPTI measured them), and, outside the
@@ -13,8 +15,8 @@ with CUDA events over ``--timed`` launches, in ``ir_twin.json`` with the loop's 
 ``grape simulate <name>.ir.json.gz --durations <name>.kineto.json.gz`` predicts the launch from
 the IR; ``tests/test_sim_graph.py`` holds the prediction to the measured figures.
 
-Run on a GPU: python benchmarks/ir_twin.py --out DIR
-(committed: traces/h200_ir/twin_*)
+Run on a GPU: python benchmarks/ir_twin.py --out DIR [--runs step,loop,beam]
+(committed: traces/h200_ir/twin_{step,loop}*, traces/h200_ir_beam/twin_beam*)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import transformers
 
 from grape.cuda.build import Graph
+from grape.torch.beam import BeamDecoder
 from grape.torch.capture import capture
 from grape.torch.decoding import TokenDecoder
 from grape.torch.loop import DeviceLoop
@@ -80,7 +83,11 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--timed", type=int, default=50)
     parser.add_argument("--profiled", type=int, default=5)
+    parser.add_argument("--runs", default="step,loop,beam")
     args = parser.parse_args()
+    wanted = args.runs.split(",")
+    if unknown := set(wanted) - {"step", "loop", "beam"}:
+        parser.error(f"expected runs among step, loop and beam, found {sorted(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
     transformers.logging.set_verbosity_error()
     config = transformers.GPT2Config(bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -101,21 +108,34 @@ def main() -> None:
         decoder.prefill(ids, mask)
 
     loop = DeviceLoop(decoder.step, decoder.running, args.new, params=params)
+    beam_options, _ = resolve(model, ids, None, {"max_new_tokens": args.new,
+                                                 "eos_token_id": None, "num_beams": 5})
+    beams = BeamDecoder(model, 1, ids.shape[1], beam_options)
+    beams.prefill(ids, mask)
+    beams.step()
+    beam_loop = DeviceLoop(beams.step, beams.running, args.new, params=params)
+
+    def beam_prefill() -> None:
+        beams.prefill(ids, mask)
+
     # Each launch starts from a fresh prefill (outside the timing): the step's token count
     # must stay within the tokens' table, and the loop must run its full length every time.
-    runs = {"step": (step.ir, lambda: executable.launch(stream), prefill),
-            "loop": (loop.ir, loop.launch, prefill)}
+    runs = {"step": (step.ir, lambda: executable.launch(stream), prefill, decoder),
+            "loop": (loop.ir, loop.launch, prefill, decoder),
+            "beam": (beam_loop.ir, beam_loop.launch, beam_prefill, beams)}
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": "gpt2 small shape, fp16, batch 1, prompt 32, static cache", "runs": {}}
-    for name, (ir, launch, before) in runs.items():
-        decoder.prefill(ids, mask)
+    for name, (ir, launch, before, state) in runs.items():
+        if name not in wanted:
+            continue
+        before()
         for _ in range(3):  # warm-up
             before()
             launch()
         times = _timed(launch, args.timed, before)
         iterations = None
-        if name == "loop":
-            iterations = int(decoder.count.item()) - 1  # the prefill made the first token
+        if name != "step":
+            iterations = int(state.count.item()) - 1  # the prefill made the first token
         ir.save(args.out / f"twin_{name}.ir.json.gz")
         _profiled(launch, args.profiled, args.out / f"twin_{name}.kineto.json.gz", before)
         doc["runs"][name] = {"launch_gpu_us": times, "median_us": statistics.median(times),
@@ -126,6 +146,7 @@ def main() -> None:
     executable.close()
     graph.close()
     loop.close()
+    beam_loop.close()
 
 
 if __name__ == "__main__":

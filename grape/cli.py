@@ -80,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
                            "grape/profiles/h200.json)")
     char.add_argument("--reps", type=_positive, default=50, metavar="N",
                       help="repetitions per measured point (default 50)")
+    char.add_argument("--only", default=None, metavar="STEP[,STEP]",
+                      help="measure these steps of the driver-level profile only, and merge "
+                           "them into the profile --out names where it exists (the rest of it "
+                           "kept, each merged step dated in its 'remeasured' block); steps: "
+                           "eager_launch, graph_launch, graph_gap, instantiate, update, "
+                           "conditional, copies, graph_copy_nodes, memory")
     char.set_defaults(run=_characterize)
     rec = sub.add_parser(
         "record", help="record workloads eagerly and graphed as grape traces (needs a GPU)",
@@ -219,6 +225,26 @@ def _characterize(args: argparse.Namespace) -> None:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.only is not None:
+        from grape.profile import load_profile
+
+        only = [name for name in args.only.split(",") if name]
+        measured = characterize(args.reps, progress, only)
+        profile = measured
+        if args.out.exists():  # merge: the rest of the profile stays as it was measured
+            profile = dict(load_profile(args.out).doc)
+            if profile["device"] != measured["device"]:
+                raise GrapeError(f"expected {args.out} to profile this GPU "
+                                 f"({measured['device']}), found {profile['device']!r}: "
+                                 f"merge into a profile of the same GPU, or write a new file")
+            header = ("schema", "version", "device", "driver_version", "measured", "repetitions")
+            profile.update({k: v for k, v in measured.items() if k not in header})
+            profile["remeasured"] = {**profile.get("remeasured", {}), **{
+                name: {k: measured[k] for k in ("measured", "driver_version", "repetitions")}
+                for name in only}}
+        dump_json(args.out, profile, indent=1)
+        print(profile_summary(profile_from_json(profile, args.out)).text)
+        return
     profile = characterize(args.reps, progress)
     try:
         from grape.torch.characterize import torch_launch_us

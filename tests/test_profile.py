@@ -41,3 +41,39 @@ def test_info_prints_a_profile(capsys, tmp_path):
     path = _write(tmp_path, {"schema": "grape.device", "version": 1, "device": "X"})
     assert main(["info", path]) == 0
     assert "not measured" in capsys.readouterr().out
+
+
+def _measured(device="NVIDIA H200"):
+    """What characterize(only=["graph_copy_nodes"]) returns, without a GPU."""
+    return {"schema": "grape.device", "version": 1, "device": device, "driver_version": 13001,
+            "measured": "2026-12-01T06:20:00Z", "repetitions": 50,
+            "graph_copy_nodes": {"copy_fit": {"latency_us": 0.9, "us_per_byte": 3e-7},
+                                 "memset_fit": {"latency_us": 1.5, "us_per_byte": 5e-8}}}
+
+
+def test_characterize_only_merges_its_steps_into_the_profile(monkeypatch, tmp_path):
+    import shutil
+
+    pytest.importorskip("cuda.bindings", reason="cuda-bindings is not installed")
+    import grape.cuda.characterize as char
+
+    asked = []
+    monkeypatch.setattr(char, "characterize",
+                        lambda reps, progress, only=(): asked.append(only) or _measured())
+    path = tmp_path / "h200.json"
+    shutil.copy("grape/profiles/h200.json", path)
+    before = json.loads(path.read_text())
+    assert main(["characterize", "--only", "graph_copy_nodes", "--out", str(path)]) == 0
+    after = json.loads(path.read_text())
+    assert asked == [["graph_copy_nodes"]]
+    # The rest of the profile is as it was measured, header included; the step is dated.
+    assert {k: v for k, v in after.items() if k not in ("graph_copy_nodes", "remeasured")} \
+        == {k: v for k, v in before.items() if k not in ("graph_copy_nodes", "remeasured")}
+    assert after["graph_copy_nodes"] == _measured()["graph_copy_nodes"]
+    assert after["remeasured"]["graph_copy_nodes"] == {
+        "measured": "2026-12-01T06:20:00Z", "driver_version": 13001, "repetitions": 50}
+    assert load_profile(path).get("graph_copy_latency") == 0.9
+    # Another GPU's measurement never lands in this profile.
+    monkeypatch.setattr(char, "characterize", lambda reps, progress, only=(): _measured("A100"))
+    assert main(["characterize", "--only", "graph_copy_nodes", "--out", str(path)]) == 2
+    assert json.loads(path.read_text()) == after

@@ -24,6 +24,7 @@ from grape.ir import (
     Kernel,
     KernelGraph,
     Memcpy,
+    Memset,
     Span,
 )
 from grape.profile import DEFAULT_PROFILE, load_profile
@@ -79,6 +80,25 @@ def test_the_loop_is_predicted_from_the_step_s_kernels(costs):
     with pytest.raises(SimulationError, match="expected a duration for node 'grape:start' "
                                               "\\(grape_set_from_bool"):
         run_graph(graph, _durations("step"), costs, Choices(iterations={"grape:while": 3}))
+
+
+BEAM = Path(__file__).parent.parent / "traces" / "h200_ir_beam"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "measured, cause not found: the 5-beam loop (benchmarks/ir_twin.py --runs beam, H200) ran "
+    "1276 us per iteration; CUPTI timed the body's 491 nodes at 1108 us per iteration (it "
+    "records the WHILE body about twice per launch), and the model adds nothing between "
+    "dependent kernels longer than the node overhead, so it predicts 1091: -15.6%. The greedy "
+    "loop's body runs in what CUPTI timed (717.7 against 721 us). Copy nodes are not the gap: "
+    "measured in a graph at 0.9 us each, dispatch included (34 per iteration)"))
+def test_a_beam_search_loop_is_predicted_from_its_ir_within_5_percent(costs):
+    graph = KernelGraph.load(BEAM / "twin_beam.ir.json.gz")
+    measured = json.loads((BEAM / "ir_twin.json").read_text())["runs"]["beam"]
+    table = Durations.from_ops(read_trace(BEAM / "twin_beam.kineto.json.gz").gpu_ops, "beam")
+    run = run_graph(graph, table, costs,
+                    Choices(iterations={"grape:while": measured["while_iterations"]}))
+    assert abs(run.gpu_time - measured["median_us"]) / measured["median_us"] < 0.05
 
 
 def test_the_iteration_count_scales_the_loop(costs):
@@ -172,6 +192,15 @@ def test_copies_take_the_traced_time_of_their_size_else_the_profile_s():
     assert untraced == pytest.approx(6.0 + 2 * (1 << 20) / 2e6)
     traced = Durations({}, "t", {("memcpy", 1 << 20): 3.0})
     assert run_graph(g, traced, costs).gpu_time == pytest.approx(3.0)
+    # A profile that measured copy nodes inside a graph (their dispatch included, taken out
+    # here as the schedule adds it) prices them so, over what CUPTI timed of the copy alone.
+    measured = Costs(graph_node_overhead=0.25, graph_copy_latency=0.9,
+                     graph_copy_us_per_byte=1e-6)
+    assert run_graph(g, traced, measured).gpu_time == pytest.approx(0.25 + 0.65 + (1 << 20) * 1e-6)
+    g.add("m", Memset(Span("b"), 0, 4, 256), after=["c"])
+    # The memset, unmeasured, costs the eager copy model; its dispatch hides behind the copy.
+    assert run_graph(g, traced, measured).gpu_time == pytest.approx(
+        0.25 + 0.65 + (1 << 20) * 1e-6 + 6.7 + 1024 / (4250.0 * 1e3))
 
 
 def test_durations_come_from_the_trace_s_kernels_by_demangled_name_and_configuration():

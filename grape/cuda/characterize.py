@@ -33,6 +33,8 @@ from grape.ir import (
     ConditionalKind,
     HandleRef,
     KernelGraph,
+    Memcpy,
+    Memset,
     Pointer,
     Span,
 )
@@ -48,6 +50,12 @@ extern "C" __global__ void grape_spin(long long cycles) {
 }
 """
 NODES = (1, 10, 50, 100, 200, 500, 1000)
+# The measurements, by the name ``grape characterize --only`` takes, and what each is.
+STEPS = {"eager_launch": "eager launch", "graph_launch": "graph launch",
+         "graph_gap": "gap between graph kernels", "instantiate": "instantiate and upload",
+         "update": "executable update", "conditional": "conditional nodes",
+         "copies": "device-to-device copies",
+         "graph_copy_nodes": "copy and memset nodes in a graph", "memory": "executable memory"}
 
 
 def _stats(samples: Sequence[float]) -> dict[str, float]:
@@ -283,6 +291,45 @@ def _copies(events: _Events, reps: int) -> dict[str, Any]:
         "bandwidth_gb_s": 2 / fit["us_per_byte"] / 1e3}}
 
 
+def _graph_copy_nodes(module: Module, events: _Events, reps: int,
+                      nodes: int = 100) -> dict[str, Any]:
+    """GPU time a copy or memset node takes inside a graph, its dispatch included, against its
+    size: a chain of empty kernels, and the same chain with a device-to-device copy (a memset)
+    after each kernel; the difference per node. A copy node hands its work to the copy engine
+    and back, which a kernel node does not and CUPTI's duration of the copy leaves out."""
+    empty = kernel_op(module.function("grape_empty"), (1, 1, 1), (32, 1, 1), [])
+    sizes = [1 << k for k in (12, 16, 20, 22)]
+    src = call(driver.cuMemAlloc, sizes[-1], doing="allocating a copy source")
+    dst = call(driver.cuMemAlloc, sizes[-1], doing="allocating a copy destination")
+    table = [Buffer("src", sizes[-1], BufferRole.INTERNAL, address=int(src)),
+             Buffer("dst", sizes[-1], BufferRole.INTERNAL, address=int(dst))]
+
+    def per_launch(after_each: Memcpy | Memset | None) -> float:
+        g = KernelGraph()
+        for b in table:
+            g.add_buffer(b)
+        prev: list[str] = []
+        for i in range(nodes):
+            prev = [g.add(f"k{i}", empty, after=prev)]
+            if after_each is not None:
+                prev = [g.add(f"c{i}", after_each, after=prev)]
+        with Graph.build(g) as built, built.instantiate() as exe:
+            exe.launch()
+            return events.gpu_us(exe.launch, reps)
+
+    kernels_only = per_launch(None)
+    copy_us = [(per_launch(Memcpy(Span("src"), Span("dst"), n)) - kernels_only) / nodes
+               for n in sizes]
+    memset_us = [(per_launch(Memset(Span("dst"), 0, 4, n // 4)) - kernels_only) / nodes
+                 for n in sizes]
+    for ptr in (src, dst):
+        driver.cuMemFree(ptr)
+    return {"nodes": nodes, "bytes": sizes, "kernel_chain_gpu_us": kernels_only,
+            "copy_node_us": copy_us, "memset_node_us": memset_us,
+            "copy_fit": _fit(sizes, copy_us, "latency_us", "us_per_byte"),
+            "memset_fit": _fit(sizes, memset_us, "latency_us", "us_per_byte")}
+
+
 def _memory_point(nodes: int, copies: int) -> float:
     """Bytes per executable of an ``nodes``-kernel chain, in this (fresh) process."""
     current_context()
@@ -312,8 +359,12 @@ def _memory() -> dict[str, Any]:
             "fit": _fit(nodes, per_exec, "fixed_bytes", "per_node_bytes")}
 
 
-def characterize(reps: int = 50, progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Measure the device profile of the current GPU (a minute or two on an H200)."""
+def characterize(reps: int = 50, progress: Callable[[str], None] = print,
+                 only: Sequence[str] = ()) -> dict[str, Any]:
+    """Measure the device profile of the current GPU (a minute or two on an H200); ``only``:
+    the steps to run, by name (:data:`STEPS`; default, all)."""
+    if unknown := sorted(set(only) - set(STEPS)):
+        raise CudaError(f"expected steps among {', '.join(STEPS)}, found {', '.join(unknown)}")
     current_context()
     dev = call(driver.cuCtxGetDevice, doing="reading the current device")
     name = call(driver.cuDeviceGetName, 64, dev, doing="naming the device")
@@ -327,15 +378,19 @@ def characterize(reps: int = 50, progress: Callable[[str], None] = print) -> dic
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "repetitions": reps,
     }
-    steps = [("eager launch", lambda: {"eager_launch_us": {"cuLaunchKernel": _eager(
-                  module, reps * 40)}}),
-             ("graph launch", lambda: {"graph_launch": _graph_launch(empty, events, reps)}),
-             ("gap between graph kernels", lambda: {"graph_gap": _gap(module, events, reps)}),
-             ("instantiate and upload", lambda: _instantiate(empty, max(reps // 5, 3))),
-             ("executable update", lambda: _update(module, reps)),
-             ("conditional nodes", lambda: {"conditional": _conditional(module, events, reps)}),
-             ("device-to-device copies", lambda: {"copy_d2d": _copies(events, reps)}),
-             ("executable memory", lambda: {"executable_memory": _memory()})]
+    measure = {
+        "eager_launch": lambda: {"eager_launch_us": {"cuLaunchKernel": _eager(
+            module, reps * 40)}},
+        "graph_launch": lambda: {"graph_launch": _graph_launch(empty, events, reps)},
+        "graph_gap": lambda: {"graph_gap": _gap(module, events, reps)},
+        "instantiate": lambda: _instantiate(empty, max(reps // 5, 3)),
+        "update": lambda: _update(module, reps),
+        "conditional": lambda: {"conditional": _conditional(module, events, reps)},
+        "copies": lambda: {"copy_d2d": _copies(events, reps)},
+        "graph_copy_nodes": lambda: {"graph_copy_nodes": _graph_copy_nodes(module, events,
+                                                                           reps)},
+        "memory": lambda: {"executable_memory": _memory()}}
+    steps = [(STEPS[name], measure[name]) for name in STEPS if not only or name in only]
     for i, (label, step) in enumerate(steps, 1):
         progress(f"[{i}/{len(steps)}] {label}")
         t = time.perf_counter()

@@ -47,19 +47,32 @@ class Costs:
     copy_call: float = 9.0  # host cost of issuing one device-to-device copy from PyTorch
     copy_latency: float = 6.7  # GPU time of a device-to-device copy of nothing
     copy_bandwidth: float = 4250.0  # GB/s of a device-to-device copy, bytes read plus written
+    # A copy (memset) node inside a graph, its dispatch included: latency + bytes x per byte.
+    # None where the profile has not measured it: a graph's copies then cost what the trace
+    # timed, which leaves out the hand-over to the copy engine and back.
+    graph_copy_latency: float | None = None
+    graph_copy_us_per_byte: float = 0.0
+    graph_memset_latency: float | None = None
+    graph_memset_us_per_byte: float = 0.0
     queue_depth: int = 1024  # pending launches before the host stalls
 
     def __post_init__(self) -> None:
         # Written so that NaN fails too (every comparison with NaN is false).
         for name in ("launch_latency", "kernel_gap", "graph_node_overhead", "graph_launch_fixed",
                      "graph_launch_per_node", "while_per_iteration", "set_params",
-                     "exec_update_per_node", "copy_call", "copy_latency"):
+                     "exec_update_per_node", "copy_call", "copy_latency",
+                     "graph_copy_us_per_byte", "graph_memset_us_per_byte"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise GrapeError(f"expected a finite, non-negative {name}, found "
                                  f"{getattr(self, name)}")
         if not 0 < self.copy_bandwidth < math.inf:
             raise GrapeError(f"expected a finite, positive copy_bandwidth, found "
                              f"{self.copy_bandwidth}")
+        for name in ("graph_copy_latency", "graph_memset_latency"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < math.inf:
+                raise GrapeError(f"expected a finite, non-negative {name} or None, found "
+                                 f"{value}")
         if self.queue_depth < 1:
             raise GrapeError(f"expected a queue depth of at least 1, found {self.queue_depth}")
 

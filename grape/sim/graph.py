@@ -128,6 +128,19 @@ def _copy_time(op: Memcpy | Memset, costs: Costs) -> float:
     return costs.copy_latency + moved / (costs.copy_bandwidth * 1e3)  # GB/s -> bytes per us
 
 
+def _graph_copy_time(op: Memcpy | Memset, costs: Costs) -> float | None:
+    """A copy or memset node's time in a graph from the profile's in-graph measurement (its
+    dispatch, which the schedule adds, taken out), or None where the profile lacks it."""
+    if isinstance(op, Memcpy):
+        latency, per_byte, size = costs.graph_copy_latency, costs.graph_copy_us_per_byte, op.size
+    else:
+        latency, per_byte = costs.graph_memset_latency, costs.graph_memset_us_per_byte
+        size = op.extent
+    if latency is None:
+        return None
+    return max(latency - costs.graph_node_overhead + size * per_byte, 0.0)
+
+
 class _Schedule:
     """The list schedule of one graph launch, as a generator: it yields ``(start, node,
     kernel)`` where a collective's kernel starts (only where ``collective`` says a kernel is
@@ -166,8 +179,10 @@ class _Schedule:
                 return end
             dur = self.durations.kernel(op, name)
         elif isinstance(op, Memcpy | Memset):
-            key = ("memcpy", op.size) if isinstance(op, Memcpy) else ("memset", op.extent)
-            dur = self.durations.transfers.get(key)
+            dur = _graph_copy_time(op, self.costs)
+            if dur is None:
+                key = ("memcpy", op.size) if isinstance(op, Memcpy) else ("memset", op.extent)
+                dur = self.durations.transfers.get(key)
             if dur is None:
                 dur = _copy_time(op, self.costs)
             self.names.append(("Memcpy DtoD (Device -> Device)", "memcpy")

@@ -5,10 +5,11 @@ Each is a plain function ``f(program, ...) -> Program``; none changes its input.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, replace
 
-from grape.errors import GrapeError
+from grape.errors import GrapeError, ProfileError
 from grape.profile import DeviceProfile
 from grape.program import (
     GpuWork,
@@ -51,6 +52,11 @@ def costs_from_profile(profile: DeviceProfile, **overrides: float) -> Costs:
               "copy_call": profile.get("torch_launch"),
               "copy_latency": profile.get("copy_latency"),
               "copy_bandwidth": profile.get("copy_bandwidth")}
+    # Measured since (grape characterize --only graph_copy_nodes): older profiles lack it.
+    with contextlib.suppress(ProfileError):
+        values.update({name: profile.get(name) for name in (
+            "graph_copy_latency", "graph_copy_us_per_byte", "graph_memset_latency",
+            "graph_memset_us_per_byte")})
     return Costs(**{**values, **overrides})
 
 
