@@ -6,7 +6,8 @@ each built by the CUDA backend from its IR (``--runs`` picks among them):
 - ``step``: one greedy decode step, captured into the IR and rebuilt as grape's executable;
 - ``loop``: the same step in a WHILE node (``DeviceLoop``), ``--new`` tokens per launch;
 - ``beam``: a 5-beam search step (``BeamDecoder``: top-k over the beams, the cache reordered
-  by beam on the device) in a WHILE node, ``--new`` tokens per launch.
+  by beam on the device) in a WHILE node, ``--new`` tokens per launch;
+- ``beam_step``: that step alone, as grape's executable (as ``step`` is the loop's).
 
 For each: the IR (``<name>.ir.json.gz``), a torch.profiler trace of ``--profiled`` launches
 (``<name>.kineto.json.gz``: the kernels' durations as CUPTI measured them), and, outside the
@@ -15,7 +16,7 @@ with CUDA events over ``--timed`` launches, in ``ir_twin.json`` with the loop's 
 ``grape simulate <name>.ir.json.gz --durations <name>.kineto.json.gz`` predicts the launch from
 the IR; ``tests/test_sim_graph.py`` holds the prediction to the measured figures.
 
-Run on a GPU: python benchmarks/ir_twin.py --out DIR [--runs step,loop,beam]
+Run on a GPU: python benchmarks/ir_twin.py --out DIR [--runs step,loop,beam,beam_step]
 (committed: traces/h200_ir/twin_{step,loop}*, traces/h200_ir_beam/twin_beam*)
 """
 
@@ -83,11 +84,12 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--timed", type=int, default=50)
     parser.add_argument("--profiled", type=int, default=5)
-    parser.add_argument("--runs", default="step,loop,beam")
+    parser.add_argument("--runs", default="step,loop,beam,beam_step")
     args = parser.parse_args()
     wanted = args.runs.split(",")
-    if unknown := set(wanted) - {"step", "loop", "beam"}:
-        parser.error(f"expected runs among step, loop and beam, found {sorted(unknown)}")
+    if unknown := set(wanted) - {"step", "loop", "beam", "beam_step"}:
+        parser.error(f"expected runs among step, loop, beam and beam_step, found "
+                     f"{sorted(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
     transformers.logging.set_verbosity_error()
     config = transformers.GPT2Config(bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -114,6 +116,11 @@ def main() -> None:
     beams.prefill(ids, mask)
     beams.step()
     beam_loop = DeviceLoop(beams.step, beams.running, args.new, params=params)
+    beams.prefill(ids, mask)
+    beams.step()
+    beam_step = capture(beams.step, params=params, warmup=0, instantiate=False)
+    beam_graph = Graph.build(beam_step.ir)
+    beam_executable = beam_graph.instantiate()
 
     def beam_prefill() -> None:
         beams.prefill(ids, mask)
@@ -122,7 +129,9 @@ def main() -> None:
     # must stay within the tokens' table, and the loop must run its full length every time.
     runs = {"step": (step.ir, lambda: executable.launch(stream), prefill, decoder),
             "loop": (loop.ir, loop.launch, prefill, decoder),
-            "beam": (beam_loop.ir, beam_loop.launch, beam_prefill, beams)}
+            "beam": (beam_loop.ir, beam_loop.launch, beam_prefill, beams),
+            "beam_step": (beam_step.ir, lambda: beam_executable.launch(stream), beam_prefill,
+                          beams)}
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": "gpt2 small shape, fp16, batch 1, prompt 32, static cache", "runs": {}}
     for name, (ir, launch, before, state) in runs.items():
@@ -134,7 +143,7 @@ def main() -> None:
             launch()
         times = _timed(launch, args.timed, before)
         iterations = None
-        if name != "step":
+        if name in ("loop", "beam"):
             iterations = int(state.count.item()) - 1  # the prefill made the first token
         ir.save(args.out / f"twin_{name}.ir.json.gz")
         _profiled(launch, args.profiled, args.out / f"twin_{name}.kineto.json.gz", before)
@@ -147,6 +156,8 @@ def main() -> None:
     graph.close()
     loop.close()
     beam_loop.close()
+    beam_executable.close()
+    beam_graph.close()
 
 
 if __name__ == "__main__":
