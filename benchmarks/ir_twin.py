@@ -41,13 +41,17 @@ from grape.torch.options import resolve
 
 
 def _timed(launch, repeats: int, before=None) -> list[float]:
-    """GPU microseconds of each launch, between CUDA events around it."""
+    """GPU microseconds of each launch, between CUDA events around it. The stream spins for
+    about a millisecond before the first event, so that the launch call's host time (long for
+    a graph of hundreds of nodes) passes while the GPU is busy, not inside the measurement: what
+    is measured is what the simulator's ``run_graph`` predicts, the graph's time on the GPU."""
     times = []
     for _ in range(repeats):
         if before is not None:
             before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)  # cycles: about 1 ms on an H200
         start.record()
         launch()
         end.record()
@@ -96,47 +100,46 @@ def main() -> None:
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).to(torch.float16).cuda().eval()
     ids = torch.randint(3, config.vocab_size, (1, 32), device="cuda")
-    options, mask = resolve(model, ids, None, {"max_new_tokens": args.new, "eos_token_id": None})
-    decoder = TokenDecoder(model, 1, ids.shape[1], options)
     params = dict(model.named_parameters())
-    decoder.prefill(ids, mask)
-    decoder.step()
-    step = capture(decoder.step, params=params, warmup=0, instantiate=False)
-    graph = Graph.build(step.ir)
-    executable = graph.instantiate()
     stream = torch.cuda.current_stream().cuda_stream
+    closing: list = []  # what was built, closed at the end
+    runs = {}
+    # Only what the chosen runs need is built: every executable alive in the process is one
+    # more thing a measurement could be disturbed by.
+    for strategy, names in (("greedy", ("step", "loop")), ("beam", ("beam_step", "beam"))):
+        if not set(names) & set(wanted):
+            continue
+        extra = {"num_beams": 5} if strategy == "beam" else {}
+        options, mask = resolve(model, ids, None, {"max_new_tokens": args.new,
+                                                   "eos_token_id": None, **extra})
+        cls = BeamDecoder if strategy == "beam" else TokenDecoder
+        decoder = cls(model, 1, ids.shape[1], options)
 
-    def prefill() -> None:
-        decoder.prefill(ids, mask)
+        def fresh(decoder=decoder, mask=mask) -> None:
+            decoder.prefill(ids, mask)
 
-    loop = DeviceLoop(decoder.step, decoder.running, args.new, params=params)
-    beam_options, _ = resolve(model, ids, None, {"max_new_tokens": args.new,
-                                                 "eos_token_id": None, "num_beams": 5})
-    beams = BeamDecoder(model, 1, ids.shape[1], beam_options)
-    beams.prefill(ids, mask)
-    beams.step()
-    beam_loop = DeviceLoop(beams.step, beams.running, args.new, params=params)
-    beams.prefill(ids, mask)
-    beams.step()
-    beam_step = capture(beams.step, params=params, warmup=0, instantiate=False)
-    beam_graph = Graph.build(beam_step.ir)
-    beam_executable = beam_graph.instantiate()
-
-    def beam_prefill() -> None:
-        beams.prefill(ids, mask)
-
+        step_name, loop_name = names
+        if loop_name in wanted:
+            fresh()
+            decoder.step()
+            loop = DeviceLoop(decoder.step, decoder.running, args.new, params=params)
+            closing.append(loop)
+            runs[loop_name] = (loop.ir, loop.launch, fresh, decoder)
+        if step_name in wanted:
+            fresh()
+            decoder.step()
+            step = capture(decoder.step, params=params, warmup=0, instantiate=False)
+            graph = Graph.build(step.ir)
+            executable = graph.instantiate()
+            closing.extend([executable, graph])
+            runs[step_name] = (step.ir, lambda exe=executable: exe.launch(stream), fresh,
+                               decoder)
     # Each launch starts from a fresh prefill (outside the timing): the step's token count
     # must stay within the tokens' table, and the loop must run its full length every time.
-    runs = {"step": (step.ir, lambda: executable.launch(stream), prefill, decoder),
-            "loop": (loop.ir, loop.launch, prefill, decoder),
-            "beam": (beam_loop.ir, beam_loop.launch, beam_prefill, beams),
-            "beam_step": (beam_step.ir, lambda: beam_executable.launch(stream), beam_prefill,
-                          beams)}
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": "gpt2 small shape, fp16, batch 1, prompt 32, static cache", "runs": {}}
-    for name, (ir, launch, before, state) in runs.items():
-        if name not in wanted:
-            continue
+    for name in wanted:
+        ir, launch, before, state = runs[name]
         before()
         for _ in range(3):  # warm-up
             before()
@@ -152,12 +155,8 @@ def main() -> None:
         print(f"{name}: {statistics.median(times):.1f} us per launch (GPU, CUDA events), "
               f"{ir.dag.number_of_nodes()} nodes, iterations {iterations}", flush=True)
     (args.out / "ir_twin.json").write_text(json.dumps(doc, indent=1) + "\n")
-    executable.close()
-    graph.close()
-    loop.close()
-    beam_loop.close()
-    beam_executable.close()
-    beam_graph.close()
+    for built in closing:
+        built.close()
 
 
 if __name__ == "__main__":

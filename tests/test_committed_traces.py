@@ -20,7 +20,7 @@ RAW = sorted(TRACES.rglob(f"*{RAW_SUFFIX}"))
 GRAPHS = sorted(TRACES.rglob(f"*{IR_SUFFIX}"))
 # grape's own executions (benchmarks/ir_twin.py): torch.profiler traces of a few launches, kept
 # for their kernels' durations beside the kernel graphs they ran.
-TWINS = sorted(TRACES.glob("h200_ir*/twin_*.kineto.json.gz"))
+TWINS = sorted((TRACES / "h200_ir").glob("twin_*.kineto.json.gz"))
 ALL = sorted(p for p in TRACES.rglob("*.json.gz")
              if p not in RAW and p not in GRAPHS and p not in TWINS)
 # Kernels per iteration, by trace: a GPT-2 family trace steps through lengths, across the
