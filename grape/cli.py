@@ -609,12 +609,14 @@ _CHOICE_HELP = {"--while": "grape:while=63", "--if": "node=taken or node=skipped
 def _simulate_graph(args: argparse.Namespace) -> None:
     """A kernel graph run on the simulated GPU, with kernel durations from a trace."""
     from grape.sim.engine import simulate
-    from grape.sim.graph import program_from_graph
+    from grape.sim.graph import check_choices, program_from_graph
 
     _refuse_trace_flags(args, "kernel graph", sequence=True, update_whole=True)
     graph = KernelGraph.load(args.trace)
+    choices = _choices(args)
+    check_choices(graph, choices, str(args.trace))
     durations, profile, costs = _graph_inputs(args)
-    program, run = program_from_graph(graph, durations, costs, _choices(args), args.launches,
+    program, run = program_from_graph(graph, durations, costs, choices, args.launches,
                                       name=args.trace.name)
     result = simulate(program, costs, record=args.chrome is not None)
     print(f"{args.trace}: {graph.dag.number_of_nodes()} nodes, {run.nodes_run} node runs per "

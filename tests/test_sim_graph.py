@@ -257,7 +257,14 @@ def test_grape_simulate_runs_a_kernel_graph(capsys, tmp_path):
     (["--durations", "D", "--while", "grape:while"], "expected --while NODE=VALUE"),
     (["--durations", "D", "--if", "n=maybe"], "expected --if NODE=VALUE"),
     (["--durations", "D", "--graph"], "expected a trace with --graph, found the kernel graph"),
-    (["--durations", "D"], "expected an iteration count for WHILE node 'grape:while'"),
+    (["--durations", "D"], "expected an iteration count for WHILE node 'grape:while' of "),
+    (["--durations", "D"], "(--while grape:while=N), found none"),
+    (["--durations", "D", "--while", "grape:while=3", "--while", "grape:whlie=3"],
+     "expected --while to name a WHILE node of "),
+    (["--durations", "D", "--while", "grape:while=3", "--switch", "s=1"],
+     "expected --switch to name a SWITCH node of "),
+    (["--durations", "D", "--while", "grape:while=3", "--if", "grape:while=taken"],
+     "expected --if to name an IF node of "),
 ])
 def test_bad_kernel_graph_arguments_are_one_line(capsys, argv, message):
     argv = [str(TWIN / "twin_loop.kineto.json.gz") if a == "D" else a for a in argv]

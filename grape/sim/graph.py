@@ -44,8 +44,9 @@ from grape.records import GpuRecord
 from grape.sim.engine import Costs
 from grape.sim.ranks import collective_name
 
-__all__ = ["Choices", "Durations", "GraphRun", "family_program", "is_nccl_collective",
-           "kernel_key", "program_from_graph", "run_graph", "run_graph_ranks"]
+__all__ = ["Choices", "Durations", "GraphRun", "check_choices", "conditionals",
+           "family_program", "is_nccl_collective", "kernel_key", "program_from_graph",
+           "run_graph", "run_graph_ranks"]
 
 KernelKey = tuple[str, tuple[int, int, int], tuple[int, int, int]]
 
@@ -107,6 +108,49 @@ class Choices:
     iterations: Mapping[str, int] = field(default_factory=dict)
     taken: Mapping[str, bool] = field(default_factory=dict)
     branch: Mapping[str, int] = field(default_factory=dict)
+
+
+def conditionals(graph: KernelGraph, prefix: str = "") -> dict[str, ConditionalKind]:
+    """Every conditional node of ``graph`` and its bodies, by the name :class:`Choices` takes
+    (a body's as ``<node>/<body index>/<inner node>``)."""
+    found: dict[str, ConditionalKind] = {}
+    for node, op in graph.ops():
+        if isinstance(op, Conditional):
+            found[f"{prefix}{node}"] = op.type
+            for i, body in enumerate(op.bodies):
+                found.update(conditionals(body, f"{prefix}{node}/{i}/"))
+    return found
+
+
+_FLAGS = {"iterations": ("--while", "a WHILE node", (ConditionalKind.WHILE,)),
+          "taken": ("--if", "an IF node", (ConditionalKind.IF, ConditionalKind.IF_ELSE)),
+          "branch": ("--switch", "a SWITCH node", (ConditionalKind.SWITCH,))}
+
+
+def check_choices(graph: KernelGraph, choices: Choices, source: str) -> None:
+    """Refuse choices that name no conditional of the right kind in ``graph`` (read from
+    ``source``), and a WHILE node without an iteration count: a run that would ignore what it
+    was told, or guess. Messages name the command-line flags.
+
+    Raises
+    ------
+    SimulationError
+        The first such choice or node, in one line.
+    """
+    nodes = conditionals(graph)
+    for field_name, (flag, what, kinds) in _FLAGS.items():
+        fitting = sorted(n for n, k in nodes.items() if k in kinds)
+        for name in getattr(choices, field_name):
+            if name not in fitting:
+                raise SimulationError(f"expected {flag} to name {what} of {source} "
+                                      f"({', '.join(fitting) or 'it has none'}), found {name!r}")
+    # Loops inside bodies may never run, so need no count: only the outer graph's are asked
+    # for here, and run_graph asks for the others when it meets them.
+    for name, op in graph.ops():
+        if (isinstance(op, Conditional) and op.type is ConditionalKind.WHILE
+                and name not in choices.iterations):
+            raise SimulationError(f"expected an iteration count for WHILE node {name!r} of "
+                                  f"{source} (--while {name}=N), found none")
 
 
 @dataclass(frozen=True)
