@@ -20,6 +20,10 @@ __all__ = ["DEFAULT_SUITE", "Workload", "parse_spec"]
 
 GPT2 = {"gpt2-small": {}, "gpt2-medium": {"n_embd": 1024, "n_layer": 24, "n_head": 16}}
 WAV2VEC2 = {"wav2vec2-base": {}}
+# Workloads outside the ones the simulator's constants were read from: an encoder, a
+# convolutional network, and a model whose step forks its work onto two streams.
+BERT = {"bert-base": {}}
+RESNET = {"resnet-50": {}}  # ResNetConfig's defaults: ResNet-50
 # Training workloads draw nothing at random on the host or the device: SpecAugment's masks and
 # LayerDrop's choices come from the host each step (nothing a graph can hold), and dropout's
 # draws, which graphed steps take from the generator at other offsets than eager steps
@@ -138,6 +142,104 @@ def _train(model_name: str, batch: int, samples: int) -> Workload:
                     dict(model.named_parameters()), refresh)
 
 
+@cache
+def _bert(model: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.BertModel(transformers.BertConfig(**BERT[model])).cuda().half().eval()
+
+
+@cache
+def _resnet(model: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(**RESNET[model])
+    return transformers.ResNetModel(config).cuda().half().eval()
+
+
+def _encode(model_name: str, batch: int, tokens: int) -> Workload:
+    model = _bert(model_name)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, tokens), device="cuda")
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=ids).last_hidden_state
+
+    def refresh() -> None:
+        ids.copy_(torch.randint(0, vocab, ids.shape, device="cuda"))
+
+    name = f"{model_name.replace('-', '_')}_encode_b{batch}_s{tokens}"
+    return Workload(name, f"{model_name}:b{batch}:s{tokens}", step, (ids,),
+                    dict(model.named_parameters()), refresh)
+
+
+def _image(model_name: str, batch: int, side: int) -> Workload:
+    model = _resnet(model_name)
+    images = torch.randn((batch, 3, side, side), device="cuda", dtype=torch.float16)
+
+    def step(images: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(images).pooler_output
+
+    def refresh() -> None:
+        images.copy_(torch.randn_like(images))
+
+    name = f"{model_name.replace('-', '_')}_images_b{batch}_{side}"
+    return Workload(name, f"{model_name}:b{batch}:{side}px", step, (images,),
+                    dict(model.named_parameters()), refresh)
+
+
+class _TwoStreams(torch.nn.Module):
+    """Two towers of linear layers run side by side on two streams, joined by events: the
+    shape of a model that forks independent work (a two-tower encoder, a speech model's
+    parallel branches) onto streams of its own, which capture keeps as parallel branches."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.towers = torch.nn.ModuleList(
+            torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width),
+                                                      torch.nn.GELU()) for _ in range(depth)])
+            for _ in range(2))
+        self.side = None  # made on first use, on the current device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        main = torch.cuda.current_stream()
+        if self.side is None:
+            self.side = torch.cuda.Stream()
+        self.side.wait_stream(main)  # the side tower reads x after it is written
+        with torch.cuda.stream(self.side):
+            b = self.towers[1](x)
+        a = self.towers[0](x)
+        main.wait_stream(self.side)  # the join: main waits for the side tower
+        b.record_stream(main)
+        return a + b
+
+
+@cache
+def _two_streams(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _TwoStreams(width, depth).cuda().half().eval()
+
+
+def _forked(batch: int, width: int, depth: int) -> Workload:
+    model = _two_streams(width, depth)
+    x = torch.randn((batch, width), device="cuda", dtype=torch.float16)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(x)
+
+    def refresh() -> None:
+        x.copy_(torch.randn_like(x))
+
+    name = f"two_streams_b{batch}_w{width}_d{depth}"
+    return Workload(name, f"two-streams:b{batch}:w{width}:d{depth}", step, (x,),
+                    dict(model.named_parameters()), refresh)
+
+
 def check_spec(spec: str) -> tuple[str, ...]:
     """The parts of a workload spec, or a GrapeError saying what a spec looks like."""
     if m := re.fullmatch(r"(gpt2-\w+):b(\d+):kv(\d+)", spec):
@@ -156,16 +258,39 @@ def check_spec(spec: str) -> tuple[str, ...]:
             raise GrapeError(f"expected a Wav2Vec2 model among {sorted(WAV2VEC2)} and at least "
                              f"400 audio samples, found {spec!r}")
         return ("audio", m.group(1), m.group(2))
-    raise GrapeError(f"expected a workload like gpt2-small:b1:kv32, wav2vec2-base:16000 or "
-                     f"wav2vec2-base:train:b8:16000, found {spec!r}")
+    if m := re.fullmatch(r"(bert-\w+):b(\d+):s(\d+)", spec):
+        if m.group(1) not in BERT or int(m.group(2)) < 1 or not 1 <= int(m.group(3)) <= 512:
+            raise GrapeError(f"expected a BERT model among {sorted(BERT)}, a batch of at least 1 "
+                             f"and 1..512 tokens, found {spec!r}")
+        return ("encode", m.group(1), m.group(2), m.group(3))
+    if m := re.fullmatch(r"(resnet-\w+):b(\d+):(\d+)px", spec):
+        if m.group(1) not in RESNET or int(m.group(2)) < 1 or int(m.group(3)) < 32:
+            raise GrapeError(f"expected a ResNet among {sorted(RESNET)}, a batch of at least 1 "
+                             f"and images of at least 32 pixels a side, found {spec!r}")
+        return ("image", m.group(1), m.group(2), m.group(3))
+    if m := re.fullmatch(r"two-streams:b(\d+):w(\d+):d(\d+)", spec):
+        if min(int(g) for g in m.groups()) < 1:
+            raise GrapeError(f"expected a batch, width and depth of at least 1, found {spec!r}")
+        return ("streams", *m.groups())
+    raise GrapeError(f"expected a workload like gpt2-small:b1:kv32, wav2vec2-base:16000, "
+                     f"wav2vec2-base:train:b8:16000, bert-base:b8:s128, resnet-50:b32:224px or "
+                     f"two-streams:b64:w4096:d8, found {spec!r}")
 
 
 def parse_spec(spec: str) -> Workload:
-    """``gpt2-small:b1:kv32`` (decode step), ``wav2vec2-base:16000`` (audio samples) or
-    ``wav2vec2-base:train:b8:16000`` (a CTC training step at batch 8)."""
+    """``gpt2-small:b1:kv32`` (decode step), ``wav2vec2-base:16000`` (audio samples),
+    ``wav2vec2-base:train:b8:16000`` (a CTC training step at batch 8), ``bert-base:b8:s128``
+    (an encoder's forward), ``resnet-50:b32:224px`` (a convolutional network's forward) or
+    ``two-streams:b64:w4096:d8`` (two towers of linear layers on two streams)."""
     kind, *parts = check_spec(spec)
     if kind == "decode":
         return _decode(parts[0], int(parts[1]), int(parts[2]))
     if kind == "train":
         return _train(parts[0], int(parts[1]), int(parts[2]))
+    if kind == "encode":
+        return _encode(parts[0], int(parts[1]), int(parts[2]))
+    if kind == "image":
+        return _image(parts[0], int(parts[1]), int(parts[2]))
+    if kind == "streams":
+        return _forked(*(int(p) for p in parts))
     return _audio(parts[0], int(parts[1]))
