@@ -239,3 +239,60 @@ def test_graphed_training_steps_are_predicted_from_their_recordings():
         assert max(_errors(predictions, question)) <= 0.05, question
     eager = program_from_trace(read_trace(paths[0]))
     assert not any("left out" in a for a in eager.approximations)
+
+
+# --- Workloads the simulator was not calibrated on (traces/h200_unseen) -----------------------
+
+UNSEEN_MULTI_STREAM = (
+    "measured: two-streams:b64:w4096:d8 (two towers of eight 64x4096x4096 GEMMs, memory-bound, "
+    "on two streams) ran its graph in 0.175 ms; the replay from the graphed trace predicts "
+    "0.197 (+12.7%: the graph's kernels as CUPTI timed them already cover 0.178 ms, and the "
+    "model adds its per-node overhead to all 33 nodes though the two branches overlap), and the "
+    "what-if from the eager trace 0.128 (-26.9%): eagerly the towers ran one after the other "
+    "(host-bound), and the what-if runs them side by side at the speed each had alone, where "
+    "under the graph they share the GPU's memory bandwidth. Traces carry no bytes moved, so "
+    "the model cannot tell which concurrent kernels contend")
+
+
+@pytest.fixture(scope="module")
+def unseen():
+    paths = sorted((TRACES / "h200_unseen").glob("*.json.gz"))
+    return {(p.workload, p.question): p
+            for p in validate(paths, load_profile(DEFAULT_PROFILE))}
+
+
+@pytest.mark.parametrize("workload", ["bert_base_encode_b8_s128", "resnet_50_images_b32_224"])
+@pytest.mark.parametrize("question", ["replay graph", "replay grape"])
+def test_graphed_runs_of_unseen_workloads_are_replayed_within_3_percent(unseen, workload,
+                                                                        question):
+    assert abs(unseen[workload, question].error) <= 0.03
+
+
+@pytest.mark.xfail(strict=True, reason=UNSEEN_MULTI_STREAM)
+@pytest.mark.parametrize("question", ["replay graph", "eager -> graph"])
+def test_a_model_forked_onto_two_streams_is_predicted_graphed(unseen, question):
+    bound = 0.03 if question == "replay graph" else 0.10
+    assert abs(unseen["two_streams_b64_w4096_d8", question].error) <= bound
+
+
+def test_the_what_if_for_a_convolutional_network_that_keeps_its_kernels_meets_the_bound(unseen):
+    # ResNet-50 captures the kernels it runs eagerly (348 against 346: two copies); the what-if
+    # from the eager trace alone is held to the 10%.
+    p = unseen["resnet_50_images_b32_224", ALONE]
+    assert "348 kernels against 346" in p.note and abs(p.error) <= 0.10
+
+
+def test_the_what_if_names_the_encoder_s_other_path_under_capture(unseen):
+    # BERT under capture builds its attention mask where eagerly it passes none (Hugging Face's
+    # mask code, as for GPT-2): 413 kernels against 154, so the what-if cannot hold; it says so.
+    p = unseen["bert_base_encode_b8_s128", ALONE]
+    assert "capture runs 413 kernels against 154 eagerly" in p.note
+
+
+def test_unseen_eager_replays_state_intervals(unseen):
+    eager = [p for (w, q), p in unseen.items() if q == "replay eager"]
+    assert len(eager) == 3 and all(p.inside is not None for p in eager)
+    # The two whose host the profiler did not throw off hold the measurement; BERT's (+16.7%,
+    # host-bound at 15% GPU busy) does not.
+    assert sorted(p.workload for p in eager if p.inside) == [
+        "resnet_50_images_b32_224", "two_streams_b64_w4096_d8"]
