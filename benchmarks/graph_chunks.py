@@ -23,17 +23,13 @@ from pathlib import Path
 
 import networkx as nx
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ir_twin import _profiled, _timed
+from ir_twin import _profiled, _timed, twin_decoder, twin_model
 
 from grape.cuda.build import Graph
 from grape.ir import KernelGraph
-from grape.torch.beam import BeamDecoder
 from grape.torch.capture import capture
-from grape.torch.decoding import TokenDecoder
-from grape.torch.options import resolve
 
 
 def chunks(graph: KernelGraph, size: int) -> list[KernelGraph]:
@@ -60,16 +56,8 @@ def main() -> None:
     parser.add_argument("--timed", type=int, default=30)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    transformers.logging.set_verbosity_error()
-    config = transformers.GPT2Config(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).to(torch.float16).cuda().eval()
-    ids = torch.randint(3, config.vocab_size, (1, 32), device="cuda")
-    extra = {"num_beams": 5} if args.decoder == "beam" else {}
-    options, mask = resolve(model, ids, None, {"max_new_tokens": 64, "eos_token_id": None,
-                                               **extra})
-    cls = BeamDecoder if args.decoder == "beam" else TokenDecoder
-    decoder = cls(model, 1, ids.shape[1], options)
+    model, ids = twin_model()
+    decoder, mask = twin_decoder(model, ids, args.decoder, 64)
     params = dict(model.named_parameters())
     decoder.prefill(ids, mask)
     decoder.step()

@@ -82,6 +82,24 @@ def _profiled(launch, repeats: int, path: Path, before=None) -> None:
     raw.unlink()
 
 
+def twin_model() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The twins' model (GPT-2 small's shape, fp16, random weights, seeded) and prompt."""
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).to(torch.float16).cuda().eval()
+    return model, torch.randint(3, config.vocab_size, (1, 32), device="cuda")
+
+
+def twin_decoder(model: torch.nn.Module, ids: torch.Tensor, strategy: str, new: int):
+    """A greedy or 5-beam decoder of ``new`` tokens for ``ids``, and its attention mask."""
+    extra = {"num_beams": 5} if strategy == "beam" else {}
+    options, mask = resolve(model, ids, None, {"max_new_tokens": new, "eos_token_id": None,
+                                               **extra})
+    cls = BeamDecoder if strategy == "beam" else TokenDecoder
+    return cls(model, 1, ids.shape[1], options), mask
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, metavar="DIR")
@@ -95,11 +113,7 @@ def main() -> None:
         parser.error(f"expected runs among step, loop, beam and beam_step, found "
                      f"{sorted(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    transformers.logging.set_verbosity_error()
-    config = transformers.GPT2Config(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).to(torch.float16).cuda().eval()
-    ids = torch.randint(3, config.vocab_size, (1, 32), device="cuda")
+    model, ids = twin_model()
     params = dict(model.named_parameters())
     stream = torch.cuda.current_stream().cuda_stream
     closing: list = []  # what was built, closed at the end
@@ -109,11 +123,7 @@ def main() -> None:
     for strategy, names in (("greedy", ("step", "loop")), ("beam", ("beam_step", "beam"))):
         if not set(names) & set(wanted):
             continue
-        extra = {"num_beams": 5} if strategy == "beam" else {}
-        options, mask = resolve(model, ids, None, {"max_new_tokens": args.new,
-                                                   "eos_token_id": None, **extra})
-        cls = BeamDecoder if strategy == "beam" else TokenDecoder
-        decoder = cls(model, 1, ids.shape[1], options)
+        decoder, mask = twin_decoder(model, ids, strategy, args.new)
 
         def fresh(decoder=decoder, mask=mask) -> None:
             decoder.prefill(ids, mask)
