@@ -126,19 +126,21 @@ def set_launch_cost(program: Program, cost: float) -> Program:
                                           for s in it) for it in program.iterations])
 
 
-def _graph_gpu_time(steps: tuple[Step, ...] | list[Step], per_node: float
-                    ) -> tuple[float, int, set[int]]:
+def _graph_gpu_time(steps: tuple[Step, ...] | list[Step], per_node: float,
+                    serialize: bool = False) -> tuple[float, int, set[int]]:
     """GPU time of ``steps``' eager work captured as one graph, each operation plus the graph's
     per-node overhead. Where the trace's stream waits say what waited for what, the longest
     chain of work they order (capture turns an event wait between streams into a dependency
     between branches; the streams run concurrently otherwise), each operation at its recorded
     time. Without waits, the work one after another, each operation costing the GPU what it
     did when recorded (``GpuWork.work``: work that ran beside other streams' shared the GPU with
-    it, so a stretch where n ran together costs its length once, not n times). Returns (GPU
-    time, nodes, streams)."""
+    it, so a stretch where n ran together costs its length once, not n times); ``serialize``
+    prices it so even where waits say branches may overlap (the bound for branches that contend
+    for the GPU as much as work can: one after the other). Returns (GPU time, nodes, streams).
+    """
     work = [w for s in steps if isinstance(s, Launch) for w in s.work]
     streams = {w.stream for w in work}
-    if not any(isinstance(s, StreamWait) for s in steps):
+    if serialize or not any(isinstance(s, StreamWait) for s in steps):
         return sum(w.work for w in work) + per_node * len(work), len(work), streams
     ready: dict[int, float] = {}  # when each stream's work so far finishes
     for step in steps:
@@ -169,8 +171,8 @@ def capture_blockers(steps: tuple[Step, ...] | list[Step]) -> list[str]:
     return found
 
 
-def graph_iterations(program: Program, costs: Costs, captured: Program | None = None
-                     ) -> Program:
+def graph_iterations(program: Program, costs: Costs, captured: Program | None = None,
+                     serialize: bool = False) -> Program:
     """Each iteration captured as one graph and replayed: what graphs would buy.
 
     The host keeps only the graph launch (the profile's cost) and the iteration's syncs; the
@@ -180,7 +182,9 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
     work with the graph's per-node overhead, its streams concurrent as far as the trace's stream
     waits allow. What capture would refuse as the iteration stands (:func:`capture_blockers`)
     is listed in the program's ``blockers``, each once with the iterations it occurs in: the
-    prediction then holds for the iteration once those are made capturable.
+    prediction then holds for the iteration once those are made capturable. ``serialize``
+    prices branches that the waits let overlap one after the other instead (see
+    :func:`_graph_gpu_time`): the other end of what concurrent branches can cost.
     """
     captured_times = []
     if captured is not None:
@@ -200,7 +204,7 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
         if not launches:  # already graphed, or nothing to launch: as it is
             out.iterations.append(steps)
             continue
-        gpu, nodes, streams = _graph_gpu_time(steps, costs.graph_node_overhead)
+        gpu, nodes, streams = _graph_gpu_time(steps, costs.graph_node_overhead, serialize)
         if captured_times:
             gpu = captured_times[i % len(captured_times)]
         elif len(streams) > 1 and not any(isinstance(s, StreamWait) for s in steps):
