@@ -295,8 +295,8 @@ def _graph_copy_nodes(module: Module, events: _Events, reps: int,
                       nodes: int = 100) -> dict[str, Any]:
     """GPU time a copy or memset node takes inside a graph, its dispatch included, against its
     size: a chain of empty kernels, and the same chain with a device-to-device copy (a memset)
-    after each kernel; the difference per node. A copy node hands its work to the copy engine
-    and back, which a kernel node does not and CUPTI's duration of the copy leaves out."""
+    after each kernel; the difference per node, what the node costs a graph beyond the kernels
+    around it (on the H200: 0.9 us for 4 KiB, 2.1 us for 4 MiB)."""
     empty = kernel_op(module.function("grape_empty"), (1, 1, 1), (32, 1, 1), [])
     sizes = [1 << k for k in (12, 16, 20, 22)]
     src = call(driver.cuMemAlloc, sizes[-1], doing="allocating a copy source")

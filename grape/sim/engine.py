@@ -49,7 +49,7 @@ class Costs:
     copy_bandwidth: float = 4250.0  # GB/s of a device-to-device copy, bytes read plus written
     # A copy (memset) node inside a graph, its dispatch included: latency + bytes x per byte.
     # None where the profile has not measured it: a graph's copies then cost what the trace
-    # timed, which leaves out the hand-over to the copy engine and back.
+    # timed them at (CUPTI's duration of the copy alone, its dispatch added by the schedule).
     graph_copy_latency: float | None = None
     graph_copy_us_per_byte: float = 0.0
     graph_memset_latency: float | None = None
