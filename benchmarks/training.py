@@ -15,15 +15,18 @@ them. Ways, each on a model built from the same seed:
 - ``per_shape_graphs``: one CUDA graph per length, each with its own memory pool (as PyTorch's
   graphs are made per shape), captured from the same step; device memory is reported, or the
   length at which the GPU ran out of it;
-- ``grape_family``: ``GraphedTraining``: the first step eager, then one family over every
-  length (largest first, one pool), each later step one launch, each batch copied into the
-  family's input buffer;
+- ``grape_family``: ``GraphedTraining``: eager steps until the optimizer has stepped once (the
+  loss scaler skips the first steps on overflow, and the optimizer creates its state on its
+  first real step), then one family over every length (largest first, one pool), each later
+  step one launch, each batch copied into the family's input buffer;
 - ``grape_family_aliased``: the same with ``inputs_by="alias"``: the graphs re-pointed at each
   batch where it lies (``grape.graphed``), nothing copied.
 
-Written per way: ``ms_per_step`` (mean over the sequence, one sync at the end, first step
-excluded: the eager warm-up and the capture happen there), ``device_bytes_graphs`` (free
-memory's drop over the captures), ``capture_s``, ``params_bitwise_equal_to_eager`` and
+Every way runs the same eager warm-up steps first (``warmup_steps``: as many as the graphed
+ways need; the same batches and so the same count in every way). Written per way:
+``ms_per_step`` (mean over the rest of the sequence, one sync at the end; the warm-up and the
+capture are ``warmup_s``), ``device_bytes_graphs`` (free memory's drop over the captures),
+``capture_s``, ``params_bitwise_equal_to_eager`` and
 ``params_bitwise_equal_to_per_shape_graphs`` (after the whole sequence; meaningful with
 ``--deterministic``), with the final loss scale and loss.
 
@@ -147,23 +150,38 @@ def _sequence(step, batches) -> tuple[float, dict[int, float]]:
     return ms, {n: round(sum(v) / len(v), 3) for n, v in sorted(spans.items())}
 
 
+def _warm_up(trainer, batches) -> int:
+    """Eager steps until the optimizer has stepped once (its state exists; a capture is now
+    safe): how many. At least one, and never the whole sequence."""
+    done = 0
+    while done == 0 or not trainer.ready_to_capture:
+        if done == len(batches) - 1:
+            sys.exit(f"every one of the first {done} steps overflowed (the loss scaler skipped "
+                     f"them all): nothing left to time; give --steps more")
+        trainer(batches[done][0].cuda(non_blocking=True),
+                batches[done][1].cuda(non_blocking=True))
+        done += 1
+    return done
+
+
 def _run_trainer(args, way: str, batches) -> tuple[dict[str, Any], Any]:
 
     graphs = way != "eager"
     model, trainer = _build(args, graphs, "alias" if way == "grape_family_aliased" else "copy")
     free = _memory()
     t0 = time.perf_counter()
-    trainer(batches[0][0].cuda(non_blocking=True), batches[0][1].cuda(non_blocking=True))
-    if graphs:  # the family is captured at the second call: make it now, timed apart
+    warm = _warm_up(trainer, batches)
+    if graphs:  # the family is captured at the next call: make it now, timed apart
         trainer.capture()
-    first_s = time.perf_counter() - t0
+    warm_s = time.perf_counter() - t0
     graph_bytes = free - _memory()
     ms, by_length = _sequence(lambda audio, labels: trainer(
-        audio.cuda(non_blocking=True), labels.cuda(non_blocking=True)), batches[1:])
+        audio.cuda(non_blocking=True), labels.cuda(non_blocking=True)), batches[warm:])
     row = {"way": way, "ms_per_step": round(ms, 3), "ms_by_length": by_length,
            "device_bytes_graphs": graph_bytes if graphs else None,
            "capture_s": round(trainer.stats.capture_s, 2) if graphs else None,
-           "first_step_s": round(first_s, 2), "graphed_steps": trainer.stats.graphed_steps,
+           "warmup_steps": warm, "warmup_s": round(warm_s, 2),
+           "graphed_steps": trainer.stats.graphed_steps,
            "eager_steps": trainer.stats.eager_steps, "fallback": trainer.stats.fallback,
            "executables": trainer.stats.executables if graphs else None,
            "final_loss_scale": trainer.scaler.get_scale(),
@@ -180,8 +198,7 @@ def _per_shape(args, batches) -> tuple[dict[str, Any], Any]:
     from grape.torch.control import graph
 
     model, trainer = _build(args, graphs=False)
-    audio, labels = batches[0]
-    trainer(audio.cuda(), labels.cuda())  # the optimizer's state, as grape's first step
+    warm = _warm_up(trainer, batches)  # the optimizer's state, as grape's warm-up makes it
     free = _memory()
     graphs: dict[int, Any] = {}
     t = time.perf_counter()
@@ -201,7 +218,7 @@ def _per_shape(args, batches) -> tuple[dict[str, Any], Any]:
     capture_s = time.perf_counter() - t
     used = free - _memory()
     row = {"way": "per_shape_graphs", "device_bytes_graphs": used,
-           "capture_s": round(capture_s, 2), "executables": len(graphs),
+           "capture_s": round(capture_s, 2), "executables": len(graphs), "warmup_steps": warm,
            "out_of_memory_at_length": oom, "ms_per_step": None}
     if oom is None:
         def replay(audio, labels):
@@ -209,7 +226,7 @@ def _per_shape(args, batches) -> tuple[dict[str, Any], Any]:
             trainer.inputs[:, :n].copy_(audio.cuda(non_blocking=True), non_blocking=True)
             trainer.targets.copy_(labels.cuda(non_blocking=True), non_blocking=True)
             graphs[n].replay()
-        ms, row["ms_by_length"] = _sequence(replay, batches[1:])
+        ms, row["ms_by_length"] = _sequence(replay, batches[warm:])
         row["ms_per_step"] = round(ms, 3)
         row["final_loss_scale"] = trainer.scaler.get_scale()
         row["final_loss"] = float(trainer.loss)

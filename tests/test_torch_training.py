@@ -144,3 +144,18 @@ def test_pad_batch_pads_and_never_truncates():
     with pytest.raises(GrapeError, match="expected samples of at most 3 along their first "
                                          "dimension, found one of 4"):
         pad_batch([torch.ones(4)], 3)
+
+
+def test_a_trainer_is_ready_to_capture_only_once_the_optimizer_has_stepped():
+    # The first step overflows (an inf in the batch): the scaler skips it, the optimizer creates
+    # no state, and a capture now would hold that creation. The next, clean step makes it.
+    model = _model()
+    trainer = _trainer(model, scaler=LossScaler("cpu", init_scale=8.0))
+    x = torch.ones(3, 6, 4)
+    x[0, 0, 0] = float("inf")
+    trainer(x, torch.ones(3, 1))
+    assert not trainer.ready_to_capture and not trainer.optimizer.state
+    assert trainer.stats.optimizer_steps == 0 and trainer.stats.steps == 1
+    trainer(torch.ones(3, 4, 4), torch.ones(3, 1))
+    assert trainer.ready_to_capture and trainer.stats.optimizer_steps == 1
+    assert len(trainer.optimizer.state) == len(list(model.parameters()))

@@ -8,8 +8,11 @@ back), and inputs whose length changes from batch to batch. Here:
 
 - every tensor the step updates is allocated before capture and updated in place: gradients
   exist (zeros) before the first capture and are zeroed at the end of each step, not set to
-  None; the optimizer's state comes from one real step run eagerly first; the step count, the
-  learning rate (where the optimizer takes a tensor) and the loss scale live on the device;
+  None; the optimizer's state comes from real steps run eagerly first, as many as it takes for
+  the optimizer to have stepped once (a mixed-precision step skipped on overflow creates no
+  state, and state first created inside a capture would be re-created, zeroed, at every
+  launch); the step count, the learning rate (where the optimizer takes a tensor) and the loss
+  scale live on the device;
 - :class:`LossScaler` is ``GradScaler``'s dynamic loss scaling with the same kernels
   (``_amp_foreach_non_finite_check_and_unscale_``, ``_amp_update_scale_``), so its scale and
   what it skips are bitwise what ``GradScaler`` does, but its skip-on-overflow is a
@@ -122,6 +125,7 @@ class TrainingStats:
     graphed_steps: int = 0
     eager_steps: int = 0  # warm-up, lengths outside the family, or no graphs at all
     capture_s: float = 0.0
+    optimizer_steps: int = 0  # eager steps in which the optimizer stepped (not skipped)
     lengths_captured: int = 0
     executables: int = 0
     fallback: str | None = None  # why training runs eagerly, where it does
@@ -206,6 +210,22 @@ class GraphedTraining:
         self._warned: set[int] = set()
         self._random_draws = 0  # philox offset an eager step advanced the generator by
         self._random: Any = None  # a grape.torch.rng.GraphRandom where the step draws
+        # Optimizers create their state (Adam's moments, SGD's momentum) on their first step.
+        # Until one has run for real, a capture would hold that creation, zeros written over the
+        # state at every launch; so steps stay eager until then (a step the loss scaler skips
+        # does not count).
+        self._stepped_hook = self.optimizer.register_step_post_hook(self._count_optimizer_step)
+
+    def _count_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # (torch's CPU builds have no capture to ask about)
+        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            self.stats.optimizer_steps += 1
+
+    @property
+    def ready_to_capture(self) -> bool:
+        """Whether a step has run eagerly in which the optimizer stepped: its lazily created
+        state exists, so a capture only updates it."""
+        return self.stats.optimizer_steps > 0
 
     # The step itself, on the static buffers: the one code path, eager or captured.
     def step_at(self, length: int) -> None:
@@ -249,8 +269,8 @@ class GraphedTraining:
                                f"tensors")
             self._eager_on(inputs, targets)
             return self.loss
-        if self.graphs and self.stats.fallback is None and self.stats.steps > 0:
-            self.capture()  # once: optimizer state exists after one real step
+        if self.graphs and self.stats.fallback is None and self.ready_to_capture:
+            self.capture()  # once: the optimizer's state exists after its first real step
         if self._graphed is not None:
             self._fresh_random()
             try:
@@ -343,9 +363,11 @@ class GraphedTraining:
         if not self.graphs or self._family is not None or self._graphed is not None \
                 or self.stats.fallback is not None:
             return
-        if self.stats.steps == 0:
-            raise GrapeError("expected one step run before capturing (it creates the "
-                             "optimizer's state), found none")
+        if not self.ready_to_capture:
+            raise GrapeError(f"expected a step run eagerly in which the optimizer stepped "
+                             f"before capturing (its first step creates its state), found "
+                             f"{self.stats.steps} steps, none of which stepped it (a step "
+                             f"the loss scaler skips on overflow does not)")
         if self._random_draws:
             # PyTorch's own replays move the generator on and hand each graph a fresh offset;
             # grape's launches get the same from GraphRandom, or training is not graphed: a
@@ -362,9 +384,11 @@ class GraphedTraining:
                 return
         began = time.perf_counter()
         params = dict(self.model.named_parameters())
+        state_before = self._optimizer_state()
+        kept = {p: dict(st) for p, st in self.optimizer.state.items()}
         try:
             # No warm-up per length: it would train on whatever the buffers hold. The real
-            # step already run initialised what is lazy (optimizer state, library handles).
+            # steps already run initialised what is lazy (optimizer state, library handles).
             if self.inputs_by == "copy":
                 self._family = capture_family(self.step_at, self.lengths, params=params,
                                               derive_every=self.derive_every, warmup=0,
@@ -378,9 +402,36 @@ class GraphedTraining:
                 self.stats.lengths_captured = self._graphed.signatures
                 self.stats.executables = self._graphed.executables
         except (CaptureError, GrapeError) as e:
+            self._restore_state(kept)
             self._give_up(e)
             return
+        if self._optimizer_state() != state_before:
+            # A parameter the optimizer had not stepped yet (no gradient in the eager steps):
+            # its state was created in the capture, and every launch would zero it again. The
+            # eager steps from here on create it afresh.
+            self._restore_state(kept)
+            self._give_up(GrapeError(
+                "expected the optimizer's state to exist before capture, found state created "
+                "inside it (a parameter that had no gradient in the eager steps): each launch "
+                "would reset it"))
+            return
         self.stats.capture_s = time.perf_counter() - began
+
+    def _restore_state(self, kept: dict[Any, dict[str, Any]]) -> None:
+        """The optimizer's state as it was before a capture: entries a capture created hold
+        tensors that were never written (a capture runs nothing)."""
+        state = self.optimizer.state
+        for p in [p for p in state if p not in kept]:
+            del state[p]
+        for p, st in kept.items():
+            state[p] = st
+
+    def _optimizer_state(self) -> dict[int, tuple[tuple[str, int], ...]]:
+        """Which tensors hold the optimizer's state, per parameter (by identity; other values,
+        such as a host step count, by key only)."""
+        return {id(p): tuple(sorted((k, id(v) if isinstance(v, torch.Tensor) else None)
+                                    for k, v in st.items()))
+                for p, st in self.optimizer.state.items()}
 
     def close(self) -> None:
         if self._family is not None:

@@ -135,8 +135,16 @@ def _train(model_name: str, batch: int, samples: int) -> Workload:
         trainer.step_at(samples)  # reads ``audio``: the trainer's own input buffer
         return trainer.loss
 
-    refresh()
-    step(trainer.inputs)  # the optimizer's state exists before any capture
+    # The optimizer's state must exist before any capture (its first real step creates it;
+    # a step the loss scaler skips on overflow does not): eager steps until it has stepped.
+    for _ in range(64):
+        refresh()
+        step(trainer.inputs)
+        if trainer.ready_to_capture:
+            break
+    else:
+        raise GrapeError("expected the optimizer to step within 64 eager training steps, "
+                         "found every one skipped on overflow")
     name = f"{model_name.replace('-', '_')}_train_b{batch}_{samples}"
     return Workload(name, f"{model_name}:train:b{batch}:{samples}", step, (trainer.inputs,),
                     dict(model.named_parameters()), refresh)
