@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Buffer, BufferRole, Empty, Kernel, KernelGraph, Memcpy, Span
 from grape.passes.compress import CODECS, best, decode, encode, xor
-from grape.passes.delta import apply, changed_nodes, delta, join, transition
+from grape.passes.delta import apply, changed_nodes, delta, identity, join, transition
 from grape.passes.families import canonical_order, group, match
 from tests.strategies import graphs
 
@@ -70,6 +70,7 @@ def test_applying_a_delta_gives_back_the_shape(g, data):
     changed = {n for n in g.dag if g.op(n) != h.op(pairs[n])}
     assert {nd.node for nd in d.nodes} == changed
     assert changed_nodes(g, delta(g, g), d) == [n for n in ops if n in changed]
+    assert identity(g) == delta(g, g)  # the shortcut for a new executable's own shape
 
 
 @given(graphs())

@@ -50,16 +50,22 @@ class BufferMap:
         self._named = _Ranges()
         self._allocations = _Ranges()
         self._not_device: set[int] = set()
+        # address -> (start, buffer): kernels pass the same pointers again and again (weights,
+        # workspaces), and a training step's walk looked up a quarter of a million of them
+        self._hits: dict[int, tuple[int, Buffer]] = {}
         self.used: dict[str, Buffer] = {}
 
     def name(self, buffer_id: str, address: int, size: int, role: BufferRole,
              memory: Memory = Memory.DEVICE) -> Buffer:
         """Declare a range the caller knows (a tensor): ``address`` .. ``address + size``."""
+        self._hits.clear()  # named ranges come first: an address found before may name anew
         return self._named.add(address, size, Buffer(buffer_id, size, role, memory, address))
 
     def span(self, address: int) -> Span | None:
         """The buffer and offset ``address`` falls in, or None if it is not device memory."""
-        hit = self._named.find(address) or self._allocations.find(address)
+        hit = self._hits.get(address)
+        if hit is None:
+            hit = self._named.find(address) or self._allocations.find(address)
         if hit is None and address not in self._not_device:
             status, base, size = driver.cuMemGetAddressRange(address)
             if status == driver.CUresult.CUDA_SUCCESS:
@@ -70,6 +76,7 @@ class BufferMap:
                 self._not_device.add(address)
         if hit is None:
             return None
+        self._hits[address] = hit
         start, buffer = hit
         self.used[buffer.id] = buffer
         return Span(buffer.id, address - start)
@@ -80,6 +87,7 @@ class BufferMap:
         if hit is None:
             buffer = Buffer(f"host@{address:#x}", size, BufferRole.INTERNAL, Memory.HOST, address)
             hit = (address, self._named.add(address, size, buffer))
+            self._hits.clear()
         start, buffer = hit
         self.used[buffer.id] = buffer
         return Span(buffer.id, address - start)

@@ -31,7 +31,7 @@ from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import KernelGraph, fingerprint
-from grape.passes.delta import NodeDelta, ShapeDelta, delta, join, operation, transition
+from grape.passes.delta import NodeDelta, ShapeDelta, identity, join, operation, transition
 from grape.passes.derive import Sampled, derive_lengths
 from grape.torch.capture import capture
 
@@ -401,7 +401,7 @@ def _place_whole(groups: Mapping[str, _Group], topology: str, ir: KernelGraph,
             continue
         return key, d
     key = f"{topology}#{len(variants)}" if variants else topology
-    return key, delta(ir, ir)
+    return key, identity(ir)
 
 
 def _place(groups: Mapping[str, _Group], topology: str, ir: KernelGraph
@@ -418,4 +418,4 @@ def _place(groups: Mapping[str, _Group], topology: str, ir: KernelGraph
         except UnsupportedError:
             continue
     key = f"{topology}#{len(variants)}" if variants else topology
-    return key, delta(ir, ir)
+    return key, identity(ir)

@@ -38,7 +38,7 @@ from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Memcpy, Memset, fingerprint
 from grape.passes.alias import repoint
-from grape.passes.delta import ShapeDelta, delta, join
+from grape.passes.delta import ShapeDelta, identity, join
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.capture import TorchCapture, capture
 
@@ -209,7 +209,7 @@ class Graphed:
             graph = Graph.build(ir)
             shared = _Shared(ir, graph, graph.instantiate())
             variants.append(shared)
-            d, nodes = delta(ir, ir), {n: n for n in ir.dag}
+            d, nodes = identity(ir), {n: n for n in ir.dag}
         back = {mine: t for t, mine in nodes.items()}
         reads = frozenset(back[n] for n in _reading(ir, set(inputs.names)))
         varies = reads | {nd.node for nd in d.nodes}
