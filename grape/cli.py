@@ -110,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     rec.add_argument("--cpu-ops", action="store_true",
                      help="profile PyTorch operators too (readable traces; their host cost varies "
                           "by model, so validation traces leave them out)")
+    rec.add_argument("--calibration-rounds", type=int, default=5, metavar="N",
+                     help="rounds measuring, in each recording's process, the profiler's host "
+                          "cost per event and the host's pace after profiling, stored in the "
+                          "trace for its eager replay (grape.torch.profiler_cost; 0: none)")
     rec.set_defaults(run=_record)
     sim = sub.add_parser(
         "simulate", help="predict a trace's wall time and what-ifs, with no GPU",
@@ -286,6 +290,9 @@ def _record(args: argparse.Namespace) -> None:
     if not specs or set(modes) - {"eager", "graph", "grape"} or not modes:
         raise GrapeError(f"expected workload specs (or --suite) and modes among eager,graph,grape, "
                          f"found specs {specs} and modes {modes}")
+    if args.calibration_rounds < 0:
+        raise GrapeError(f"expected --calibration-rounds of at least 0, found "
+                         f"{args.calibration_rounds}")
     for spec in specs:  # refuse a bad spec before any GPU work starts
         check_spec(spec)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -296,6 +303,7 @@ def _record(args: argparse.Namespace) -> None:
         done = subprocess.run([sys.executable, "-m", "grape.torch.record", spec, "--modes",
                                ",".join(modes), "--out", str(args.out), "--timed",
                                str(args.timed), "--profiled", str(args.profiled),
+                               "--calibration-rounds", str(args.calibration_rounds),
                                *(["--cpu-ops"] if args.cpu_ops else [])],
                               capture_output=True, text=True, check=False)
         if done.returncode != 0:

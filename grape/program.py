@@ -127,10 +127,12 @@ Step = HostWork | Launch | GraphLaunch | Sync | StreamWait
 
 @dataclass(frozen=True)
 class ProfilerOverhead:
-    """Host time torch.profiler adds per recorded operator and per CUDA API call (us)."""
+    """Host time torch.profiler adds per recorded operator and per CUDA API call, and once per
+    profiled step (us)."""
 
     per_op: float = 0.0
     per_call: float = 0.0
+    per_step: float = 0.0
 
 
 @dataclass
@@ -197,7 +199,8 @@ def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
             if call.correlation in waits:
                 steps.append(waits[call.correlation])
         cursor = call.end
-    tail = it.end - cursor - overhead.per_op * _count(ops_ts, cursor, it.end)
+    tail = (it.end - cursor - overhead.per_op * _count(ops_ts, cursor, it.end)
+            - overhead.per_step)
     if tail > 0:
         steps.append(HostWork(tail))
     return tuple(steps)

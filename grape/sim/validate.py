@@ -25,6 +25,7 @@ from grape.sim.engine import simulate
 from grape.sim.memory import executable_bytes
 from grape.sim.whatif import (
     Costs,
+    calibrated,
     costs_from_profile,
     graph_iterations,
     loop_on_device,
@@ -134,7 +135,17 @@ def predictions(trace: Trace, profile: DeviceProfile, graph: Trace | None = None
     measured = trace.grape.wall_time_median_us
     program = unprofiled_program(trace, profile)
     replay = simulate(program, costs)
-    low, high = _interval(trace, replay.iteration_times) if mode == "eager" else (None, None)
+    low = high = None
+    if mode == "eager":
+        # With the recording's own calibration, the interval also spans its rounds: the most
+        # profiler cost and host slowdown taken out gives the fastest prediction, the least
+        # the slowest.
+        fast = slow = replay.iteration_times
+        if calibrated(trace):
+            fast = simulate(unprofiled_program(trace, profile, bound="high"), costs)
+            slow = simulate(unprofiled_program(trace, profile, bound="low"), costs)
+            fast, slow = fast.iteration_times, slow.iteration_times
+        low, high = _interval(trace, fast, slow)
     found = [Prediction(workload, f"replay {mode}", measured / 1000,
                         replay.per_iteration / 1000,
                         _host_bound(trace) if mode == "eager" else "", low=low, high=high)]
@@ -197,17 +208,19 @@ def _overlapping_branches(program) -> bool:
     return False
 
 
-def _interval(trace: Trace, predicted: list[float]) -> tuple[float | None, float | None]:
-    """An eager replay's interval (ms): the profiled iterations each predicted on their own
-    (their host pace differs), widened by the recording's own spread of unprofiled wall times
-    (10th and 90th percentiles against the median). It claims no more than the recording
-    shows of its own noise."""
+def _interval(trace: Trace, fast: list[float], slow: list[float]
+              ) -> tuple[float | None, float | None]:
+    """An eager replay's interval (ms): from the fastest to the slowest of the profiled
+    iterations each predicted on their own (their host pace differs; ``fast`` and ``slow``
+    differ where the recording's calibration spans a range), widened by the recording's own
+    spread of unprofiled wall times (10th and 90th percentiles against the median). It claims
+    no more than the recording shows of its own noise."""
     wall = sorted(trace.grape.wall_time_us) if trace.grape else []
-    if not predicted or len(wall) < 2:
+    if not fast or not slow or len(wall) < 2:
         return None, None
     median = wall[len(wall) // 2]
     p10, p90 = wall[len(wall) // 10], wall[(len(wall) * 9) // 10]
-    return min(predicted) * p10 / median / 1000, max(predicted) * p90 / median / 1000
+    return min(fast) * p10 / median / 1000, max(slow) * p90 / median / 1000
 
 
 def _host_bound(trace: Trace) -> str:

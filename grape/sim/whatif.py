@@ -27,6 +27,8 @@ from grape.sim.engine import Costs
 from grape.trace import SIMULATED, Trace
 
 __all__ = [
+    "BOUNDS",
+    "calibrated",
     "copy_into_placeholders",
     "costs_from_profile",
     "graph_iterations",
@@ -60,12 +62,37 @@ def costs_from_profile(profile: DeviceProfile, **overrides: float) -> Costs:
     return Costs(**{**values, **overrides})
 
 
-def overhead_from_profile(profile: DeviceProfile, trace: Trace) -> ProfilerOverhead:
-    """What the profiler added to ``trace``'s host side: per operator and API call where it
-    recorded PyTorch operators, per API call alone where it recorded CUDA activity only; none
-    where grape's simulator wrote it."""
+# Which of a recording's calibrated figures (grape.torch.profiler_cost) a prediction takes:
+# each figure's median over the rounds, or its lowest or highest.
+BOUNDS = {"median": "", "low": "_low", "high": "_high"}
+
+
+def calibrated(trace: Trace) -> bool:
+    """Whether ``trace`` carries the profiler's cost and the host's pace as measured in its
+    own recording's process (``grape record`` writes them since grape.torch.profiler_cost)."""
+    return trace.grape is not None and "profiler_per_call_us" in trace.grape.counters
+
+
+def _figure(trace: Trace, name: str, bound: str) -> float:
+    if bound not in BOUNDS:
+        raise GrapeError(f"expected a calibration bound among {sorted(BOUNDS)}, found {bound!r}")
+    counters = trace.grape.counters if trace.grape is not None else {}
+    return counters.get(name + BOUNDS[bound], counters.get(name, 0.0))
+
+
+def overhead_from_profile(profile: DeviceProfile, trace: Trace,
+                          bound: str = "median") -> ProfilerOverhead:
+    """What the profiler added to ``trace``'s host side: as measured in the recording's own
+    process where the trace carries that (``bound``: the rounds' median, lowest or highest),
+    else the device profile's constants, per operator and API call where it recorded PyTorch
+    operators, per API call alone where it recorded CUDA activity only; none where grape's
+    simulator wrote it."""
     if trace.grape is not None and trace.grape.mode == SIMULATED:
         return ProfilerOverhead()
+    if calibrated(trace):
+        return ProfilerOverhead(_figure(trace, "profiler_per_op_us", bound),
+                                _figure(trace, "profiler_per_call_us", bound),
+                                _figure(trace, "profiler_per_step_us", bound))
     if trace.ops:
         per_event = profile.get("profiler_per_event")
         return ProfilerOverhead(per_event, per_event)
@@ -73,10 +100,16 @@ def overhead_from_profile(profile: DeviceProfile, trace: Trace) -> ProfilerOverh
 
 
 def unprofiled_program(trace: Trace, profile: DeviceProfile,
-                       costs: Costs | None = None) -> Program:
+                       costs: Costs | None = None, bound: str = "median") -> Program:
     """``trace`` as the simulator should run it: the program without the profiler's costs,
-    its graph launches priced with ``costs`` (the profile's by default)."""
-    program = program_from_trace(trace, overhead_from_profile(profile, trace))
+    its graph launches priced with ``costs`` (the profile's by default). Where the recording
+    measured how much slower its host ran once profiling had run in the process, the host's
+    costs are taken back to the pace of its timed steps (``bound`` as for
+    :func:`overhead_from_profile`)."""
+    program = program_from_trace(trace, overhead_from_profile(profile, trace, bound))
+    pace = _figure(trace, "host_pace_after_profiling", bound) if calibrated(trace) else 0.0
+    if pace > 0:
+        program = scale_host(program, 1 / pace)
     return profiled_graph_launches(program, costs or costs_from_profile(profile))
 
 

@@ -7,6 +7,10 @@ torch.profiler trace of a few steps. The trace is written with the measured time
 after it stops: every workload is recorded in a fresh process, timed before the profiler first
 runs.
 
+What the profiler costs the host is measured in the same process (``grape.torch.profiler_cost``:
+its cost per recorded event, and how much slower the host runs once it has run) and kept in the
+trace's counters, so that the eager replay takes out this process's figures, not a constant.
+
 By default the profiler records CUDA activity only (API calls, kernels, copies), which is all the
 simulator uses: recording every PyTorch operator as well costs 1-5 us of host time per operator,
 and how much varies between models by more than the simulator's error bound, so traces meant
@@ -155,14 +159,21 @@ def profile_steps(run: Callable[[], object], profiled: int, cpu_ops: bool = Fals
 
 
 def record(w: Workload, modes: Sequence[str], out_dir: Path, timed: int = 30,
-           profiled: int = 3, warmup: int = 5, cpu_ops: bool = False) -> list[Recording | str]:
+           profiled: int = 3, warmup: int = 5, cpu_ops: bool = False,
+           calibration_rounds: int = 5) -> list[Recording | str]:
     """Measure and profile one workload in each mode; write ``<name>.<mode>.json.gz``.
 
     Every mode is timed before the profiler runs at all: once torch.profiler has run in a
     process, host-bound steps stay slower there (seen on the H200: 6.5 ms per GPT-2 step before
     a profiling session, 11.8 ms after it). Call this in a fresh process (``grape record`` does).
     A mode that cannot run (a graph whose capture breaks) gives a line saying why instead.
+
+    ``calibration_rounds``: rounds of ``grape.torch.profiler_cost``'s loops, timed before any
+    profiling and measured again after it, whose figures (the profiler's cost per event, the
+    host's pace after profiling) go into each trace's counters; 0 leaves them out.
     """
+    from grape.torch import profiler_cost
+
     runs: dict[str, tuple[Callable[[], object], int | None]] = {}
     results: list[Recording | str] = []
     for mode in modes:
@@ -176,22 +187,37 @@ def record(w: Workload, modes: Sequence[str], out_dir: Path, timed: int = 30,
             w.refresh()
             run()
         walls[mode] = timed_calls(run, timed, before=w.refresh)  # fresh inputs, untimed
-    for mode, (run, nodes) in runs.items():
-        if mode == "grape":  # annotations are host activity: the profiler records them with it
+    clean = (profiler_cost.clean_times(timed_calls, calibration_rounds)
+             if calibration_rounds else {})  # still before any profiling
+    traces: dict[str, tuple[Trace, bool]] = {}
+    for mode, (run, _) in runs.items():
+        # grape's call marks are host activity: the profiler records them with operators
+        ops = cpu_ops or mode == "grape"
+        if mode == "grape":
             with _grape_calls_marked():
-                trace = profile_steps(run, profiled, cpu_ops=True)
+                traces[mode] = profile_steps(run, profiled, cpu_ops=True), ops
         else:
-            trace = profile_steps(run, profiled, cpu_ops)
+            traces[mode] = profile_steps(run, profiled, cpu_ops), ops
+    calibrated: dict[bool, dict[str, float]] = {}
+    if calibration_rounds:
+        for ops in sorted({ops for _, ops in traces.values()}):
+            calibrated[ops] = profiler_cost.calibrate(
+                timed_calls, lambda run, n, ops=ops: profile_steps(run, n, cpu_ops=ops),
+                clean, calibration_rounds)
+    for mode, (trace, ops) in traces.items():
         meta = machine_meta(w.name, mode, walls[mode],
                             f"{w.spec}; fp16, random weights; wall time: {timed} "
                             f"synchronised steps after {warmup} warm-ups, in a process "
                             f"where the profiler had not yet run; profiled: "
-                            f"{'operators and ' if cpu_ops else ''}CUDA activity",
-                            len(trace.iterations))
+                            f"{'operators and ' if ops else ''}CUDA activity"
+                            + (f"; profiler cost and host pace calibrated in this process "
+                               f"({calibration_rounds} rounds, grape.torch.profiler_cost)"
+                               if calibration_rounds else ""),
+                            len(trace.iterations), counters=calibrated.get(ops))
         path = write_trace(out_dir / f"{w.name}.{mode}.json.gz", trace, meta)
         kernels = len(trace.iterations[0].kernels) if trace.iterations else 0
         results.append(Recording(w.name, mode, path, statistics.median(walls[mode]) / 1000,
-                                 kernels, nodes))
+                                 kernels, runs[mode][1]))
     return results
 
 
@@ -209,10 +235,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--timed", type=int, default=30)
     parser.add_argument("--profiled", type=int, default=3)
     parser.add_argument("--cpu-ops", action="store_true")
+    parser.add_argument("--calibration-rounds", type=int, default=5,
+                        help="rounds measuring the profiler's cost in this process (0: none)")
     args = parser.parse_args(argv)
+    if args.calibration_rounds < 0:
+        parser.error(f"expected --calibration-rounds of at least 0, found "
+                     f"{args.calibration_rounds}")
     args.out.mkdir(parents=True, exist_ok=True)
     for r in record(parse_spec(args.spec), args.modes.split(","), args.out, args.timed,
-                    args.profiled, cpu_ops=args.cpu_ops):
+                    args.profiled, cpu_ops=args.cpu_ops,
+                    calibration_rounds=args.calibration_rounds):
         line = ({"failed": r} if isinstance(r, str) else
                 {"workload": r.workload, "mode": r.mode, "path": str(r.path),
                  "wall_ms": r.wall_ms, "kernels": r.kernels, "graph_nodes": r.graph_nodes})
