@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -384,7 +384,6 @@ class GraphedTraining:
                 return
         began = time.perf_counter()
         params = dict(self.model.named_parameters())
-        state_before = self._optimizer_state()
         kept = {p: dict(st) for p, st in self.optimizer.state.items()}
         try:
             # No warm-up per length: it would train on whatever the buffers hold. The real
@@ -405,7 +404,7 @@ class GraphedTraining:
             self._restore_state(kept)
             self._give_up(e)
             return
-        if self._optimizer_state() != state_before:
+        if _state_tensors(self.optimizer.state) != _state_tensors(kept):
             # A parameter the optimizer had not stepped yet (no gradient in the eager steps):
             # its state was created in the capture, and every launch would zero it again. The
             # eager steps from here on create it afresh.
@@ -426,13 +425,6 @@ class GraphedTraining:
         for p, st in kept.items():
             state[p] = st
 
-    def _optimizer_state(self) -> dict[int, tuple[tuple[str, int], ...]]:
-        """Which tensors hold the optimizer's state, per parameter (by identity; other values,
-        such as a host step count, by key only)."""
-        return {id(p): tuple(sorted((k, id(v) if isinstance(v, torch.Tensor) else None)
-                                    for k, v in st.items()))
-                for p, st in self.optimizer.state.items()}
-
     def close(self) -> None:
         if self._family is not None:
             self._family.close()
@@ -440,6 +432,14 @@ class GraphedTraining:
         if self._graphed is not None:
             self._graphed.close()
             self._graphed = None
+
+
+def _state_tensors(state: Mapping[Any, Mapping[str, Any]]) -> dict[int, tuple]:
+    """Which tensors hold an optimizer's state, per parameter (by identity; other values, such
+    as a host step count, by key only)."""
+    return {id(p): tuple(sorted((k, id(v) if isinstance(v, torch.Tensor) else None)
+                                for k, v in st.items()))
+            for p, st in state.items()}
 
 
 def pad_batch(samples: Iterable[torch.Tensor], length: int, value: float = 0.0
