@@ -78,18 +78,47 @@ def test_calibrate_pairs_each_profiled_loop_with_a_timed_one_round_by_round(monk
                              host_time=1000.0 + 10.0 + 2.0 * ops + 7.0 * calls)
         return SimpleNamespace(iterations=[it] * n, ops=[SimpleNamespace(ts=1.0)] * ops)
 
-    timed = [0]
+    timed, settled = [0], []
 
     def timer(run, n):
         timed[0] += n
         return [1000.0] * n
 
-    got = profiler_cost.calibrate(timer, profiled, {n: 800.0 for n in events}, rounds=3)
-    assert timed[0] == 9  # every loop timed once per round
+    got = profiler_cost.calibrate(timer, profiled, {n: 800.0 for n in events}, rounds=3,
+                                  settle=lambda run: settled.append(run()))
+    # every loop settled past the session's transient, then timed as often, in every round
+    assert settled == ["a", "b", "c"] * 3
+    assert timed[0] == 9 * profiler_cost.TIMED_PER_ROUND
     assert got["profiler_per_op_us"] == pytest.approx(2.0)
     assert got["profiler_per_call_us"] == pytest.approx(7.0)
     assert got["profiler_per_step_us"] == pytest.approx(10.0)
     assert got["host_pace_after_profiling"] == pytest.approx(1.25)
+
+
+def test_operator_loops_enter_only_fits_whose_profiler_records_operators(monkeypatch):
+    # CUDA activity only: an operator loop's window holds no host work (measured: 58 us for a
+    # 3 ms loop), so fitted with the others it made the fixed cost -2.8 ms on the H200.
+    events = {"ops": (0, 1), "b": (0, 50), "c": (0, 100)}
+    monkeypatch.setattr(profiler_cost, "LOOPS", {n: (lambda n=n: (lambda: n)) for n in events})
+    monkeypatch.setattr(profiler_cost, "OPERATOR_LOOPS", frozenset({"ops"}))
+    seen = []
+
+    def profiled(run, n):
+        name = run()
+        seen.append(name)
+        calls = events[name][1]
+        host = 58.0 if name == "ops" else 1000.0 + 20.0 + 3.0 * calls
+        it = SimpleNamespace(start=0.0, end=1e6, calls=[None] * calls, host_time=host)
+        return SimpleNamespace(iterations=[it] * n, ops=[])
+
+    def timer(run, n):
+        return [3000.0 if run() == "ops" else 1000.0] * n
+
+    got = profiler_cost.calibrate(timer, profiled, dict.fromkeys(events, 1000.0), rounds=2,
+                                  operators=False, settle=lambda run: None)
+    assert "ops" not in seen
+    assert got["profiler_per_step_us"] == pytest.approx(20.0)
+    assert got["profiler_per_call_us"] == pytest.approx(3.0)
 
 
 def _with_counters(trace, **values):

@@ -308,3 +308,41 @@ def test_unseen_eager_replays_state_intervals(unseen):
     # host-bound at 15% GPU busy) does not.
     assert sorted(p.workload for p in eager if p.inside) == [
         "resnet_50_images_b32_224", "two_streams_b64_w4096_d8"]
+
+
+# --- Eager replays with the profiler's cost measured in each recording's process ------------
+# (traces/h200_calibrated: grape record with grape.torch.profiler_cost's calibration)
+
+CALIBRATED_POINTS = (
+    "measured on the H200 (traces/h200_calibrated, 14 workloads): the eager replays' point "
+    "predictions miss by 16.9% at the median and 51.3% at most (ResNet-50 +51.3%, GPT-2 small "
+    "b1 kv1000 +47.5%, GPT-2 medium b1 kv512 +29.0%). The host's pace moves more than that "
+    "between and within processes: the same GPT-2 small step ran 5.2 to 6.2 ms in three "
+    "processes this session and 10.4 in traces/h200, a profiling session leaves it 2.5x slower for about 0.1 s, and each "
+    "workload's own 30 timed steps spread up to 2x. The calibration loops measure the "
+    "profiler's cost and the pace beside the workload, not the workload's own, so their "
+    "rounds' spread is stated as the interval instead")
+
+
+@pytest.fixture(scope="module")
+def calibrated_eager():
+    paths = sorted((TRACES / "h200_calibrated").glob("*.json.gz"))
+    return [p for p in validate(paths, load_profile(DEFAULT_PROFILE))
+            if p.question == "replay eager"]
+
+
+def test_every_calibrated_recording_states_an_eager_interval_that_holds_the_measurement(
+        calibrated_eager):
+    # The issue asks for the measured value inside the stated interval in at least 90% of eager
+    # replays: 14 of 14 here. The intervals are wide (high over low: median 2.9x, 1.1x to
+    # 4.9x), because the rounds' figures spread that much on this host.
+    assert len(calibrated_eager) == 14 and all(p.inside is not None for p in calibrated_eager)
+    inside = sum(bool(p.inside) for p in calibrated_eager)
+    assert inside >= 0.9 * len(calibrated_eager), [
+        (p.workload, p.measured, p.low, p.high) for p in calibrated_eager if not p.inside]
+
+
+@pytest.mark.xfail(strict=True, reason=CALIBRATED_POINTS)
+def test_calibrated_eager_replays_meet_the_point_bounds(calibrated_eager):
+    errors = [abs(p.error) for p in calibrated_eager]
+    assert statistics.median(errors) <= 0.10 and max(errors) <= 0.20

@@ -16,11 +16,21 @@ per profiled step plus a cost per operator and per API call (least squares over 
 host's pace is the loops' unprofiled time after profiling over their clean time. The workload's
 own timings never enter the fit: its prediction stays a prediction. The rounds' spread is the
 interval the prediction states.
+
+Two things measured on the H200 shape how the loops are timed. A profiling session leaves the
+host slow for about a tenth of a second after it ends (a GPT-2 step ran 14-15 ms four times in
+a row after one, then 6.3-6.7 ms): a loop timed once right after profiling measured that
+transient, not the pace, and the fitted costs came out negative. So every timing after a
+session waits until the loop has run untimed for ``SETTLE_S`` and takes the median of
+``TIMED_PER_ROUND`` calls. And where the profiler records CUDA activity only, the operator loop
+leaves no event to count and its iteration's window holds no host work (58-224 us against a
+3 ms loop): it enters only fits whose traces record operators.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -29,7 +39,8 @@ import torch
 
 from grape.errors import GrapeError
 
-__all__ = ["LOOPS", "Observation", "calibrate", "clean_times", "counters", "fit_round"]
+__all__ = ["LOOPS", "OPERATOR_LOOPS", "Observation", "calibrate", "clean_times", "counters",
+           "fit_round"]
 
 
 def _cpu_operators(n: int) -> Callable[[], None]:
@@ -59,6 +70,11 @@ LOOPS: dict[str, Callable[[], Callable[[], None]]] = {
     "launches_500": lambda: _launches(500),
     "launches_1000": lambda: _launches(1000),
 }
+# Loops whose events are operators: they say nothing where the profiler records none.
+OPERATOR_LOOPS = frozenset({"operators_1000"})
+
+SETTLE_S = 0.15  # untimed running after a profiling session, past its slow transient
+TIMED_PER_ROUND = 5  # unprofiled calls per loop and round; their median is the round's time
 
 
 @dataclass(frozen=True)
@@ -112,21 +128,34 @@ def clean_times(timed: Callable[[Callable[[], None], int], list[float]], rounds:
     return {name: statistics.median(timed(make(), rounds)) for name, make in LOOPS.items()}
 
 
+def _settle(run: Callable[[], None], seconds: float = SETTLE_S) -> None:
+    """Run ``run`` untimed for ``seconds``: past the slow stretch a profiling session leaves."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        run()
+        torch.cuda.synchronize()
+
+
 def calibrate(timed: Callable[[Callable[[], None], int], list[float]],
               profiled: Callable[[Callable[[], None], int], object],
-              clean: Mapping[str, float], rounds: int) -> dict[str, float]:
+              clean: Mapping[str, float], rounds: int, operators: bool = True,
+              settle: Callable[[Callable[[], None]], None] = _settle) -> dict[str, float]:
     """The counters for one profiler configuration, measured now (after the recording's own
-    profiling), round after round, each loop profiled once and timed once per round:
+    profiling), round after round, each loop profiled once and then, once ``settle(run)`` has
+    run it past the session's slow transient, timed ``TIMED_PER_ROUND`` times per round:
     ``profiled(run, 1)`` returns the grape Trace of one profiled call, configured as the
-    recording's; ``timed(run, 1)`` the microseconds of one unprofiled call; ``clean``:
-    :func:`clean_times`."""
-    loops = {name: make() for name, make in LOOPS.items()}
+    recording's; ``timed(run, n)`` the microseconds of n unprofiled calls; ``clean``:
+    :func:`clean_times`; ``operators``: whether that configuration records operators (the
+    operator loops are left out where it does not)."""
+    loops = {name: make() for name, make in LOOPS.items()
+             if operators or name not in OPERATOR_LOOPS}
     by_round: list[list[Observation]] = []
     for _ in range(rounds):
         observed = []
         for name, run in loops.items():
             trace = profiled(run, 1)
-            (wall,) = timed(run, 1)
+            settle(run)
+            wall = statistics.median(timed(run, TIMED_PER_ROUND))
             iterations = trace.iterations  # type: ignore[attr-defined]
             if len(iterations) != 1:
                 raise GrapeError(f"expected one profiled iteration of calibration loop "

@@ -203,7 +203,7 @@ def record(w: Workload, modes: Sequence[str], out_dir: Path, timed: int = 30,
         for ops in sorted({ops for _, ops in traces.values()}):
             calibrated[ops] = profiler_cost.calibrate(
                 timed_calls, lambda run, n, ops=ops: profile_steps(run, n, cpu_ops=ops),
-                clean, calibration_rounds)
+                clean, calibration_rounds, operators=ops)
     for mode, (trace, ops) in traces.items():
         meta = machine_meta(w.name, mode, walls[mode],
                             f"{w.spec}; fp16, random weights; wall time: {timed} "
