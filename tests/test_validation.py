@@ -319,9 +319,9 @@ CALIBRATED_POINTS = (
     "b1 kv1000 +47.5%, GPT-2 medium b1 kv512 +29.0%). The host's pace moves more than that "
     "between and within processes: the same GPT-2 small step ran 5.2 to 6.2 ms in three "
     "processes this session and 10.4 in traces/h200, a profiling session leaves it 2.5x "
-    "slower for about 0.1 s, and each workload's own 30 timed steps spread up to 2x. The calibration loops measure the "
-    "profiler's cost and the pace beside the workload, not the workload's own, so their "
-    "rounds' spread is stated as the interval instead")
+    "slower for about 0.1 s, and each workload's own 30 timed steps spread up to 2x. The "
+    "calibration loops measure the profiler's cost and the pace beside the workload, not the "
+    "workload's own, so their rounds' spread is stated as the interval instead")
 
 
 @pytest.fixture(scope="module")
