@@ -16,7 +16,19 @@ static tensor. Measured:
   a sync after each step, and the family's host time per step for bringing its executable to
   the shape (``--update nodes``: prepared per-node updates, cached after the first pass, both
   passes reported; ``--update graph``: one ``cuGraphExecUpdate`` from the shape's graph);
-- bitwise equality of the logits, family against per-shape graph, on a sample of lengths.
+- bitwise equality of the logits, family against per-shape graph, on a sample of lengths;
+- the issue's summary keys: ``eager_step_ms`` (the step run eagerly over the lengths, back to
+  back), ``capture_s_per_shape_naive``/``_family``, ``first_pass_step_ms`` (the family's first
+  pass over the lengths, before anything else ran it) and ``steady_step_ms`` (its second),
+  ``update_fraction_of_synced_step``, and device bytes: ``device_bytes_family`` and
+  ``device_bytes_naive_private`` (free device memory's drop across capturing every shape, in
+  this process, where no executable has been destroyed yet), ``device_bytes_naive_shared_pool``
+  (per-shape graphs sharing one pool, captured largest first as serving engines do, in a fresh
+  process of its own) and ``warm_start_s`` (the family saved here and loaded in a fresh process
+  by ``grape.torch.family.load_family``, checked bitwise against per-shape graphs captured
+  there). Before each measurement every length has run eagerly and PyTorch's unused cached
+  blocks are handed back, so neither the eager steps' memory nor ``torch.cuda.graph``'s own
+  emptying of that cache is counted for or against the graphs.
 
 With --out FILE, writes the results there (committed: benchmarks/results/families_h200.json;
 with --append, entries of other workloads already there are kept). Run on a GPU, one workload
@@ -30,7 +42,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -41,7 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from grape.errors import GrapeError
 from grape.torch.cache import PrefixCache
-from grape.torch.family import capture_family
+from grape.torch.family import capture_family, load_family
 from grape.torch.workloads import _gpt2, _wav2vec2
 
 MAX_LEN = 1024
@@ -53,7 +67,12 @@ def _log(line: str) -> None:
 
 
 def _device_bytes() -> tuple[int, int]:
+    """Free device memory and PyTorch's reserved bytes, with PyTorch's unused cached blocks
+    handed back first: ``torch.cuda.graph`` empties that cache as it begins a capture, so
+    without this the baselines' captures were credited with the eager steps' cache (on the
+    H200, per-shape graphs sharing one pool measured 218 MB for 255 GPT-2 lengths that way)."""
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     return free, torch.cuda.memory_reserved()
 
@@ -218,18 +237,28 @@ def wav2vec2_audio(lengths: list[int]) -> Workload:
 
 
 def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
-            derive_every: int | None = None) -> dict[str, object]:
+            derive_every: int | None = None, save_to: Path | None = None
+            ) -> dict[str, object]:
     if update == "graph":
         w = replace(w, name=f"{w.name} (whole-graph updates)", slug=f"{w.slug}_whole")
     lengths, step, out, label = w.shapes, w.step, w.out, w.name
+    order = sorted(lengths)  # generation order, for decode: one more token each step
+    eager_ms = _steps(step, order, sync_each=False)  # also: every length's eager memory cached
+    _log(f"  {label} eager: {eager_ms:.3f} ms per step")
 
     # The family first, in a process that has destroyed no executable yet: the driver hands
     # what destroyed executables held to the next ones, which hides their memory.
+    free_before_family, _ = _device_bytes()
     reserved_a = torch.cuda.memory_reserved()
     family = capture_family(step, sorted(lengths, reverse=True),
                             params=w.params, update=update, derive_every=derive_every,
                             progress=lambda line: _log(f"  {label} family: {line}"))
     _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
+    family_device_bytes = free_before_family - _device_bytes()[0]
+    # Its first pass over the lengths, before the checks below run any of it.
+    family.update_s, family.updated_nodes = 0.0, 0
+    family_cold = _steps(family.run, order, sync_each=False)
+    cold_update_us = family.update_s * 1e6 / len(order)
     # One or two executables sit below the driver's allocation granularity, so their memory is
     # the drop in free memory over many copies of each topology's executable (kept alive until
     # the naive graphs are measured too).
@@ -263,7 +292,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     naive_graph = (free0 - free1) - naive_pool
     reserved2 = reserved_a + family.pool_bytes
 
-    sample = sorted({lengths[0], lengths[-1], *lengths[:: max(len(lengths) // 12, 1)]})
+    sample = _sample(lengths)
     identical = []
     for n in sample:
         out.zero_()  # a shorter shape writes only a prefix of ``out``
@@ -274,10 +303,6 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         family.run(n)
         torch.cuda.synchronize()
         identical.append(bool(torch.equal(out, expected)))
-    order = sorted(lengths)  # generation order, for decode: one more token each step
-    family.update_s, family.updated_nodes = 0.0, 0
-    family_cold = _steps(family.run, order, sync_each=False)
-    cold_update_us = family.update_s * 1e6 / len(order)
     family.update_s, family.updated_nodes = 0.0, 0
     family_ms = _steps(family.run, order, sync_each=False)
     update_us = family.update_s * 1e6 / len(order)
@@ -288,6 +313,14 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     nodes = [len(g.template) for g in family.groups.values()]
     result = {
         "workload": label, **w.extra, "update": update, "shapes": len(lengths),
+        # The issue's summary keys (the detailed figures below say how each was reached).
+        "eager_step_ms": eager_ms,
+        "capture_s_per_shape_naive": naive_capture_s / len(lengths),
+        "capture_s_per_shape_family": family.capture_s / len(lengths),
+        "first_pass_step_ms": family_cold, "steady_step_ms": family_ms,
+        "update_fraction_of_synced_step": update_us / (family_sync * 1e3),
+        "device_bytes_family": family_device_bytes,
+        "device_bytes_naive_private": free0 - free1,
         "naive_graph_bytes": naive_graph, "naive_pool_bytes": naive_pool,
         "family_graph_bytes": family_graph, "family_pool_bytes": family.pool_bytes,
         "family_graph_bytes_first_instantiation": family.graph_bytes,
@@ -324,10 +357,95 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
             _record(trace_dir, w, window, naive, family, counters)
         except (GrapeError, OSError) as e:  # the measurements above stand without the trace
             _log(f"  {label}: no trace: {e}")
+    if save_to is not None:  # the family, for a fresh process to load
+        family.save(save_to / "family.json.gz", w.params)
     for e in extra:
         e.close()
     family.close()
     return result
+
+
+def _outputs(w: Workload, run: Callable[[int], None], lengths: list[int]
+             ) -> dict[int, torch.Tensor]:
+    got = {}
+    for n in lengths:
+        w.out.zero_()  # a shorter shape writes only a prefix of ``out``
+        run(n)
+        torch.cuda.synchronize()
+        got[n] = w.out.cpu().clone()
+    return got
+
+
+def shared_pool_baseline(w: Workload) -> dict[str, object]:
+    """Per-shape graphs sharing one pool, captured largest first (what serving engines do):
+    free device memory's drop across capturing them all, in this (fresh) process."""
+    order = sorted(w.shapes)
+    _steps(w.step, order, sync_each=False)  # every length's eager memory cached, as in measure
+    side = torch.cuda.Stream()
+    free0, reserved0 = _device_bytes()
+    t = time.perf_counter()
+    graphs, pool = [], None
+    for n in sorted(w.shapes, reverse=True):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            w.step(n)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            w.step(n)
+        pool = g.pool() if pool is None else pool
+        graphs.append(g)
+        if len(graphs) % 100 == 0:
+            _log(f"  {w.name} shared pool: {len(graphs)}/{len(w.shapes)}")
+    capture_s = time.perf_counter() - t
+    free1, reserved1 = _device_bytes()
+    return {"device_bytes_naive_shared_pool": free0 - free1,
+            "naive_shared_pool_bytes": reserved1 - reserved0,
+            "naive_shared_capture_s": capture_s}
+
+
+def warm_start(w: Workload, folder: Path) -> dict[str, object]:
+    """Load the family ``measure`` saved into ``folder`` in this (fresh) process, without
+    capturing every shape, and check it bitwise against per-shape graphs captured here on a
+    sample of lengths. (Not against the saving process's outputs: a decode step writes its
+    token's keys into the cache, so the cache, and every later output, depends on the order in
+    which lengths ran before.)"""
+    _steps(w.step, sorted(w.shapes), sync_each=False)  # the same eager pass as measure's
+    t = time.perf_counter()
+    family = load_family(w.step, folder / "family.json.gz", w.params,
+                         progress=lambda line: _log(f"  {w.name} warm start: {line}"))
+    loaded_s = time.perf_counter() - t
+    same = []
+    for n in _sample(w.shapes):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            w.step(n)
+        expected = _outputs(w, lambda _, g=g: g.replay(), [n])[n]
+        same.append(torch.equal(_outputs(w, family.run, [n])[n], expected))
+    family.close()
+    return {"warm_start_s": loaded_s, "warm_start_lengths_checked": len(same),
+            "warm_start_bitwise": all(same)}
+
+
+def _sample(lengths: list[int]) -> list[int]:
+    """The lengths the bitwise checks run: both ends and about a dozen between."""
+    return sorted({lengths[0], lengths[-1], *lengths[:: max(len(lengths) // 12, 1)]})
+
+
+def _in_fresh_process(part: str, argv: list[str], extra: list[str], timeout_s: float
+                      ) -> dict[str, object]:
+    """This script's ``--part PART`` in a new process: its one JSON line, or why it failed.
+    Its progress goes to this process's stderr as it happens."""
+    cmd = [sys.executable, __file__, *argv, "--part", part, *extra]
+    _log(f"  {part}: in a fresh process")
+    try:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {f"{part}_failed": f"did not finish in {timeout_s:.0f} s (--fresh-timeout)"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return {f"{part}_failed": f"exit {done.returncode} with no result (its stderr above)"}
+    return json.loads(lines[-1])
 
 
 def _range(text: str, what: str, lowest: int, highest: int) -> list[int]:
@@ -359,41 +477,78 @@ def main() -> None:
                         help="capture one length in N and derive the others (issue 15)")
     parser.add_argument("--append", action="store_true",
                         help="keep the entries of other workloads already in --out")
+    parser.add_argument("--no-fresh", action="store_true",
+                        help="skip the shared-pool baseline and the warm start, each of which "
+                             "runs in a fresh process")
+    parser.add_argument("--fresh-timeout", type=float, default=600.0, metavar="S",
+                        help="give up on a fresh process's part after S seconds (reported)")
+    # Internal: one fresh process's part, for one workload; prints one JSON line.
+    parser.add_argument("--part", choices=("shared_pool", "warm_start"), help=argparse.SUPPRESS)
+    parser.add_argument("--from", dest="saved", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.audio is not None:
         # Below 400 samples the feature extractor's convolutions have nothing to slide over.
-        loads = [lambda: wav2vec2_audio(_range(args.audio, "audio lengths", 400, 480000))]
+        audio = _range(args.audio, "audio lengths", 400, 480000)
+        loads = [(lambda: wav2vec2_audio(audio), ["--audio", args.audio])]
     else:
         lengths = _range(args.lengths, "KV lengths", 1, MAX_LEN - 1)
-        loads = [lambda b=int(b): gpt2_decode(b, lengths) for b in args.batches.split(",")]
-    results = []
-    for load in loads:
+        loads = [(lambda b=int(b): gpt2_decode(b, lengths),
+                  ["--lengths", args.lengths, "--batches", b]) for b in args.batches.split(",")]
+    if args.part is not None:
+        if len(loads) != 1 or (args.part == "warm_start") != (args.saved is not None):
+            raise SystemExit("expected one workload, and --from with --part warm_start only")
+        w = loads[0][0]()
+        got = shared_pool_baseline(w) if args.part == "shared_pool" else warm_start(w, args.saved)
+        print(json.dumps(got), flush=True)
+        return
+    old = (json.loads(args.out.read_text()) if args.append and args.out and args.out.exists()
+           else {})
+    results: list[dict[str, object]] = []
+
+    def write() -> None:  # after every part: a later part that fails loses nothing before it
+        if not args.out:
+            return
+        ours = {r["workload"] for r in results}
+        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "commands": [*old.get("commands", []), " ".join(sys.argv)],
+               "results": [r for r in old.get("results", []) if r["workload"] not in ours]
+               + results}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+    for load, workload_args in loads:
         w = load()
         _log(f"[+] {w.name}, {len(w.shapes)} shapes ({w.shape_name} {w.shapes[0]}.."
              f"{w.shapes[-1]})")
-        results.append(measure(w, args.traces, args.update, args.derive_every))
+        with tempfile.TemporaryDirectory() as saved:
+            results.append(measure(w, args.traces, args.update, args.derive_every,
+                                   None if args.no_fresh else Path(saved)))
+            write()
+            if not args.no_fresh:
+                results[-1].update(_in_fresh_process("shared_pool", workload_args, [],
+                                                     args.fresh_timeout))
+                if "device_bytes_naive_shared_pool" in results[-1]:
+                    results[-1]["memory_ratio_shared_pool"] = (
+                        results[-1]["device_bytes_naive_shared_pool"]
+                        / results[-1]["device_bytes_family"])
+                write()
+                results[-1].update(_in_fresh_process("warm_start", workload_args,
+                                                     ["--from", saved], args.fresh_timeout))
+                write()
         _log(json.dumps({k: v for k, v in results[-1].items()
                          if k != "changed_between_neighbours"}))
         _log(json.dumps(results[-1]["changed_between_neighbours"]))
         torch.cuda.empty_cache()
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "commands": [" ".join(sys.argv)], "results": results}
-    if args.append and args.out and args.out.exists():
-        old = json.loads(args.out.read_text())
-        ours = {r["workload"] for r in results}
-        doc["commands"] = [*old.get("commands", []), *doc["commands"]]
-        doc["results"] = [r for r in old.get("results", []) if r["workload"] not in ours] \
-            + results
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    keys = ("shapes", "topologies", "memory_ratio", "naive_capture_s", "family_capture_s",
-            "changed_nodes_per_step", "delta_apply_us_per_step", "step_ms_naive",
-            "step_ms_family", "step_ms_naive_synced", "step_ms_family_synced")
+    keys = ("shapes", "topologies", "eager_step_ms", "first_pass_step_ms", "steady_step_ms",
+            "step_ms_naive", "update_fraction_of_synced_step", "capture_s_per_shape_naive",
+            "capture_s_per_shape_family", "device_bytes_family", "device_bytes_naive_private",
+            "device_bytes_naive_shared_pool", "memory_ratio_shared_pool", "warm_start_s",
+            "warm_start_bitwise")
     for r in results:
         same = statistics.mean(r["bitwise_identical"].values())
-        print(r["workload"], " ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else
-                                      f"{k}={r[k]}" for k in keys), f"bitwise={same:.0%}")
+        print(r["workload"], " ".join(f"{k}={r[k]:.4g}" if isinstance(r.get(k), float) else
+                                      f"{k}={r.get(k, 'n/a')}" for k in keys),
+              f"bitwise={same:.0%}", *(f"{k}={v}" for k, v in r.items() if k.endswith("_failed")))
 
 
 if __name__ == "__main__":
