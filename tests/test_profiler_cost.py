@@ -159,3 +159,26 @@ def test_an_eager_replays_interval_spans_the_calibrations_rounds():
     (b,) = [p for p in predictions(wide, profile) if p.question == "replay eager"]
     assert a.predicted == pytest.approx(b.predicted)
     assert b.low < a.low <= a.predicted <= a.high < b.high
+
+
+def test_a_round_takes_the_median_of_its_profiled_calls(monkeypatch):
+    # One profiled call in three runs into the host's slow stretch: the round's observation is
+    # the median, so the fit is the loops' own cost, not the outlier's.
+    events = {"a": (0, 100), "b": (0, 500), "c": (0, 1000)}
+    monkeypatch.setattr(profiler_cost, "LOOPS", {n: (lambda n=n: (lambda: n)) for n in events})
+    monkeypatch.setattr(profiler_cost, "OPERATOR_LOOPS", frozenset())
+
+    def profiled(run, n):
+        calls = events[run()][1]
+        plain = 1000.0 + 15.0 + 2.0 * calls
+        hosts = [plain + 5000.0, plain, plain]  # the session's first call, slowed
+        assert n == len(hosts)
+        return SimpleNamespace(ops=[], iterations=[
+            SimpleNamespace(start=0.0, end=1e6, calls=[None] * calls, host_time=h)
+            for h in hosts])
+
+    got = profiler_cost.calibrate(lambda run, n: [1000.0] * n, profiled,
+                                  dict.fromkeys(events, 1000.0), rounds=2, operators=False,
+                                  settle=lambda run: None)
+    assert got["profiler_per_step_us"] == pytest.approx(15.0)
+    assert got["profiler_per_call_us"] == pytest.approx(2.0)

@@ -63,10 +63,13 @@ def _launches(n: int) -> Callable[[], None]:
     return loop
 
 
-# name -> loop factory: operators alone, and launches at two sizes (the fixed cost per
-# profiled step apart from the per-event costs).
+# name -> loop factory: operators alone, and launches at three sizes (the fixed cost per
+# profiled step apart from the per-event costs). With CUDA activity only, the launch loops are
+# the whole fit: two sizes solved it exactly, and one noisy point swung the fixed cost between
+# -3.3 and +2.9 ms per step over 14 recordings on the H200; a third over-determines it.
 LOOPS: dict[str, Callable[[], Callable[[], None]]] = {
     "operators_1000": lambda: _cpu_operators(1000),
+    "launches_100": lambda: _launches(100),
     "launches_500": lambda: _launches(500),
     "launches_1000": lambda: _launches(1000),
 }
@@ -75,6 +78,7 @@ OPERATOR_LOOPS = frozenset({"operators_1000"})
 
 SETTLE_S = 0.15  # untimed running after a profiling session, past its slow transient
 TIMED_PER_ROUND = 5  # unprofiled calls per loop and round; their median is the round's time
+PROFILED_PER_ROUND = 3  # profiled calls per loop and round (one session); their median, too
 
 
 @dataclass(frozen=True)
@@ -141,9 +145,10 @@ def calibrate(timed: Callable[[Callable[[], None], int], list[float]],
               clean: Mapping[str, float], rounds: int, operators: bool = True,
               settle: Callable[[Callable[[], None]], None] = _settle) -> dict[str, float]:
     """The counters for one profiler configuration, measured now (after the recording's own
-    profiling), round after round, each loop profiled once and then, once ``settle(run)`` has
-    run it past the session's slow transient, timed ``TIMED_PER_ROUND`` times per round:
-    ``profiled(run, 1)`` returns the grape Trace of one profiled call, configured as the
+    profiling), round after round, each loop profiled ``PROFILED_PER_ROUND`` times in one
+    session and then, once ``settle(run)`` has run it past the session's slow transient, timed
+    ``TIMED_PER_ROUND`` times; each side's median is the round's observation:
+    ``profiled(run, n)`` returns the grape Trace of n profiled calls, configured as the
     recording's; ``timed(run, n)`` the microseconds of n unprofiled calls; ``clean``:
     :func:`clean_times`; ``operators``: whether that configuration records operators (the
     operator loops are left out where it does not)."""
@@ -153,16 +158,18 @@ def calibrate(timed: Callable[[Callable[[], None], int], list[float]],
     for _ in range(rounds):
         observed = []
         for name, run in loops.items():
-            trace = profiled(run, 1)
+            trace = profiled(run, PROFILED_PER_ROUND)
             settle(run)
             wall = statistics.median(timed(run, TIMED_PER_ROUND))
             iterations = trace.iterations  # type: ignore[attr-defined]
-            if len(iterations) != 1:
-                raise GrapeError(f"expected one profiled iteration of calibration loop "
-                                 f"{name}, found {len(iterations)}")
-            it = iterations[0]
-            ops = sum(1 for op in trace.ops if it.start <= op.ts < it.end)  # type: ignore
-            observed.append(Observation(name, ops, len(it.calls), it.host_time, wall,
-                                        clean[name]))
+            if len(iterations) != PROFILED_PER_ROUND:
+                raise GrapeError(f"expected {PROFILED_PER_ROUND} profiled iterations of "
+                                 f"calibration loop {name}, found {len(iterations)}")
+            ops = [sum(1 for op in trace.ops if it.start <= op.ts < it.end)  # type: ignore
+                   for it in iterations]
+            observed.append(Observation(
+                name, round(statistics.median(ops)),
+                round(statistics.median(len(it.calls) for it in iterations)),
+                statistics.median(it.host_time for it in iterations), wall, clean[name]))
         by_round.append(observed)
     return counters(by_round)
