@@ -66,11 +66,18 @@ def test_counters_give_each_figures_median_and_range_over_the_rounds():
         counters([])
 
 
+def _stand_in_loops(monkeypatch, names, operators=()):
+    """Calibration loops that do nothing but return their name (``operators``: those whose
+    events are operators)."""
+    monkeypatch.setattr(profiler_cost, "LOOPS", {n: (lambda n=n: (lambda: n)) for n in names})
+    monkeypatch.setattr(profiler_cost, "OPERATOR_LOOPS", frozenset(operators))
+
+
 def test_calibrate_pairs_each_profiled_loop_with_a_timed_one_round_by_round(monkeypatch):
     # Stand-ins: loops that do nothing, a profiler whose one iteration holds a known number of
     # operators and calls with a known host time, and a timer; the fit comes back as made.
     events = {"a": (100, 0), "b": (50, 50), "c": (100, 100)}
-    monkeypatch.setattr(profiler_cost, "LOOPS", {n: (lambda n=n: (lambda: n)) for n in events})
+    _stand_in_loops(monkeypatch, events)
 
     def profiled(run, n):
         ops, calls = events[run()]
@@ -99,8 +106,7 @@ def test_operator_loops_enter_only_fits_whose_profiler_records_operators(monkeyp
     # CUDA activity only: an operator loop's window holds no host work (measured: 58 us for a
     # 3 ms loop), so fitted with the others it made the fixed cost -2.8 ms on the H200.
     events = {"ops": (0, 1), "b": (0, 50), "c": (0, 100)}
-    monkeypatch.setattr(profiler_cost, "LOOPS", {n: (lambda n=n: (lambda: n)) for n in events})
-    monkeypatch.setattr(profiler_cost, "OPERATOR_LOOPS", frozenset({"ops"}))
+    _stand_in_loops(monkeypatch, events, operators={"ops"})
     seen = []
 
     def profiled(run, n):
@@ -165,8 +171,7 @@ def test_a_round_takes_the_median_of_its_profiled_calls(monkeypatch):
     # One profiled call in three runs into the host's slow stretch: the round's observation is
     # the median, so the fit is the loops' own cost, not the outlier's.
     events = {"a": (0, 100), "b": (0, 500), "c": (0, 1000)}
-    monkeypatch.setattr(profiler_cost, "LOOPS", {n: (lambda n=n: (lambda: n)) for n in events})
-    monkeypatch.setattr(profiler_cost, "OPERATOR_LOOPS", frozenset())
+    _stand_in_loops(monkeypatch, events)
 
     def profiled(run, n):
         calls = events[run()][1]
