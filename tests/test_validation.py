@@ -311,38 +311,75 @@ def test_unseen_eager_replays_state_intervals(unseen):
 
 
 # --- Eager replays with the profiler's cost measured in each recording's process ------------
-# (traces/h200_calibrated: grape record with grape.torch.profiler_cost's calibration)
+# Two recordings of the same 14 workloads with grape record's calibration (grape.torch.
+# profiler_cost): traces/h200_calibrated profiled each calibration loop once per round,
+# traces/h200_calibrated_median3 three times (the median), with a third launch loop.
 
-CALIBRATED_POINTS = (
-    "measured on the H200 (traces/h200_calibrated, 14 workloads): the eager replays' point "
-    "predictions miss by 16.9% at the median and 51.3% at most (ResNet-50 +51.3%, GPT-2 small "
-    "b1 kv1000 +47.5%, GPT-2 medium b1 kv512 +29.0%). The host's pace moves more than that "
-    "between and within processes: the same GPT-2 small step ran 5.2 to 6.2 ms in three "
-    "processes this session and 10.4 in traces/h200, a profiling session leaves it 2.5x "
-    "slower for about 0.1 s, and each workload's own 30 timed steps spread up to 2x. The "
-    "calibration loops measure the profiler's cost and the pace beside the workload, not the "
-    "workload's own, so their rounds' spread is stated as the interval instead")
+ONCE, MEDIAN3 = "h200_calibrated", "h200_calibrated_median3"
+
+HOST_NOISE = (
+    "the host's pace moves more than the bound between and within processes on the lent H200: "
+    "the same GPT-2 small step ran 5.2 to 6.2 ms in three processes, 10.4 in traces/h200, 6.2 "
+    "(b8 kv128) and 11.6 (b1 kv128) in two processes of h200_calibrated_median3; a profiling "
+    "session leaves it 2.5x slower for about 0.1 s; the fitted fixed cost per profiled step "
+    "still ranges -2.2 to +2.1 ms over the 14 recordings' rounds, each the median of three "
+    "profiled calls. The calibration loops measure the profiler's cost and the pace beside "
+    "the workload, not the workload's own, so a process whose profiled step slows more than "
+    "its loops do is mispredicted")
+
+CALIBRATED_ONCE_POINTS = (
+    "measured on the H200 (h200_calibrated): the eager replays' point predictions miss by "
+    "16.9% at the median and 51.3% at most (ResNet-50 +51.3%, GPT-2 small b1 kv1000 +47.5%): "
+    + HOST_NOISE)
+
+CALIBRATED_MEDIAN3_OUTSIDE = (
+    "measured on the H200 (h200_calibrated_median3): 11 of 14 eager intervals hold the "
+    "measurement; GPT-2 small b8 kv128 ran 6.24 ms against [10.3, 18.3] (its profiled step "
+    "implies 15 ms though its loops ran at their clean pace), GPT-2 medium b8 kv512 11.4 "
+    "against [17.4, 46.3], Wav2Vec2 16000 5.1 against [5.5, 17.1]: " + HOST_NOISE)
+
+CALIBRATED_MEDIAN3_LARGEST = (
+    "measured on the H200 (h200_calibrated_median3): the largest miss is +140.6% (GPT-2 small "
+    "b8 kv128), then +121.5% and +77.0%, where the median is 9.0%: " + HOST_NOISE)
 
 
 @pytest.fixture(scope="module")
 def calibrated_eager():
-    paths = sorted((TRACES / "h200_calibrated").glob("*.json.gz"))
-    return [p for p in validate(paths, load_profile(DEFAULT_PROFILE))
-            if p.question == "replay eager"]
+    def eager(name):
+        paths = sorted((TRACES / name).glob("*.json.gz"))
+        return [p for p in validate(paths, load_profile(DEFAULT_PROFILE))
+                if p.question == "replay eager"]
+    return {name: eager(name) for name in (ONCE, MEDIAN3)}
 
 
-def test_every_calibrated_recording_states_an_eager_interval_that_holds_the_measurement(
-        calibrated_eager):
+@pytest.mark.parametrize("name", [
+    ONCE, pytest.param(MEDIAN3, marks=pytest.mark.xfail(strict=True,
+                                                        reason=CALIBRATED_MEDIAN3_OUTSIDE))])
+def test_calibrated_eager_intervals_hold_the_measurement_nine_times_in_ten(calibrated_eager,
+                                                                            name):
     # The issue asks for the measured value inside the stated interval in at least 90% of eager
-    # replays: 14 of 14 here. The intervals are wide (high over low: median 2.9x, 1.1x to
-    # 4.9x), because the rounds' figures spread that much on this host.
-    assert len(calibrated_eager) == 14 and all(p.inside is not None for p in calibrated_eager)
-    inside = sum(bool(p.inside) for p in calibrated_eager)
-    assert inside >= 0.9 * len(calibrated_eager), [
-        (p.workload, p.measured, p.low, p.high) for p in calibrated_eager if not p.inside]
+    # replays: 14 of 14 in h200_calibrated, whose intervals are wide (high over low: median
+    # 2.9x, 1.1x to 4.9x), because the rounds' figures spread that much on this host.
+    replays = calibrated_eager[name]
+    assert len(replays) == 14 and all(p.inside is not None for p in replays)
+    inside = sum(bool(p.inside) for p in replays)
+    assert inside >= 0.9 * len(replays), [
+        (p.workload, p.measured, p.low, p.high) for p in replays if not p.inside]
 
 
-@pytest.mark.xfail(strict=True, reason=CALIBRATED_POINTS)
-def test_calibrated_eager_replays_meet_the_point_bounds(calibrated_eager):
-    errors = [abs(p.error) for p in calibrated_eager]
-    assert statistics.median(errors) <= 0.10 and max(errors) <= 0.20
+@pytest.mark.parametrize("name", [
+    pytest.param(ONCE, marks=pytest.mark.xfail(strict=True, reason=CALIBRATED_ONCE_POINTS)),
+    MEDIAN3])
+def test_calibrated_eager_replays_miss_by_at_most_10_percent_at_the_median(calibrated_eager,
+                                                                          name):
+    # 9.0% in h200_calibrated_median3, where the fixed cost per profiled step is fitted from
+    # three profiled calls' median over three launch loops; 16.9% with one call and two loops.
+    assert statistics.median(abs(p.error) for p in calibrated_eager[name]) <= 0.10
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(ONCE, marks=pytest.mark.xfail(strict=True, reason=CALIBRATED_ONCE_POINTS)),
+    pytest.param(MEDIAN3, marks=pytest.mark.xfail(strict=True,
+                                                  reason=CALIBRATED_MEDIAN3_LARGEST))])
+def test_calibrated_eager_replays_miss_by_at_most_20_percent_each(calibrated_eager, name):
+    assert max(abs(p.error) for p in calibrated_eager[name]) <= 0.20
