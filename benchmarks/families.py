@@ -26,9 +26,11 @@ static tensor. Measured:
   (per-shape graphs sharing one pool, captured largest first as serving engines do, in a fresh
   process of its own) and ``warm_start_s`` (the family saved here and loaded in a fresh process
   by ``grape.torch.family.load_family``, checked bitwise against per-shape graphs captured
-  there). Before each measurement every length has run eagerly and PyTorch's unused cached
-  blocks are handed back, so neither the eager steps' memory nor ``torch.cuda.graph``'s own
-  emptying of that cache is counted for or against the graphs.
+  there; ``warm_start_captured_here`` counts the shapes it captured rather than moved from the
+  file, ``warm_start_not_moved`` says why the first few did not move). Before each
+  measurement every length has run eagerly and PyTorch's unused cached blocks are handed back,
+  so neither the eager steps' memory nor ``torch.cuda.graph``'s own emptying of that cache is
+  counted for or against the graphs.
 
 With --out FILE, writes the results there (committed: benchmarks/results/families_h200.json;
 with --append, entries of other workloads already there are kept). Run on a GPU, one workload
@@ -423,7 +425,8 @@ def warm_start(w: Workload, folder: Path) -> dict[str, object]:
         same.append(_same_as(w, g.replay, family.run, n))
     family.close()
     return {"warm_start_s": loaded_s, "warm_start_lengths_checked": len(same),
-            "warm_start_bitwise": all(same)}
+            "warm_start_bitwise": all(same), "warm_start_captured_here": family.captured_here,
+            "warm_start_not_moved": family.not_moved}
 
 
 def _sample(lengths: list[int]) -> list[int]:

@@ -71,11 +71,40 @@ def test_what_the_template_never_used_cannot_move():
         relocate(elsewhere, r)
 
 
+def test_argument_words_that_differ_between_processes_are_taken_from_here():
+    # PyTorch's kernels carry slots they never fill: the host's stack bytes, which differ
+    # between processes. The template takes this process's; members must leave them alone.
+    fresh = _step(0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"), extra=8)
+    r = relocation(SAVED, fresh)
+    assert r.loose["a"].offsets == (16,)
+    assert relocate(SAVED.op("a"), r, "a") == fresh.op("a")
+    kept = _step(0x1000, 0x9000, 0x20000, grid=3)  # a member: a's grid changed, its word not
+    kept.dag.nodes["a"]["op"] = dataclasses.replace(kept.op("a"), grid=(3, 1, 1))
+    moved = relocate_all({"a": kept.op("a")}, r)["a"]
+    assert moved == dataclasses.replace(fresh.op("a"), grid=(3, 1, 1))
+    changed = _step(0x1000, 0x9000, 0x20000, extra=9).op("a")
+    with pytest.raises(UnsupportedError, match="expected node 'a' to leave argument word 16 as "
+                                               "its template had it"):
+        relocate_all({"a": changed}, r)
+
+
+def test_a_word_that_points_into_memory_in_one_capture_only_is_loose():
+    # Stack bytes that happened to hold a device address in the saving process, 0 here.
+    saved = _step(0x1000, 0x9000, 0x20000, extra=0x20000)
+    op = saved.op("a")
+    saved.dag.nodes["a"]["op"] = dataclasses.replace(
+        op, pointers=op.pointers + (Pointer(16, Span("alloc@0x20000")),))
+    fresh = _step(0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"), extra=0)
+    r = relocation(saved, fresh)
+    assert r.loose["a"].offsets == (16,)
+    assert relocate(saved.op("a"), r, "a") == fresh.op("a")
+
+
 def test_a_capture_here_that_differs_beyond_addresses_is_refused():
-    with pytest.raises(UnsupportedError, match="found node 'a' different beyond its functions "
-                                               "and addresses"):
-        relocation(SAVED, _step(0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"),
-                                extra=8))
+    wider = _step(0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"), grid=3)
+    with pytest.raises(UnsupportedError, match="found node 'b' different beyond its functions, "
+                                               "addresses and loose argument words"):
+        relocation(SAVED, wider)
     renamed = _step(0x5000, 0xA000, 0x30000)
     renamed.dag.nodes["b"]["op"] = dataclasses.replace(renamed.op("b"), name="g2")
     with pytest.raises(UnsupportedError, match="expected kernel 'g' at node 'b' here, found "

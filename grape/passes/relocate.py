@@ -6,10 +6,20 @@ executable's template shape once here and compares the two graphs of that shape:
 :func:`relocation` pairs their nodes, each saved kernel function with the one here of the same
 mangled name, and each saved buffer with the buffer here that the same pointers point into, at
 one address shift per buffer. It then checks itself: the saved template, relocated, must equal
-the fresh capture byte for byte (pointers and functions aside, nothing may differ), or the
-relocation is refused with the first node that differs. :func:`relocate` moves a member shape's
-changed operations the same way; one that uses a function or a buffer the template never did
-cannot be moved (that shape is captured instead).
+the fresh capture (launch configuration, copies and memsets byte for byte), or the relocation
+is refused with the first node that differs. :func:`relocate` moves a member shape's changed
+operations the same way; one that uses a function or a buffer the template never did cannot be
+moved (that shape is captured instead).
+
+Kernel arguments are the exception to byte for byte, measured on the H200: PyTorch passes
+structures with slots it never fills (a TensorIterator's offset calculator holds 25 dimensions
+and fills as many as the tensor has), so a kernel's argument bytes carry whatever the host's
+stack held, which differs between processes and sometimes looks like a device address (GPT-2
+decode: 35 of 292 kernels of one template differed so). Such words are *loose*: a word that is
+a pointer in one capture only, or a pointer in neither whose bytes differ. The template takes
+the capture here for them (this process's truth), and a member shape moves only if it leaves
+every loose word as its saved template had it: one that changed a loose word carries a value
+whose meaning here is unknown, and is captured instead.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from grape.errors import GraphError, UnsupportedError
 from grape.ir import Conditional, Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span
 from grape.passes.families import match
 
-__all__ = ["Moved", "Relocation", "relocate", "relocate_all", "relocation"]
+__all__ = ["Loose", "Moved", "Relocation", "relocate", "relocate_all", "relocation"]
 
 
 @dataclass(frozen=True)
@@ -38,10 +48,21 @@ class Moved:
 
 
 @dataclass(frozen=True)
+class Loose:
+    """A template kernel's argument words that differ between the processes unexplained
+    (module docstring): their offsets, the saved template's bytes and the capture's here."""
+
+    offsets: tuple[int, ...]
+    saved: bytes
+    here: Kernel
+
+
+@dataclass(frozen=True)
 class Relocation:
     nodes: dict[str, str]  # saved node -> the node here
     functions: dict[str, str]  # saved function identity -> the one here
     buffers: dict[str, Moved]  # saved buffer -> where its memory is here
+    loose: dict[str, Loose] = dataclasses.field(default_factory=dict)  # by saved node
 
 
 def _pair(mapping: dict, key, value, what: str, node: str) -> None:
@@ -58,9 +79,20 @@ def _address(graph: KernelGraph, buffer: str) -> int:
 
 
 def _spans(op: Op) -> list[Span]:
-    if isinstance(op, Kernel):
-        return [p.target for p in op.pointers]
     return list(op.spans())
+
+
+def _word(args: bytes, offset: int) -> bytes:
+    return args[offset:offset + 8]
+
+
+def _loose(old: Kernel, new: Kernel, shared: set[int]) -> tuple[int, ...]:
+    """The 8-byte words of two captures' arguments of one kernel that differ unexplained: a
+    pointer in one capture only, or a pointer in neither whose bytes differ."""
+    one_side = {p.offset for p in old.pointers} ^ {p.offset for p in new.pointers}
+    differ = {o for o in range(0, len(old.args), 8) if o not in shared
+              and _word(old.args, o) != _word(new.args, o)}
+    return tuple(sorted(one_side | differ))
 
 
 def relocation(saved: KernelGraph, fresh: KernelGraph) -> Relocation:
@@ -81,33 +113,43 @@ def relocation(saved: KernelGraph, fresh: KernelGraph) -> Relocation:
             from None
     functions: dict[str, str] = {}
     buffers: dict[str, Moved] = {}
+    loose: dict[str, Loose] = {}
+
+    def pair_span(a: Span, b: Span, node: str) -> None:
+        shift = (_address(fresh, b.buffer) + b.offset) - (_address(saved, a.buffer) + a.offset)
+        _pair(buffers, a.buffer, Moved(b.buffer, shift, b.offset - a.offset,
+                                       fresh.buffers[b.buffer].size), "buffer", node)
+
     for old_node, new_node in nodes.items():
         old, new = saved.op(old_node), fresh.op(new_node)
         if isinstance(old, Kernel) and isinstance(new, Kernel):
             if old.name != new.name:
                 raise UnsupportedError(f"expected kernel {old.name!r} at node {old_node!r} "
                                        f"here, found {new.name!r}")
+            if len(old.args) != len(new.args):
+                raise UnsupportedError(f"expected node {old_node!r}'s {len(old.args)} bytes "
+                                       f"of arguments here, found {len(new.args)}")
             _pair(functions, old.function, new.function, "kernel function", old_node)
-            if [p.offset for p in old.pointers] != [p.offset for p in new.pointers]:
-                raise UnsupportedError(f"expected node {old_node!r}'s pointers at the same "
-                                       f"argument offsets here, found others")
-        elif not (isinstance(old, Memcpy | Memset) and type(old) is type(new)):
-            continue
-        for a, b in zip(_spans(old), _spans(new), strict=True):
-            shift = (_address(fresh, b.buffer) + b.offset) - (_address(saved, a.buffer)
-                                                                + a.offset)
-            _pair(buffers, a.buffer, Moved(b.buffer, shift, b.offset - a.offset,
-                                           fresh.buffers[b.buffer].size), "buffer", old_node)
-    found = Relocation(nodes, functions, buffers)
+            here = {p.offset: p.target for p in new.pointers}
+            shared = {p.offset for p in old.pointers if p.offset in here}
+            for p in old.pointers:
+                if p.offset in shared:
+                    pair_span(p.target, here[p.offset], old_node)
+            if offsets := _loose(old, new, shared):
+                loose[old_node] = Loose(offsets, old.args, new)
+        elif isinstance(old, Memcpy | Memset) and type(old) is type(new):
+            for a, b in zip(_spans(old), _spans(new), strict=True):
+                pair_span(a, b, old_node)
+    found = Relocation(nodes, functions, buffers, loose)
     for old_node, new_node in nodes.items():
         if isinstance(saved.op(old_node), Conditional):
             raise UnsupportedError(f"expected kernels, copies and memsets, found conditional "
                                    f"node {old_node!r} (its bodies are not moved between "
                                    f"processes yet)")
-        if relocate(saved.op(old_node), found) != fresh.op(new_node):
+        if relocate(saved.op(old_node), found, old_node) != fresh.op(new_node):
             raise UnsupportedError(f"expected the saved template, moved here, to equal the "
                                    f"capture here, found node {old_node!r} different beyond "
-                                   f"its functions and addresses")
+                                   f"its functions, addresses and loose argument words")
     return found
 
 
@@ -123,25 +165,40 @@ def _moved(span: Span, r: Relocation) -> tuple[Span, int]:
     return Span(m.buffer, offset), m.shift
 
 
-def relocate(op: Op, r: Relocation) -> Op:
-    """``op`` from the saved process, as it must read here.
+def relocate(op: Op, r: Relocation, node: str | None = None) -> Op:
+    """``op`` from the saved process, as it must read here; ``node``: the saved node it
+    stands for, whose loose argument words (module docstring) it then takes from here.
 
     Raises
     ------
     UnsupportedError
-        It runs a function the template here never ran, or touches memory it never touched.
+        It runs a function the template here never ran, touches memory it never touched, or
+        changed an argument word that differs between the processes unexplained.
     """
     if isinstance(op, Kernel):
         if op.function not in r.functions:
             raise UnsupportedError(f"expected kernel functions the template runs, found "
                                    f"{op.name!r}, which it never runs here")
+        loose = r.loose.get(node) if node is not None else None
+        skip = set(loose.offsets) if loose else set()
         args = bytearray(op.args)
         pointers = []
         for p in op.pointers:
+            if p.offset in skip:
+                continue
             span, shift = _moved(p.target, r)
             value = int.from_bytes(args[p.offset:p.offset + 8], "little") + shift
             args[p.offset:p.offset + 8] = value.to_bytes(8, "little")
             pointers.append(Pointer(p.offset, span))
+        if loose:
+            for offset in loose.offsets:
+                if _word(op.args, offset) != _word(loose.saved, offset):
+                    raise UnsupportedError(
+                        f"expected node {node!r} to leave argument word {offset} as its "
+                        f"template had it (it differs between the processes), found it changed")
+                args[offset:offset + 8] = _word(loose.here.args, offset)
+            pointers += [p for p in loose.here.pointers if p.offset in skip]
+            pointers.sort(key=lambda p: p.offset)
         return dataclasses.replace(op, function=r.functions[op.function], args=bytes(args),
                                    pointers=tuple(pointers))
     if isinstance(op, Memcpy):
@@ -157,4 +214,4 @@ def relocate(op: Op, r: Relocation) -> Op:
 
 def relocate_all(changes: Mapping[str, Op], r: Relocation) -> dict[str, Op]:
     """A member shape's changed operations (by saved node), moved here (by the node here)."""
-    return {r.nodes[node]: relocate(op, r) for node, op in changes.items()}
+    return {r.nodes[node]: relocate(op, r, node) for node, op in changes.items()}

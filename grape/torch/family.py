@@ -71,6 +71,10 @@ class Family:
     update: str = "nodes"  # how executables are brought to shapes: "nodes" or "graph"
     _changed: dict[tuple[Hashable, Hashable], int] = field(default_factory=dict)
     sampled: Sampled | None = None  # with derive_every: which lengths were captured, derived
+    # load_family: shapes captured in this process rather than moved from the file, and why
+    # the first few did not move (relocation's refusal, naming the node)
+    captured_here: int = 0
+    not_moved: list[str] = field(default_factory=list)
 
     @property
     def graph_bytes(self) -> int:
@@ -322,6 +326,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     deltas: dict[Hashable, ShapeDelta] = {}
     keep: list[Any] = []
     captured: list[Hashable] = []
+    not_moved: list[str] = []
 
     def here(shape: Hashable) -> KernelGraph:
         cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
@@ -337,31 +342,39 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
         fresh = here(first)
         try:
             moved = relocation(template, fresh)
-        except UnsupportedError:
+        except UnsupportedError as e:
             moved = None
+            _note(not_moved, f"template {first!r}: {e}")
         for shape in shapes:
             changes = saved.members[shape][1]
             ir = fresh if shape == first else None
             if ir is None and moved is not None:
                 try:
                     ir = graph_with(fresh, relocate_all(changes, moved))
-                except UnsupportedError:
-                    ir = None
+                except UnsupportedError as e:
+                    _note(not_moved, f"shape {shape!r}: {e}")
             if ir is None:
                 ir = here(shape)
             group_of[shape], deltas[shape] = _add_shape(groups, shape, ir)
     if len(captured) > len(saved.templates):
         warnings.warn(f"{path}: {len(captured)} of {len(saved.members)} shapes captured here "
                       f"({len(saved.templates)} templates; the others' saved changes did not "
-                      f"move to this process)", stacklevel=2)
+                      f"move to this process; first: {not_moved[0].splitlines()[0]})",
+                      stacklevel=2)
     progress(f"loaded {len(saved.members)} shapes, {len(captured)} captured here")
     torch.cuda.synchronize()
     family = Family(step, groups, group_of, deltas, torch.cuda.memory_reserved() - reserved,
-                    0.0, keep)
+                    0.0, keep, captured_here=len(captured), not_moved=not_moved)
     if prepare:
         progress(f"prepared {family.prepare_updates()} node updates")
     family.capture_s = time.perf_counter() - began
     return family
+
+
+def _note(reasons: list[str], reason: str, keep: int = 5) -> None:
+    """Keep the first few reasons: one per shape would repeat itself hundreds of times."""
+    if len(reasons) < keep:
+        reasons.append(reason)
 
 
 def _add_shape(groups: dict[str, _Group], shape: Hashable, ir: KernelGraph,
