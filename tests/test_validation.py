@@ -250,8 +250,9 @@ def test_graphed_training_steps_are_predicted_from_their_recordings():
 UNSEEN_MULTI_STREAM = (
     "measured: two-streams:b64:w4096:d8 (two towers of eight 64x4096x4096 GEMMs, memory-bound, "
     "on two streams) ran its graph in 0.175 ms; the replay from the graphed trace predicts "
-    "0.197 (+12.7%: the graph's kernels as CUPTI timed them already cover 0.178 ms, and the "
-    "model adds its per-node overhead to all 33 nodes though the two branches overlap), and the "
+    "0.192 (+9.9%: the graph's kernels as CUPTI timed them already cover 0.178 ms, and the "
+    "model adds the launch's fixed cost and the per-node gaps of its longer branch, 17 of 33 "
+    "nodes; with every node's gap it predicted 0.197, +12.7%), and the "
     "what-if from the eager trace 0.128 (-26.9%): eagerly the towers ran one after the other "
     "(host-bound), and the what-if runs them side by side at the speed each had alone, where "
     "under the graph they share the GPU's memory bandwidth. Traces carry no bytes moved, so "
