@@ -78,10 +78,6 @@ def _address(graph: KernelGraph, buffer: str) -> int:
     return address
 
 
-def _spans(op: Op) -> list[Span]:
-    return list(op.spans())
-
-
 def _word(args: bytes, offset: int) -> bytes:
     return args[offset:offset + 8]
 
@@ -138,7 +134,7 @@ def relocation(saved: KernelGraph, fresh: KernelGraph) -> Relocation:
             if offsets := _loose(old, new, shared):
                 loose[old_node] = Loose(offsets, old.args, new)
         elif isinstance(old, Memcpy | Memset) and type(old) is type(new):
-            for a, b in zip(_spans(old), _spans(new), strict=True):
+            for a, b in zip(old.spans(), new.spans(), strict=True):
                 pair_span(a, b, old_node)
     found = Relocation(nodes, functions, buffers, loose)
     for old_node, new_node in nodes.items():

@@ -17,9 +17,10 @@ kernels' traced durations alone account for the launch, and this predicts both w
 (``tests/test_sim_graph.py``). PyTorch's own replays of other models, on other H200 machines,
 showed 0.14 to 0.32 us per node beyond their kernels' union (the profile's ``graph_nodes``),
 which the trace-based path (``grape.sim.whatif.profiled_graph_launches``) still adds to every
-node, while one earlier machine ran graphs with none (``tests/test_validation.py``, its expected
-failure). Whether a per-node cost shows may depend on the machine, which a profiled trace does
-not reveal; recordings where both paths run the same graph on one machine would settle it.
+node of a launch's longest stream, while one earlier machine ran graphs with none
+(``tests/test_validation.py``, its expected failure). Whether a per-node cost shows may
+depend on the machine, which a profiled trace does not reveal; recordings where both paths run
+the same graph on one machine would settle it.
 
 Durations come from a trace of the same kernels (:class:`Durations`): the median duration of
 each kernel by function and launch configuration (its demangled name, as CUPTI reports it, grid
