@@ -2,13 +2,11 @@
 
 One configuration per process (Inductor caches what it compiled): ``SIZE ARCH MODE`` with SIZE
 and ARCH as in ``benchmarks/generate.py`` and MODE ``default``, ``max-autotune-no-cudagraphs``
-(what ``grape.generate(compile=True)`` used), ``max-autotune-aten`` (the latter with GEMMs
-from cuBLAS only) or ``gemv`` (one-row products as Inductor reductions, ``grape.torch.gemv``,
-with coordinate-descent tuning and no GEMM autotuning). Greedy, batch 1, a 32-token prompt,
-128 new tokens; the median of five calls after the capturing one, for the compiled loop and
-for grape's loop over eager kernels; ``agreement``: the fraction of new tokens the two ways
-share. Prints one JSON line and appends it to ``$OUT/compile_modes.jsonl`` (``/tmp`` without
-``OUT``).
+(what ``grape.generate(compile=True)`` uses) or ``max-autotune-aten`` (the latter with GEMMs
+from cuBLAS only). Greedy, batch 1, a 32-token prompt, 128 new tokens; the median of five
+calls after the capturing one, for the compiled loop and for grape's loop over eager kernels;
+``agreement``: the fraction of new tokens the two ways share. Prints one JSON line and appends
+it to ``$OUT/compile_modes.jsonl`` (``/tmp`` without ``OUT``).
 
 Run on a GPU, once per configuration:
     python benchmarks/compile_modes.py gpt2small gpt2 default
@@ -29,7 +27,6 @@ from generate import SIZES, build
 
 import grape
 from grape.torch import api
-from grape.torch.gemv import OneRowProducts
 
 NEW = 128
 
@@ -49,12 +46,7 @@ def main() -> None:
     size, arch, mode = sys.argv[1:4]
     model = build(arch, SIZES[size])
     ids = torch.randint(0, 1000, (1, 32), device="cuda")
-    options: dict = {} if mode == "default" else {"mode": mode}
-    rewrite = None
-    if mode == "gemv":
-        rewrite = OneRowProducts()
-        options = {"options": {"coordinate_descent_tuning": True,
-                               "post_grad_custom_pre_pass": rewrite}}
+    options = {} if mode == "default" else {"mode": mode}
     if mode == "max-autotune-aten":
         import torch._inductor.config as inductor
 
@@ -73,7 +65,7 @@ def main() -> None:
     eager_ms = _ms_per_token(lambda: grape.generate(model, ids, max_new_tokens=NEW))
     row = dict(size=size, mode=mode, compiled_ms_per_token=round(compiled_ms, 4),
                eager_ms_per_token=round(eager_ms, 4), capture_s=round(capture_s, 1),
-               graphed=graphed, rewritten=rewrite.rewritten if rewrite else None,
+               graphed=graphed,
                agreement=float((compiled[:, 32:] == eager[:, 32:]).float().mean()))
     print(json.dumps(row), flush=True)
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "compile_modes.jsonl"), "a") as f:
