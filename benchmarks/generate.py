@@ -26,7 +26,9 @@ pick differently; null for the compiled ways, whose kernels differ by design: th
 ``token_agreement`` is the fraction of new tokens equal to ``hf_static``'s) and ``capture_s``
 (for ``grape_compiled`` it includes compilation). A grape row whose tokens differ says how
 much (``token_agreement``), from which new token (``first_difference``) and, for greedy,
-whether they equal grape's own step driven by the host (``host_loop_tokens_identical``).
+whether they equal grape's own step driven by the host (``host_loop_tokens_identical``) and
+how far the reference's logit for its token stood above its logit for grape's there
+(``reference_margin_at_first_difference``; 0.0 is an exact tie).
 
 With ``--deterministic`` (deterministic kernels, cuBLAS workspace :4096:8) token comparisons
 mean something: without it the eager kernels do not repeat their own results bitwise on the
@@ -150,9 +152,9 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
         mask[1::2, : args.prompt // 4] = 0
     kw = dict(STRATEGIES[strategy], max_new_tokens=args.new, eos_token_id=eos, pad_token_id=0)
     hf = {"hf_generate": lambda: model.generate(ids, attention_mask=mask, **kw),
-          "hf_static": lambda: model.generate(ids, attention_mask=mask,
-                                              cache_implementation="static",
-                                              disable_compile=True, **kw),
+          "hf_static": lambda **extra: model.generate(ids, attention_mask=mask,
+                                                      cache_implementation="static",
+                                                      disable_compile=True, **kw, **extra),
           "hf_static_compiled": lambda: model.generate(ids, attention_mask=mask,
                                                        cache_implementation="static", **kw)}
     rows, tokens = [], {}
@@ -194,6 +196,10 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                                                         tokens["hf_static"], args.prompt)
                     row["first_difference"] = _first_difference(
                         tokens[row["way"]], tokens["hf_static"], args.prompt)
+                    if strategy == "greedy":
+                        row["reference_margin_at_first_difference"] = _margin(
+                            hf["hf_static"], tokens[row["way"]], tokens["hf_static"],
+                            args.prompt, row["first_difference"])
             elif row["way"] in ("grape_compiled", "hf_static_compiled"):
                 row["token_agreement"] = _agreement(tokens[row["way"]], tokens["hf_static"],
                                                     args.prompt)
@@ -261,6 +267,21 @@ def _first_difference(a, b, prompt: int) -> int:
     n = min(a.shape[1], b.shape[1])
     differs = (a[:, prompt:n] != b[:, prompt:n]).any(0).nonzero()
     return int(differs[0]) if len(differs) else n - prompt
+
+
+def _margin(reference, ours, theirs, prompt: int, step: int) -> float | None:
+    """Where greedy tokens part: the reference's logit for its own token less its logit for
+    ours, smallest over the rows that part there (0.0: an exact tie, which any difference in
+    the last bit breaks either way). The reference runs again, untimed, keeping its logits."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = reference(output_logits=True, return_dict_in_generate=True)
+    if step >= len(out.logits) or step + prompt >= min(ours.shape[1], theirs.shape[1]):
+        return None  # one output ended first: no logits to compare there
+    logits = out.logits[step].float()
+    rows = (ours[:, prompt + step] != theirs[:, prompt + step]).nonzero().flatten()
+    return min(float(logits[r, theirs[r, prompt + step]] - logits[r, ours[r, prompt + step]])
+               for r in rows.tolist())
 
 
 def _most_common_new_token(out, prompt: int) -> int:
