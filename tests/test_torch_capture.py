@@ -57,3 +57,40 @@ def test_a_collector_the_caller_turned_off_stays_off():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_frozen_heap_leaves_old_objects_out_of_collections_until_the_outermost_ends():
+    import gc
+
+    before = gc.get_freeze_count()
+    with capture.frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > before
+        with capture.frozen_heap():  # nested: a family inside a family's step
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen  # the inner one did not unfreeze
+    assert gc.get_freeze_count() == before == 0
+
+
+def test_a_family_captures_under_a_frozen_heap_and_unfreezes_it_even_when_capture_fails(
+        monkeypatch):
+    import gc
+
+    from grape.torch import family
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_capture(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        raise Stop
+
+    monkeypatch.setattr(family, "capture", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
+    with pytest.raises(Stop):
+        family.capture_family(lambda shape: None, [3, 2, 1])
+    assert seen and seen[0] > 0
+    assert gc.get_freeze_count() == 0

@@ -33,7 +33,7 @@ from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import KernelGraph, fingerprint
 from grape.passes.delta import NodeDelta, ShapeDelta, identity, join, operation, transition
 from grape.passes.derive import Sampled, derive_lengths
-from grape.torch.capture import capture
+from grape.torch.capture import capture, frozen_heap
 
 __all__ = ["Family", "capture_family", "environment", "load_family"]
 
@@ -202,6 +202,8 @@ def environment(params: Mapping[str, torch.Tensor] | None = None) -> dict[str, s
     return env
 
 
+# Many captures in a row: the heap frozen so that each capture's collection is cheap (capture.py)
+@frozen_heap()
 def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                    params: Mapping[str, torch.Tensor] | None = None,
                    progress: Callable[[str], None] = lambda line: None,
@@ -292,6 +294,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     return family
 
 
+@frozen_heap()
 def load_family(step: Callable[[Hashable], Any], path: str | Path,
                 params: Mapping[str, torch.Tensor] | None = None,
                 progress: Callable[[str], None] = lambda line: None,
