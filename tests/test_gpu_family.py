@@ -187,15 +187,6 @@ def test_a_saved_family_reloads_and_computes_what_per_shape_graphs_compute(decod
         warm.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "measured on the H200: the saved shapes do not move, even within the saving process. "
-    "Relocation maps each allocator segment by one address shift, and the pool lays its "
-    "blocks out differently in the capture here: 'expected one buffer here for saved "
-    "alloc@0x7fe4c5400000, found' the same segment at two shifts (node n17; in a fresh "
-    "process, GPT-2 small 1..255, a saved segment split over two segments here, node n38). "
-    "Moving them needs the allocator's blocks, not its segments, as the IR's buffers. Before "
-    "this, argument words holding the host's stack bytes (35 of 292 kernels) refused the move "
-    "at n19; those are now taken from here (grape.passes.relocate's loose words)"))
 def test_a_saved_family_warm_starts_with_one_capture_per_executable(decode, family,
                                                                      tmp_path):
     loaded, warm = _warm_start(decode, family, tmp_path)

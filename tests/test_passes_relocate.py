@@ -73,7 +73,8 @@ def test_what_the_template_never_used_cannot_move():
 
 def test_argument_words_that_differ_between_processes_are_taken_from_here():
     # PyTorch's kernels carry slots they never fill: the host's stack bytes, which differ
-    # between processes. The template takes this process's; members must leave them alone.
+    # between processes. The template takes this process's, and so does a member that left
+    # them as the template had them; a member that wrote its own value there keeps it.
     fresh = _step(0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"), extra=8)
     r = relocation(SAVED, fresh)
     assert r.loose["a"].offsets == (16,)
@@ -82,10 +83,24 @@ def test_argument_words_that_differ_between_processes_are_taken_from_here():
     kept.dag.nodes["a"]["op"] = dataclasses.replace(kept.op("a"), grid=(3, 1, 1))
     moved = relocate_all({"a": kept.op("a")}, r)["a"]
     assert moved == dataclasses.replace(fresh.op("a"), grid=(3, 1, 1))
-    changed = _step(0x1000, 0x9000, 0x20000, extra=9).op("a")
-    with pytest.raises(UnsupportedError, match="expected node 'a' to leave argument word 16 as "
-                                               "its template had it"):
-        relocate_all({"a": changed}, r)
+    wrote = _step(0x1000, 0x9000, 0x20000, extra=9).op("a")  # a size, say: kept as saved
+    assert relocate_all({"a": wrote}, r)["a"] == _step(
+        0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"), extra=9).op("a")
+
+
+def test_a_member_that_wrote_a_pointer_into_a_loose_word_has_it_moved():
+    fresh = _step(0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"), extra=8)
+    r = relocation(SAVED, fresh)
+    member = _step(0x1000, 0x9000, 0x20000, extra=0x1000 + 128).op("a")
+    member = dataclasses.replace(member, pointers=member.pointers + (
+        Pointer(16, Span("alloc@0x1000", 128)),))
+    moved = relocate_all({"a": member}, r)["a"]
+    assert moved.args[16:24] == (0x5000 + 128).to_bytes(8, "little")
+    assert Pointer(16, Span("alloc@0x5000", 128)) in moved.pointers
+    outside = dataclasses.replace(member, pointers=member.pointers[:-1] + (
+        Pointer(16, Span("alloc@0x7000")),))
+    with pytest.raises(UnsupportedError, match="found buffer 'alloc@0x7000', which it never"):
+        relocate_all({"a": outside}, r)
 
 
 def test_a_word_that_points_into_memory_in_one_capture_only_is_loose():

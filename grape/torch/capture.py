@@ -108,12 +108,12 @@ def _warmup_stream() -> torch.cuda.Stream:
 
 # Where a capture's memory lies depends on when Python's cycle collector runs: a collection
 # frees the tensors that reference cycles hold, and the allocator hands their blocks to others.
-# Measured on the H200 (GPT-2 decode, KV 255, captured twice into fresh pools in one process):
-# 1261 and 1251 allocator events, blocks at other places, and a saved graph that no longer
-# relocated onto the same shape captured again (grape.passes.relocate). With a full collection
-# just before each capture and none during it, both captures made the same events at the same
-# offsets, and so did a capture in another process. So capture() collects before and pauses
-# the collector during; frozen_heap() keeps the collection before each capture cheap.
+# Measured on the H200 (GPT-2 small decode, 1..255): a saved family's template did not relocate
+# onto the same shape captured in a fresh process (a saved segment at two places here) until
+# each capture was preceded by a full collection and ran with none during it; then it did, and
+# two captures of one shape (neither a process's first) made the same allocator events at the
+# same offsets. So capture() collects before and pauses the collector during; frozen_heap()
+# keeps the collection before each capture cheap.
 
 
 @contextlib.contextmanager
@@ -197,7 +197,12 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     g = torch.cuda.CUDAGraph(keep_graph=True)
     failure = None
     try:
-        with collector_paused(), graph(g, pool=pool), (staging or contextlib.nullcontext()):
+        # Captured on the stream it warmed up on: cuBLAS allocates a workspace for each
+        # stream on first use, and one allocated inside the capture lands in the graph's pool
+        # (a first capture in a process made 1261 allocator events where later captures of
+        # the same shape made 1251, H200), so that its layout repeated in no other capture.
+        with collector_paused(), graph(g, pool=pool, stream=side), \
+                (staging or contextlib.nullcontext()):
             outputs = fn(*args)  # graph() remembers the pool, for IF nodes in ``fn``
     except Exception as e:
         failure = _failure(e)
