@@ -21,8 +21,8 @@ the capture here for them (this process's truth). A member shape that left a loo
 saved template had it takes this process's bytes there too. One that wrote its own value there
 (a TensorIterator fills more of its slots where a shape coalesces into more dimensions) keeps
 it: the slot then holds a size or a stride, the same in every process, or a device pointer,
-which the member's pointers name and which moves like any other. (This took GPT-2 decode's
-members on the H200: the first refusal of a warm start was 253 of 254 members writing word 616
+which the member's pointers name and which moves like any other. (Refusing them refused GPT-2
+decode's members on the H200: a warm start captured every member again, for writing word 616
 of the first kernel's arguments.) What cannot be told apart is a process-dependent value that
 is not a device pointer (a host address); PyTorch's kernels were not found passing one.
 """
