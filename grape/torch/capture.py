@@ -108,12 +108,13 @@ def _warmup_stream() -> torch.cuda.Stream:
 
 # Where a capture's memory lies depends on when Python's cycle collector runs: a collection
 # frees the tensors that reference cycles hold, and the allocator hands their blocks to others.
-# Measured on the H200 (GPT-2 small decode, 1..255): a saved family's template did not relocate
-# onto the same shape captured in a fresh process (a saved segment at two places here) until
-# each capture was preceded by a full collection and ran with none during it; then it did, and
-# two captures of one shape (neither a process's first) made the same allocator events at the
-# same offsets. So capture() collects before and pauses the collector during; frozen_heap()
-# keeps the collection before each capture cheap.
+# Measured on the H200 (GPT-2 small decode; benchmarks/capture_layout.py, benchmarks/README.md):
+# two captures of one shape into fresh pools laid their blocks out differently and did not
+# relocate onto each other, and with a full collection before each and none during them they
+# made the same allocator events at the same offsets, in one process and across two. So
+# capture() collects before and pauses the collector during; frozen_heap() keeps the
+# collection before each capture cheap. (It is not the whole story across processes: a saved
+# family's template then moved in one fresh-process warm start and not in the next.)
 
 
 @contextlib.contextmanager
@@ -198,9 +199,10 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     failure = None
     try:
         # Captured on the stream it warmed up on: cuBLAS allocates a workspace for each
-        # stream on first use, and one allocated inside the capture lands in the graph's pool
-        # (a first capture in a process made 1261 allocator events where later captures of
-        # the same shape made 1251, H200), so that its layout repeated in no other capture.
+        # stream on first use, and one allocated inside the capture lands in the graph's pool.
+        # A process's first capture made 1261 allocator events where later captures of the
+        # same shape made 1251 (H200), and a family reloaded in the process that saved it
+        # moved no shape; captured here, it moved every one (tests/test_gpu_family.py).
         with collector_paused(), graph(g, pool=pool, stream=side), \
                 (staging or contextlib.nullcontext()):
             outputs = fn(*args)  # graph() remembers the pool, for IF nodes in ``fn``
