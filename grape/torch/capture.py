@@ -201,8 +201,9 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         # Captured on the stream it warmed up on: cuBLAS allocates a workspace for each
         # stream on first use, and one allocated inside the capture lands in the graph's pool.
         # A process's first capture made 1261 allocator events where later captures of the
-        # same shape made 1251 (H200), and a family reloaded in the process that saved it
-        # moved no shape; captured here, it moved every one (tests/test_gpu_family.py).
+        # same shape made 1251 (H200). Since this (and, in the same commit, relocation keeping
+        # members' own loose words), a family reloaded in the process that saved it moves
+        # every shape (tests/test_gpu_family.py); which of the two it needed was not told apart.
         with collector_paused(), graph(g, pool=pool, stream=side), \
                 (staging or contextlib.nullcontext()):
             outputs = fn(*args)  # graph() remembers the pool, for IF nodes in ``fn``
