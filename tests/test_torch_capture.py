@@ -25,8 +25,8 @@ def test_every_capture_warms_up_on_one_stream_per_device(monkeypatch):
 
 
 def test_the_collector_waits_for_the_capture_and_then_frees_what_it_left_in_cycles():
-    # A collection mid-capture moved blocks in the graph's memory on the H200, so that a saved
-    # graph no longer relocated onto the same shape captured again.
+    # A collection frees the blocks of tensors that cycles hold wherever it runs; a capture's
+    # layout must not depend on when (grape/torch/capture.py).
     import gc
     import weakref
 
