@@ -72,6 +72,19 @@ def test_a_frozen_heap_leaves_old_objects_out_of_collections_until_the_outermost
     assert gc.get_freeze_count() == before == 0
 
 
+def test_a_heap_the_caller_froze_stays_as_they_left_it():
+    import gc
+
+    gc.freeze()
+    try:
+        theirs = gc.get_freeze_count()
+        with capture.frozen_heap():
+            assert gc.get_freeze_count() == theirs
+        assert gc.get_freeze_count() == theirs
+    finally:
+        gc.unfreeze()
+
+
 def test_a_family_captures_under_a_frozen_heap_and_unfreezes_it_even_when_capture_fails(
         monkeypatch):
     import gc

@@ -141,7 +141,12 @@ def frozen_heap():
     """Many captures in a row (a family): the objects alive on entry are left out of every
     collection until the end (``gc.freeze``), so that the full collection before each capture
     costs what was made since, not the whole heap (0.16 s with transformers loaded, against
-    tens of microseconds frozen). Nests; the heap is unfrozen when the outermost one ends."""
+    tens of microseconds frozen). Nests; the heap is unfrozen when the outermost one ends.
+    Where the caller froze objects itself (a server before forking), it does nothing:
+    unfreezing would unfreeze theirs too, so each capture pays for a full collection."""
+    if _FROZEN[0] == 0 and gc.get_freeze_count() > 0:
+        yield
+        return
     if _FROZEN[0] == 0:
         gc.collect()
         gc.freeze()
