@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -482,6 +483,9 @@ def main() -> None:
     parser.add_argument("--no-fresh", action="store_true",
                         help="skip the shared-pool baseline and the warm start, each of which "
                              "runs in a fresh process")
+    parser.add_argument("--keep-family", type=Path, default=None, metavar="DIR",
+                        help="copy each workload's saved family file (the one the warm start "
+                             "loads) into DIR, to look into or load elsewhere")
     parser.add_argument("--fresh-timeout", type=float, default=600.0, metavar="S",
                         help="give up on a fresh process's part after S seconds (reported)")
     # Internal: one fresh process's part, for one workload; prints one JSON line.
@@ -537,6 +541,11 @@ def main() -> None:
                 results[-1].update(_in_fresh_process("warm_start", workload_args,
                                                      ["--from", saved], args.fresh_timeout))
                 write()
+                if args.keep_family:
+                    args.keep_family.mkdir(parents=True, exist_ok=True)
+                    slug = "_".join(w.name.replace("-", "_").split())
+                    shutil.copy(Path(saved) / "family.json.gz",
+                                args.keep_family / f"{slug}.family.json.gz")
         _log(json.dumps({k: v for k, v in results[-1].items()
                          if k != "changed_between_neighbours"}))
         _log(json.dumps(results[-1]["changed_between_neighbours"]))

@@ -3,9 +3,13 @@ the environment the family was captured in.
 
 A document is ``{"schema": "grape.family", "version": 1, "environment": {...}, "templates":
 {key: <grape.ir document>}, "members": [{"shape": ..., "template": key, "changes": <grape.ir
-document holding only the nodes that differ, under the template's ids>}, ...]}``. A shape is an
-integer, a string or a list of them (a tuple in Python). The template's buffer table holds every
-member's buffers (a family's executable resolves addresses through it).
+document holding only the nodes that differ, under the template's ids>}, ...], "scratch": [buffer
+id, ...]}``. A shape is an integer, a string or a list of them (a tuple in Python). The
+template's buffer table holds every member's buffers (a family's executable resolves addresses
+through it). ``scratch`` (optional; none where absent) names the buffers only the family's
+graphs use (their pool's memory, which held no tensor when the family was saved): a warm start
+moves each whole to memory of its own rather than to where a capture here put its blocks
+(``grape.passes.relocate``).
 
 :meth:`SavedFamily.check` refuses, naming the first difference, a family whose environment
 (driver, GPU, library versions, the model's parameter layout) differs from the one asked about:
@@ -16,7 +20,7 @@ family over a sequence of shapes; loading one into a new process without capturi
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,7 @@ from typing import Any
 import networkx as nx
 
 from grape.errors import GrapeError
-from grape.ir import KernelGraph, Op
+from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op
 from grape.irjson import graph_from_json, graph_to_json
 from grape.jsonio import check_schema, dump_json, load_json
 from grape.passes.delta import ShapeDelta, apply
@@ -40,17 +44,26 @@ class SavedFamily:
     templates: dict[str, KernelGraph]  # by executable key
     members: dict[Hashable, tuple[str, dict[str, Op]]]  # shape -> (key, changed template ops)
     environment: dict[str, str] = field(default_factory=dict)
+    scratch: frozenset[str] = frozenset()  # buffers only the graphs use (module docstring)
 
     @classmethod
     def of(cls, templates: Mapping[str, KernelGraph],
            placed: Mapping[Hashable, tuple[str, ShapeDelta]],
-           environment: Mapping[str, str] | None = None) -> SavedFamily:
+           environment: Mapping[str, str] | None = None,
+           scratch: Iterable[str] = ()) -> SavedFamily:
         """A family from its templates and each shape's (executable key, delta)."""
         members = {}
         for shape, (key, d) in placed.items():
             ops = apply(templates[key], d)
             members[shape] = (key, {nd.node: ops[nd.node] for nd in d.nodes})
-        return cls(dict(templates), members, dict(environment or {}))
+        return cls(dict(templates), members, dict(environment or {}), frozenset(scratch))
+
+    def scratch_buffers(self) -> dict[str, Buffer]:
+        """The scratch buffers, as the templates' tables have them."""
+        found = {}
+        for template in self.templates.values():
+            found.update((b.id, b) for b in template.buffers.values() if b.id in self.scratch)
+        return found
 
     def graph(self, shape: Hashable) -> KernelGraph:
         """``shape``'s own graph: its template with the shape's changes, under the template's
@@ -71,11 +84,16 @@ class SavedFamily:
                                  f"found {now!r} here: capture the family again")
 
 
-def graph_with(template: KernelGraph, ops: Mapping[str, Op]) -> KernelGraph:
-    """``template`` with some nodes' operations replaced: same ids, edges and buffers."""
+def graph_with(template: KernelGraph, ops: Mapping[str, Op],
+               buffers: Iterable[Buffer] = ()) -> KernelGraph:
+    """``template`` with some nodes' operations replaced: same ids, edges and buffers (and
+    ``buffers`` added, for the replacements to point into)."""
     out = KernelGraph()
     for b in template.buffers.values():
         out.add_buffer(b)
+    for b in buffers:
+        if b.id not in out.buffers:
+            out.add_buffer(b)
     for node in nx.topological_sort(template.dag):
         out.add(node, ops.get(node, template.op(node)),
                 after=list(template.dag.predecessors(node)))
@@ -117,7 +135,7 @@ def save_family(path: str | Path, family: SavedFamily) -> Path:
                             "environment": dict(family.environment),
                             "templates": {k: graph_to_json(g)
                                           for k, g in family.templates.items()},
-                            "members": members})
+                            "members": members, "scratch": sorted(family.scratch)})
 
 
 def load_family(path: str | Path) -> SavedFamily:
@@ -141,10 +159,22 @@ def load_family(path: str | Path) -> SavedFamily:
                                  f"{key!r}, found node {unknown[0]!r}")
             members[shape] = (key, dict(changes.ops()))
         environment = {str(k): str(v) for k, v in doc.get("environment", {}).items()}
+        raw_scratch = doc.get("scratch", [])
+        if not isinstance(raw_scratch, list) or not all(isinstance(x, str) for x in raw_scratch):
+            raise GrapeError(f"{where}: expected scratch to be a list of buffer ids, found "
+                             f"{str(raw_scratch)[:60]}")
+        scratch = frozenset(raw_scratch)
+        tables = {b.id: b for t in templates.values() for b in t.buffers.values()}
+        for sid in sorted(scratch):
+            b = tables.get(sid)
+            if b is None or b.role != BufferRole.INTERNAL or b.memory != Memory.DEVICE:
+                raise GrapeError(f"{where}: expected scratch to name internal device buffers "
+                                 f"of the templates, found {sid!r}"
+                                 f"{f' ({b.role}, {b.memory})' if b else ''}")
     except (KeyError, TypeError, AttributeError) as e:
         raise GrapeError(f"{where}: expected a grape.family document, found one without "
                          f"{e}") from None
     except GrapeError as e:
         message = str(e)
         raise type(e)(message if message.startswith(where) else f"{where}: {message}") from None
-    return SavedFamily(templates, members, environment)
+    return SavedFamily(templates, members, environment, scratch)

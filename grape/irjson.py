@@ -8,6 +8,7 @@ every field and says which node and field is wrong.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import fields
 from enum import Enum
 from typing import Any
@@ -107,7 +108,7 @@ def _decode(cls: type, raw: Any, at: str) -> Any:
     """Build dataclass ``cls`` from its JSON form, checking every field's shape."""
     if not isinstance(raw, dict):
         raise GraphError(f"{at}: expected an object, found {raw!r:.80}")
-    names = {f.name for f in fields(cls)}
+    names = _names(cls)
     if unknown := set(raw) - names:
         raise GraphError(f"{at}: expected fields among {sorted(names)}, found {sorted(unknown)}")
     values = {}
@@ -169,6 +170,16 @@ def _decode_field(cls: type, name: str, value: Any, at: str) -> Any:
             return None if value is None else _int(value)
     if name == "address":
         return None if value is None else _int(value)
-    annotation = {f.name: f.type for f in fields(cls)}[name]
-    return _str(value) if annotation == "str" else _int(value)
+    return _str(value) if _annotations(cls)[name] == "str" else _int(value)
+
+
+# Looked up once per class: a saved family's file decodes hundreds of thousands of fields.
+@functools.cache
+def _names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
+
+
+@functools.cache
+def _annotations(cls: type) -> dict[str, Any]:
+    return {f.name: f.type for f in fields(cls)}
 

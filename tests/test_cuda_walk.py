@@ -43,3 +43,19 @@ def test_an_extra_array_without_a_buffer_pointer_is_refused():
     array = np.array([int(driver.CU_LAUNCH_PARAM_END_AS_INT), 0], dtype="<u8")
     with pytest.raises(UnsupportedError, match="expected a CU_LAUNCH_PARAM_BUFFER_POINTER"):
         _extra_args(array.ctypes.data, 8)
+
+
+def test_pointers_into_a_live_block_name_the_block_and_named_tensors_come_first():
+    from grape.cuda.buffers import BufferMap
+    from grape.ir import BufferRole, Pointer, Span
+
+    buffers = BufferMap()
+    buffers.block(0x7F0000100000, 0x1000)  # the caller's cache, one block of a segment
+    buffers.block(0x7F0000101000, 0x200)
+    buffers.name("param:w", 0x7F0000101000, 0x100, BufferRole.PARAMETER)
+    args = b"".join(a.to_bytes(8, "little") for a in (0x7F0000100010, 0x7F0000101180,
+                                                      0x7F0000101004, 64))
+    assert buffers.pointers(args) == (Pointer(0, Span("block@0x7f0000100000", 0x10)),
+                                      Pointer(8, Span("block@0x7f0000101000", 0x180)),
+                                      Pointer(16, Span("param:w", 4)))
+    assert buffers.used["block@0x7f0000100000"].role == BufferRole.INTERNAL

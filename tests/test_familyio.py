@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
 from pathlib import Path
 
 import networkx as nx
@@ -11,7 +13,7 @@ import pytest
 from grape.cli import main
 from grape.errors import GrapeError
 from grape.familyio import SavedFamily, load_family, save_family
-from grape.ir import Kernel, KernelGraph
+from grape.ir import BufferRole, Kernel, KernelGraph, Memory
 from grape.passes.delta import delta, join
 
 TWIN = Path(__file__).parent.parent / "traces" / "h200_ir"
@@ -86,6 +88,31 @@ def test_bad_family_files_and_shapes_are_one_line_errors(family, tmp_path):
         load_family(path)
     with pytest.raises(GrapeError, match="expected a shape of the family, found 7"):
         saved.graph(7)
+
+
+def test_scratch_names_travel_with_the_family_and_must_name_internal_device_buffers(
+        family, tmp_path):
+    saved, _ = family
+    template = saved.templates["t"]
+    internal = sorted(b.id for b in template.buffers.values()
+                      if b.role == BufferRole.INTERNAL and b.memory == Memory.DEVICE)
+    named = next(b.id for b in template.buffers.values() if b.role != BufferRole.INTERNAL)
+    kept = dataclasses.replace(saved, scratch=frozenset(internal[:1]))
+    loaded = load_family(save_family(tmp_path / "s.family.json.gz", kept))
+    assert loaded.scratch == frozenset(internal[:1])
+    assert set(loaded.scratch_buffers()) == set(internal[:1])
+    old = dataclasses.replace(saved, scratch=frozenset())  # a file from before: none named
+    assert load_family(save_family(tmp_path / "o.family.json.gz", old)).scratch == frozenset()
+    wrong = dataclasses.replace(saved, scratch=frozenset([named]))
+    with pytest.raises(GrapeError, match=f"w.family.json.gz: expected scratch to name internal "
+                                         f"device buffers of the templates, found '{named}' "):
+        load_family(save_family(tmp_path / "w.family.json.gz", wrong))
+    bad = tmp_path / "b.family.json"
+    doc = json.loads(gzip.decompress((tmp_path / "s.family.json.gz").read_bytes()))
+    bad.write_text(json.dumps({**doc, "scratch": [1, 2]}))
+    with pytest.raises(GrapeError, match="b.family.json: expected scratch to be a list of buffer "
+                                         "ids, found \\[1, 2\\]"):
+        load_family(bad)
 
 
 def test_grape_simulate_runs_a_saved_family_over_a_sequence(family, tmp_path, capsys):

@@ -11,33 +11,16 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch", reason="torch is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-from grape.torch.cache import PrefixCache  # noqa: E402
-
-LENGTHS = [60, 59, 58, 33, 32, 9, 1]  # largest first, as a family is captured
+from tests.family_process import LENGTHS, graph_of, same_as_graph  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def decode():
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_embd=256, n_layer=2, n_head=4, n_positions=64)
-    model = transformers.GPT2LMHeadModel(config).cuda().half().eval()
-    cache = PrefixCache(config.n_layer, 64)
-    with torch.no_grad():
-        model(torch.randint(0, 1000, (2, 63), device="cuda"), past_key_values=cache)
-    ids = torch.randint(0, 1000, (2, 1), device="cuda")
-    out = torch.empty(2, 1, config.vocab_size, device="cuda", dtype=torch.float16)
+    from tests.family_process import decode
 
-    def step(n):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        cache.set_length(n)
-        in_place = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-        with torch.no_grad(), sdpa_kernel(in_place):
-            out.copy_(model(ids, past_key_values=cache).logits)
-
-    return model, step, out
+    return decode()
 
 
 @pytest.fixture(scope="module", params=["nodes", "graph"])
@@ -51,31 +34,11 @@ def family(decode, request):
     fam.close()
 
 
-def _graph_of(step, n):
-    g = torch.cuda.CUDAGraph()
-    step(n)  # warm-up
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        step(n)
-    return g
-
-
-def _same_as_graph(graph, family, n, out) -> bool:
-    """Whether the family at length ``n`` writes bitwise what PyTorch's graph of it writes."""
-    graph.replay()
-    torch.cuda.synchronize()
-    expected = out.clone()
-    out.zero_()
-    family.run(n)
-    torch.cuda.synchronize()
-    return torch.equal(out, expected)
-
-
 def test_every_length_computes_bitwise_what_its_own_graph_computes(decode, family):
     _, step, out = decode
-    graphs = {n: _graph_of(step, n) for n in LENGTHS}
+    graphs = {n: graph_of(step, n) for n in LENGTHS}
     for n in [1, 58, 59, 60, 9, 33, 32, 1]:  # back and forth across the family
-        assert _same_as_graph(graphs[n], family, n, out), f"KV length {n}"
+        assert same_as_graph(graphs[n], family, n, out), f"KV length {n}"
 
 
 def test_neighbouring_lengths_update_few_nodes(family):
@@ -155,7 +118,7 @@ def test_lengths_never_captured_are_derived_and_compute_what_their_own_graphs_co
         assert sampled.derived and not sampled.refused, _why_nothing_derived(sampled)
         assert all(diff == [] for diff in sampled.checked.values())
         for n in sampled.derived[:: max(1, len(sampled.derived) // 6)]:
-            assert _same_as_graph(_graph_of(step, n), fam, n, out), f"derived KV length {n}"
+            assert same_as_graph(graph_of(step, n), fam, n, out), f"derived KV length {n}"
     finally:
         fam.close()
 
@@ -182,7 +145,7 @@ def test_a_saved_family_reloads_and_computes_what_per_shape_graphs_compute(decod
     _, warm = _warm_start(decode, family, tmp_path)
     try:
         for n in LENGTHS:
-            assert _same_as_graph(_graph_of(step, n), warm, n, out), f"warm length {n}"
+            assert same_as_graph(graph_of(step, n), warm, n, out), f"warm length {n}"
     finally:
         warm.close()
 
@@ -194,3 +157,24 @@ def test_a_saved_family_warm_starts_with_one_capture_per_executable(decode, fami
         assert warm.captured_here == len(loaded.templates), warm.not_moved
     finally:
         warm.close()
+
+
+def test_a_saved_family_warm_starts_in_another_process_moving_every_shape(decode, family,
+                                                                         tmp_path):
+    # Another process, whose allocator put the step's tensors elsewhere (tests.family_process
+    # holds tensors this one never made): each template is captured there, nothing else, and
+    # every length computes bitwise what PyTorch's own graph of it computes there.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, _, _ = decode
+    path = family.save(tmp_path / "decode.family.json.gz", dict(model.named_parameters()))
+    run = subprocess.run([sys.executable, "-m", "tests.family_process", str(path)],
+                         cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["captured_here"] == got["templates"], got["not_moved"]
+    assert all(got["bitwise"].values()), got["bitwise"]

@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Buffer, BufferRole, Empty, Kernel, KernelGraph, Memcpy, Span
 from grape.passes.compress import CODECS, best, decode, encode, xor
-from grape.passes.delta import apply, changed_nodes, delta, identity, join, transition
+from grape.passes.delta import (
+    apply,
+    changed_nodes,
+    delta,
+    identity,
+    join,
+    join_changes,
+    transition,
+)
 from grape.passes.families import canonical_order, group, match
 from tests.strategies import graphs
 
@@ -109,6 +117,21 @@ def test_consecutive_lengths_touch_few_nodes_and_code_small():
     assert len(nd.kernel.args) <= 5  # one changed byte of 32, coded
     grid_change = dict(deltas[130].nodes[0].kernel.fields)
     assert grid_change == {"grid": (3, 1, 1)}
+
+
+def test_a_shape_known_by_its_changes_joins_as_its_whole_graph_does():
+    # A saved family's member: its changed operations, under the template's node ids.
+    template, other = _decode_step(100), _decode_step(130)
+    whole = join(_decode_step(100), other)
+    mapping = tuple((n, n) for n in template.dag)
+    known = join_changes(template, {"attn": other.op("attn"), "mlp": other.op("mlp")}, mapping)
+    assert known.nodes == whole.nodes  # mlp did not change: no node for it
+    assert dict(known.mapping) == dict(whole.mapping)
+    with pytest.raises(UnsupportedError, match="found 'nowhere'"):
+        join_changes(template, {"nowhere": other.op("attn")}, mapping)
+    wider = dataclasses.replace(other.op("attn"), attributes=(("cluster", (2, 1, 1)),))
+    with pytest.raises(UnsupportedError, match="attributes change"):
+        join_changes(template, {"attn": wider}, mapping)
 
 
 def test_a_change_of_structure_or_kind_is_refused():

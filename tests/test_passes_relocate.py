@@ -129,3 +129,47 @@ def test_a_capture_here_that_differs_beyond_addresses_is_refused():
     with pytest.raises(UnsupportedError, match="expected one buffer here for saved "
                                                "'alloc@0x1000'"):
         relocation(SAVED, split)
+
+
+# The capture here put b's block at another place within the pool segment than the saving
+# process did: pairing by pointers would need two shifts for one segment.
+SPLIT = _step(0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"), offset=512)
+ARENA = Buffer("scratch@0x80000", 4096, BufferRole.INTERNAL, address=0x80000)
+
+
+def test_saved_scratch_moves_whole_to_memory_of_its_own_in_the_saved_layout():
+    r = relocation(SAVED, SPLIT, {"alloc@0x1000": ARENA}, {"alloc@0x5000"})
+    assert r.buffers["alloc@0x1000"] == Moved("scratch@0x80000", 0x7F000, 0, 4096)
+    assert r.buffers["param:w"] == Moved("param:w", 0x1000, 0, 1024)
+    b = relocate(SAVED.op("b"), r, "b")
+    assert b.args[:8] == (0x80000 + 256).to_bytes(8, "little")  # the saved offset, not 512
+    assert b.pointers == (Pointer(0, Span("scratch@0x80000", 256)),)
+    assert relocate(SAVED.op("c"), r, "c").src == Span("scratch@0x80000", 256)
+    # A member's offsets in the scratch keep the saved layout too.
+    member = _step(0x1000, 0x9000, 0x20000, grid=3, offset=1024)
+    assert relocate_all({"b": member.op("b")}, r)["b"].pointers == (
+        Pointer(0, Span("scratch@0x80000", 1024)),)
+
+
+def test_scratch_must_still_be_scratch_here_and_everything_else_still_equal():
+    with pytest.raises(UnsupportedError, match=r"expected saved scratch 'alloc@0x1000' to be "
+                                               r"scratch here too \(node 'a'\), found "
+                                               r"'alloc@0x5000'"):
+        relocation(SAVED, SPLIT, {"alloc@0x1000": ARENA}, set())
+    wider = _step(0x5000, 0xA000, 0x30000, functions=("f@0x7", "g@0x8"), grid=3, offset=512)
+    with pytest.raises(UnsupportedError, match="found node 'b' different beyond"):
+        relocation(SAVED, wider, {"alloc@0x1000": ARENA}, {"alloc@0x5000"})
+    small = dataclasses.replace(ARENA, size=1024)
+    with pytest.raises(UnsupportedError, match="expected scratch here for saved buffer "
+                                               "'alloc@0x1000' of its size"):
+        relocation(SAVED, SPLIT, {"alloc@0x1000": small}, {"alloc@0x5000"})
+
+
+def test_a_file_without_scratch_pairs_pool_memory_as_before():
+    # Nothing named scratch in the saved family: the pool segment here is paired by pointers
+    # (one shift), and its values checked by that pairing.
+    r = relocation(SAVED, FRESH, {}, {"alloc@0x5000"})
+    assert r.buffers["alloc@0x1000"] == Moved("alloc@0x5000", 0x4000, 0, 4096)
+    with pytest.raises(UnsupportedError, match="expected one buffer here for saved "
+                                               "'alloc@0x1000'"):
+        relocation(SAVED, SPLIT, {}, {"alloc@0x5000"})

@@ -72,15 +72,18 @@ def test_a_frozen_heap_leaves_old_objects_out_of_collections_until_the_outermost
     assert gc.get_freeze_count() == before == 0
 
 
-def test_a_heap_the_caller_froze_stays_as_they_left_it():
+def test_a_heap_the_caller_froze_is_frozen_further_and_unfrozen_at_the_end():
+    # Python cannot unfreeze some objects alone; leaving the caller's frozen heap as it was
+    # made every capture pay a full collection instead.
     import gc
 
     gc.freeze()
     try:
         theirs = gc.get_freeze_count()
+        kept = [object() for _ in range(8)]  # noqa: F841 - alive on entry, so frozen
         with capture.frozen_heap():
-            assert gc.get_freeze_count() == theirs
-        assert gc.get_freeze_count() == theirs
+            assert gc.get_freeze_count() > theirs
+        assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
 

@@ -8,9 +8,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
 
-from grape.ir import Kernel, KernelGraph, Param  # noqa: E402
+from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Param  # noqa: E402
 from grape.passes.delta import join  # noqa: E402
-from grape.torch.family import Family, _Group  # noqa: E402
+from grape.torch.family import Family, _Group, scratch_of  # noqa: E402
 from tests.standins import RecordingGraph  # noqa: E402
 
 
@@ -73,3 +73,16 @@ def test_without_preparing_up_front_each_node_update_is_prepared_on_first_use(fa
     assert graph.prepared == 4
     fam.run("c", stream=0)  # c's k1 and k2 were prepared already
     assert graph.prepared == 4 and fam.updated_nodes == 6
+
+
+def test_scratch_is_internal_memory_inside_pool_segments_that_no_named_tensor_shares():
+    g = KernelGraph()
+    g.add_buffer(Buffer("alloc@0x1000", 0x1000, BufferRole.INTERNAL, address=0x1000))
+    g.add_buffer(Buffer("alloc@0x4000", 0x1000, BufferRole.INTERNAL, address=0x4000))
+    g.add_buffer(Buffer("output0", 0x10, BufferRole.OUTPUT, address=0x4800))
+    g.add_buffer(Buffer("alloc@0x9000", 0x1000, BufferRole.INTERNAL, address=0x9000))
+    g.add_buffer(Buffer("param:w", 0x10, BufferRole.PARAMETER, address=0x20000))
+    pool = [(0x1000, 0x1000), (0x4000, 0x1000)]  # 0x9000 is memory outside the pool
+    # The second segment holds an output the caller reads: its blocks are not the graphs' alone.
+    assert scratch_of([g], pool) == {"alloc@0x1000"}
+    assert scratch_of([g], []) == frozenset()

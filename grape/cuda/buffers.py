@@ -1,6 +1,7 @@
 """From device addresses to the IR's buffer table.
 
-Named ranges (a frontend's input, output and parameter tensors) are matched first; any other
+Named ranges (a frontend's input, output and parameter tensors) are matched first, then the
+blocks a frontend's allocator says are live (each an internal buffer of its own); any other
 address that the driver knows as device memory becomes an internal buffer spanning its whole
 allocation (for PyTorch, a caching-allocator segment).
 """
@@ -48,6 +49,7 @@ class BufferMap:
 
     def __init__(self) -> None:
         self._named = _Ranges()
+        self._blocks = _Ranges()
         self._allocations = _Ranges()
         self._not_device: set[int] = set()
         # address -> (start, buffer): kernels pass the same pointers again and again (weights,
@@ -61,11 +63,21 @@ class BufferMap:
         self._hits.clear()  # named ranges come first: an address found before may name anew
         return self._named.add(address, size, Buffer(buffer_id, size, role, memory, address))
 
+    def block(self, address: int, size: int) -> None:
+        """Declare a live block of an allocator that sub-allocates the driver's memory (one
+        tensor's storage in PyTorch's caching allocator): an internal buffer of its own, so that
+        a graph's pointers into it are told from those into its segment's other blocks, which
+        another process lays out differently. Blocks are disjoint."""
+        self._hits.clear()
+        self._blocks.add(address, size, Buffer(f"block@{address:#x}", size, BufferRole.INTERNAL,
+                                               address=address))
+
     def span(self, address: int) -> Span | None:
         """The buffer and offset ``address`` falls in, or None if it is not device memory."""
         hit = self._hits.get(address)
         if hit is None:
-            hit = self._named.find(address) or self._allocations.find(address)
+            hit = (self._named.find(address) or self._blocks.find(address)
+                   or self._allocations.find(address))
         if hit is None and address not in self._not_device:
             status, base, size = driver.cuMemGetAddressRange(address)
             if status == driver.CUresult.CUDA_SUCCESS:

@@ -9,6 +9,7 @@ deltas gives the nodes an executable must update to go from one to the other.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from grape.errors import GraphError, UnsupportedError
@@ -17,7 +18,7 @@ from grape.passes.compress import best, decode, encode, xor
 from grape.passes.families import canonical_order, match
 
 __all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "delta",
-           "identity", "join", "operation", "transition"]
+           "identity", "join", "join_changes", "operation", "transition"]
 
 # Kernel fields a delta carries whole when they differ (args get their own coding).
 _WHOLE = ("function", "name", "grid", "block", "shared_mem", "attributes", "params", "pointers",
@@ -66,6 +67,16 @@ def _kernel_delta(t: Kernel, o: Kernel, codec: str | None) -> KernelDelta | None
     return KernelDelta(changed, name, blob, len(x))
 
 
+def _node_delta(t_node: str, t_op: Op, o_op: Op, codec: str | None) -> NodeDelta | None:
+    if type(t_op) is not type(o_op):
+        raise GraphError(f"expected node {t_node!r} to keep its kind, found {t_op.kind} "
+                         f"becoming {o_op.kind}")
+    if isinstance(t_op, Kernel):
+        d = _kernel_delta(t_op, o_op, codec)
+        return None if d is None else NodeDelta(t_node, kernel=d)
+    return NodeDelta(t_node, replacement=o_op) if o_op != t_op else None
+
+
 def delta(template: KernelGraph, other: KernelGraph, codec: str | None = None) -> ShapeDelta:
     """What ``other`` changes in ``template`` (``codec`` None: the smallest coding per node).
 
@@ -75,19 +86,8 @@ def delta(template: KernelGraph, other: KernelGraph, codec: str | None = None) -
         The graphs differ in structure, or a node would change kind.
     """
     pairs = match(template, other)
-    nodes = []
-    for t_node, o_node in pairs.items():
-        t_op, o_op = template.op(t_node), other.op(o_node)
-        if type(t_op) is not type(o_op):
-            raise GraphError(f"expected node {t_node!r} to keep its kind, found {t_op.kind} "
-                             f"becoming {o_op.kind}")
-        if isinstance(t_op, Kernel):
-            d = _kernel_delta(t_op, o_op, codec)
-            if d is not None:
-                nodes.append(NodeDelta(t_node, kernel=d))
-        elif o_op != t_op:
-            nodes.append(NodeDelta(t_node, replacement=o_op))
-    return ShapeDelta(tuple(nodes), tuple(pairs.items()))
+    nodes = (_node_delta(t, template.op(t), other.op(o), codec) for t, o in pairs.items())
+    return ShapeDelta(tuple(nd for nd in nodes if nd is not None), tuple(pairs.items()))
 
 
 def identity(graph: KernelGraph) -> ShapeDelta:
@@ -173,14 +173,7 @@ def join(template: KernelGraph, other: KernelGraph) -> ShapeDelta:
         d = delta(template, other)
     except GraphError as e:
         raise UnsupportedError(str(e)) from None
-    if _attributes_change(d):
-        raise UnsupportedError("expected kernels whose launch attributes stay, found one whose "
-                               "attributes change, which an executable cannot take in place")
-    for nd in d.nodes:
-        op = template.op(nd.node)
-        if nd.replacement is not None and op.kind not in ("memcpy", "memset"):
-            raise UnsupportedError(f"expected only kernels, copies and memsets to change, found "
-                                   f"node {nd.node!r} ({op.kind}) changing")
+    _check_in_place(template, d)
     for b in other.buffers.values():
         mine = template.buffers.get(b.id)
         if mine is not None and mine.address != b.address:
@@ -193,3 +186,42 @@ def join(template: KernelGraph, other: KernelGraph) -> ShapeDelta:
         elif b.size > mine.size:  # a pool block reused at another size: one start, one address
             template.buffers[b.id] = b
     return d
+
+
+def join_changes(template: KernelGraph, changes: Mapping[str, Op],
+                 mapping: tuple[tuple[str, str], ...]) -> ShapeDelta:
+    """What :func:`join` returns for a shape known by the template nodes it changes (a saved
+    family's member, its operations pointing into the template's buffers), without comparing
+    whole graphs: on a 255-shape GPT-2 family, matching each member's graph with its template
+    took most of a warm start. ``mapping``: the template's nodes, each to itself.
+
+    Raises
+    ------
+    UnsupportedError
+        A node that is not the template's, or a change that cannot be made in place.
+    """
+    nodes = []
+    for node, op in changes.items():
+        if node not in template.dag:
+            raise UnsupportedError(f"expected changes to the template's nodes, found {node!r}")
+        try:
+            nd = _node_delta(node, template.op(node), op, None)
+        except GraphError as e:
+            raise UnsupportedError(str(e)) from None
+        if nd is not None:
+            nodes.append(nd)
+    d = ShapeDelta(tuple(nodes), mapping)
+    _check_in_place(template, d)
+    return d
+
+
+def _check_in_place(template: KernelGraph, d: ShapeDelta) -> None:
+    """Refuse a delta an executable of ``template`` cannot take by updating nodes in place."""
+    if _attributes_change(d):
+        raise UnsupportedError("expected kernels whose launch attributes stay, found one whose "
+                               "attributes change, which an executable cannot take in place")
+    for nd in d.nodes:
+        op = template.op(nd.node)
+        if nd.replacement is not None and op.kind not in ("memcpy", "memset"):
+            raise UnsupportedError(f"expected only kernels, copies and memsets to change, found "
+                                   f"node {nd.node!r} ({op.kind}) changing")

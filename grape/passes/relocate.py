@@ -25,16 +25,25 @@ which the member's pointers name and which moves like any other. (Refusing them 
 decode's members on the H200: a warm start captured every member again, for writing word 616
 of the first kernel's arguments.) What cannot be told apart is a process-dependent value that
 is not a device pointer (a host address); PyTorch's kernels were not found passing one.
+
+Scratch memory is the exception to pairing by pointers. The blocks a capture's temporaries take
+in the graph's private pool are laid out by the allocator's best fit, which the two processes'
+histories steer apart: on the H200 a GPT-2 family's saved 20 MB pool segment held blocks at
+two relative places here, and its template was refused. Nothing but the graphs reads that
+memory, so it need not be where the capture here put it: the caller gives each saved scratch
+buffer a buffer of its own size here (``scratch``), the saved layout moves there whole, at one
+shift, and the self-check compares everything but the scratch pointers' values, which must
+still point into the capture's scratch here (``scratch_here``) where the saved ones do.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from grape.errors import GraphError, UnsupportedError
-from grape.ir import Conditional, Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span
+from grape.ir import Buffer, Conditional, Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span
 from grape.passes.families import match
 
 __all__ = ["Loose", "Moved", "Relocation", "relocate", "relocate_all", "relocation"]
@@ -96,27 +105,44 @@ def _loose(old: Kernel, new: Kernel, shared: set[int]) -> tuple[int, ...]:
     return tuple(sorted(one_side | differ))
 
 
-def relocation(saved: KernelGraph, fresh: KernelGraph) -> Relocation:
+def relocation(saved: KernelGraph, fresh: KernelGraph,
+               scratch: Mapping[str, Buffer] | None = None,
+               scratch_here: Collection[str] = ()) -> Relocation:
     """How ``saved`` (a graph from another process) maps onto ``fresh`` (the same shape
-    captured here).
+    captured here). ``scratch``: saved scratch buffers (module docstring), each to the buffer
+    here that takes it whole; ``scratch_here``: ``fresh``'s scratch buffers.
 
     Raises
     ------
     UnsupportedError
         The two differ in structure, in a kernel's mangled name, in where a kernel's pointers
-        lie in its arguments, or in anything but functions and addresses; or a saved buffer
-        maps to two places here. The message names the node.
+        lie in its arguments, or in anything but functions and addresses; a saved buffer maps
+        to two places here; or a saved scratch pointer is not one here. The message names the
+        node.
     """
+    scratch = scratch or {}
+    for sid, here in scratch.items():
+        if sid not in saved.buffers or here.address is None \
+                or here.size < saved.buffers[sid].size:
+            raise UnsupportedError(f"expected scratch here for saved buffer {sid!r} of its "
+                                   f"size, found {here}")
     try:
         nodes = match(saved, fresh)
     except GraphError as e:
         raise UnsupportedError(f"expected the saved template's structure here, found: {e}") \
             from None
     functions: dict[str, str] = {}
-    buffers: dict[str, Moved] = {}
+    buffers: dict[str, Moved] = {
+        sid: Moved(here.id, here.address - _address(saved, sid), 0, saved.buffers[sid].size)
+        for sid, here in scratch.items()}
     loose: dict[str, Loose] = {}
 
     def pair_span(a: Span, b: Span, node: str) -> None:
+        if a.buffer in scratch:  # moved whole, wherever the capture here put its blocks
+            if b.buffer not in scratch_here:
+                raise UnsupportedError(f"expected saved scratch {a.buffer!r} to be scratch "
+                                       f"here too (node {node!r}), found {b.buffer!r}")
+            return
         shift = (_address(fresh, b.buffer) + b.offset) - (_address(saved, a.buffer) + a.offset)
         _pair(buffers, a.buffer, Moved(b.buffer, shift, b.offset - a.offset,
                                        fresh.buffers[b.buffer].size), "buffer", node)
@@ -142,16 +168,46 @@ def relocation(saved: KernelGraph, fresh: KernelGraph) -> Relocation:
             for a, b in zip(old.spans(), new.spans(), strict=True):
                 pair_span(a, b, old_node)
     found = Relocation(nodes, functions, buffers, loose)
+    # Blanked alike on both sides: a saved non-scratch buffer paired with scratch here (a file
+    # that names none) has its pointers checked by the pairing, one shift per buffer.
+    blank = {here.id for here in scratch.values()} | set(scratch_here)
     for old_node, new_node in nodes.items():
         if isinstance(saved.op(old_node), Conditional):
             raise UnsupportedError(f"expected kernels, copies and memsets, found conditional "
                                    f"node {old_node!r} (its bodies are not moved between "
                                    f"processes yet)")
-        if relocate(saved.op(old_node), found, old_node) != fresh.op(new_node):
+        moved = relocate(saved.op(old_node), found, old_node)
+        if _blanked(moved, blank) != _blanked(fresh.op(new_node), blank):
             raise UnsupportedError(f"expected the saved template, moved here, to equal the "
                                    f"capture here, found node {old_node!r} different beyond "
                                    f"its functions, addresses and loose argument words")
     return found
+
+
+_SCRATCH = Span("<scratch>")
+
+
+def _blanked(op: Op, scratch: Collection[str]) -> Op:
+    """``op`` with its pointers into ``scratch`` blanked (the word zero, the span one
+    placeholder): two processes put scratch blocks at different places by design."""
+    if isinstance(op, Kernel):
+        args = bytearray(op.args)
+        pointers = []
+        for p in op.pointers:
+            if p.target.buffer in scratch:
+                args[p.offset:p.offset + 8] = bytes(8)
+                p = Pointer(p.offset, _SCRATCH)
+            pointers.append(p)
+        return dataclasses.replace(op, args=bytes(args), pointers=tuple(pointers))
+
+    def blank(span: Span) -> Span:
+        return _SCRATCH if span.buffer in scratch else span
+
+    if isinstance(op, Memcpy):
+        return dataclasses.replace(op, src=blank(op.src), dst=blank(op.dst))
+    if isinstance(op, Memset):
+        return dataclasses.replace(op, dst=blank(op.dst))
+    return op
 
 
 def _moved(span: Span, r: Relocation) -> tuple[Span, int]:

@@ -45,7 +45,7 @@ from grape.errors import CaptureError, GrapeError, GraphError, UnsupportedError
 from grape.passes.audit import step_dependence
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.beam import BeamDecoder
-from grape.torch.capture import capture
+from grape.torch.capture import capture, frozen_heap
 from grape.torch.decoding import Decoder, NotLeftPadded, TokenDecoder
 from grape.torch.loop import DeviceLoop
 from grape.torch.options import NotGraphable, Options, resolve
@@ -157,6 +157,7 @@ class _NoStaging:
         return None
 
 
+@frozen_heap()  # three captures: the collection before each costs only what was made since
 def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None,
            options: Options, step_model: Any = None, exact: bool = False,
            warn_whole: bool = False) -> _Entry:

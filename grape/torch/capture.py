@@ -12,8 +12,8 @@ import contextlib
 import gc
 import linecache
 import traceback
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,8 @@ from grape.errors import CaptureError
 from grape.ir import BufferRole, KernelGraph
 from grape.torch.control import graph
 
-__all__ = ["TorchCapture", "capture", "collector_paused", "frozen_heap"]
+__all__ = ["TorchCapture", "capture", "collector_paused", "frozen_heap", "live_blocks",
+           "pool_segments"]
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 
@@ -38,6 +39,7 @@ class TorchCapture:
     torch_graph: torch.cuda.CUDAGraph  # keeps the raw graph and its memory pool alive
     outputs: Any
     pool_bytes: int  # device memory PyTorch reserved for the capture's pool
+    blocks: list[tuple[int, int]] = field(default_factory=list)  # live blocks named (capture)
 
     @property
     def ir(self) -> KernelGraph:
@@ -140,13 +142,13 @@ _FROZEN = [0]  # frozen_heap's nesting depth
 def frozen_heap():
     """Many captures in a row (a family): the objects alive on entry are left out of every
     collection until the end (``gc.freeze``), so that the full collection before each capture
-    costs what was made since, not the whole heap (0.16 s with transformers loaded, against
-    tens of microseconds frozen). Nests; the heap is unfrozen when the outermost one ends.
-    Where the caller froze objects itself (a server before forking), it does nothing:
-    unfreezing would unfreeze theirs too, so each capture pays for a full collection."""
-    if _FROZEN[0] == 0 and gc.get_freeze_count() > 0:
-        yield
-        return
+    costs what was made since, not the whole heap (0.16 to 0.29 s with transformers loaded,
+    against tens of microseconds frozen). Nests; the heap is unfrozen when the outermost one
+    ends. Python cannot unfreeze some objects and not others: objects the caller froze itself
+    (a server before forking) are unfrozen too, and stay collectable as any other. Leaving
+    such a heap alone cost more than it saved: the H200 machine's Python starts with 375
+    objects frozen, and every capture of a 255-shape GPT-2 family then paid a full collection
+    (0.33 s per shape against 0.064)."""
     if _FROZEN[0] == 0:
         gc.collect()
         gc.freeze()
@@ -159,9 +161,49 @@ def frozen_heap():
             gc.unfreeze()
 
 
+def _segments(pool: Any = None) -> Iterator[dict]:
+    """The caching allocator's segments on this device (``torch.cuda.memory._snapshot``'s),
+    those of graph pool ``pool`` alone where one is given."""
+    device = torch.cuda.current_device()
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        if segment["device"] == device and (pool is None or tuple(segment["segment_pool_id"])
+                                            == tuple(pool)):
+            yield segment
+
+
+def _blocks(segment: dict) -> Iterator[tuple[int, int, str]]:
+    """A segment's blocks as (address, size, state), in address order."""
+    address = segment["address"]
+    for block in segment["blocks"]:
+        address = block.get("address", address)
+        yield address, block["size"], block["state"]
+        address += block["size"]
+
+
+def pool_segments(pool: Any, idle: bool = False) -> list[tuple[int, int]]:
+    """Graph pool ``pool``'s segments, as (address, size); with ``idle``, only those in which
+    no tensor lives (every block free)."""
+    return [(s["address"], s["total_size"]) for s in _segments(pool)
+            if not (idle and any(state != "inactive" for *_, state in _blocks(s)))]
+
+
+def live_blocks(pool: Any = None) -> list[tuple[int, int]]:
+    """Every live block (a tensor's storage) outside graph pool ``pool``, as (address, size):
+    for ``capture(blocks=...)``. One snapshot of the allocator, which costs tenths of a second
+    with a model loaded: take it once for many captures of one step, whose state stays put."""
+    found = []
+    for segment in _segments():
+        if pool is not None and tuple(segment["segment_pool_id"]) == tuple(pool):
+            continue  # the pool's blocks are captures' temporaries: left in their segments
+        found += [(address, size) for address, size, state in _blocks(segment)
+                  if state == "active_allocated"]
+    return found
+
+
 def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tensor] | None = None,
             pool: Any = None, warmup: int = 1, instantiate: bool = True,
-            collect: bool = True, staging: Any = None, tag: str = "") -> TorchCapture:
+            collect: bool = True, staging: Any = None, tag: str = "",
+            blocks: Iterable[tuple[int, int]] | bool = False) -> TorchCapture:
     """Capture ``fn(*args)`` into a CUDA graph and read it into the IR.
 
     Tensors in ``args`` become input placeholders, ``params`` (for instance
@@ -177,6 +219,11 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     copies of host constants to the device are staged through pinned memory instead of
     breaking the capture. ``tag`` prefixes the input and output buffers' names
     (``{tag}input0``), for captures whose graphs share one buffer table (``grape.graphed``).
+    ``blocks``: live blocks (``live_blocks``; True: found after the warm-up) that become
+    buffers of their own rather than parts of their allocator segments, for graphs saved and
+    moved to another process: the caller's state (a cache, a static output) is then matched
+    tensor by tensor there, where the allocator laid the same tensors out differently within
+    its segments.
 
     Raises
     ------
@@ -200,6 +247,11 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     gc.collect()  # always: see collector_paused (cheap under frozen_heap)
     if collect:
         torch.cuda.empty_cache()
+    if blocks is True:
+        blocks = live_blocks(pool)
+    blocks = list(blocks or ())
+    for address, size in blocks:
+        buffers.block(address, size)
     reserved = torch.cuda.memory_reserved()
     g = torch.cuda.CUDAGraph(keep_graph=True)
     failure = None
@@ -230,4 +282,4 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
           BufferRole.OUTPUT)
     raw = driver.CUgraph(g.raw_cuda_graph())
     return TorchCapture(Graph(read_graph(raw, buffers), raw, owned=False), g, outputs,
-                        pool_bytes)
+                        pool_bytes, blocks)

@@ -30,10 +30,18 @@ import torch
 from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
-from grape.ir import KernelGraph, fingerprint
-from grape.passes.delta import NodeDelta, ShapeDelta, identity, join, operation, transition
+from grape.ir import Buffer, BufferRole, KernelGraph, Memory, fingerprint
+from grape.passes.delta import (
+    NodeDelta,
+    ShapeDelta,
+    identity,
+    join,
+    join_changes,
+    operation,
+    transition,
+)
 from grape.passes.derive import Sampled, derive_lengths
-from grape.torch.capture import capture, frozen_heap
+from grape.torch.capture import capture, frozen_heap, pool_segments
 
 __all__ = ["Family", "capture_family", "environment", "load_family"]
 
@@ -75,6 +83,9 @@ class Family:
     # the first few did not move (relocation's refusal, naming the node)
     captured_here: int = 0
     not_moved: list[str] = field(default_factory=list)
+    # buffers only the graphs use (their pool's memory, no tensor in it): a saved family's
+    # warm start moves them whole (grape.familyio, grape.passes.relocate)
+    scratch: frozenset[str] = frozenset()
 
     @property
     def graph_bytes(self) -> int:
@@ -95,7 +106,7 @@ class Family:
         parameters, whose layout a reload must match). ``grape simulate`` runs the file."""
         saved = SavedFamily.of({key: g.template for key, g in self.groups.items()},
                                {s: (key, self.deltas[s]) for s, key in self.group_of.items()},
-                               environment(params))
+                               environment(params), self.scratch)
         return save_family(path, saved)
 
     def run(self, shape: Hashable, stream: int | None = None) -> None:
@@ -255,11 +266,16 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     pool = torch.cuda.graph_pool_handle()
     reserved = torch.cuda.memory_reserved()
     torch_graphs: dict[Hashable, Any] = {}
+    # The step's live tensors, found once (after the first warm-up) for every capture: a saved
+    # family then moves to another process tensor by tensor (capture's ``blocks``).
+    blocks: list[tuple[int, int]] | bool = True
 
     def captured(shape: Hashable) -> KernelGraph:
+        nonlocal blocks
         cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
-                      collect=False, warmup=warmup)
+                      collect=False, warmup=warmup, blocks=blocks)
         torch_graphs[shape] = cap.torch_graph
+        blocks = cap.blocks
         return cap.ir
 
     sampled = None
@@ -287,7 +303,9 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
             progress(f"placed {i + 1}/{len(shapes)} shapes, {len(groups)} executables")
     torch.cuda.synchronize()
     family = Family(step, groups, group_of, deltas, torch.cuda.memory_reserved() - reserved,
-                    0.0, keep, graphs=graphs, update=update, sampled=sampled)
+                    0.0, keep, graphs=graphs, update=update, sampled=sampled,
+                    scratch=scratch_of([g.template for g in groups.values()],
+                                       pool_segments(pool, idle=True)))
     if prepare:
         progress(f"prepared {family.prepare_updates()} node updates")
     family.capture_s = time.perf_counter() - began
@@ -306,9 +324,12 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     versions, ``params``' layout) is not this process's. Each executable's template shape is
     captured here and the saved template moved onto it (``grape.passes.relocate``: kernel
     functions by name, memory by the pointers' places, checked byte for byte against the
-    capture); every other shape's saved changes are moved the same way. A shape whose changes
-    use a kernel or memory its template never did, and every shape of an executable whose
-    template does not move, is captured here instead (with a warning that counts them).
+    capture); every other shape's saved changes are moved the same way. The family's scratch
+    (its pool's memory, which only its graphs use) is moved whole into one allocation of this
+    process, in the saved layout, rather than onto the blocks the capture here happened to
+    take; the captures' own pool is then given back. A shape whose changes use a kernel or
+    memory its template never did, and every shape of an executable whose template does not
+    move, is captured here instead (with a warning that counts them).
     ``prepare``: as for :func:`capture_family`.
 
     Raises
@@ -319,59 +340,126 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     from grape.familyio import load_family as read_family
     from grape.passes.relocate import relocate_all, relocation
 
+    began = time.perf_counter()
     saved = read_family(path)
     saved.check(environment(params), str(path))
-    began = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
     reserved = torch.cuda.memory_reserved()
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
     deltas: dict[Hashable, ShapeDelta] = {}
-    keep: list[Any] = []
+    pool_graphs: list[Any] = []  # the captures here: the first keeps the pool alive
     captured: list[Hashable] = []
     not_moved: list[str] = []
+    blocks: list[tuple[int, int]] | bool = True  # as capture_family finds them
 
     def here(shape: Hashable) -> KernelGraph:
+        nonlocal blocks
         cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
-                      collect=False)
-        if not keep:
-            keep.append(cap.torch_graph)  # keeps the shared pool, as capture_family does
+                      collect=False, blocks=blocks)
+        if not pool_graphs:
+            pool_graphs.append(cap.torch_graph)  # keeps the shared pool, as capture_family does
         captured.append(shape)
+        blocks = cap.blocks
         return cap.ir
 
+    # Every template captured before the scratch is allocated: memory outside the pool (the
+    # workspaces a warm-up allocates) is then laid out as it was in the saving process.
+    firsts = {key: next(s for s, (k, changes) in saved.members.items()
+                        if k == key and not changes) for key in saved.templates}
+    fresh = {key: here(first) for key, first in firsts.items()}
+    progress(f"read the file and captured {len(fresh)} templates here in "
+             f"{time.perf_counter() - began:.2f} s")
+    arena, scratch = _arena(saved.scratch_buffers().values())
+    scratch_here = scratch_of(fresh.values(), pool_segments(pool))
     for key, template in saved.templates.items():
         shapes = [s for s, (k, _) in saved.members.items() if k == key]
-        first = next(s for s in shapes if not saved.members[s][1])
-        fresh = here(first)
         try:
-            moved = relocation(template, fresh)
+            moved = relocation(template, fresh[key], scratch, scratch_here)
+            # The saved template itself, moved: its members' changes assume its scratch layout.
+            base = graph_with(fresh[key], relocate_all(dict(template.ops()), moved),
+                              scratch.values())
         except UnsupportedError as e:
-            moved = None
-            _note(not_moved, f"template {first!r}: {e}")
+            moved, base = None, fresh[key]
+            _note(not_moved, f"template {firsts[key]!r}: {e}")
+        first = firsts[key]
+        group_of[first], deltas[first] = _add_shape(groups, first, base)
         for shape in shapes:
-            changes = saved.members[shape][1]
-            ir = fresh if shape == first else None
-            if ir is None and moved is not None:
-                try:
-                    ir = graph_with(fresh, relocate_all(changes, moved))
+            if shape == first:
+                continue
+            if moved is not None:
+                try:  # the saved changes are the delta: no graphs to compare
+                    group_of[shape] = group_of[first]
+                    deltas[shape] = join_changes(
+                        groups[group_of[first]].template,
+                        relocate_all(saved.members[shape][1], moved), deltas[first].mapping)
+                    continue
                 except UnsupportedError as e:
                     _note(not_moved, f"shape {shape!r}: {e}")
-            if ir is None:
-                ir = here(shape)
-            group_of[shape], deltas[shape] = _add_shape(groups, shape, ir)
+            group_of[shape], deltas[shape] = _add_shape(groups, shape, here(shape))
+    keep: list[Any] = [arena]
+    if not_moved:  # executables that run on memory captured here
+        keep += pool_graphs[:1]
+    else:  # every executable runs on the arena: the captures' pool goes back
+        pool_graphs.clear()
+        fresh.clear()
+        torch.cuda.empty_cache()
     if len(captured) > len(saved.templates):
         warnings.warn(f"{path}: {len(captured)} of {len(saved.members)} shapes captured here "
                       f"({len(saved.templates)} templates; the others' saved changes did not "
                       f"move to this process; first: {not_moved[0].splitlines()[0]})",
                       stacklevel=2)
-    progress(f"loaded {len(saved.members)} shapes, {len(captured)} captured here")
+    progress(f"loaded {len(saved.members)} shapes, {len(captured)} captured here, in "
+             f"{time.perf_counter() - began:.2f} s")
     torch.cuda.synchronize()
     family = Family(step, groups, group_of, deltas, torch.cuda.memory_reserved() - reserved,
-                    0.0, keep, captured_here=len(captured), not_moved=not_moved)
+                    0.0, keep, captured_here=len(captured), not_moved=not_moved,
+                    scratch=frozenset(b.id for b in scratch.values()))
     if prepare:
-        progress(f"prepared {family.prepare_updates()} node updates")
+        progress(f"prepared {family.prepare_updates()} node updates, "
+                 f"{time.perf_counter() - began:.2f} s in all")
     family.capture_s = time.perf_counter() - began
     return family
+
+
+# Where a saved scratch buffer goes here keeps its address modulo this: kernels were chosen on
+# the host for their pointers' alignment (vectorised loads), which the move must not change.
+_ALIGN = 2 << 20
+
+
+def _arena(buffers: Iterable[Buffer]) -> tuple[torch.Tensor | None, dict[str, Buffer]]:
+    """One allocation holding each saved scratch buffer whole, each at its saved address modulo
+    ``_ALIGN``: the allocation (None without buffers) and each saved id's buffer here."""
+    buffers = sorted(buffers, key=lambda b: b.id)
+    if not buffers:
+        return None, {}
+    arena = torch.empty(sum(b.size + _ALIGN for b in buffers), dtype=torch.uint8,
+                        device="cuda")
+    cursor = arena.data_ptr()
+    here = {}
+    for b in buffers:
+        address = cursor + (b.address - cursor) % _ALIGN
+        here[b.id] = Buffer(f"scratch@{address:#x}", b.size, BufferRole.INTERNAL,
+                            address=address)
+        cursor = address + b.size
+    return arena, here
+
+
+def scratch_of(graphs: Iterable[KernelGraph],
+               segments: Iterable[tuple[int, int]]) -> frozenset[str]:
+    """The internal device buffers of ``graphs`` inside ``segments`` (address, size) that no
+    named buffer (input, output, parameter) overlaps: memory only the graphs use."""
+    segments = list(segments)
+    buffers = [b for g in graphs for b in g.buffers.values()
+               if b.address is not None and b.memory == Memory.DEVICE]
+
+    def overlaps(b: Buffer, start: int, size: int) -> bool:
+        return b.address < start + size and start < b.address + b.size
+
+    clean = [(a, n) for a, n in segments
+             if not any(b.role != BufferRole.INTERNAL and overlaps(b, a, n) for b in buffers)]
+    return frozenset(b.id for b in buffers if b.role == BufferRole.INTERNAL and any(
+        a <= b.address and b.address + b.size <= a + n for a, n in clean))
 
 
 def _note(reasons: list[str], reason: str, keep: int = 5) -> None:
