@@ -191,9 +191,9 @@ def join(template: KernelGraph, other: KernelGraph) -> ShapeDelta:
 def join_changes(template: KernelGraph, changes: Mapping[str, Op],
                  mapping: tuple[tuple[str, str], ...]) -> ShapeDelta:
     """What :func:`join` returns for a shape known by the template nodes it changes (a saved
-    family's member, its operations pointing into the template's buffers), without comparing
-    whole graphs: on a 255-shape GPT-2 family, matching each member's graph with its template
-    took most of a warm start. ``mapping``: the template's nodes, each to itself.
+    family's member, its operations pointing into the template's buffers), without matching
+    whole graphs (node hashes and topological orders: most of what a warm start spent on its
+    members). ``mapping``: the template's nodes, each to itself.
 
     Raises
     ------
