@@ -124,7 +124,11 @@ def decode(blob: bytes, codec: str, length: int) -> bytes:
 
 
 def best(data: bytes) -> tuple[str, bytes]:
-    """The codec that codes ``data`` smallest, and the coded bytes."""
-    coded = {name: encode(data, name) for name in CODECS}
-    name = min(coded, key=lambda n: len(coded[n]))
-    return name, coded[name]
+    """The codec that codes ``data`` smallest (the first in ``CODECS`` on a tie), and the
+    coded bytes. The zero coding's size is counted, not coded, unless it wins."""
+    rle = _rle_encode(data)
+    sizes = {"raw": len(data),
+             "zero": (len(data) + 7) // 8 + int(np.count_nonzero(np.frombuffer(data, np.uint8))),
+             "rle": len(rle)}
+    name = min(sizes, key=sizes.__getitem__)
+    return name, rle if name == "rle" else encode(data, name)

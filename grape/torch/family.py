@@ -30,7 +30,7 @@ import torch
 from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
-from grape.ir import Buffer, BufferRole, KernelGraph, Memory, fingerprint
+from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
 from grape.passes.delta import (
     NodeDelta,
     ShapeDelta,
@@ -144,27 +144,32 @@ class Family:
         group.executable.launch(torch.cuda.current_stream().cuda_stream
                                 if stream is None else stream)
 
-    def prepare_updates(self) -> int:
+    def prepare_updates(self, known: Mapping[Hashable, Mapping[str, Op]] | None = None) -> int:
         """Prepare now every driver call a switch between two shapes can need (each shape's
         changed nodes, and each group's template values for them), so that the first pass over
         the shapes costs what later passes cost; ``capture_family`` and ``load_family`` call it.
-        Returns the number of node updates prepared."""
+        ``known``: shapes' changed operations at hand (by template node), which then need not
+        be decoded from the deltas. Returns the number of node updates prepared."""
         if self.update != "nodes":
             return 0
+        known = known or {}
         before = sum(map(len, self._node_updates.values())) + sum(
             map(len, self._template_updates.values()))
         for shape, name in self.group_of.items():
+            ops = known.get(shape, {})
             for nd in self.deltas[shape].nodes:
-                self._node_update(name, shape, nd)
+                self._node_update(name, shape, nd, ops.get(nd.node))
                 self._template_update(name, nd.node)
         return sum(map(len, self._node_updates.values())) + sum(
             map(len, self._template_updates.values())) - before
 
-    def _node_update(self, name: str, shape: Hashable, nd: NodeDelta) -> Update:
+    def _node_update(self, name: str, shape: Hashable, nd: NodeDelta,
+                     op: Op | None = None) -> Update:
         mine = self._node_updates.setdefault(shape, {})
         if nd.node not in mine:
             group = self.groups[name]
-            (mine[nd.node],) = group.graph.prepare({nd.node: operation(group.template, nd)})
+            op = operation(group.template, nd) if op is None else op
+            (mine[nd.node],) = group.graph.prepare({nd.node: op})
         return mine[nd.node]
 
     def _template_update(self, name: str, node: str) -> Update:
@@ -352,6 +357,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     captured: list[Hashable] = []
     not_moved: list[str] = []
     blocks: list[tuple[int, int]] | bool = True  # as capture_family finds them
+    moved_ops: dict[Hashable, dict[str, Op]] = {}  # members' operations here, for prepare
 
     def here(shape: Hashable) -> KernelGraph:
         nonlocal blocks
@@ -388,11 +394,16 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
             if shape == first:
                 continue
             if moved is not None:
-                try:  # the saved changes are the delta: no graphs to compare
-                    group_of[shape] = group_of[first]
-                    deltas[shape] = join_changes(
-                        groups[group_of[first]].template,
-                        relocate_all(saved.members[shape][1], moved), deltas[first].mapping)
+                try:
+                    ops = relocate_all(saved.members[shape][1], moved)
+                    if deltas[first].nodes:  # base joined another executable: compare graphs
+                        group_of[shape], deltas[shape] = _add_shape(
+                            groups, shape, graph_with(base, ops))
+                        continue
+                    # base is its executable's template: the saved changes are the delta
+                    deltas[shape] = join_changes(groups[group_of[first]].template, ops,
+                                                 deltas[first].mapping)
+                    group_of[shape], moved_ops[shape] = group_of[first], ops
                     continue
                 except UnsupportedError as e:
                     _note(not_moved, f"shape {shape!r}: {e}")
@@ -416,7 +427,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
                     0.0, keep, captured_here=len(captured), not_moved=not_moved,
                     scratch=frozenset(b.id for b in scratch.values()))
     if prepare:
-        progress(f"prepared {family.prepare_updates()} node updates, "
+        progress(f"prepared {family.prepare_updates(moved_ops)} node updates, "
                  f"{time.perf_counter() - began:.2f} s in all")
     family.capture_s = time.perf_counter() - began
     return family
