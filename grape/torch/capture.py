@@ -108,16 +108,16 @@ def _warmup_stream() -> torch.cuda.Stream:
     return _WARMUP_STREAMS[device]
 
 
-# A capture's memory layout should repeat, so that a saved graph relocates onto the same shape
-# captured again. A collection by Python's cycle collector frees the tensors that reference
-# cycles hold, wherever it happens to run, and the allocator hands their blocks to others; so
-# capture() collects before each capture and pauses the collector during it, and frozen_heap()
-# keeps the collection before each capture cheap. Measured on the H200 (GPT-2 small decode;
-# benchmarks/capture_layout.py, benchmarks/README.md): two captures of one shape, neither a
-# process's first, each after a full collection, made the same allocator events at the same
-# offsets, in one process and across two. Whether the collection is needed was not separated
-# from the first-capture effect (below), and across processes it is not enough: a saved
-# family's template moved in one fresh-process warm start and not in the next.
+# A capture's memory layout should repeat, so that a family's shapes place their temporaries
+# alike (smaller deltas). A collection by Python's cycle collector frees the tensors that
+# reference cycles hold, wherever it happens to run, and the allocator hands their blocks to
+# others; so capture() collects before each capture and pauses the collector during it, and
+# frozen_heap() keeps the collection before each capture cheap. Measured on the H200 (GPT-2
+# small decode; benchmarks/capture_layout.py, benchmarks/README.md): two captures of one shape,
+# neither a process's first, each after a full collection, made the same allocator events at
+# the same offsets, in one process and across two. Across processes that was not enough for a
+# saved family to move: its warm start no longer depends on the layout (the graphs' scratch
+# moves whole, the caller's tensors pair block by block: grape.torch.family.load_family).
 
 
 @contextlib.contextmanager
