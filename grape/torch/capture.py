@@ -189,8 +189,8 @@ def pool_segments(pool: Any, idle: bool = False) -> list[tuple[int, int]]:
 
 def live_blocks(pool: Any = None) -> list[tuple[int, int]]:
     """Every live block (a tensor's storage) outside graph pool ``pool``, as (address, size):
-    for ``capture(blocks=...)``. One snapshot of the allocator, which costs tenths of a second
-    with a model loaded: take it once for many captures of one step, whose state stays put."""
+    for ``capture(blocks=...)``. One snapshot of the allocator (1 ms for GPT-2 small's 177 live
+    blocks on the H200); families take it once, so that every shape names the same blocks."""
     found = []
     for segment in _segments():
         if pool is not None and tuple(segment["segment_pool_id"]) == tuple(pool):
