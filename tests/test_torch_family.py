@@ -3,6 +3,8 @@ CPU: synthetic graphs, a recording stand-in for the driver."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -10,7 +12,14 @@ driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is no
 
 from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Param  # noqa: E402
 from grape.passes.delta import join  # noqa: E402
-from grape.torch.family import Family, _Group, scratch_of  # noqa: E402
+from grape.torch.family import (  # noqa: E402
+    _ALIGN,
+    Family,
+    _arena_bytes,
+    _Group,
+    _placed,
+    scratch_of,
+)
 from tests.standins import RecordingGraph  # noqa: E402
 
 
@@ -86,3 +95,18 @@ def test_scratch_is_internal_memory_inside_pool_segments_that_no_named_tensor_sh
     # The second segment holds an output the caller reads: its blocks are not the graphs' alone.
     assert scratch_of([g], pool) == {"alloc@0x1000"}
     assert scratch_of([g], []) == frozenset()
+
+
+def test_saved_scratch_is_placed_disjoint_inside_the_arena_at_its_saved_alignment():
+    saved = [Buffer("alloc@0x7f0000200000", 20 << 20, BufferRole.INTERNAL, address=0x7F0000200000),
+             Buffer("alloc@0x7f0003a00200", 2 << 20, BufferRole.INTERNAL, address=0x7F0003A00200),
+             Buffer("alloc@0x7f0001000000", 512, BufferRole.INTERNAL, address=0x7F0001000000)]
+    for start in (0x7E0000000000, 0x7E0000000200, 0x7E00001FFE00):  # 512-byte aligned starts
+        here = _placed(saved, start)
+        end = start + _arena_bytes(saved)
+        spans = sorted((here[b.id].address, here[b.id].address + b.size) for b in saved)
+        assert all(start <= a and e <= end for a, e in spans)
+        assert all(e <= a2 for (_, e), (a2, _) in itertools.pairwise(spans))  # disjoint
+        for b in saved:
+            assert here[b.id].address % _ALIGN == b.address % _ALIGN
+            assert here[b.id].size == b.size and here[b.id].id == f"scratch@{here[b.id].address:#x}"

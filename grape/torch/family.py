@@ -439,21 +439,29 @@ _ALIGN = 2 << 20
 
 
 def _arena(buffers: Iterable[Buffer]) -> tuple[torch.Tensor | None, dict[str, Buffer]]:
-    """One allocation holding each saved scratch buffer whole, each at its saved address modulo
-    ``_ALIGN``: the allocation (None without buffers) and each saved id's buffer here."""
-    buffers = sorted(buffers, key=lambda b: b.id)
+    """One allocation holding each saved scratch buffer whole (``_placed``): the allocation
+    (None without buffers) and each saved id's buffer here."""
+    buffers = list(buffers)
     if not buffers:
         return None, {}
-    arena = torch.empty(sum(b.size + _ALIGN for b in buffers), dtype=torch.uint8,
-                        device="cuda")
-    cursor = arena.data_ptr()
-    here = {}
-    for b in buffers:
+    arena = torch.empty(_arena_bytes(buffers), dtype=torch.uint8, device="cuda")
+    return arena, _placed(buffers, arena.data_ptr())
+
+
+def _arena_bytes(buffers: Iterable[Buffer]) -> int:
+    return sum(b.size + _ALIGN for b in buffers)
+
+
+def _placed(buffers: Iterable[Buffer], start: int) -> dict[str, Buffer]:
+    """Each saved buffer's place in an arena from ``start`` of ``_arena_bytes`` bytes: one after
+    another, each at its saved address modulo ``_ALIGN``."""
+    cursor, here = start, {}
+    for b in sorted(buffers, key=lambda b: b.id):
         address = cursor + (b.address - cursor) % _ALIGN
         here[b.id] = Buffer(f"scratch@{address:#x}", b.size, BufferRole.INTERNAL,
                             address=address)
         cursor = address + b.size
-    return arena, here
+    return here
 
 
 def scratch_of(graphs: Iterable[KernelGraph],
