@@ -151,6 +151,14 @@ def test_saved_scratch_moves_whole_to_memory_of_its_own_in_the_saved_layout():
         Pointer(0, Span("scratch@0x80000", 1024)),)
 
 
+def test_scratch_another_executable_names_is_left_to_it():
+    other = Buffer("scratch@0x90000", 64, BufferRole.INTERNAL, address=0x90000)
+    r = relocation(SAVED, SPLIT, {"alloc@0x1000": ARENA, "alloc@0x7000": other},
+                   {"alloc@0x5000"})
+    assert "alloc@0x7000" not in r.buffers
+    assert r.buffers["alloc@0x1000"].buffer == "scratch@0x80000"
+
+
 def test_scratch_must_still_be_scratch_here_and_everything_else_still_equal():
     with pytest.raises(UnsupportedError, match=r"expected saved scratch 'alloc@0x1000' to be "
                                                r"scratch here too \(node 'a'\), found "

@@ -120,10 +120,10 @@ def relocation(saved: KernelGraph, fresh: KernelGraph,
         to two places here; or a saved scratch pointer is not one here. The message names the
         node.
     """
-    scratch = scratch or {}
+    # A family's scratch is named for all its executables: only this graph's own applies.
+    scratch = {sid: here for sid, here in (scratch or {}).items() if sid in saved.buffers}
     for sid, here in scratch.items():
-        if sid not in saved.buffers or here.address is None \
-                or here.size < saved.buffers[sid].size:
+        if here.address is None or here.size < saved.buffers[sid].size:
             raise UnsupportedError(f"expected scratch here for saved buffer {sid!r} of its "
                                    f"size, found {here}")
     try:
