@@ -25,7 +25,9 @@ _WHOLE = ("function", "name", "grid", "block", "shared_mem", "attributes", "para
           "handles")
 
 
-@dataclass(frozen=True)
+# Slotted: a family keeps about a hundred node deltas per shape, and the cycle collector walks
+# each at every collection (one before each capture); without a __dict__ that walk is cheaper.
+@dataclass(frozen=True, slots=True)
 class KernelDelta:
     fields: tuple[tuple[str, object], ...]  # (name, new value) for fields that differ
     args_codec: str | None = None  # None: arguments unchanged
@@ -38,7 +40,7 @@ class KernelDelta:
         return len(self.args)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodeDelta:
     node: str  # the template's node
     kernel: KernelDelta | None = None
