@@ -295,6 +295,15 @@ def test_save_and_load_round_trip(tmp_path):
      "expected edges between listed nodes"),
     (lambda d: d["buffers"][0].update(role="scratch"), GraphError,
      "buffer 0: expected a valid 'role', found 'scratch'"),
+    # Pointers, params and spans have a fast path; what it does not take, the checks still see.
+    (lambda d: d["nodes"][0]["pointers"][0]["target"].update(offset="8"), GraphError,
+     "node 'k': expected a valid 'offset', found '8'"),
+    (lambda d: d["nodes"][0]["pointers"][0].update(offset=True), GraphError,
+     "node 'k': expected a valid 'offset', found True"),
+    (lambda d: d["nodes"][0]["params"][0].update(align=8), GraphError,
+     r"node 'k': expected fields among \['offset', 'size'\], found \['align'\]"),
+    (lambda d: d["nodes"][0]["pointers"][0].pop("target"), GraphError,
+     "node 'k': expected all fields of Pointer"),
 ])
 def test_bad_graph_files_give_one_line_naming_the_file(tmp_path, edit, error, message):
     doc = _doc()
