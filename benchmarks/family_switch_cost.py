@@ -1,0 +1,39 @@
+"""What building one switch between two shapes costs a family on the host (no GPU): each
+consecutive pair of lengths of a saved family (``families.py --keep-family``), its updates
+prepared by the tests' stand-in for the driver, then ``Family._switch`` timed over the pairs
+(what a family's first pass pays per step before its switches are cached).
+
+``python benchmarks/family_switch_cost.py FAMILY.json.gz`` (this repository's 2-core CPU
+machine, 2026-12-01, GPT-2 small's 255-shape family saved on the H200): 191 pairs, 232 and
+251 us each in two runs.
+"""
+
+import itertools
+import sys
+import time
+from pathlib import Path
+
+from grape.familyio import load_family
+from grape.ir import fingerprint
+from grape.torch.family import Family, _Group, _place
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.standins import RecordingGraph
+
+saved = load_family(sys.argv[1])
+shapes = sorted(saved.members, reverse=True)
+groups, deltas, group_of = {}, {}, {}
+for s in shapes:
+    ir = saved.graph(s)
+    key, d = _place(groups, fingerprint(ir, launch=False), ir)
+    if key not in groups:
+        groups[key] = _Group(s, ir, RecordingGraph([]), None, s)
+    deltas[s], group_of[s] = d, key
+family = Family(lambda s: None, groups, group_of, deltas, 0, 0.0)
+family.prepare_updates()
+order = sorted(shapes)
+pairs = [(a, b) for a, b in itertools.pairwise(order) if group_of[a] == group_of[b]]
+t = time.perf_counter()
+for a, b in pairs:
+    family._switch(group_of[a], a, b)
+print(f"_switch: {len(pairs)} pairs, {(time.perf_counter() - t) / len(pairs) * 1e6:.0f} us each")
