@@ -72,6 +72,30 @@ def test_a_frozen_heap_leaves_old_objects_out_of_collections_until_the_outermost
     assert gc.get_freeze_count() == before == 0
 
 
+def test_a_full_collection_inside_a_frozen_heap_freezes_its_survivors():
+    # A family keeps what it captures; collections that walked all it kept grew with every
+    # shape (8.5 ms to 210 ms a capture over 400 shapes on the H200).
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    with capture.frozen_heap():
+        frozen = gc.get_freeze_count()
+        kept = [[] for _ in range(100)]  # a shape's IR: alive, tracked, made inside
+        cycle = Node()
+        cycle.me = cycle  # garbage the collection must still free
+        dead = weakref.ref(cycle)
+        del cycle
+        capture.full_collection()
+        assert dead() is None
+        assert gc.get_freeze_count() >= frozen + len(kept) + 1  # the lists and their list
+    assert gc.get_freeze_count() == 0
+    capture.full_collection()  # outside one: nothing frozen
+    assert gc.get_freeze_count() == 0
+
+
 def test_a_heap_the_caller_froze_is_frozen_further_and_unfrozen_at_the_end():
     # Python cannot unfreeze some objects alone; leaving the caller's frozen heap as it was
     # made every capture pay a full collection instead.

@@ -138,11 +138,25 @@ def collector_paused():
 _FROZEN = [0]  # frozen_heap's nesting depth
 
 
+def full_collection() -> None:
+    """Collect every generation; inside ``frozen_heap``, freeze what survived too. A family
+    keeps each shape it captures (its IR, its deltas: about 1,200 objects a GPT-2 shape), and
+    a collection that walked all it kept cost each capture more than the one before: 8.5 ms a
+    shape at the first 50 shapes, 210 ms at shapes 350..399 (H200,
+    ``benchmarks/family_capture_phases.py 400``). Survivors of a full collection are alive;
+    frozen, the next collection walks only what was made since. Cycles among them that die
+    later wait for the unfreeze at the outermost ``frozen_heap``'s end."""
+    gc.collect()
+    if _FROZEN[0]:
+        gc.freeze()
+
+
 @contextlib.contextmanager
 def frozen_heap():
-    """Many captures in a row (a family): the objects alive on entry are left out of every
-    collection until the end (``gc.freeze``), so that the full collection before each capture
-    costs what was made since, not the whole heap (0.16 to 0.29 s with transformers loaded,
+    """Many captures in a row (a family): the objects alive on entry, and those that survive
+    each full collection inside (``full_collection``), are left out of every collection until
+    the end (``gc.freeze``), so that the full collection before each capture costs what was
+    made since, not the whole heap (0.16 to 0.29 s with transformers loaded,
     against tens of microseconds frozen). Nests; the heap is unfrozen when the outermost one
     ends. Python cannot unfreeze some objects and not others: objects the caller froze itself
     (a server before forking) are unfrozen too, and stay collectable as any other. Leaving
@@ -150,7 +164,7 @@ def frozen_heap():
     objects frozen, and every capture of a 255-shape GPT-2 family then paid a full collection
     (0.33 s per shape against 0.064)."""
     if _FROZEN[0] == 0:
-        gc.collect()
+        full_collection()
         gc.freeze()
     _FROZEN[0] += 1
     try:
@@ -244,7 +258,7 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     # torch.cuda.graph empties the allocator's cache on entry; do it first so that the pool's
     # growth is all that the difference below measures.
     torch.cuda.synchronize()
-    gc.collect()  # always: see collector_paused (cheap under frozen_heap)
+    full_collection()  # always: see collector_paused (cheap under frozen_heap)
     if collect:
         torch.cuda.empty_cache()
     if blocks is True:
