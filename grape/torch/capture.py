@@ -152,7 +152,7 @@ def full_collection() -> None:
 
 
 @contextlib.contextmanager
-def frozen_heap():
+def frozen_heap(settle: bool = False):
     """Many captures in a row (a family): the objects alive on entry, and those that survive
     each full collection inside (``full_collection``), are left out of every collection until
     the end (``gc.freeze``), so that the full collection before each capture costs what was
@@ -162,7 +162,15 @@ def frozen_heap():
     (a server before forking) are unfrozen too, and stay collectable as any other. Leaving
     such a heap alone cost more than it saved: the H200 machine's Python starts with 375
     objects frozen, and every capture of a 255-shape GPT-2 family then paid a full collection
-    (0.33 s per shape against 0.064)."""
+    (0.33 s per shape against 0.064).
+
+    ``settle``: end (where this one is the outermost) with a full collection of the heap, for
+    whoever made much that will live on (a family's shapes). Unfrozen, those objects join the
+    oldest generation uncounted, and the next full collection comes as soon as the program
+    allocates a little: it walked everything on the family's first pass instead (a
+    1,023-length GPT-2 family's first pass paid 890 us of host time a step for updates
+    against 223 on the next, H200; a 0.19 s collection in ``benchmarks/gc_after_unfreeze.py``,
+    CPU). Paid here, it counts as the capture's."""
     if _FROZEN[0] == 0:
         full_collection()
         gc.freeze()
@@ -173,6 +181,8 @@ def frozen_heap():
         _FROZEN[0] -= 1
         if _FROZEN[0] == 0:
             gc.unfreeze()
+            if settle:
+                gc.collect()
 
 
 def _segments(pool: Any = None) -> Iterator[dict]:

@@ -18,6 +18,7 @@ dropped, so that one shape's outputs do not push the next shape's allocations el
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -218,8 +219,21 @@ def environment(params: Mapping[str, torch.Tensor] | None = None) -> dict[str, s
     return env
 
 
-# Many captures in a row: the heap frozen so that each capture's collection is cheap (capture.py)
-@frozen_heap()
+def _built_family(build: Callable[..., Family]) -> Callable[..., Family]:
+    """``build`` under a frozen heap (many captures in a row: each one's collection costs what
+    was made since, ``grape.torch.capture.frozen_heap``), settled by one full collection at
+    the end, which ``capture_s`` counts with the rest."""
+    @functools.wraps(build)
+    def built(*args: Any, **kwargs: Any) -> Family:
+        began = time.perf_counter()
+        with frozen_heap(settle=True):
+            family = build(*args, **kwargs)
+        family.capture_s = time.perf_counter() - began
+        return family
+    return built
+
+
+@_built_family
 def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                    params: Mapping[str, torch.Tensor] | None = None,
                    progress: Callable[[str], None] = lambda line: None,
@@ -267,7 +281,6 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         odd = next(s for s in shapes if type(s) is not int)
         raise GrapeError(f"expected integer lengths as shapes to derive between, found "
                          f"{odd!r}")
-    began = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
     reserved = torch.cuda.memory_reserved()
     torch_graphs: dict[Hashable, Any] = {}
@@ -313,11 +326,10 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                                        pool_segments(pool, idle=True)))
     if prepare:
         progress(f"prepared {family.prepare_updates()} node updates")
-    family.capture_s = time.perf_counter() - began
     return family
 
 
-@frozen_heap()
+@_built_family
 def load_family(step: Callable[[Hashable], Any], path: str | Path,
                 params: Mapping[str, torch.Tensor] | None = None,
                 progress: Callable[[str], None] = lambda line: None,
@@ -429,7 +441,6 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     if prepare:
         progress(f"prepared {family.prepare_updates(moved_ops)} node updates, "
                  f"{time.perf_counter() - began:.2f} s in all")
-    family.capture_s = time.perf_counter() - began
     return family
 
 
