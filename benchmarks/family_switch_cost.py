@@ -1,11 +1,16 @@
 """What building one switch between two shapes costs a family on the host (no GPU): each
 consecutive pair of lengths of a saved family (``families.py --keep-family``), its updates
 prepared by the tests' stand-in for the driver, then ``Family._switch`` timed over the pairs
-(what a family's first pass pays per step before its switches are cached).
+(what a family's first pass pays per step before its switches are cached). ``--members N``
+makes a family of N lengths out of the file's, each length taking the changes of the file's
+length at its index modulo the file's count (neighbours then differ as the file's do).
 
 ``python benchmarks/family_switch_cost.py FAMILY.json.gz`` (this repository's 2-core CPU
 machine, 2026-12-01, GPT-2 small's 255-shape family saved on the H200): 191 pairs, 232 and
-251 us each in two runs.
+251 us each in two runs. With the committed 16-length family, ``python
+benchmarks/family_switch_cost.py traces/h200_families/gpt2_small_decode_b1_kv240_255.family.json.gz
+--members 255`` (same machine and day, two runs each): 205 and 202 us a switch before it
+compared the deltas' hashes first, 65 and 68 us after.
 """
 
 import itertools
@@ -21,6 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.standins import RecordingGraph
 
 saved = load_family(sys.argv[1])
+if "--members" in sys.argv:
+    count = int(sys.argv[sys.argv.index("--members") + 1])
+    real = [saved.members[s] for s in sorted(saved.members)]
+    saved.members = {i: real[i % len(real)] for i in range(count)}
 shapes = sorted(saved.members, reverse=True)
 groups, deltas, group_of = {}, {}, {}
 for s in shapes:

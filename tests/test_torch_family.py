@@ -110,3 +110,21 @@ def test_saved_scratch_is_placed_disjoint_inside_the_arena_at_its_saved_alignmen
         for b in saved:
             assert here[b.id].address % _ALIGN == b.address % _ALIGN
             assert here[b.id].size == b.size and here[b.id].id == f"scratch@{here[b.id].address:#x}"
+
+
+def test_a_switch_skips_nodes_whose_deltas_are_equal_even_where_they_cannot_be_hashed(family):
+    from grape.passes.delta import KernelDelta, NodeDelta, ShapeDelta
+    from grape.torch.family import _hash
+
+    fam, _, _, log = family
+    # A field holding a list cannot be hashed: such deltas are compared whole.
+    odd = NodeDelta("k1", KernelDelta((("grid", [1, 5, 1]),)))
+    assert _hash(odd) is None and _hash(NodeDelta("k1")) is not None
+    twin = NodeDelta("k1", KernelDelta((("grid", [1, 5, 1]),)))
+    fam.deltas["d"] = ShapeDelta((odd,), ())
+    fam.deltas["e"] = ShapeDelta((twin,), ())
+    fam.group_of.update(d="g", e="g")
+    fam.run("d", stream=0)
+    log.clear()
+    fam.run("e", stream=0)  # equal to d's: nothing to update
+    assert log == ["launch"]
