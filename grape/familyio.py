@@ -29,7 +29,7 @@ import networkx as nx
 
 from grape.errors import GrapeError
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op
-from grape.irjson import graph_from_json, graph_to_json
+from grape.irjson import decoded, graph_from_json, graph_to_json
 from grape.jsonio import check_schema, dump_json, load_json
 from grape.passes.delta import ShapeDelta, apply
 
@@ -145,6 +145,8 @@ def load_family(path: str | Path) -> SavedFamily:
     where = str(path)
     try:
         templates = {str(k): graph_from_json(g) for k, g in doc["templates"].items()}
+        # Members' changed operations share most fields with their template's: taken from it.
+        like = {k: decoded(doc["templates"][k], g) for k, g in templates.items()}
         members: dict[Hashable, tuple[str, dict[str, Op]]] = {}
         for i, raw in enumerate(doc["members"]):
             shape = _shape_from_json(raw["shape"], f"{where}, member {i}")
@@ -152,7 +154,7 @@ def load_family(path: str | Path) -> SavedFamily:
             if key not in templates:
                 raise GrapeError(f"{where}, member {i}: expected a template {key!r}, found "
                                  f"none")
-            changes = graph_from_json({**raw["changes"], "buffers": []})
+            changes = graph_from_json({**raw["changes"], "buffers": []}, like[key])
             unknown = [n for n in changes.dag if n not in templates[key].dag]
             if unknown:
                 raise GrapeError(f"{where}, member {i}: expected changes to nodes of template "

@@ -25,14 +25,16 @@ from grape.ir import (
     HandleRef,
     Kernel,
     KernelGraph,
+    Memcpy,
     Memory,
+    Memset,
     Param,
     Pointer,
     Span,
 )
 from grape.jsonio import check_schema
 
-__all__ = ["graph_from_json", "graph_to_json"]
+__all__ = ["decoded", "graph_from_json", "graph_to_json"]
 
 
 def graph_to_json(graph: KernelGraph) -> dict[str, Any]:
@@ -42,9 +44,28 @@ def graph_to_json(graph: KernelGraph) -> dict[str, Any]:
     return doc
 
 
-def graph_from_json(doc: Any) -> KernelGraph:
+# A node decoded before, as (its JSON, its operation): a field of a new node whose JSON equals
+# the old node's is taken from the old operation instead of decoded again.
+Decoded = dict[str, tuple[dict[str, Any], Any]]
+_REUSED = (Kernel, Memcpy, Memset)  # operations whose fields are immutable all the way down
+_ABSENT = object()
+
+
+def decoded(doc: Any, graph: KernelGraph) -> Decoded:
+    """``graph``'s kernels, copies and memsets with their JSON in ``doc`` (``graph`` decoded
+    from it), for :func:`graph_from_json`'s ``like``."""
+    return {raw["id"]: (raw, graph.op(raw["id"])) for raw in doc["nodes"]
+            if type(graph.op(raw["id"])) in _REUSED}
+
+
+def graph_from_json(doc: Any, like: Decoded | None = None) -> KernelGraph:
+    """The graph ``doc`` holds. ``like`` (:func:`decoded`): nodes of another graph whose
+    fields this one's nodes of the same id and kind share, which are then not decoded again
+    (a family's members' changes against their template: 1.4-1.6 s instead of 2.4 to read
+    255 GPT-2 lengths on a 2-core CPU, ``benchmarks/family_read_cost.py``); their JSON was
+    checked when that graph was decoded."""
     check_schema(doc, SCHEMA, SCHEMA_VERSION, GraphError)
-    graph = _decode_body(doc, "")
+    graph = _decode_body(doc, "", like or {})
     for i, raw in enumerate(_field(doc, "buffers", list, "")):
         graph.add_buffer(_decode(Buffer, raw, f"buffer {i}"))
     return graph
@@ -73,7 +94,7 @@ def _encode_body(graph: KernelGraph) -> dict[str, Any]:
     return {"nodes": nodes, "edges": [[u, v] for u, v in graph.dag.edges]}
 
 
-def _decode_body(doc: Any, where: str) -> KernelGraph:
+def _decode_body(doc: Any, where: str, like: Decoded | None = None) -> KernelGraph:
     if not isinstance(doc, dict):
         raise GraphError(f"{where}expected an object with nodes and edges, found {doc!r:.80}")
     graph = KernelGraph()
@@ -88,7 +109,10 @@ def _decode_body(doc: Any, where: str) -> KernelGraph:
             raise UnknownNodeKindError(f"{at}: expected a kind among {', '.join(OP_TYPES)}, "
                                        f"found {raw.get('kind')!r}")
         body = {k: v for k, v in raw.items() if k not in ("id", "kind")}
-        graph.add(raw["id"], _decode(op_type, body, at))
+        seen = like.get(raw["id"]) if like else None
+        if seen is not None and type(seen[1]) is not op_type:
+            seen = None
+        graph.add(raw["id"], _decode(op_type, body, at, seen))
     for edge in _field(doc, "edges", list, where):
         if (not isinstance(edge, list) or len(edge) != 2
                 or any(n not in graph.dag for n in edge)):
@@ -104,8 +128,10 @@ def _field(doc: dict, name: str, kind: type, where: str) -> Any:
     return value
 
 
-def _decode(cls: type, raw: Any, at: str) -> Any:
-    """Build dataclass ``cls`` from its JSON form, checking every field's shape."""
+def _decode(cls: type, raw: Any, at: str, seen: tuple[dict[str, Any], Any] | None = None
+            ) -> Any:
+    """Build dataclass ``cls`` from its JSON form, checking every field's shape; ``seen``: an
+    operation of the same class decoded before, with its JSON, whose equal fields are taken."""
     if not isinstance(raw, dict):
         raise GraphError(f"{at}: expected an object, found {raw!r:.80}")
     names = _names(cls)
@@ -113,6 +139,18 @@ def _decode(cls: type, raw: Any, at: str) -> Any:
         raise GraphError(f"{at}: expected fields among {sorted(names)}, found {sorted(unknown)}")
     values = {}
     for name, value in raw.items():
+        if seen is not None:
+            old = seen[0].get(name, _ABSENT)
+            if old == value:
+                values[name] = getattr(seen[1], name)
+                continue
+            if name == "pointers" and type(old) is list and type(value) is list:
+                # Most pointers of a member's kernel are its template's: take those.
+                mine = getattr(seen[1], name)
+                values[name] = tuple(
+                    mine[i] if i < len(old) and old[i] == p else _pointer(p, at)
+                    for i, p in enumerate(value))
+                continue
         try:
             values[name] = _decode_field(cls, name, value, at)
         except (TypeError, ValueError, KeyError) as e:

@@ -73,6 +73,35 @@ def test_json_round_trip_is_lossless(g):
     assert back.fingerprint() == g.fingerprint()
 
 
+@given(graphs(), graphs())
+def test_decoding_like_another_graph_gives_what_decoding_alone_gives(g, h):
+    # A family's members decode against their template: fields equal to its are taken.
+    from grape.irjson import decoded, graph_from_json
+
+    like = decoded(g.to_json(), g)
+    doc = json.loads(json.dumps(h.to_json()))
+    assert graph_from_json(doc, like) == graph_from_json(doc) == h
+    mine = graph_from_json(json.loads(json.dumps(g.to_json())), like)
+    assert mine == g
+    for node, op in mine.ops():  # every field of an equal node is the template's own object
+        if node in like:
+            assert all(getattr(op, f.name) is getattr(like[node][1], f.name)
+                       for f in dataclasses.fields(op))
+
+
+def test_a_field_decoded_like_another_graph_is_still_checked_where_it_differs():
+    from grape.irjson import decoded, graph_from_json
+
+    g = KernelGraph()
+    g.add("k", Kernel("f@0x1", "f", (1, 1, 1), (32, 1, 1), args=bytes(8),
+                      params=(Param(0, 8),)))
+    doc = g.to_json()
+    bad = json.loads(json.dumps(doc))
+    bad["nodes"][0]["grid"] = [1, "two", 1]
+    with pytest.raises(GraphError, match="grid"):
+        graph_from_json(bad, decoded(doc, g))
+
+
 @given(graphs(), st.integers(0, 2**32))
 def test_fingerprint_ignores_node_ids_and_order(g, seed):
     h = _relabelled(g, seed)
