@@ -56,7 +56,8 @@ def kernel_params(k: Kernel, handles: dict[str, int] | None = None
     for ref in k.handles:
         args[ref.offset:ref.offset + 8] = handles[ref.handle].to_bytes(8, "little")
     values = np.frombuffer(args, dtype=np.uint8)
-    slots = np.array([values.ctypes.data + q.offset for q in k.params], dtype=np.uint64)
+    base = values.ctypes.data  # read once: each .ctypes access builds a helper object
+    slots = np.array([base + q.offset for q in k.params], dtype=np.uint64)
     p.kernelParams = int(slots.ctypes.data) if k.params else 0
     return p, (values, slots)
 

@@ -33,13 +33,22 @@ def xor(a: bytes, b: bytes) -> bytes:
     return (np.frombuffer(a, np.uint8) ^ np.frombuffer(b, np.uint8)).tobytes()
 
 
-def _varint(n: int) -> bytes:
+def _varint_of(n: int) -> bytes:
     out = bytearray()
     while True:
         byte, n = n & 0x7F, n >> 7
         out.append(byte | (0x80 if n else 0))
         if not n:
             return bytes(out)
+
+
+# Run lengths within one kernel's arguments (at most 4 KB before Hopper's 32 KB), looked up: a
+# warm start codes tens of thousands of argument deltas, several runs each.
+_VARINTS = [_varint_of(n) for n in range(1 << 14)]
+
+
+def _varint(n: int) -> bytes:
+    return _VARINTS[n] if n < len(_VARINTS) else _varint_of(n)
 
 
 def _read_varint(data: bytes, i: int) -> tuple[int, int]:
