@@ -41,6 +41,39 @@ def test_best_is_the_smallest_and_zero_coding_size_is_exact(data):
     assert len(encode(data, "zero")) == (len(data) + 7) // 8 + sum(1 for b in data if b)
 
 
+def _rle_reference(data: bytes) -> bytes:
+    """The run-length coding, byte by byte: what the fast one must produce exactly."""
+    def varint(n):
+        out = bytearray()
+        while True:
+            out.append((n & 0x7F) | (0x80 if n >> 7 else 0))
+            n >>= 7
+            if not n:
+                return bytes(out)
+    out, i, n = bytearray(), 0, len(data)
+    while i < n:
+        j = i
+        while j < n and data[j] == 0:
+            j += 1
+        k = j
+        while k < n and data[k] != 0:
+            k += 1
+        out += varint(j - i) + varint(k - j) + data[j:k]
+        i = k
+    return bytes(out)
+
+
+@given(sparse | st.binary(max_size=40_000))
+def test_run_length_coding_is_the_reference_coding(data):
+    assert encode(data, "rle") == _rle_reference(data)
+
+
+@given(st.binary(max_size=64), st.data())
+def test_xor_is_bytewise(a, data):
+    b = data.draw(st.binary(min_size=len(a), max_size=len(a)))
+    assert xor(a, b) == bytes(x ^ y for x, y in zip(a, b, strict=True))
+
+
 def test_bad_codings_are_refused():
     with pytest.raises(GrapeError, match="expected a codec among"):
         encode(b"x", "lz77")

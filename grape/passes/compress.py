@@ -18,6 +18,7 @@ True
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -30,7 +31,8 @@ __all__ = ["CODECS", "best", "decode", "encode", "xor"]
 def xor(a: bytes, b: bytes) -> bytes:
     if len(a) != len(b):
         raise GrapeError(f"expected argument blocks of one length, found {len(a)} and {len(b)}")
-    return (np.frombuffer(a, np.uint8) ^ np.frombuffer(b, np.uint8)).tobytes()
+    # As integers: a few hundred bytes XORed at C speed, with no arrays to make.
+    return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(len(a), "little")
 
 
 def _varint_of(n: int) -> bytes:
@@ -81,22 +83,21 @@ def _zero_decode(blob: bytes, length: int) -> bytes:
     return out.tobytes()
 
 
+_LITERALS = re.compile(rb"[^\x00]+")  # the runs of non-zero bytes
+
+
 def _rle_encode(data: bytes) -> bytes:
-    # Runs found by numpy: a family's warm start codes tens of thousands of argument deltas.
-    arr = np.frombuffer(data, np.uint8)
-    if not len(arr):
-        return b""
-    nonzero = arr != 0
-    cuts = (np.flatnonzero(nonzero[1:] != nonzero[:-1]) + 1).tolist()
-    out, zeros = bytearray(), 0
-    for start, end in zip([0, *cuts], [*cuts, len(arr)], strict=True):
-        if nonzero[start]:
-            out += _varint(zeros) + _varint(end - start) + data[start:end]
-            zeros = 0
-        else:
-            zeros = end - start
-    if zeros:  # trailing zeros: a zero run with an empty literal
-        out += _varint(zeros) + _varint(0)
+    # Runs found by the regular-expression engine: a family's warm start codes tens of
+    # thousands of argument deltas, each mostly zeros.
+    out, end = bytearray(), 0
+    for m in _LITERALS.finditer(data):
+        start, stop = m.span()
+        out += _varint(start - end)
+        out += _varint(stop - start)
+        out += m.group()
+        end = stop
+    if end < len(data):  # trailing zeros: a zero run with an empty literal
+        out += _varint(len(data) - end) + _varint(0)
     return bytes(out)
 
 
@@ -137,7 +138,7 @@ def best(data: bytes) -> tuple[str, bytes]:
     coded bytes. The zero coding's size is counted, not coded, unless it wins."""
     rle = _rle_encode(data)
     sizes = {"raw": len(data),
-             "zero": (len(data) + 7) // 8 + int(np.count_nonzero(np.frombuffer(data, np.uint8))),
+             "zero": (len(data) + 7) // 8 + len(data) - data.count(0),
              "rle": len(rle)}
     name = min(sizes, key=sizes.__getitem__)
     return name, rle if name == "rle" else encode(data, name)
