@@ -7,8 +7,8 @@ as in ``family_switch_cost.py``.
 
 ``python benchmarks/family_load_cost.py
 traces/h200_families/gpt2_small_decode_b1_kv240_255.family.json.gz --members 1023`` (this
-repository's 2-core CPU machine, 2026-12-01, at the commit that added it; three runs): read
-4.82-5.40 s, templates 0.12-0.13, members 6.62-7.29, prepare 1.21-1.29 (69,888 kernel
+repository's 2-core CPU machine, 2026-12-01, at the commit that added it; four runs): read
+4.82-5.40 s, templates 0.12-0.13, members 6.57-7.29, prepare 1.21-1.29 (69,888 kernel
 updates), 12.8-13.8 s in all. The members here change 68 kernels each, GPT-2's real lengths
 1..1023 about 190 (run 7 in ``benchmarks/README.md``: 194,472 updates).
 """
