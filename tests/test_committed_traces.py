@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from grape.profile import CONSTANTS, DEFAULT_PROFILE, load_profile
-from grape.sim.validate import IR_SUFFIX, RAW_SUFFIX
+from grape.sim.validate import FAMILY_SUFFIX, IR_SUFFIX, RAW_SUFFIX
 from grape.trace import read_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
@@ -21,8 +21,10 @@ GRAPHS = sorted(TRACES.rglob(f"*{IR_SUFFIX}"))
 # grape's own executions (benchmarks/ir_twin.py): torch.profiler traces of a few launches, kept
 # for their kernels' durations beside the kernel graphs they ran.
 TWINS = sorted((TRACES / "h200_ir").glob("twin_*.kineto.json.gz"))
+# Saved graph families (grape.familyio), kept for the CPU benchmarks of a family's host work.
+FAMILIES = sorted(TRACES.rglob(f"*{FAMILY_SUFFIX}"))
 ALL = sorted(p for p in TRACES.rglob("*.json.gz")
-             if p not in RAW and p not in GRAPHS and p not in TWINS)
+             if p not in RAW and p not in GRAPHS and p not in TWINS and p not in FAMILIES)
 # Kernels per iteration, by trace: a GPT-2 family trace steps through lengths, across the
 # topology change at KV 512; the other traces repeat one step.
 KERNELS = {"gpt2_small_family_b1": {292, 316}, "gpt2_small_family_b5": {292, 316},
@@ -50,6 +52,20 @@ def test_every_committed_kernel_graph_reads_and_validates(path):
     graph = KernelGraph.load(path)
     graph.validate()
     assert sum(1 for _ in graph.kernels()) > 0
+
+
+@pytest.mark.parametrize("path", FAMILIES, ids=lambda p: p.name)
+def test_every_committed_family_loads_and_validate_skips_it(path):
+    from grape.familyio import load_family
+    from grape.profile import DEFAULT_PROFILE, load_profile
+    from grape.sim.validate import validate
+
+    saved = load_family(path)
+    assert saved.templates and saved.members
+    assert all(key in saved.templates for key, _ in saved.members.values())
+    said: list[str] = []
+    assert validate([path], load_profile(DEFAULT_PROFILE), said.append) == []
+    assert said == [f"skipped {path}: a saved graph family, not a recorded run"]
 
 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)

@@ -35,7 +35,7 @@ from grape.sim.whatif import (
 )
 from grape.trace import Trace, read_trace
 
-__all__ = ["IR_SUFFIX", "RAW_SUFFIX", "Prediction", "predictions", "validate"]
+__all__ = ["FAMILY_SUFFIX", "IR_SUFFIX", "RAW_SUFFIX", "Prediction", "predictions", "validate"]
 
 # GPU activity alone, as torch.profiler exported it (grape reads no trace without the host calls
 # that launched the work): work cuda-python launched (a device loop, a family's executable),
@@ -43,6 +43,7 @@ __all__ = ["IR_SUFFIX", "RAW_SUFFIX", "Prediction", "predictions", "validate"]
 RAW_SUFFIX = ".gpu_only.json.gz"
 # Kernel graphs in grape's IR, kept beside the traces (grape info reads them; they hold no run).
 IR_SUFFIX = ".ir.json.gz"
+FAMILY_SUFFIX = ".family.json.gz"  # a saved graph family (grape.familyio)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,9 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
             continue
         if path.name.endswith(IR_SUFFIX):
             progress(f"skipped {path}: a kernel graph, not a recorded run")
+            continue
+        if path.name.endswith(FAMILY_SUFFIX):
+            progress(f"skipped {path}: a saved graph family, not a recorded run")
             continue
         trace = attempt(path, lambda path=path: read_trace(path))
         if trace is None:
