@@ -14,7 +14,6 @@ updates), 12.8-13.8 s in all. The members here change 68 kernels each, GPT-2's r
 """
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,15 +22,11 @@ from grape import familyio
 from grape.passes.delta import join_changes
 from grape.passes.relocate import relocate_all, relocation
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from family_files import family_file
+
 build.resolve = lambda function: 0  # no driver here: every kernel handle is 0
-path = Path(sys.argv[1])
-if "--members" in sys.argv:
-    count = int(sys.argv[sys.argv.index("--members") + 1])
-    saved = familyio.load_family(path)
-    real = [saved.members[s] for s in sorted(saved.members)]
-    saved.members = {i: real[i % len(real)] for i in range(count)}
-    path = Path(tempfile.mkdtemp()) / "family.json.gz"
-    familyio.save_family(path, saved)
+path = family_file()
 seconds: dict[str, float] = {}
 
 

@@ -9,22 +9,17 @@ traces/h200_families/gpt2_small_decode_b1_kv240_255.family.json.gz --members 255
 """
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from grape import familyio
 from grape.irjson import graph_from_json
 
-path = Path(sys.argv[1])
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from family_files import family_file
+
+path = family_file()
 repeats = 3
-if "--members" in sys.argv:
-    count = int(sys.argv[sys.argv.index("--members") + 1])
-    saved = familyio.load_family(path)
-    real = [saved.members[s] for s in sorted(saved.members)]
-    saved.members = {i: real[i % len(real)] for i in range(count)}
-    path = Path(tempfile.mkdtemp()) / "family.json.gz"
-    familyio.save_family(path, saved)
 seconds = []
 for _ in range(repeats):
     t = time.perf_counter()

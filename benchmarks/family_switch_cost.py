@@ -23,13 +23,14 @@ from grape.ir import fingerprint
 from grape.torch.family import Family, _Group, _place
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from family_files import widened
+
 from tests.standins import RecordingGraph
 
 saved = load_family(sys.argv[1])
 if "--members" in sys.argv:
-    count = int(sys.argv[sys.argv.index("--members") + 1])
-    real = [saved.members[s] for s in sorted(saved.members)]
-    saved.members = {i: real[i % len(real)] for i in range(count)}
+    saved = widened(saved, int(sys.argv[sys.argv.index("--members") + 1]))
 shapes = sorted(saved.members, reverse=True)
 groups, deltas, group_of = {}, {}, {}
 for s in shapes:
