@@ -58,3 +58,41 @@ def test_an_observer_wraps_the_observed_driver_calls_and_no_others():
         assert call(cuCtxGetDevice, doing="asking") == 3
     call(cuGraphLaunch, doing="launching, unobserved")
     assert seen == ["enter cuGraphLaunch", "exit cuGraphLaunch"]
+
+
+def test_applied_updates_are_called_directly_and_a_failure_names_its_node(monkeypatch):
+    import contextlib
+
+    from grape.cuda import check
+    from grape.cuda.build import Graph, Update
+    from grape.cuda.check import observe
+
+    monkeypatch.setattr(check, "_describe", lambda status: f"{status.name}: described")
+    made = []
+
+    def cuGraphExecKernelNodeSetParams(handle, node, status):
+        made.append((handle, node))
+        return (status,)
+
+    ok, bad = driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_INVALID_VALUE
+
+    class Executable:
+        handle = "exec"
+
+    updates = [Update(n, cuGraphExecKernelNodeSetParams, (n, s))
+               for n, s in (("n0", ok), ("n1", bad), ("n2", ok))]
+    with pytest.raises(CudaError, match=r"^CUDA_ERROR_INVALID_VALUE: described, while "
+                                        r"updating node 'n1'$"):
+        Graph.apply(Executable(), updates)
+    assert made == [("exec", "n0"), ("exec", "n1")]  # none after the failure
+
+    seen = []
+
+    @contextlib.contextmanager
+    def span(name):
+        seen.append(name)
+        yield
+
+    with observe(span):  # observed: each update goes through the checker, which marks it
+        Graph.apply(Executable(), [updates[0], updates[2]])
+    assert seen == ["cuGraphExecKernelNodeSetParams"] * 2

@@ -16,7 +16,7 @@ from cuda.bindings import driver, nvrtc, runtime
 
 from grape.errors import CudaError, UnsupportedError
 
-__all__ = ["OBSERVED", "call", "device_status", "observe"]
+__all__ = ["OBSERVED", "call", "check_status", "device_status", "observe", "observing"]
 
 # Driver calls whose host time and GPU work a trace of grape's own runs needs: the launches, and
 # what brings an executable to a shape before one. torch.profiler does not record cuda-python's
@@ -80,11 +80,22 @@ def call(fn: Callable[..., tuple], *args: Any, doing: str) -> Any:
             raise UnsupportedError(f"the installed driver lacks {getattr(fn, '__name__', fn)} "
                                    f"(a newer driver has it), while {doing}") from None
         raise CudaError(f"no usable CUDA library ({first_line}), while {doing}") from None
-    if status not in _OK:
-        raise CudaError(f"{_describe(status)}, while {doing}")
+    check_status(status, doing)
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+def check_status(status: Any, doing: str) -> None:
+    """Raise what :func:`call` raises for a failed ``status``; for loops that make the calls
+    themselves (:meth:`grape.cuda.build.Graph.apply`)."""
+    if status not in _OK:
+        raise CudaError(f"{_describe(status)}, while {doing}")
+
+
+def observing() -> bool:
+    """Whether an observer is set (:func:`observe`): then every call goes through :func:`call`."""
+    return _OBSERVER is not None
 
 
 def _observed(fn: Callable[..., tuple], args: tuple) -> tuple:
