@@ -167,10 +167,11 @@ def frozen_heap(settle: bool = False):
     ``settle``: end (where this one is the outermost) with a full collection of the heap, for
     whoever made much that will live on (a family's shapes). Unfrozen, those objects join the
     oldest generation uncounted, and the next full collection comes as soon as the program
-    allocates a little: it walked everything on the family's first pass instead (a
-    1,023-length GPT-2 family's first pass paid 890 us of host time a step for updates
-    against 223 on the next, H200; a 0.19 s collection in ``benchmarks/gc_after_unfreeze.py``,
-    CPU). Paid here, it counts as the capture's."""
+    allocates a little, on the family's first pass, and walks all of it there
+    (``benchmarks/gc_after_unfreeze.py``, CPU: a 0.19 s collection inside a 1,023-step pass).
+    Paid here, it counts as the capture's. On the H200 a 1,023-length GPT-2 family's
+    first-pass updates took 890 us a step before, 815 after (later passes 223 and 286; two
+    runs on two machines), so this was not all of that pass's extra cost."""
     if _FROZEN[0] == 0:
         full_collection()
         gc.freeze()
