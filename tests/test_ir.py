@@ -89,6 +89,22 @@ def test_decoding_like_another_graph_gives_what_decoding_alone_gives(g, h):
                        for f in dataclasses.fields(op))
 
 
+def test_a_member_kernel_takes_the_pointers_its_template_has_and_decodes_the_others():
+    from grape.irjson import decoded, graph_from_json
+
+    g = KernelGraph()
+    g.add_buffer(Buffer("a", 64, BufferRole.INTERNAL, address=0x1000))
+    pointers = (Pointer(0, Span("a", 0)), Pointer(8, Span("a", 16)))
+    g.add("k", Kernel("f@0x1", "f", (1, 1, 1), (32, 1, 1), args=bytes(16),
+                      params=(Param(0, 8), Param(8, 8)), pointers=pointers))
+    doc = g.to_json()
+    member = json.loads(json.dumps(doc))
+    member["nodes"][0]["pointers"][1]["target"]["offset"] = 32
+    got = graph_from_json(member, decoded(doc, g)).op("k").pointers
+    assert got == (pointers[0], Pointer(8, Span("a", 32)))
+    assert got[0] is pointers[0] and got == graph_from_json(member).op("k").pointers
+
+
 def test_a_field_decoded_like_another_graph_is_still_checked_where_it_differs():
     from grape.irjson import decoded, graph_from_json
 

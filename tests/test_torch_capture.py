@@ -98,7 +98,8 @@ def test_a_full_collection_inside_a_frozen_heap_freezes_its_survivors():
 
 def test_a_settled_frozen_heap_ends_with_a_full_collection_of_what_it_unfroze():
     # Unfrozen objects join the oldest generation uncounted: without this the next full
-    # collection came at a family's first pass and walked the whole family (H200).
+    # collection comes at a family's first pass and walks the whole family
+    # (benchmarks/gc_after_unfreeze.py).
     import gc
 
     seen = []
