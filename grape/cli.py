@@ -19,10 +19,12 @@ from typing import Any
 
 from grape import __version__
 from grape.errors import GrapeError, TraceFormatError
+from grape.familyio import SCHEMA as FAMILY_SCHEMA
+from grape.familyio import family_from_json
 from grape.ir import SCHEMA, KernelGraph
 from grape.jsonio import dump_json, load_json
 from grape.profile import DEFAULT_PROFILE, PROFILE_SCHEMA, profile_from_json
-from grape.summary import graph_summary, profile_summary, trace_summary
+from grape.summary import family_summary, graph_summary, profile_summary, trace_summary
 from grape.trace import Trace, read_trace, trace_from_json
 
 __all__ = ["main"]
@@ -59,13 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"grape {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = sub.add_parser(
-        "info", help="what a trace or a kernel-graph file holds",
+        "info", help="what a trace, a kernel-graph file or a saved graph family holds",
         description="Summarise torch.profiler / grape traces (iterations, kernels, GPU busy "
-                    "time, host launch time, graph launches, streams) or grape IR files. "
+                    "time, host launch time, graph launches, streams), grape IR files or saved "
+                    "graph families. "
                     "Given an eager and a graphed trace of one workload, compares their "
                     "kernel counts.")
     info.add_argument("files", nargs="+", type=Path, metavar="FILE",
-                      help="a .json or .json.gz trace, or a grape IR file")
+                      help="a .json or .json.gz trace, a grape IR file or a saved family")
     info.add_argument("--iterations", type=_positive, metavar="N",
                       help="split each trace into N equal iterations instead of detecting them")
     info.add_argument("--json", action="store_true", help="print one JSON object per file")
@@ -206,6 +209,8 @@ def _info(args: argparse.Namespace) -> None:
             summary = graph_summary(_graph(doc, path), path)
         elif isinstance(doc, dict) and doc.get("schema") == PROFILE_SCHEMA:
             summary = profile_summary(profile_from_json(doc, path))
+        elif isinstance(doc, dict) and doc.get("schema") == FAMILY_SCHEMA:
+            summary = family_summary(family_from_json(doc, path), path)
         else:
             trace = trace_from_json(doc, path, args.iterations)
             _warn_split(trace)

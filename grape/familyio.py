@@ -33,7 +33,7 @@ from grape.irjson import decoded, graph_from_json, graph_to_json
 from grape.jsonio import check_schema, dump_json, load_json
 from grape.passes.delta import ShapeDelta, apply
 
-__all__ = ["SCHEMA", "SavedFamily", "graph_with", "load_family", "save_family"]
+__all__ = ["SCHEMA", "SavedFamily", "family_from_json", "graph_with", "load_family", "save_family"]
 
 SCHEMA = "grape.family"
 VERSION = 1
@@ -140,8 +140,12 @@ def save_family(path: str | Path, family: SavedFamily) -> Path:
 
 def load_family(path: str | Path) -> SavedFamily:
     """Read a family file; errors name the file and what in it is wrong."""
-    path = Path(path)
-    doc = check_schema(load_json(path), SCHEMA, VERSION, GrapeError, f"{path}: ")
+    return family_from_json(load_json(path), path)
+
+
+def family_from_json(doc: Any, path: str | Path) -> SavedFamily:
+    """The family document ``doc`` (read from ``path``, which errors name)."""
+    doc = check_schema(doc, SCHEMA, VERSION, GrapeError, f"{path}: ")
     where = str(path)
     try:
         templates = {str(k): graph_from_json(g) for k, g in doc["templates"].items()}

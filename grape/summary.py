@@ -11,6 +11,7 @@ from typing import Any
 import networkx as nx
 
 from grape.errors import ProfileError
+from grape.familyio import SavedFamily
 from grape.ir import KernelGraph
 from grape.profile import CONSTANTS, DeviceProfile
 from grape.trace import SIMULATED, Trace
@@ -159,6 +160,42 @@ def graph_summary(g: KernelGraph, path: str | Path) -> Summary:
         f"  fingerprint: {data['fingerprint']}",
     ])
     return Summary(text, data)
+
+
+def family_summary(f: SavedFamily, path: str | Path) -> Summary:
+    """A saved graph family (``grape.familyio``): its shapes, executables, how much each shape
+    changes of its executable's template, and where it was captured."""
+    changed = sorted(len(changes) for _, changes in f.members.values())
+    executables = {key: {"nodes": len(g), "shapes": sum(1 for k, _ in f.members.values()
+                                                        if k == key)}
+                   for key, g in f.templates.items()}
+    buffers = {b.id: b for g in f.templates.values() for b in g.buffers.values()}
+    scratch = sum(buffers[b].size for b in f.scratch if b in buffers)
+    shapes = list(f.members)
+    span = (f"{min(shapes)}..{max(shapes)}" if all(type(s) is int for s in shapes)
+            else ", ".join(map(repr, shapes[:3])) + (", ..." if len(shapes) > 3 else ""))
+    data = {
+        "file": str(path), "kind": "family", "shapes": len(shapes), "shape_range": span,
+        "executables": executables,
+        "changed_nodes_per_shape": {"min": changed[0], "median": statistics.median(changed),
+                                    "max": changed[-1]} if changed else None,
+        "scratch_buffers": len(f.scratch), "scratch_bytes": scratch,
+        "environment": dict(f.environment),
+    }
+    env = f.environment
+    lines = [
+        str(path),
+        f"  grape graph family: {len(shapes)} shapes ({span}), {len(executables)} executables "
+        "(" + ", ".join(f"{e['nodes']} nodes for {e['shapes']} shapes"
+                        for e in executables.values()) + ")",
+        "  nodes each shape changes of its template: "
+        + (f"{changed[0]} to {changed[-1]}, median {statistics.median(changed):g}"
+           if changed else "none"),
+        f"  scratch moved whole on a warm start: {len(f.scratch)} buffers, {scratch:,} bytes",
+        f"  captured on {env.get('gpu', '?')}, driver {env.get('driver', '?')}, torch "
+        f"{env.get('torch', '?')}, grape {env.get('grape', '?')}",
+    ]
+    return Summary("\n".join(lines), data)
 
 
 def profile_summary(p: DeviceProfile) -> Summary:

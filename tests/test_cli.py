@@ -76,8 +76,25 @@ def test_info_on_a_graph_file(capsys, tmp_path):
     assert f"fingerprint: {g.fingerprint()}" in out
 
 
+def test_info_on_a_saved_family(capsys):
+    family = TRACES / "h200_families" / "gpt2_small_decode_b1_kv240_255.family.json.gz"
+    code, out, err = run(capsys, "info", family)
+    assert code == 0 and not err
+    assert ("grape graph family: 16 shapes (240..255), 2 executables (292 nodes for 2 shapes, "
+            "316 nodes for 14 shapes)") in out
+    assert "captured on NVIDIA H200, driver 13000, torch 2.11.0+cu130" in out
+    code, out, _ = run(capsys, "info", "--json", family)
+    data = json.loads(out)
+    assert data["kind"] == "family" and data["shapes"] == 16
+    assert data["changed_nodes_per_shape"]["max"] >= data["changed_nodes_per_shape"]["median"]
+
+
 @pytest.mark.parametrize("content, message", [
     (b'{"traceEvents": [', "expected JSON, found .*the file looks truncated"),
+    (b'{"schema": "grape.family", "version": 9}', "expected grape.family schema version 1, "
+                                                   "found 9"),
+    (b'{"schema": "grape.family", "version": 1, "templates": {}}',
+     "expected a grape.family document, found one without 'members'"),
     (b'{"schema": "grape.ir", "version": 1, "buffers": [], "nodes": '
      b'[{"id": "a", "kind": "empty"}], "edges": [["a", "a"]]}',
      "expected an acyclic graph, found the cycle a -> a"),
