@@ -209,6 +209,25 @@ def test_bad_sampling_values_are_refused():
         resolve(m, ids, None, {"eos_token_id": [-3], "max_new_tokens": 4})
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_beams": 0}, "expected num_beams to be an integer of at least 1, found 0"),
+    ({"num_beams": 2.5}, "expected num_beams to be an integer of at least 1, found 2.5"),
+    ({"num_beams": 2, "length_penalty": "x"}, "expected length_penalty to be a number, found 'x'"),
+    ({"do_sample": True, "temperature": "hot"}, "expected temperature to be a number"),
+    ({"do_sample": True, "top_k": 1.5}, "expected top_k to be an integer, found 1.5"),
+    ({"min_new_tokens": -1}, "expected min_new_tokens to be an integer of at least 0, found -1"),
+    ({"num_beams": 2, "early_stopping": "sometimes"}, "expected .*early_stopping.*sometimes"),
+])
+def test_option_values_generate_would_refuse_or_misread_are_one_line_errors(kwargs, message):
+    # num_beams=0 ran as greedy decoding here, and crashed generate with a ZeroDivisionError.
+    config = transformers.AutoConfig.for_model("gpt2", **CONFIGS["gpt2"], **COMMON)
+    m = transformers.AutoModelForCausalLM.from_config(config)
+    ids, _ = _prompt()
+    with pytest.raises(GrapeError, match=message) as info:
+        resolve(m, ids, None, {**kwargs, "max_new_tokens": 4})
+    assert "\n" not in str(info.value)
+
+
 def test_a_model_grape_cannot_graph_runs_through_generate_with_one_warning():
     import grape
 

@@ -81,7 +81,11 @@ def _merged(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerationConfig:
     given = kwargs.pop("generation_config", None)
     if given is not None:
         config = copy.deepcopy(given)
-    unknown = config.update(**kwargs)
+    try:
+        unknown = config.update(**kwargs)
+    except ValueError as e:  # transformers checks some values as it sets them
+        raise GrapeError(f"expected generation options generate accepts, found: "
+                         f"{str(e).splitlines()[0]}") from None
     if unknown:
         raise NotGraphable(f"arguments grape does not pass on: {sorted(unknown)}")
     return _with_defaults(config)
@@ -116,6 +120,20 @@ def _ids(value: Any, name: str) -> tuple[int, ...]:
         raise GrapeError(f"expected {name} to be a token id or a list of token ids (non-negative "
                          f"integers), found {value!r}")
     return tuple(values)
+
+
+def _integer(value: Any, name: str, least: int | None = None) -> int:
+    if (not isinstance(value, int) or isinstance(value, bool)
+            or (least is not None and value < least)):
+        bound = "" if least is None else f" of at least {least}"
+        raise GrapeError(f"expected {name} to be an integer{bound}, found {value!r}")
+    return value
+
+
+def _real(value: Any, name: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise GrapeError(f"expected {name} to be a number, found {value!r}")
+    return float(value)
 
 
 def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
@@ -162,19 +180,25 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     eos = _ids(config.eos_token_id, "eos_token_id")
     pad_ids = _ids(config.pad_token_id, "pad_token_id")
     pad = pad_ids[0] if pad_ids else (eos[0] if eos else 0)
-    beams = config.num_beams or 1
+    beams = _integer(1 if config.num_beams is None else config.num_beams, "num_beams", 1)
+    if config.early_stopping not in (None, True, False, "never"):
+        raise GrapeError(f"expected early_stopping to be True, False or 'never', found "
+                         f"{config.early_stopping!r}")
     if beams > 1 and config.do_sample:
         raise NotGraphable("beam search with sampling (do_sample=True and num_beams > 1)")
     strategy = "beam" if beams > 1 else "sample" if config.do_sample else "greedy"
-    temperature = float(config.temperature if config.temperature is not None else 1.0)
-    top_p = float(config.top_p if config.top_p is not None else 1.0)
-    top_k = int(config.top_k or 0)
+    temperature = _real(config.temperature if config.temperature is not None else 1.0,
+                        "temperature")
+    top_p = _real(config.top_p if config.top_p is not None else 1.0, "top_p")
+    top_k = _integer(config.top_k or 0, "top_k")  # its range is checked below
     if strategy == "sample" and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
         raise GrapeError(f"expected temperature > 0, 0 < top_p <= 1 and top_k >= 0 for "
                          f"sampling, found {temperature}, {top_p} and {top_k}")
-    options = Options(strategy, max_new, int(config.min_new_tokens or 0), eos, pad, temperature,
-                      top_k, top_p, beams, float(config.length_penalty),
-                      config.early_stopping, config)
+    options = Options(strategy, max_new,
+                      _integer(config.min_new_tokens or 0, "min_new_tokens", 0), eos, pad,
+                      temperature, top_k, top_p, beams,
+                      _real(config.length_penalty, "length_penalty"), config.early_stopping,
+                      config)
     return options, _attention_mask(input_ids, attention_mask, pad_ids, eos)
 
 
