@@ -154,9 +154,22 @@ def test_a_family_captures_under_a_frozen_heap_and_unfreezes_it_even_when_captur
         raise Stop
 
     monkeypatch.setattr(family, "capture", fake_capture)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
     with pytest.raises(Stop):
         family.capture_family(lambda shape: None, [3, 2, 1])
     assert seen and seen[0] > 0
     assert gc.get_freeze_count() == 0
+
+
+def test_a_family_without_a_cuda_device_is_one_clear_error(monkeypatch):
+    from grape.errors import GrapeError
+    from grape.torch import family
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(GrapeError, match=r"^expected a CUDA device for capture_family, found "
+                                         r"none \(torch.cuda.is_available\(\) is False\)$"):
+        family.capture_family(lambda shape: None, [2, 1])
+    with pytest.raises(GrapeError, match="expected a CUDA device for load_family"):
+        family.load_family(lambda shape: None, "any.family.json.gz")

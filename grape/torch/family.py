@@ -254,6 +254,9 @@ def _built_family(build: Callable[..., Family]) -> Callable[..., Family]:
     the end, which ``capture_s`` counts with the rest."""
     @functools.wraps(build)
     def built(*args: Any, **kwargs: Any) -> Family:
+        if not torch.cuda.is_available():
+            raise GrapeError(f"expected a CUDA device for {build.__name__}, found none "
+                             f"(torch.cuda.is_available() is False)")
         began = time.perf_counter()
         with frozen_heap(settle=True):
             family = build(*args, **kwargs)
