@@ -167,10 +167,7 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
         raise GrapeError(f"expected an attention_mask of shape {tuple(input_ids.shape)} on "
                          f"{device}, found {found}")
     kwargs = dict(kwargs)
-    max_new = kwargs.get("max_new_tokens")
-    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
-        raise GrapeError(f"expected max_new_tokens to be an integer of at least 1, found "
-                         f"{max_new!r}")
+    max_new = _integer(kwargs.get("max_new_tokens"), "max_new_tokens", 1)
     config = _merged(model, kwargs)
     if unsupported := _unsupported(config):
         raise NotGraphable(f"generation options grape does not reproduce: "
