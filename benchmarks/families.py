@@ -240,8 +240,8 @@ def wav2vec2_audio(lengths: list[int]) -> Workload:
 
 
 def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
-            derive_every: int | None = None, save_to: Path | None = None
-            ) -> dict[str, object]:
+            derive_every: int | None = None, save_to: Path | None = None,
+            derive_period: int = 1) -> dict[str, object]:
     if update == "graph":
         w = replace(w, name=f"{w.name} (whole-graph updates)", slug=f"{w.slug}_whole")
     lengths, step, label = w.shapes, w.step, w.name
@@ -256,6 +256,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     allocated_a = torch.cuda.memory_allocated()
     family = capture_family(step, sorted(lengths, reverse=True),
                             params=w.params, update=update, derive_every=derive_every,
+                            derive_period=derive_period,
                             progress=lambda line: _log(f"  {label} family: {line}"))
     _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
     family_device_bytes = free_before_family - _device_bytes()[0]
@@ -341,10 +342,12 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         "bitwise_identical": {str(n): same for n, same in zip(sample, identical, strict=True)},
         "reserved_after_family": reserved2,
         "derive_every": derive_every,
+        "derive_period": derive_period if derive_every is not None else None,
     }
     if family.sampled is not None:  # lengths captured, derived, checked, refused
         result.update(captured_lengths=len(family.sampled.captured),
                       derived_lengths=len(family.sampled.derived),
+                      captured_again_for_loose_slots=len(family.sampled.repeated),
                       held_out_checks_failed=sum(bool(d) for d in
                                                  family.sampled.checked.values()),
                       stretches_refused=len(family.sampled.refused))
@@ -478,6 +481,9 @@ def main() -> None:
                              "whole, from each shape's graph kept on the host")
     parser.add_argument("--derive-every", type=int, default=None, metavar="N",
                         help="capture one length in N and derive the others (issue 15)")
+    parser.add_argument("--derive-period", type=int, default=1, metavar="P",
+                        help="with --derive-every: derive a length only from lengths equal "
+                             "to it modulo P (kernels chosen by a length's alignment)")
     parser.add_argument("--append", action="store_true",
                         help="keep the entries of other workloads already in --out")
     parser.add_argument("--no-fresh", action="store_true",
@@ -528,7 +534,8 @@ def main() -> None:
              f"{w.shapes[-1]})")
         with tempfile.TemporaryDirectory() as saved:
             results.append(measure(w, args.traces, args.update, args.derive_every,
-                                   None if args.no_fresh else Path(saved)))
+                                   None if args.no_fresh else Path(saved),
+                                   args.derive_period))
             write()
             if not args.no_fresh:
                 results[-1].update(_in_fresh_process("shared_pool", workload_args, [],

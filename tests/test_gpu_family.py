@@ -123,6 +123,29 @@ def test_lengths_never_captured_are_derived_and_compute_what_their_own_graphs_co
         fam.close()
 
 
+def test_lengths_are_derived_by_residue_class_and_compute_what_their_own_graphs_compute(decode):
+    # Every KV length 1..63, the ones where attention takes another path (7 mod 8) too:
+    # derived only from lengths equal to them modulo 8, one in two of each class captured,
+    # the smallest and largest sample of each topology captured again for the loose argument
+    # bytes. Every derived length checked runs bitwise as PyTorch's own graph of it.
+    from grape.torch.family import capture_family
+
+    model, step, out = decode
+    lengths = list(range(63, 0, -1))
+    fam = capture_family(step, lengths, params=dict(model.named_parameters()),
+                         derive_every=2, checks=1, derive_period=8)
+    try:
+        sampled = fam.sampled
+        assert sorted(sampled.captured + sampled.derived) == sorted(lengths)
+        assert sampled.derived and not sampled.refused, _why_nothing_derived(sampled)
+        assert all(diff == [] for diff in sampled.checked.values())
+        derived = sorted(sampled.derived)
+        for n in derived[:: max(1, len(derived) // 8)] + [n for n in derived if n % 8 == 7][:2]:
+            assert same_as_graph(graph_of(step, n), fam, n, out), f"derived KV length {n}"
+    finally:
+        fam.close()
+
+
 def _warm_start(decode, family, tmp_path):
     from grape.familyio import load_family
     from grape.torch.family import environment

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from grape.errors import GrapeError, GraphError, UnsupportedError
@@ -53,7 +55,7 @@ def test_a_length_between_two_stretches_is_not_guessed():
 def test_a_number_that_is_not_affine_in_the_length_is_refused():
     d = derive({n: step(n, square=True) for n in SAMPLED})
     assert not any(d.covers(n) for n in (9, 100, 200))
-    assert ("attn", "arg1") in d.uncovered(100)
+    assert ("attn", "a8") in d.uncovered(100)  # the 32-bit slot at byte 8
 
 
 def test_two_points_on_a_line_are_not_trusted():
@@ -98,7 +100,9 @@ def _recorder(make):
 def test_a_family_captures_one_length_in_eight_and_derives_the_rest_byte_for_byte():
     capture, calls = _recorder(step)
     got = derive_lengths(capture, range(1, 257), every=8, checks=2)
-    assert calls == got.captured
+    # The smallest and largest sample again, for loose slots (this step has none).
+    assert got.repeated == [1, 256]
+    assert sorted(calls) == sorted(got.captured + got.repeated)
     samples = sorted(set(range(1, 257, 8)) | {256}, reverse=True)
     assert calls[:len(samples)] == samples  # samples first, largest first
     assert len(got.checked) == 2 and all(v == [] for v in got.checked.values())
@@ -134,11 +138,14 @@ def test_nothing_is_derived_across_a_change_of_kernel():
 
 
 def test_derive_lengths_refuses_bad_arguments():
-    with pytest.raises(GrapeError, match="expected lengths, every >= 1 and checks >= 0, found "
-                                         "0 lengths, every=8, checks=1"):
+    with pytest.raises(GrapeError, match="expected lengths, every >= 1, checks >= 0 and "
+                                         "period >= 1, found 0 lengths, every=8, checks=1, "
+                                         "period=1"):
         derive_lengths(step, [])
     with pytest.raises(GrapeError, match="every=0"):
         derive_lengths(step, [1, 2], every=0)
+    with pytest.raises(GrapeError, match="period=0"):
+        derive_lengths(step, [1, 2], period=0)
 
 
 def test_kernels_that_change_every_few_lengths_are_located_and_the_runs_between_derived():
@@ -152,7 +159,8 @@ def test_kernels_that_change_every_few_lengths_are_located_and_the_runs_between_
     got = derive_lengths(capture, range(1, 97), every=8, checks=1)
     assert got.refused == [] and got.derived
     assert sorted(got.captured + got.derived) == list(range(1, 97))
-    assert len(set(calls)) == len(calls)  # no length captured twice
+    assert sorted(calls) == sorted(got.captured + got.repeated)
+    assert len(set(got.captured)) == len(got.captured)  # none captured twice but for loose slots
     for n in got.derived:
         assert got.graphs[n] == choppy(n), n
     assert [(a, b) for a, b, _ in got.cuts] == [(c, c + 1) for c in range(12, 96, 12)]
@@ -165,3 +173,101 @@ def test_a_topology_that_changes_at_every_length_is_captured_at_every_length():
     capture, _ = _recorder(lambda n: step(n, function=f"attn@{n:#x}"))
     got = derive_lengths(capture, range(1, 41), every=8, checks=1)
     assert got.derived == [] and sorted(got.captured) == list(range(1, 41))
+
+
+# Arguments as PyTorch packs them: a length, an IntDivider of the length (divisor, multiplier,
+# shift), and a slot it never fills, which holds whatever the host's stack held.
+def packed(n: int, junk: int) -> KernelGraph:
+    from grape.passes.derive import _divider
+
+    g = KernelGraph()
+    multiplier, shift = _divider(n + 1)
+    words = [n, n + 1, multiplier, shift, junk & 0xFFFFFFFF]
+    g.add("k", Kernel("k@0x1", "k", grid=(1, 1, 1), block=(32, 1, 1),
+                      args=b"".join(w.to_bytes(4, "little") for w in words)))
+    return g
+
+
+def test_loose_slots_are_what_two_captures_of_a_length_do_not_share():
+    from grape.passes.derive import loose_slots
+
+    assert loose_slots(packed(5, 123), packed(5, 456)) == {"k": frozenset({16})}
+    assert loose_slots(packed(5, 123), packed(5, 123)) == {}
+
+
+def test_divider_multipliers_and_loose_slots_do_not_keep_a_length_from_deriving():
+    import random
+
+    from grape.passes.derive import loose_slots
+
+    rng = random.Random(0)
+    samples = {n: packed(n, rng.getrandbits(32)) for n in range(10, 200, 9)}
+    assert not derive(samples).covers(100)  # the junk and the multiplier lie on no line
+    loose = loose_slots(samples[10], packed(10, rng.getrandbits(32)))
+    d = derive(samples, loose)
+    assert d.dividers == {"k": frozenset({8})}
+    captured = packed(100, rng.getrandbits(32))
+    assert d.covers(100) and d.check(100, captured) == []
+    derived = d.graph_at(100).op("k").args
+    assert derived[:16] == captured.op("k").args[:16]  # the multiplier computed, not fitted
+    assert derived[16:] == samples[10].op("k").args[16:]  # the loose slot: the template's
+    # A slot that is loose in one pair of captures but fitted elsewhere is no loose slot of
+    # the other: a derivation given the wrong slots still refuses what does not fit.
+    assert derive(samples, {"k": frozenset({0})}).uncovered(100)
+
+
+def test_lengths_are_derived_within_their_residue_class():
+    # Another kernel at every length 7 mod 8 (as a small GPT-2's attention on the H200):
+    # sampled one in eight from 1, no sample would show it, and its lengths would be derived
+    # with the other kernel. By residue class, each class keeps one kernel. (Samples one in two
+    # of a class, 16 lengths apart: the grid's steps, 64 lengths apart, need three a stretch.)
+    def aligned(n):
+        return step(n, function="attn_unaligned@0x2" if n % 8 == 7 else "attn@0x1")
+
+    got = derive_lengths(_recorder(aligned)[0], range(1, 513), every=2, checks=1, period=8)
+    assert got.refused == [] and got.cuts == []
+    assert sorted(got.captured + got.derived) == list(range(1, 513))
+    for n in got.derived:
+        assert got.graphs[n] == aligned(n), n
+    assert {n % 8 for n in got.derived} == set(range(8)) and len(got.derived) > 512 // 3
+    # One topology: its smallest and largest sample captured again, once each.
+    assert got.repeated == [1, 512]
+    # Without classes, the kernel of lengths 7 mod 8 is never seen and they are derived wrong:
+    # the reason for ``period``.
+    blind = derive_lengths(_recorder(aligned)[0], range(1, 513), every=8, checks=1)
+    assert any(blind.graphs[n] != aligned(n) for n in blind.derived if n % 8 == 7)
+
+
+def test_lengths_of_a_real_decode_step_derive_byte_for_byte_but_for_loose_slots():
+    # GPT-2 small decode on the H200, KV lengths 240..255 captured twice in one process
+    # (traces/README.md). From every other length of the larger executable, with the slots that
+    # differ between the two captures of its first and last sample left out, the lengths
+    # between samples on one stretch derive as captured, outside the loose slots.
+    import collections
+
+    from grape.familyio import load_family
+    from grape.passes.derive import loose_slots
+    from grape.passes.families import match
+
+    folder = Path(__file__).parent.parent / "traces" / "h200_families"
+    a, b = (load_family(folder / f"gpt2_small_decode_b1_kv240_255.capture_{x}.family.json.gz")
+            for x in "ab")
+    by_key = collections.defaultdict(list)
+    for n, (key, _) in a.members.items():
+        by_key[key].append(n)
+    lengths = sorted(max(by_key.values(), key=len))
+    graphs = {n: a.graph(n) for n in lengths}
+    samples = lengths[::2] + lengths[-1:]
+    first, last = samples[0], samples[-1]
+    assert not any(derive({n: graphs[n] for n in samples}).covers(n)
+                   for n in lengths if n not in samples)
+    at_first = loose_slots(graphs[first], b.graph(first))
+    at_last = loose_slots(graphs[last], b.graph(last))
+    pairs = match(graphs[first], graphs[last])
+    loose = {node: s & at_last.get(pairs[node], frozenset()) for node, s in at_first.items()}
+    d = derive({n: graphs[n] for n in samples}, loose)
+    assert sum(map(len, d.dividers.values())) == 13
+    derivable = [n for n in lengths if n not in samples and d.covers(n)]
+    assert len(derivable) >= 3
+    for n in derivable:
+        assert d.check(n, graphs[n]) == [], n

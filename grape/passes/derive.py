@@ -18,10 +18,26 @@ What is not a number (a kernel's function, its launch attributes, which buffer a
 into, a node's kind) must be equal at every captured length; a node where it is not refuses the
 whole derivation, with the node and the field named.
 
-Numbers are read from: a kernel's grid, block, shared memory, its argument bytes as 8-byte
-little-endian words (a trailing part shorter than 8 bytes as one word of its own), and its
-pointers' offsets into their buffers; a copy's size and offsets; a memset's value, width,
-height, pitch and offset; every buffer's size and address.
+Numbers are read from: a kernel's grid, block, shared memory, its argument bytes as 32-bit
+little-endian slots (a trailing part shorter than 4 bytes as a slot of its own), each pointer in
+its arguments as one 64-bit word and its offset into its buffer; a copy's size and offsets; a
+memset's value, width, height, pitch and offset; every buffer's size and address. 32 bits, not
+64: PyTorch packs 32-bit sizes, strides and divisors two to a word, and a word of two numbers
+that each lie on a line in the length does not.
+
+Two kinds of argument bytes are not fitted, both measured on the H200 (GPT-2 small decode, KV
+lengths 240..254: of 248 varying words on no line, 199 were the first kind and 49 the second):
+
+- *Loose* slots (``grape.passes.relocate`` explains them): bytes PyTorch never fills (a
+  TensorIterator's offset calculator has room for 25 dimensions and fills as many as the
+  tensor has), which hold whatever the host's stack held. They are found by capturing a length
+  twice (:func:`loose_slots`: the slots that differ between the two captures and lie under no
+  pointer both have); a derived graph keeps its template's bytes there, and a check ignores
+  them.
+- PyTorch's fast integer division (``IntDivider<uint32_t>``: a divisor, then its multiplier
+  and shift, three 32-bit slots): the multiplier and shift are no affine function of the
+  length, but are the divisor's, so where three slots are such a triple at every sample the
+  last two are computed from the first (which is fitted) rather than fitted.
 """
 
 from __future__ import annotations
@@ -39,7 +55,7 @@ from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span, fingerprint
 from grape.passes.families import match
 
-__all__ = ["Derivation", "Sampled", "Segment", "derive", "derive_lengths"]
+__all__ = ["Derivation", "Sampled", "Segment", "derive", "derive_lengths", "loose_slots"]
 
 MIN_SUPPORT = 3  # captured lengths on a stretch's line before it is trusted
 
@@ -78,20 +94,58 @@ def _segments(points: list[tuple[int, int]]) -> list[Segment]:
     return out
 
 
-def _words(data: bytes) -> list[int]:
-    return [int.from_bytes(data[k:k + 8], "little") for k in range(0, len(data), 8)]
+Slots = frozenset[int]  # byte offsets of 4-byte argument slots
 
 
-def _flatten(op: Op) -> tuple[tuple, dict[str, int]]:
-    """What must stay equal, and the numbers that may vary, of one operation."""
+def _slots(offset: int, size: int) -> range:
+    """The 4-byte slots that bytes ``offset .. offset + size`` touch."""
+    return range(offset - offset % 4, offset + size, 4)
+
+
+def _u32(data: bytes, offset: int) -> int:
+    return int.from_bytes(data[offset:offset + 4], "little")
+
+
+def _divider(divisor: int) -> tuple[int, int]:
+    """PyTorch's ``IntDivider<uint32_t>(divisor)``: the multiplier and shift it keeps
+    (``ATen/cuda/detail/IntegerDivider.cuh``)."""
+    shift = (divisor - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - divisor)) // divisor + 1, shift
+
+
+def _dividers(ops: list[Kernel], skip: Slots) -> Slots:
+    """The slots of ``ops`` (one kernel at every sample) that hold an ``IntDivider``'s
+    multiplier at every sample, the divisor in the slot before and the shift in the slot after,
+    and vary: computed from the divisor, not fitted (module docstring)."""
+    pointed = {o for op in ops for p in op.pointers for o in _slots(p.offset, 8)}
+    out = set()
+    for o in range(4, len(ops[0].args) - 7, 4):
+        if {o - 4, o, o + 4} & (skip | pointed) or len({_u32(op.args, o) for op in ops}) < 2:
+            continue
+        if all(_u32(op.args, o - 4) > 0
+               and (_u32(op.args, o), _u32(op.args, o + 4)) == _divider(_u32(op.args, o - 4))
+               for op in ops):
+            out.add(o)
+    return frozenset(out)
+
+
+def _flatten(op: Op, skip: Slots = frozenset()) -> tuple[tuple, dict[str, int]]:
+    """What must stay equal, and the numbers that may vary, of one operation; argument slots
+    in ``skip`` (loose, or computed from others) are neither."""
     if isinstance(op, Kernel):
         numbers = {f"grid{i}": v for i, v in enumerate(op.grid)}
         numbers |= {f"block{i}": v for i, v in enumerate(op.block)}
         numbers["shared_mem"] = op.shared_mem
-        numbers |= {f"arg{k}": w for k, w in enumerate(_words(op.args))}
-        numbers |= {f"ptr{k}": p.target.offset for k, p in enumerate(op.pointers)}
+        pointers = [p for p in op.pointers if not skip.intersection(_slots(p.offset, 8))]
+        taken = set(skip)
+        for p in pointers:
+            numbers[f"w{p.offset}"] = int.from_bytes(op.args[p.offset:p.offset + 8], "little")
+            numbers[f"p{p.offset}"] = p.target.offset
+            taken.update(_slots(p.offset, 8))
+        numbers |= {f"a{o}": _u32(op.args, o) for o in range(0, len(op.args), 4)
+                    if o not in taken}
         fixed = ("kernel", op.function, op.name, op.attributes, op.params, op.handles,
-                 len(op.args), tuple((p.offset, p.target.buffer) for p in op.pointers))
+                 len(op.args), tuple((p.offset, p.target.buffer) for p in pointers))
         return fixed, numbers
     if isinstance(op, Memcpy):
         return (("memcpy", op.src.buffer, op.dst.buffer),
@@ -103,17 +157,31 @@ def _flatten(op: Op) -> tuple[tuple, dict[str, int]]:
     return (op,), {}  # nodes without numbers (empty, events, conditionals) must be equal
 
 
-def _rebuild(op: Op, numbers: Mapping[str, int]) -> Op:
+def _bits(what: str, op: Op) -> int:
+    """How wide number ``what`` of ``op`` is: a derived value that does not fit is no value."""
+    if what.startswith("a"):
+        return 8 * min(4, len(op.args) - int(what[1:]))
+    return 32 if what.startswith(("grid", "block", "shared")) else 64
+
+
+def _rebuild(op: Op, numbers: Mapping[str, int], dividers: Slots = frozenset()) -> Op:
+    """``op`` with ``numbers``; argument bytes that are no number (loose) keep ``op``'s."""
     if isinstance(op, Kernel):
-        words = [numbers[f"arg{k}"] for k in range(len(_words(op.args)))]
-        args = b"".join(w.to_bytes(min(8, len(op.args) - 8 * k), "little")
-                        for k, w in enumerate(words))
-        pointers = tuple(Pointer(p.offset, Span(p.target.buffer, numbers[f"ptr{k}"]))
-                         for k, p in enumerate(op.pointers))
+        args = bytearray(op.args)
+        for what, value in numbers.items():
+            if what[0] in "aw":
+                o = int(what[1:])
+                size = 8 if what[0] == "w" else min(4, len(args) - o)
+                args[o:o + size] = value.to_bytes(size, "little")
+        for o in sorted(dividers):
+            multiplier, shift = _divider(_u32(args, o - 4))
+            args[o:o + 8] = multiplier.to_bytes(4, "little") + shift.to_bytes(4, "little")
+        pointers = tuple(Pointer(p.offset, Span(p.target.buffer, numbers[f"p{p.offset}"]))
+                         if f"p{p.offset}" in numbers else p for p in op.pointers)
         return dataclasses.replace(
             op, grid=tuple(numbers[f"grid{i}"] for i in range(3)),
             block=tuple(numbers[f"block{i}"] for i in range(3)),
-            shared_mem=numbers["shared_mem"], args=args, pointers=pointers)
+            shared_mem=numbers["shared_mem"], args=bytes(args), pointers=pointers)
     if isinstance(op, Memcpy):
         return Memcpy(Span(op.src.buffer, numbers["src"]), Span(op.dst.buffer, numbers["dst"]),
                       numbers["size"])
@@ -124,6 +192,45 @@ def _rebuild(op: Op, numbers: Mapping[str, int]) -> Op:
     return op
 
 
+def _masked(op: Op, loose: Slots) -> Op:
+    """``op`` with its loose slots zeroed and the pointers in them dropped: what two captures
+    of one length share."""
+    if not loose or not isinstance(op, Kernel):
+        return op
+    args = bytearray(op.args)
+    for o in loose:
+        args[o:o + 4] = bytes(len(args[o:o + 4]))
+    return dataclasses.replace(op, args=bytes(args), pointers=tuple(
+        p for p in op.pointers if not loose.intersection(_slots(p.offset, 8))))
+
+
+def loose_slots(graph: KernelGraph, again: KernelGraph) -> dict[str, Slots]:
+    """Two captures of one length: for each kernel node of ``graph``, its loose argument slots
+    (module docstring): those whose bytes differ between the two and lie under no pointer both
+    captures have, and those under a pointer one capture has and the other not.
+
+    Raises
+    ------
+    GraphError
+        The two differ in structure.
+    """
+    pairs = match(graph, again)
+    out: dict[str, Slots] = {}
+    for node, op in graph.ops():
+        other = again.op(pairs[node])
+        if not isinstance(op, Kernel) or not isinstance(other, Kernel) \
+                or len(op.args) != len(other.args):
+            continue
+        mine, theirs = {p.offset for p in op.pointers}, {p.offset for p in other.pointers}
+        both = {o for p in mine & theirs for o in _slots(p, 8)}
+        slots = {o for p in mine ^ theirs for o in _slots(p, 8)}
+        slots |= {o for o in range(0, len(op.args), 4)
+                  if o not in both and op.args[o:o + 4] != other.args[o:o + 4]}
+        if slots:
+            out[node] = frozenset(slots)
+    return out
+
+
 @dataclass
 class Derivation:
     """Graphs of one structure at every derivable length (see the module)."""
@@ -131,12 +238,22 @@ class Derivation:
     template: KernelGraph  # the graph at the smallest captured length
     lengths: tuple[int, ...]  # the captured lengths
     fits: dict[tuple[str, str], list[Segment]]  # (node or buffer, number) -> its stretches
+    loose: dict[str, Slots] = field(default_factory=dict)  # template node -> loose slots
+    dividers: dict[str, Slots] = field(default_factory=dict)  # node -> multipliers' slots
+    bits: dict[tuple[str, str], int] = field(default_factory=dict)  # a number's width
 
     def _value(self, key: tuple[str, str], length: int) -> int | None:
         for seg in self.fits[key]:
             if seg.first <= length <= seg.last:
-                return seg.at(length) if seg.support >= MIN_SUPPORT else None
+                value = seg.at(length) if seg.support >= MIN_SUPPORT else None
+                if value is None or not 0 <= value < 1 << self.bits.get(key, 64):
+                    return None
+                return value
         return None
+
+    def _skip(self, node: str) -> Slots:
+        return self.loose.get(node, frozenset()) | {
+            o + k for o in self.dividers.get(node, ()) for k in (0, 4)}
 
     def uncovered(self, length: int) -> list[tuple[str, str]]:
         """The numbers that cannot be derived at ``length`` (none: it is derivable)."""
@@ -169,25 +286,32 @@ class Derivation:
                                                address=got.get("address", b.address)))
         for node in nx.topological_sort(self.template.dag):  # an edge's ends exist first
             op = self.template.op(node)
-            fixed = dict(_flatten(op)[1])
+            fixed = dict(_flatten(op, self._skip(node))[1])
             fixed.update(numbers.get(node, {}))
-            out.add(node, _rebuild(op, fixed), after=list(self.template.dag.predecessors(node)))
+            out.add(node, _rebuild(op, fixed, self.dividers.get(node, frozenset())),
+                    after=list(self.template.dag.predecessors(node)))
         return out
 
     def check(self, length: int, captured: KernelGraph) -> list[str]:
         """The nodes (and buffers) whose derived form differs from ``captured``'s, at a
-        captured length: none means the derivation reproduces it byte for byte."""
+        captured length, outside loose slots: none means the derivation reproduces it byte for
+        byte there."""
         derived = self.graph_at(length)
         pairs = match(derived, captured)
         differ = [node for node in derived.dag.nodes
-                  if derived.op(node) != captured.op(pairs[node])]
+                  if _masked(derived.op(node), self.loose.get(node, frozenset()))
+                  != _masked(captured.op(pairs[node]), self.loose.get(node, frozenset()))]
         differ += [f"buffer:{b}" for b, buf in derived.buffers.items()
                    if captured.buffers.get(b) != buf]
         return differ
 
 
-def derive(samples: Mapping[int, KernelGraph]) -> Derivation:
+def derive(samples: Mapping[int, KernelGraph],
+           loose: Mapping[str, Slots] | None = None) -> Derivation:
     """Fit every varying number of ``samples`` (graphs by length, one structure) to the length.
+
+    ``loose``: the loose argument slots of the smallest length's nodes (:func:`loose_slots`),
+    left out of the fits and the checks.
 
     Raises
     ------
@@ -200,8 +324,10 @@ def derive(samples: Mapping[int, KernelGraph]) -> Derivation:
         raise GraphError(f"expected graphs at two or more lengths, found {len(samples)}")
     lengths = tuple(sorted(samples))
     template = samples[lengths[0]]
+    loose = {node: slots for node, slots in (loose or {}).items() if slots}
     series: dict[tuple[str, str], list[tuple[int, int]]] = {}
     fixed_at: dict[str, Any] = {}
+    ops: dict[str, list[Op]] = {node: [] for node in template.dag.nodes}
     for length in lengths:
         graph = samples[length]
         pairs = match(template, graph)
@@ -213,18 +339,33 @@ def derive(samples: Mapping[int, KernelGraph]) -> Derivation:
             for what, value in (("size", b.size), ("address", b.address)):
                 if value is not None:
                     series.setdefault((f"buffer:{b.id}", what), []).append((length, value))
-        for node in template.dag.nodes:
-            fixed, numbers = _flatten(graph.op(pairs[node]))
+        for node, seen in ops.items():
+            seen.append(graph.op(pairs[node]))
+    dividers: dict[str, Slots] = {}
+    bits: dict[tuple[str, str], int] = {}
+    for node, seen in ops.items():
+        skip = loose.get(node, frozenset())
+        one_kernel = isinstance(seen[0], Kernel) and all(
+            isinstance(op, Kernel) and len(op.args) == len(seen[0].args) for op in seen)
+        if one_kernel and (found := _dividers(seen, skip)):
+            dividers[node] = found
+            skip = skip | {o + k for o in found for k in (0, 4)}
+        for length, op in zip(lengths, seen, strict=True):
+            fixed, numbers = _flatten(op, skip)
             if fixed_at.setdefault(node, fixed) != fixed:
-                field = _first_difference(fixed_at[node], fixed)
+                what = _first_difference(fixed_at[node], fixed)
                 raise GraphError(f"expected node {node!r} to differ in numbers only between "
-                                 f"lengths {lengths[0]} and {length}, found its {field} "
+                                 f"lengths {lengths[0]} and {length}, found its {what} "
                                  f"changed")
             for what, value in numbers.items():
                 series.setdefault((node, what), []).append((length, value))
-    fits = {key: _segments(points) for key, points in series.items()
-            if len({v for _, v in points}) > 1}
-    return Derivation(template, lengths, fits)
+    fits = {}
+    for key, points in series.items():
+        if len({v for _, v in points}) > 1:
+            fits[key] = _segments(points)
+            if not key[0].startswith("buffer:"):
+                bits[key] = _bits(key[1], template.op(key[0]))
+    return Derivation(template, lengths, fits, loose, dividers, bits)
 
 
 _FIXED_NAMES = ("kind", "function", "name", "attributes", "parameter layout", "handles",
@@ -252,6 +393,8 @@ class Sampled:
     cuts: list[tuple[int, int, str]] = field(default_factory=list)
     # Each length's fingerprint(launch=False), computed once (thousands of nodes take a while).
     topologies: dict[int, str] = field(default_factory=dict)
+    # Lengths captured a second time to find loose slots (not in ``captured``, not kept).
+    repeated: list[int] = field(default_factory=list)
 
 
 def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | None = None,
@@ -306,7 +449,7 @@ def _refine(want: list[int], graphs: Mapping[int, KernelGraph],
     another attention or GEMM kernel every few KV lengths) leaves runs of one or two samples,
     and nothing is derived at all. Each change costs about log2(every) captures."""
     while True:
-        runs = _runs(graphs, seen=seen, prints=prints)
+        runs = _runs({n: graphs[n] for n in want if n in graphs}, seen=seen, prints=prints)
         todo = set()
         for left, right in pairwise(runs):
             todo.add(_middle([n for n in want if left[-1] < n < right[0]]))
@@ -335,15 +478,24 @@ def _spread(candidates: list[int], k: int) -> list[int]:
 
 
 def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int], *,
-                   every: int = 8, checks: int = 1,
+                   every: int = 8, checks: int = 1, period: int = 1,
                    progress: Callable[[str], None] = lambda line: None) -> Sampled:
     """The graphs at ``lengths``, most derived rather than captured.
 
-    ``capture(n)`` gives the graph at length ``n``; it is called for every ``every``-th length
-    and the last, largest first (a family's pool then holds the largest shape's memory), then
-    for ``checks`` lengths per stretch that a derivation covers but no sample is at (held-out
-    checks: a stretch whose derived graph differs from the captured one in any byte is refused,
-    and its lengths are captured), and last for every length no trusted stretch covers.
+    ``capture(n)`` gives the graph at length ``n``. The lengths are split into their residue
+    classes modulo ``period``, and each class is handled on its own: PyTorch picks kernels by a
+    length's alignment (on the H200 a small GPT-2's attention took another path at every KV
+    length 7 mod 8), so a class of lengths ``period`` apart keeps one path where the lengths
+    themselves alternate, and a number rounded up to a multiple of ``period`` is affine within
+    a class. In each class, ``capture`` is called for every ``every``-th length and the last,
+    largest first (a family's pool then holds the largest shape's memory), then for
+    ``checks`` lengths per stretch that a derivation covers but no sample is at (held-out
+    checks: a stretch whose derived graph differs from the captured one in any byte but loose
+    ones is refused, and its lengths are captured), and last for every length no trusted
+    stretch covers. The smallest and largest sample of each topology are captured once more
+    to find its loose slots (:func:`loose_slots`; a slot is loose only where it is loose at
+    both, so a slot PyTorch fills at some lengths and not at others is fitted, and where it
+    holds no number, not derived).
 
     What a held-out check cannot see, it cannot refuse: a number that leaves its line between
     two samples and returns to it (a kernel chosen for a few lengths only) is derived wrongly
@@ -352,12 +504,13 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     Raises
     ------
     GrapeError
-        ``every`` below 1, ``checks`` below 0, or no lengths.
+        ``every`` or ``period`` below 1, ``checks`` below 0, or no lengths.
     """
     want = sorted(set(lengths))
-    if not want or every < 1 or checks < 0:
-        raise GrapeError(f"expected lengths, every >= 1 and checks >= 0, found "
-                         f"{len(want)} lengths, every={every}, checks={checks}")
+    if not want or every < 1 or checks < 0 or period < 1:
+        raise GrapeError(f"expected lengths, every >= 1, checks >= 0 and period >= 1, found "
+                         f"{len(want)} lengths, every={every}, checks={checks}, "
+                         f"period={period}")
     out = Sampled({})
 
     def take(n: int) -> KernelGraph:
@@ -367,16 +520,23 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
             progress(f"captured {len(out.captured)} lengths")
         return out.graphs[n]
 
-    for n in sorted(set(want[::every]) | {want[-1]}, reverse=True):
+    classes = [c for c in ([n for n in want if n % period == r] for r in range(period)) if c]
+    for n in sorted({n for c in classes for n in c[::every] + c[-1:]}, reverse=True):
         take(n)
     seen: dict[tuple[int, int], str | None] = {}
-    _refine(want, out.graphs, take, seen, out.topologies)
-    derivations = [derive({n: out.graphs[n] for n in run})
-                   for run in _runs(out.graphs, seen=seen, prints=out.topologies)
-                   if len(run) >= MIN_SUPPORT]
-    trusted = []
-    for d in derivations:
-        inside = [n for n in want if d.lengths[0] < n < d.lengths[-1]
+    for c in classes:
+        _refine(c, out.graphs, take, seen, out.topologies)
+
+    def runs_of(c: list[int]) -> list[list[int]]:
+        return _runs({n: out.graphs[n] for n in c if n in out.graphs}, seen=seen,
+                     prints=out.topologies)
+
+    runs = [(c, run) for c in classes for run in runs_of(c) if len(run) >= MIN_SUPPORT]
+    loose = _loose_by_topology([run for _, run in runs], out, capture)
+    trusted: list[tuple[list[int], Derivation]] = []
+    for c, run in runs:
+        d = derive({n: out.graphs[n] for n in run}, loose(out.graphs[run[0]]))
+        inside = [n for n in c if d.lengths[0] < n < d.lengths[-1]
                   and n not in out.graphs and d.covers(n)]
         refuted = False
         for n in _spread(inside, checks):
@@ -385,12 +545,12 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         if refuted:
             out.refused.append((d.lengths[0], d.lengths[-1]))
         else:
-            trusted.append(d)
+            trusted.append((c, d))
     for n in want:
         if n in out.graphs:
             continue
-        d = next((d for d in trusted if d.lengths[0] <= n <= d.lengths[-1] and d.covers(n)),
-                 None)
+        d = next((d for c, d in trusted if n % period == c[0] % period
+                  and d.lengths[0] <= n <= d.lengths[-1] and d.covers(n)), None)
         if d is None:
             take(n)
         else:
@@ -398,7 +558,39 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
             out.derived.append(n)
             out.topologies[n] = out.topologies[d.lengths[0]]  # numbers differ, nothing else
     # The cuts between captured lengths (their pairs were compared already, in ``seen``).
-    _runs({n: out.graphs[n] for n in out.captured}, out.cuts, seen, out.topologies)
-    progress(f"{len(want)} lengths: {len(out.captured)} captured, {len(out.derived)} derived, "
+    captured = set(out.captured)
+    for c in classes:
+        _runs({n: out.graphs[n] for n in c if n in captured}, out.cuts, seen, out.topologies)
+    progress(f"{len(want)} lengths: {len(out.captured)} captured "
+             f"(and {len(out.repeated)} again for loose slots), {len(out.derived)} derived, "
              f"{len(out.refused)} stretches refused by a check, {len(out.cuts)} changes")
     return out
+
+
+def _loose_by_topology(runs: list[list[int]], out: Sampled,
+                       capture: Callable[[int], KernelGraph]
+                       ) -> Callable[[KernelGraph], dict[str, Slots]]:
+    """Capture the smallest and largest sampled length of each topology of ``runs`` again
+    (counted in ``out.repeated``) and find the slots loose at both (:func:`loose_slots`); the
+    function returned gives them for any graph of one of those topologies, by its own nodes."""
+    ends: dict[str, list[int]] = {}
+    for run in runs:
+        ends.setdefault(out.topologies[run[0]], []).extend((run[0], run[-1]))
+    found: dict[str, tuple[KernelGraph, dict[str, Slots]]] = {}
+    for topology, lengths in ends.items():
+        small, large = min(lengths), max(lengths)
+        at: dict[int, dict[str, Slots]] = {}
+        for n in dict.fromkeys((small, large)):
+            at[n] = loose_slots(out.graphs[n], capture(n))
+            out.repeated.append(n)
+        reference = out.graphs[small]
+        pairs = match(reference, out.graphs[large])
+        found[topology] = (reference, {
+            node: slots & at[large].get(pairs[node], frozenset())
+            for node, slots in at[small].items()})
+
+    def loose(graph: KernelGraph) -> dict[str, Slots]:
+        reference, slots = found[fingerprint(graph, launch=False)]
+        pairs = match(reference, graph)
+        return {pairs[node]: s for node, s in slots.items() if s}
+    return loose

@@ -270,7 +270,8 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                    params: Mapping[str, torch.Tensor] | None = None,
                    progress: Callable[[str], None] = lambda line: None,
                    update: str = "nodes", derive_every: int | None = None,
-                   checks: int = 1, warmup: int = 1, prepare: bool = True) -> Family:
+                   checks: int = 1, derive_period: int = 1, warmup: int = 1,
+                   prepare: bool = True) -> Family:
     """Capture ``step(shape)`` for each shape (largest first) into one family.
 
     ``update`` says how an executable is brought to a shape: ``"nodes"`` updates the nodes
@@ -284,7 +285,10 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     derive the others' graphs from them (``grape.passes.derive.derive_lengths``: numbers
     fitted as piecewise-affine functions of the length, ``checks`` held-out lengths per
     stretch captured and compared byte for byte, a stretch they refute captured whole, any
-    length no trusted stretch covers captured). :attr:`Family.sampled` says which were which.
+    length no trusted stretch covers captured, ``derive_period``: lengths derived only from
+    lengths equal to them modulo it, for kernels chosen by a length's alignment; the smallest
+    and largest sample of each topology captured once more to find the argument bytes PyTorch
+    leaves unfilled). :attr:`Family.sampled` says which were which.
 
     ``warmup``: eager runs of ``step(shape)`` before each capture (lazy initialisation must not
     happen inside one); 0 where running the step changes state the caller keeps (a training
@@ -331,6 +335,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     sampled = None
     if derive_every is not None:
         sampled = derive_lengths(captured, shapes, every=derive_every, checks=checks,
+                                 period=derive_period,
                                  progress=progress)
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
