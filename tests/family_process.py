@@ -18,20 +18,21 @@ import warnings
 LENGTHS = [60, 59, 58, 33, 32, 9, 1]  # largest first, as a family is captured
 
 
-def decode():
-    """(model, step, out): a 2-layer GPT-2's decode step over a preallocated cache at a KV
-    length, writing its logits into ``out``."""
+def decode(positions: int = 64):
+    """(model, step, out): a 2-layer GPT-2's decode step over a preallocated cache of
+    ``positions`` at a KV length below it, writing its logits into ``out``."""
     import torch
     import transformers
 
     from grape.torch.cache import PrefixCache
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_embd=256, n_layer=2, n_head=4, n_positions=64)
+    config = transformers.GPT2Config(n_embd=256, n_layer=2, n_head=4, n_positions=positions)
     model = transformers.GPT2LMHeadModel(config).cuda().half().eval()
-    cache = PrefixCache(config.n_layer, 64)
+    cache = PrefixCache(config.n_layer, positions)
     with torch.no_grad():
-        model(torch.randint(0, 1000, (2, 63), device="cuda"), past_key_values=cache)
+        model(torch.randint(0, 1000, (2, positions - 1), device="cuda"),
+              past_key_values=cache)
     ids = torch.randint(0, 1000, (2, 1), device="cuda")
     out = torch.empty(2, 1, config.vocab_size, device="cuda", dtype=torch.float16)
 

@@ -50,6 +50,7 @@ from itertools import pairwise
 from typing import Any
 
 import networkx as nx
+import numpy as np
 
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span, fingerprint
@@ -113,14 +114,23 @@ def _divider(divisor: int) -> tuple[int, int]:
     return ((1 << 32) * ((1 << shift) - divisor)) // divisor + 1, shift
 
 
-def _dividers(ops: list[Kernel], skip: Slots) -> Slots:
-    """The slots of ``ops`` (one kernel at every sample) that hold an ``IntDivider``'s
-    multiplier at every sample, the divisor in the slot before and the shift in the slot after,
-    and vary: computed from the divisor, not fitted (module docstring)."""
+def _varying(ops: list[Kernel]) -> list[int]:
+    """The argument slots whose bytes are not the same at every sample (``ops``: one kernel,
+    arguments of one length), found with numpy: kernels carry hundreds of slots, few vary."""
+    width = len(ops[0].args) + (-len(ops[0].args)) % 4
+    rows = np.frombuffer(b"".join(op.args.ljust(width, b"\0") for op in ops),
+                         dtype="<u4").reshape(len(ops), -1)
+    return (np.flatnonzero((rows != rows[0]).any(axis=0)) * 4).tolist()
+
+
+def _dividers(ops: list[Kernel], skip: Slots, varying: Iterable[int]) -> Slots:
+    """The slots of ``ops`` (one kernel at every sample) among ``varying`` that hold an
+    ``IntDivider``'s multiplier at every sample, the divisor in the slot before and the shift
+    in the slot after: computed from the divisor, not fitted (module docstring)."""
     pointed = {o for op in ops for p in op.pointers for o in _slots(p.offset, 8)}
     out = set()
-    for o in range(4, len(ops[0].args) - 7, 4):
-        if {o - 4, o, o + 4} & (skip | pointed) or len({_u32(op.args, o) for op in ops}) < 2:
+    for o in varying:
+        if o < 4 or o + 8 > len(ops[0].args) or {o - 4, o, o + 4} & (skip | pointed):
             continue
         if all(_u32(op.args, o - 4) > 0
                and (_u32(op.args, o), _u32(op.args, o + 4)) == _divider(_u32(op.args, o - 4))
@@ -129,9 +139,15 @@ def _dividers(ops: list[Kernel], skip: Slots) -> Slots:
     return frozenset(out)
 
 
-def _flatten(op: Op, skip: Slots = frozenset()) -> tuple[tuple, dict[str, int]]:
-    """What must stay equal, and the numbers that may vary, of one operation; argument slots
-    in ``skip`` (loose, or computed from others) are neither."""
+def _flatten(op: Op, skip: Slots = frozenset(), fixed_only: bool = False,
+             slots: Iterable[int] | None = None) -> tuple[tuple, dict[str, int]]:
+    """What must stay equal, and (unless ``fixed_only``) the numbers that may vary, of one
+    operation; argument slots in ``skip`` (loose, or computed from others) are neither.
+    ``slots``: the argument slots to read numbers from (default: every one)."""
+    if isinstance(op, Kernel) and fixed_only:
+        pointers = [p for p in op.pointers if not skip.intersection(_slots(p.offset, 8))]
+        return ("kernel", op.function, op.name, op.attributes, op.params, op.handles,
+                len(op.args), tuple((p.offset, p.target.buffer) for p in pointers)), {}
     if isinstance(op, Kernel):
         numbers = {f"grid{i}": v for i, v in enumerate(op.grid)}
         numbers |= {f"block{i}": v for i, v in enumerate(op.block)}
@@ -142,7 +158,8 @@ def _flatten(op: Op, skip: Slots = frozenset()) -> tuple[tuple, dict[str, int]]:
             numbers[f"w{p.offset}"] = int.from_bytes(op.args[p.offset:p.offset + 8], "little")
             numbers[f"p{p.offset}"] = p.target.offset
             taken.update(_slots(p.offset, 8))
-        numbers |= {f"a{o}": _u32(op.args, o) for o in range(0, len(op.args), 4)
+        numbers |= {f"a{o}": _u32(op.args, o)
+                    for o in (range(0, len(op.args), 4) if slots is None else slots)
                     if o not in taken}
         fixed = ("kernel", op.function, op.name, op.attributes, op.params, op.handles,
                  len(op.args), tuple((p.offset, p.target.buffer) for p in pointers))
@@ -165,7 +182,9 @@ def _bits(what: str, op: Op) -> int:
 
 
 def _rebuild(op: Op, numbers: Mapping[str, int], dividers: Slots = frozenset()) -> Op:
-    """``op`` with ``numbers``; argument bytes that are no number (loose) keep ``op``'s."""
+    """``op`` with ``numbers`` (some of :func:`_flatten`'s: the others keep ``op``'s value);
+    argument bytes that are no number (loose) keep ``op``'s too."""
+    numbers = {**_flatten(op)[1], **numbers} if not isinstance(op, Kernel) else numbers
     if isinstance(op, Kernel):
         args = bytearray(op.args)
         for what, value in numbers.items():
@@ -179,9 +198,10 @@ def _rebuild(op: Op, numbers: Mapping[str, int], dividers: Slots = frozenset()) 
         pointers = tuple(Pointer(p.offset, Span(p.target.buffer, numbers[f"p{p.offset}"]))
                          if f"p{p.offset}" in numbers else p for p in op.pointers)
         return dataclasses.replace(
-            op, grid=tuple(numbers[f"grid{i}"] for i in range(3)),
-            block=tuple(numbers[f"block{i}"] for i in range(3)),
-            shared_mem=numbers["shared_mem"], args=bytes(args), pointers=pointers)
+            op, grid=tuple(numbers.get(f"grid{i}", v) for i, v in enumerate(op.grid)),
+            block=tuple(numbers.get(f"block{i}", v) for i, v in enumerate(op.block)),
+            shared_mem=numbers.get("shared_mem", op.shared_mem), args=bytes(args),
+            pointers=pointers)
     if isinstance(op, Memcpy):
         return Memcpy(Span(op.src.buffer, numbers["src"]), Span(op.dst.buffer, numbers["dst"]),
                       numbers["size"])
@@ -286,10 +306,9 @@ class Derivation:
                                                address=got.get("address", b.address)))
         for node in nx.topological_sort(self.template.dag):  # an edge's ends exist first
             op = self.template.op(node)
-            fixed = dict(_flatten(op, self._skip(node))[1])
-            fixed.update(numbers.get(node, {}))
-            out.add(node, _rebuild(op, fixed, self.dividers.get(node, frozenset())),
-                    after=list(self.template.dag.predecessors(node)))
+            if node in numbers:  # the others are the template's, number for number
+                op = _rebuild(op, numbers[node], self.dividers.get(node, frozenset()))
+            out.add(node, op, after=list(self.template.dag.predecessors(node)))
         return out
 
     def check(self, length: int, captured: KernelGraph) -> list[str]:
@@ -347,11 +366,12 @@ def derive(samples: Mapping[int, KernelGraph],
         skip = loose.get(node, frozenset())
         one_kernel = isinstance(seen[0], Kernel) and all(
             isinstance(op, Kernel) and len(op.args) == len(seen[0].args) for op in seen)
-        if one_kernel and (found := _dividers(seen, skip)):
+        varying = _varying(seen) if one_kernel else None
+        if varying and (found := _dividers(seen, skip, varying)):
             dividers[node] = found
             skip = skip | {o + k for o in found for k in (0, 4)}
         for length, op in zip(lengths, seen, strict=True):
-            fixed, numbers = _flatten(op, skip)
+            fixed, numbers = _flatten(op, skip, slots=varying)
             if fixed_at.setdefault(node, fixed) != fixed:
                 what = _first_difference(fixed_at[node], fixed)
                 raise GraphError(f"expected node {node!r} to differ in numbers only between "
@@ -366,6 +386,26 @@ def derive(samples: Mapping[int, KernelGraph],
             if not key[0].startswith("buffer:"):
                 bits[key] = _bits(key[1], template.op(key[0]))
     return Derivation(template, lengths, fits, loose, dividers, bits)
+
+
+def _differs(a: KernelGraph, at: int, b: KernelGraph, bt: int) -> str | None:
+    """What keeps two graphs (at lengths ``at`` and ``bt``) from one derivation, as
+    :func:`derive` would say it, without fitting anything: None where only numbers differ."""
+    try:
+        pairs = match(a, b)
+    except GraphError as e:
+        return str(e)
+    if set(a.buffers) != set(b.buffers):
+        extra = sorted(set(a.buffers) ^ set(b.buffers))
+        return (f"expected the same buffers at every length, found {extra[0]!r} at one of "
+                f"lengths {at} and {bt} only")
+    for node, op in a.ops():
+        mine, theirs = (_flatten(op, fixed_only=True)[0],
+                         _flatten(b.op(pairs[node]), fixed_only=True)[0])
+        if mine != theirs:
+            return (f"expected node {node!r} to differ in numbers only between lengths {at} "
+                    f"and {bt}, found its {_first_difference(mine, theirs)} changed")
+    return None
 
 
 _FIXED_NAMES = ("kind", "function", "name", "attributes", "parameter layout", "handles",
@@ -417,11 +457,7 @@ def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | 
         if runs and topology == last_topology:
             pair = (runs[-1][-1], n)
             if pair not in seen:
-                try:
-                    derive({pair[0]: graphs[pair[0]], n: graphs[n]})
-                    seen[pair] = None
-                except GraphError as e:
-                    seen[pair] = str(e)
+                seen[pair] = _differs(graphs[pair[0]], pair[0], graphs[n], n)
             why = seen[pair]
             if why is None:
                 runs[-1].append(n)
