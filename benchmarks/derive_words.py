@@ -13,15 +13,7 @@ import struct
 import sys
 
 from grape.familyio import load_family
-from grape.passes.derive import derive
-
-
-def _divider(divisor: int) -> tuple[int, int]:
-    """PyTorch's IntDivider<uint32_t>: the multiplier and shift it keeps for ``divisor``."""
-    shift = 0
-    while (1 << shift) < divisor:
-        shift += 1
-    return (((1 << 32) * ((1 << shift) - divisor)) // divisor + 1) & 0xFFFFFFFF, shift
+from grape.passes.derive import _divider, derive
 
 
 def _halves_explained(graphs, node: str, word: int) -> bool:
