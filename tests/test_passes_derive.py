@@ -271,3 +271,19 @@ def test_lengths_of_a_real_decode_step_derive_byte_for_byte_but_for_loose_slots(
     assert len(derivable) >= 3
     for n in derivable:
         assert d.check(n, graphs[n]) == [], n
+
+
+def test_differences_name_each_number_a_check_refuses():
+    d = derive({n: step(n) for n in SAMPLED})
+    captured = step(100)
+    attn = captured.op("attn")
+    import dataclasses
+
+    captured.dag.nodes["attn"]["op"] = dataclasses.replace(
+        attn, args=attn.args[:12] + (65).to_bytes(4, "little"))
+    assert d.differences(100, captured) == [("attn", "a12", 64, 65)]
+    assert d.differences(100, step(100)) == []
+    got = derive_lengths(_recorder(step)[0], range(1, 257), every=8, checks=1)
+    # Every derivation made is kept, its samples among the captured lengths.
+    assert got.derivations
+    assert all(set(d.lengths) <= set(got.captured) for d in got.derivations)

@@ -324,6 +324,26 @@ class Derivation:
                    if captured.buffers.get(b) != buf]
         return differ
 
+    def differences(self, length: int, captured: KernelGraph
+                    ) -> list[tuple[str, str, int | None, int | None]]:
+        """What :meth:`check` found, number by number: (node, number, derived, captured) for
+        each number outside loose slots that differs (divider slots read as numbers here), and
+        (node, field, None, None) where something that is no number differs."""
+        derived = self.graph_at(length)
+        pairs = match(derived, captured)
+        out: list[tuple[str, str, int | None, int | None]] = []
+        for node in derived.dag.nodes:
+            loose = self.loose.get(node, frozenset())
+            mine, theirs = derived.op(node), captured.op(pairs[node])
+            if _masked(mine, loose) == _masked(theirs, loose):
+                continue
+            (fixed, a), (their_fixed, b) = _flatten(mine, loose), _flatten(theirs, loose)
+            if fixed != their_fixed:
+                out.append((node, _first_difference(fixed, their_fixed), None, None))
+            out += [(node, k, a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys())
+                    if a.get(k) != b.get(k)]
+        return out
+
 
 def derive(samples: Mapping[int, KernelGraph],
            loose: Mapping[str, Slots] | None = None) -> Derivation:
@@ -435,6 +455,9 @@ class Sampled:
     topologies: dict[int, str] = field(default_factory=dict)
     # Lengths captured a second time to find loose slots (not in ``captured``, not kept).
     repeated: list[int] = field(default_factory=list)
+    # Every derivation made, trusted or refused: what to read where a check refused one
+    # (``Derivation.differences`` at the lengths in ``checked``).
+    derivations: list[Derivation] = field(default_factory=list)
 
 
 def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | None = None,
@@ -572,6 +595,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     trusted: list[tuple[list[int], Derivation]] = []
     for c, run in runs:
         d = derive({n: out.graphs[n] for n in run}, loose(out.graphs[run[0]]))
+        out.derivations.append(d)
         inside = [n for n in c if d.lengths[0] < n < d.lengths[-1]
                   and n not in out.graphs and d.covers(n)]
         refuted = False

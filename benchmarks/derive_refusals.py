@@ -1,0 +1,75 @@
+"""Why a derivation's held-out checks refuse GPT-2's stretches (GPU).
+
+``benchmarks/families.py --derive-every 2 --derive-period 8`` over KV lengths 1..255 derived 88
+lengths in one process on the H200 and none in others: held-out checks differed from the
+derived graphs outside the slots found loose. This captures the same family the same way and,
+for every held-out check that differed, prints each number that differed (node, kernel, slot,
+derived and captured value) and what the derivation knew of it (fitted or not, its template
+value), then a count by kernel and number. Full lines go to ``--out`` (JSON).
+
+``python benchmarks/derive_refusals.py [--lengths 1:255] [--every 2] [--period 8] [--out F]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+from grape.passes.derive import _flatten
+
+
+def main() -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from families import gpt2_decode
+
+    from grape.torch.family import capture_family
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="1:255")
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--period", type=int, default=8)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    first, last = (int(x) for x in args.lengths.split(":"))
+    lengths = list(range(first, last + 1))
+    w = gpt2_decode(1, lengths)
+    family = capture_family(w.step, sorted(lengths, reverse=True), w.params,
+                            derive_every=args.every, derive_period=args.period,
+                            prepare=False, progress=print)
+    sampled = family.sampled
+    rows = []
+    for n, differ in sorted(sampled.checked.items()):
+        if not differ:
+            continue
+        d = next((d for d in sampled.derivations if d.lengths[0] < n < d.lengths[-1]
+                  and (n - d.lengths[0]) % args.period == 0), None)
+        if d is None:
+            raise SystemExit(f"no derivation holds held-out length {n}: a bug")
+        for node, what, derived, captured in d.differences(n, sampled.graphs[n]):
+            op = d.template.op(node)
+            template = _flatten(op, d.loose.get(node, frozenset()))[1].get(what)
+            rows.append({"length": n, "samples": [d.lengths[0], d.lengths[-1]], "node": node,
+                         "kernel": getattr(op, "name", op.kind)[:60], "number": what,
+                         "derived": derived, "captured": captured, "template": template,
+                         "fitted": (node, what) in d.fits,
+                         "loose_slots_of_node": len(d.loose.get(node, ()))})
+    print(f"{len(lengths)} lengths: {len(sampled.captured)} captured, {len(sampled.derived)} "
+          f"derived, {len(sampled.repeated)} captured again; "
+          f"{sum(bool(v) for v in sampled.checked.values())} of {len(sampled.checked)} "
+          f"held-out checks differed, in {len(rows)} numbers")
+    for r in rows[:40]:
+        print(json.dumps(r))
+    counts = collections.Counter((r["kernel"][:40], r["number"], r["fitted"]) for r in rows)
+    for (kernel, number, fitted), count in counts.most_common(20):
+        print(f"  {count:4d}  {number:8s} fitted={fitted!s:5s} {kernel}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    family.close()
+
+
+if __name__ == "__main__":
+    main()
