@@ -59,7 +59,8 @@ def main() -> None:
     print(f"{len(lengths)} lengths: {len(sampled.captured)} captured, {len(sampled.derived)} "
           f"derived, {len(sampled.repeated)} captured again; "
           f"{sum(bool(v) for v in sampled.checked.values())} of {len(sampled.checked)} "
-          f"held-out checks differed, in {len(rows)} numbers")
+          f"held-out checks differed, in {len(rows)} numbers; host words made loose: "
+          f"{sampled.host_words}")
     for r in rows[:40]:
         print(json.dumps(r))
     counts = collections.Counter((r["kernel"][:40], r["number"], r["fitted"]) for r in rows)

@@ -287,3 +287,33 @@ def test_differences_name_each_number_a_check_refuses():
     # Every derivation made is kept, its samples among the captured lengths.
     assert got.derivations
     assert all(set(d.lengths) <= set(got.captured) for d in got.derivations)
+
+
+def _later_another(address_after: int, calls_before: int):
+    """A capture function whose kernels carry a host word that changes after a number of
+    captures (as a heap address left on the host stack did on the H200), not with the length."""
+    count = [0]
+
+    def capture(n):
+        count[0] += 1
+        g = step(n)
+        attn = g.op("attn")
+        word = 0x7F3A_1234_5678 if count[0] <= calls_before else address_after
+        import dataclasses
+
+        g.dag.nodes["attn"]["op"] = dataclasses.replace(
+            attn, args=attn.args + word.to_bytes(8, "little"))
+        return g
+    return capture
+
+
+def test_a_host_address_that_changed_since_the_samples_is_loose_not_refused():
+    # 33 samples, then the two captured again for loose slots: the word is the same in all.
+    # The held-out check sees another address there and makes it loose, not a refusal.
+    got = derive_lengths(_later_another(0x7F3A_0000_1000, 35), range(1, 257), every=8,
+                         checks=1)
+    assert got.refused == [] and got.derived
+    assert [(node, offset) for _, node, offset in got.host_words] == [("attn", 16)]
+    # A small number that changes so is no address: the check refuses its stretch.
+    got = derive_lengths(_later_another(12345, 35), range(1, 257), every=8, checks=1)
+    assert got.refused and not got.host_words

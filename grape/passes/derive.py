@@ -455,6 +455,9 @@ class Sampled:
     topologies: dict[int, str] = field(default_factory=dict)
     # Lengths captured a second time to find loose slots (not in ``captured``, not kept).
     repeated: list[int] = field(default_factory=list)
+    # Words a held-out check found holding other host addresses than the samples (held-out
+    # length, node, byte offset), made loose (``_host_words``).
+    host_words: list[tuple[int, str, int]] = field(default_factory=list)
     # Every derivation made, trusted or refused: what to read where a check refused one
     # (``Derivation.differences`` at the lengths in ``checked``).
     derivations: list[Derivation] = field(default_factory=list)
@@ -600,7 +603,13 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                   and n not in out.graphs and d.covers(n)]
         refuted = False
         for n in _spread(inside, checks):
-            out.checked[n] = d.check(n, take(n))
+            captured = take(n)
+            out.checked[n] = d.check(n, captured)
+            if out.checked[n] and (words := _host_words(d, n, captured)):
+                for node, offset in words:
+                    d.loose[node] = d.loose.get(node, frozenset()) | {offset, offset + 4}
+                    out.host_words.append((n, node, offset))
+                out.checked[n] = d.check(n, captured)
             refuted = refuted or bool(out.checked[n])
         if refuted:
             out.refused.append((d.lengths[0], d.lengths[-1]))
@@ -625,6 +634,38 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
              f"(and {len(out.repeated)} again for loose slots), {len(out.derived)} derived, "
              f"{len(out.refused)} stretches refused by a check, {len(out.cuts)} changes")
     return out
+
+
+# Where a 64-bit word holding a user-space address lies: its upper half, on Linux x86-64 and
+# aarch64, from the heap (0x55..) to the stacks and mappings (0x7f..).
+_ADDRESS_HIGH = range(0x100, 0x8000)
+
+
+def _host_words(d: Derivation, length: int, captured: KernelGraph) -> list[tuple[str, int]]:
+    """The argument words where ``captured`` (a held-out length) differs from ``d``'s derived
+    graph, when every difference is one: a word no sample's fit covers (the same at every
+    sample), that holds a user-space address in both and lies under no pointer into the
+    graph's memory. Measured on the H200 (``benchmarks/derive_refusals.py``): an elementwise
+    kernel's unfilled slot held one heap address at every sample of a family and another at
+    lengths captured later, the same in two captures of one length, so no pair of captures
+    finds it loose. Such a word is the host stack's leftover: the samples themselves, captured
+    graphs, hold the template's value there, so a derived graph holding it is as right as they
+    are. Empty where any difference is something else: the check then refuses."""
+    derived = d.graph_at(length)
+    pairs = match(derived, captured)
+    words: set[tuple[str, int]] = set()
+    for node, what, _, _ in d.differences(length, captured):
+        if not what.startswith("a") or (node, what) in d.fits:
+            return []
+        offset = int(what[1:]) - int(what[1:]) % 8
+        mine, theirs = derived.op(node), captured.op(pairs[node])
+        if offset + 8 > len(mine.args) or any(
+                offset - 8 < p.offset < offset + 8 for p in (*mine.pointers, *theirs.pointers)):
+            return []
+        if not all(_u32(op.args, offset + 4) in _ADDRESS_HIGH for op in (mine, theirs)):
+            return []
+        words.add((node, offset))
+    return sorted(words)
 
 
 def _loose_by_topology(runs: list[list[int]], out: Sampled,
