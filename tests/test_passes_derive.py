@@ -289,7 +289,7 @@ def test_differences_name_each_number_a_check_refuses():
     assert all(set(d.lengths) <= set(got.captured) for d in got.derivations)
 
 
-def _later_another(address_after: int, calls_before: int):
+def _later_another(address_after: int, calls_before: int, before: int = 0x7F3A_1234_5678):
     """A capture function whose kernels carry a host word that changes after a number of
     captures (as a heap address left on the host stack did on the H200), not with the length."""
     count = [0]
@@ -298,7 +298,7 @@ def _later_another(address_after: int, calls_before: int):
         count[0] += 1
         g = step(n)
         attn = g.op("attn")
-        word = 0x7F3A_1234_5678 if count[0] <= calls_before else address_after
+        word = before if count[0] <= calls_before else address_after
         import dataclasses
 
         g.dag.nodes["attn"]["op"] = dataclasses.replace(
@@ -314,6 +314,11 @@ def test_a_host_address_that_changed_since_the_samples_is_loose_not_refused():
                          checks=1)
     assert got.refused == [] and got.derived
     assert [(node, offset) for _, node, offset in got.host_words] == [("attn", 16)]
+    # Zero at the samples, an address later: the same.
+    got = derive_lengths(_later_another(0x7F3A_0000_1000, 35, before=0), range(1, 257),
+                         every=8, checks=1)
+    assert got.refused == [] and got.host_words
     # A small number that changes so is no address: the check refuses its stretch.
-    got = derive_lengths(_later_another(12345, 35), range(1, 257), every=8, checks=1)
+    got = derive_lengths(_later_another(12345, 35, before=777), range(1, 257), every=8,
+                         checks=1)
     assert got.refused and not got.host_words

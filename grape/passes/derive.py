@@ -644,8 +644,9 @@ _ADDRESS_HIGH = range(0x100, 0x8000)
 def _host_words(d: Derivation, length: int, captured: KernelGraph) -> list[tuple[str, int]]:
     """The argument words where ``captured`` (a held-out length) differs from ``d``'s derived
     graph, when every difference is one: a word no sample's fit covers (the same at every
-    sample), that holds a user-space address in both and lies under no pointer into the
-    graph's memory. Measured on the H200 (``benchmarks/derive_refusals.py``): an elementwise
+    sample), that holds a user-space address in one of the two and lies under no pointer into
+    the graph's memory (no size or stride of these kernels reaches 2**40). Measured on the
+    H200 (``benchmarks/derive_refusals.py``): an elementwise
     kernel's unfilled slot held one heap address at every sample of a family and another at
     lengths captured later, the same in two captures of one length, so no pair of captures
     finds it loose. Such a word is the host stack's leftover: the samples themselves, captured
@@ -662,7 +663,9 @@ def _host_words(d: Derivation, length: int, captured: KernelGraph) -> list[tuple
         if offset + 8 > len(mine.args) or any(
                 offset - 8 < p.offset < offset + 8 for p in (*mine.pointers, *theirs.pointers)):
             return []
-        if not all(_u32(op.args, offset + 4) in _ADDRESS_HIGH for op in (mine, theirs)):
+        # In either: a slot that held an address at the samples and zero later, or the
+        # reverse (measured: an index kernel's slot, 0 at every sample, 0x7f21 later).
+        if not any(_u32(op.args, offset + 4) in _ADDRESS_HIGH for op in (mine, theirs)):
             return []
         words.add((node, offset))
     return sorted(words)
