@@ -26,7 +26,7 @@ True
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -535,13 +535,15 @@ def node_hashes(graph: KernelGraph, *, launch: bool = True) -> dict[Any, str]:
         raise GraphCycleError("expected an acyclic graph to hash, found a cycle") from None
 
 
-def _fingerprint(graph: KernelGraph, buffers_from: KernelGraph, launch: bool) -> str:
-    node = _node_hashes(graph, buffers_from, launch)
+def _fingerprint(graph: KernelGraph, buffers_from: KernelGraph, launch: bool,
+                 node: Mapping[Any, str] | None = None) -> str:
+    node = node if node is not None else _node_hashes(graph, buffers_from, launch)
     edges = sorted((node[u], node[v]) for u, v in graph.dag.edges)
     return _digest("grape-fingerprint-1", launch, sorted(node.values()), edges)
 
 
-def fingerprint(graph: KernelGraph, *, launch: bool = True) -> str:
+def fingerprint(graph: KernelGraph, *, launch: bool = True,
+                hashes: Mapping[Any, str] | None = None) -> str:
     """Hash of a graph's topology, independent of node ids and insertion order.
 
     With ``launch=True`` it covers node kinds, kernel function identity, launch configuration
@@ -555,12 +557,15 @@ def fingerprint(graph: KernelGraph, *, launch: bool = True) -> str:
     could in principle confuse two non-isomorphic graphs; callers that must be certain (binding
     one graph's nodes to another's) check the node mapping too.
 
+    ``hashes``: the graph's :func:`node_hashes` with the same ``launch``, where the caller has
+    them already (the fingerprint is made of them).
+
     Raises
     ------
     GraphCycleError
         The graph has a cycle, so it has no topology to hash.
     """
     try:
-        return _fingerprint(graph, graph, launch)
+        return _fingerprint(graph, graph, launch, hashes)
     except nx.NetworkXUnfeasible:
         raise GraphCycleError("expected an acyclic graph to fingerprint, found a cycle") from None

@@ -38,13 +38,14 @@ def group(graphs: Mapping[Hashable, KernelGraph]) -> dict[str, list[Hashable]]:
     return groups
 
 
-def canonical_order(graph: KernelGraph) -> list[str]:
+def canonical_order(graph: KernelGraph, hashes: Mapping[str, str] | None = None) -> list[str]:
     """Nodes in an order that corresponds between graphs of one structure.
 
     A topological order whose ties go to the node's structural hash, then to its id (captures
     number nodes in the order they were recorded, so identical places get matching ids).
+    ``hashes``: the graph's ``node_hashes(graph, launch=False)``, where already made.
     """
-    hashes = node_hashes(graph, launch=False)
+    hashes = hashes if hashes is not None else node_hashes(graph, launch=False)
     return list(nx.lexicographical_topological_sort(graph.dag, key=lambda n: (hashes[n], n)))
 
 
@@ -57,7 +58,11 @@ def match(template: KernelGraph, other: KernelGraph) -> dict[str, str]:
         The two graphs differ in structure (a node's kind, or an edge), so no executable of one
         can be brought to the other by updating parameters.
     """
-    if fingerprint(template, launch=False) != fingerprint(other, launch=False):
+    # Each graph's structural hashes once: the fingerprint and the order are both made of them
+    # (computing them twice was half of a family shape's placement on the host).
+    mine, theirs = node_hashes(template, launch=False), node_hashes(other, launch=False)
+    if fingerprint(template, launch=False, hashes=mine) != fingerprint(other, launch=False,
+                                                                       hashes=theirs):
         kinds = sorted((op.kind for _, op in template.ops()))
         other_kinds = sorted((op.kind for _, op in other.ops()))
         what = ("node kinds" if kinds != other_kinds else "dependencies")
@@ -65,7 +70,8 @@ def match(template: KernelGraph, other: KernelGraph) -> dict[str, str]:
                          f"({len(template)} and {len(other)} nodes, "
                          f"{template.dag.number_of_edges()} and {other.dag.number_of_edges()} "
                          f"edges)")
-    pairs = dict(zip(canonical_order(template), canonical_order(other), strict=True))
+    pairs = dict(zip(canonical_order(template, mine), canonical_order(other, theirs),
+                     strict=True))
     for u, v in template.dag.edges:  # certain, not just likely: the mapping keeps every edge
         if not other.dag.has_edge(pairs[u], pairs[v]):
             raise GraphError(f"expected node {u!r} -> {v!r} to map onto an edge, found "
