@@ -271,6 +271,15 @@ def test_lengths_of_a_real_decode_step_derive_byte_for_byte_but_for_loose_slots(
     assert len(derivable) >= 3
     for n in derivable:
         assert d.check(n, graphs[n]) == [], n
+    # A derived graph keeps its derivation's template's nodes: matched once, that template's
+    # pairs with another graph of the structure give the derived graph's delta unchanged.
+    from grape.passes.delta import delta
+
+    executable = graphs[last]  # a family's first capture, its largest length
+    known = match(executable, d.template)
+    for n in derivable:
+        assert delta(executable, d.graph_at(n), pairs=known) == delta(executable,
+                                                                      d.graph_at(n)), n
 
 
 def test_differences_name_each_number_a_check_refuses():

@@ -79,15 +79,18 @@ def _node_delta(t_node: str, t_op: Op, o_op: Op, codec: str | None) -> NodeDelta
     return NodeDelta(t_node, replacement=o_op) if o_op != t_op else None
 
 
-def delta(template: KernelGraph, other: KernelGraph, codec: str | None = None) -> ShapeDelta:
+def delta(template: KernelGraph, other: KernelGraph, codec: str | None = None,
+          pairs: Mapping[str, str] | None = None) -> ShapeDelta:
     """What ``other`` changes in ``template`` (``codec`` None: the smallest coding per node).
+    ``pairs``: ``match(template, other)``, where the caller knows it already (a graph derived
+    from another keeps that one's nodes).
 
     Raises
     ------
     GraphError
         The graphs differ in structure, or a node would change kind.
     """
-    pairs = match(template, other)
+    pairs = pairs if pairs is not None else match(template, other)
     nodes = (_node_delta(t, template.op(t), other.op(o), codec) for t, o in pairs.items())
     return ShapeDelta(tuple(nd for nd in nodes if nd is not None), tuple(pairs.items()))
 
@@ -157,13 +160,15 @@ def _attributes_change(d: ShapeDelta) -> bool:
     return any(nd.kernel is not None and "attributes" in dict(nd.kernel.fields) for nd in d.nodes)
 
 
-def join(template: KernelGraph, other: KernelGraph) -> ShapeDelta:
+def join(template: KernelGraph, other: KernelGraph,
+         pairs: Mapping[str, str] | None = None) -> ShapeDelta:
     """``other``'s delta against ``template``, where an executable of ``template`` can be
     brought to ``other`` by updating nodes in place; the template's buffer table then takes
     ``other``'s buffers (an executable's builder resolves copies' and memsets' addresses through
     it). Only kernels' functions, launch dimensions and arguments, and copies and memsets,
     change in place: a kernel's launch attributes cannot (the driver took such changes on the
-    H200, and the kernels then stopped on an illegal instruction).
+    H200, and the kernels then stopped on an illegal instruction). ``pairs``: as for
+    :func:`delta`.
 
     Raises
     ------
@@ -172,7 +177,7 @@ def join(template: KernelGraph, other: KernelGraph) -> ShapeDelta:
         cannot change in place, or name one buffer at two addresses; the template is unchanged.
     """
     try:
-        d = delta(template, other)
+        d = delta(template, other, pairs=pairs)
     except GraphError as e:
         raise UnsupportedError(str(e)) from None
     _check_in_place(template, d)

@@ -49,7 +49,6 @@ from fractions import Fraction
 from itertools import pairwise
 from typing import Any
 
-import networkx as nx
 import numpy as np
 
 from grape.errors import GrapeError, GraphError, UnsupportedError
@@ -304,11 +303,13 @@ class Derivation:
             got = numbers.get(f"buffer:{b.id}", {})
             out.add_buffer(dataclasses.replace(b, size=got.get("size", b.size),
                                                address=got.get("address", b.address)))
-        for node in nx.topological_sort(self.template.dag):  # an edge's ends exist first
-            op = self.template.op(node)
-            if node in numbers:  # the others are the template's, number for number
-                op = _rebuild(op, numbers[node], self.dividers.get(node, frozenset()))
-            out.add(node, op, after=list(self.template.dag.predecessors(node)))
+        # The template's nodes and edges (copy() copies each node's attributes, so replacing
+        # an op here leaves the template's alone); only nodes with numbers are rebuilt.
+        out.dag = self.template.dag.copy()
+        for node, attributes in out.dag.nodes.items():
+            if node in numbers:
+                attributes["op"] = _rebuild(attributes["op"], numbers[node],
+                                            self.dividers.get(node, frozenset()))
         return out
 
     def check(self, length: int, captured: KernelGraph) -> list[str]:
@@ -455,6 +456,9 @@ class Sampled:
     topologies: dict[int, str] = field(default_factory=dict)
     # Lengths captured a second time to find loose slots (not in ``captured``, not kept).
     repeated: list[int] = field(default_factory=list)
+    # Each derived length's derivation's template (a captured length): the derived graph has
+    # that graph's nodes and edges, so what matches the one matches the other.
+    derived_from: dict[int, int] = field(default_factory=dict)
     # Words a held-out check found holding other host addresses than the samples (held-out
     # length, node, byte offset), made loose (``_host_words``).
     host_words: list[tuple[int, str, int]] = field(default_factory=list)
@@ -625,6 +629,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         else:
             out.graphs[n] = d.graph_at(n)
             out.derived.append(n)
+            out.derived_from[n] = d.lengths[0]
             out.topologies[n] = out.topologies[d.lengths[0]]  # numbers differ, nothing else
     # The cuts between captured lengths (their pairs were compared already, in ``seen``).
     captured = set(out.captured)

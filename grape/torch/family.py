@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from grape.cuda.build import Executable, Graph, Update
-from grape.errors import GrapeError, UnsupportedError
+from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
 from grape.passes.delta import (
@@ -42,6 +42,7 @@ from grape.passes.delta import (
     transition,
 )
 from grape.passes.derive import Sampled, derive_lengths
+from grape.passes.families import match
 from grape.torch.capture import capture, frozen_heap, pool_segments
 
 __all__ = ["Family", "capture_family", "environment", "load_family"]
@@ -342,12 +343,31 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     deltas: dict[Hashable, ShapeDelta] = {}
     graphs: dict[Hashable, Graph] = {}
     keep: list[Any] = []
+    matched: dict[tuple[str, int], dict[str, str]] = {}
+
+    def pairs_for(shape: Hashable) -> Callable[[str], dict[str, str] | None] | None:
+        """For a derived length: each executable's template node to the derived graph's, by
+        way of the captured length it was derived from (matched once, not per length)."""
+        if sampled is None or shape not in sampled.derived_from:
+            return None
+        base = sampled.derived_from[shape]
+
+        def pairs(key: str) -> dict[str, str] | None:
+            if (key, base) not in matched:
+                try:
+                    matched[key, base] = match(groups[key].template, sampled.graphs[base])
+                except GraphError:  # join then says why, matching the derived graph itself
+                    return None
+            return matched[key, base]
+        return pairs
+
     for i, shape in enumerate(shapes):
         ir = sampled.graphs[shape] if sampled is not None else captured(shape)
         if update == "graph":
             graphs[shape] = Graph.build(ir)
         key, deltas[shape] = _add_shape(groups, shape, ir, graphs.get(shape),
-                                        sampled.topologies.get(shape) if sampled else None)
+                                        sampled.topologies.get(shape) if sampled else None,
+                                        pairs_for(shape))
         group_of[shape] = key
         # The first captured graph keeps the shared pool, and with it every shape's memory;
         # the others go (largest first, every later shape's blocks came from the pool).
@@ -536,17 +556,19 @@ def _note(reasons: list[str], reason: str, keep: int = 5) -> None:
 
 
 def _add_shape(groups: dict[str, _Group], shape: Hashable, ir: KernelGraph,
-               graph: Graph | None = None, topology: str | None = None
+               graph: Graph | None = None, topology: str | None = None,
+               pairs: Callable[[str], Mapping[str, str] | None] | None = None
                ) -> tuple[str, ShapeDelta]:
     """Put ``shape`` in the group whose executable can take it, or start one: its key and its
     delta against the group's template. ``graph``: the shape's own graph, built, for
     whole-graph updates (the executable is then brought to it here); ``topology``: its
-    ``fingerprint(launch=False)`` where already known."""
+    ``fingerprint(launch=False)`` where already known; ``pairs``: a group's key to its
+    template's match with ``ir``, where known without matching (node updates only)."""
     topology = topology or fingerprint(ir, launch=False)
     if graph is not None:
         key, d = _place_whole(groups, topology, ir, graph)
     else:
-        key, d = _place(groups, topology, ir)
+        key, d = _place(groups, topology, ir, pairs)
     if key not in groups:
         built = graph or Graph.build(ir)
         groups[key] = _Group(shape, ir, built, built.instantiate(), shape)
@@ -575,7 +597,8 @@ def _place_whole(groups: Mapping[str, _Group], topology: str, ir: KernelGraph,
     return key, identity(ir)
 
 
-def _place(groups: Mapping[str, _Group], topology: str, ir: KernelGraph
+def _place(groups: Mapping[str, _Group], topology: str, ir: KernelGraph,
+           pairs: Callable[[str], Mapping[str, str] | None] | None = None
            ) -> tuple[str, ShapeDelta]:
     """The group a shape joins, and its delta against the group's template: the first
     executable of its topology that can take the shape by updates in place
@@ -585,7 +608,7 @@ def _place(groups: Mapping[str, _Group], topology: str, ir: KernelGraph
     variants = [k for k in groups if k.split("#")[0] == topology]
     for key in variants:
         try:
-            return key, join(groups[key].template, ir)
+            return key, join(groups[key].template, ir, pairs(key) if pairs else None)
         except UnsupportedError:
             continue
     key = f"{topology}#{len(variants)}" if variants else topology

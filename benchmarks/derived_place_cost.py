@@ -1,0 +1,70 @@
+"""What a derived length costs on the host before it runs (no GPU): building its graph
+(``Derivation.graph_at``) and its delta against the family's executable, matched whole as a
+captured graph is or through the derivation's template, matched once.
+
+On GPT-2 small's decode family captured twice on the H200 (``traces/h200_families``, KV
+lengths 240..255): the larger executable's lengths derived from every other one, loose slots
+from the two captures of its first and last sample, as ``derive_lengths`` finds them.
+
+``python benchmarks/derived_place_cost.py`` (prints milliseconds a length, best of 5 rounds).
+This repository's 2-core CPU machine, 2026-12-01, three lengths derived (245, 250, 252): at
+a996434's derive and family code, graph_at 13.85 ms, the delta matched whole 37.12 ms and
+through the template 6.94 ms (one run, the delta's ``pairs`` added for it); with graph_at
+copying the template's DAG, two runs: 7.07 and 6.87, 22.58 and 22.24, 4.27 and 4.22 (the
+whole match fell too, on graphs that are now copies of the template's DAG, whose nodes
+networkx then keeps in the template's order: not looked into further).
+``capture_family`` places derived lengths through the template since this script was written.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from pathlib import Path
+
+from grape.familyio import load_family
+from grape.passes.delta import delta
+from grape.passes.derive import derive, loose_slots
+from grape.passes.families import match
+
+FOLDER = Path(__file__).parent.parent / "traces" / "h200_families"
+
+
+def main() -> None:
+    a, b = (load_family(FOLDER / f"gpt2_small_decode_b1_kv240_255.capture_{x}.family.json.gz")
+            for x in "ab")
+    by_key = collections.defaultdict(list)
+    for n, (key, _) in a.members.items():
+        by_key[key].append(n)
+    lengths = sorted(max(by_key.values(), key=len))
+    graphs = {n: a.graph(n) for n in lengths}
+    samples = lengths[::2] + lengths[-1:]
+    first, last = samples[0], samples[-1]
+    at_last = loose_slots(graphs[last], b.graph(last))
+    pairs = match(graphs[first], graphs[last])
+    loose = {node: s & at_last.get(pairs[node], frozenset())
+             for node, s in loose_slots(graphs[first], b.graph(first)).items()}
+    d = derive({n: graphs[n] for n in samples}, loose)
+    derived = [n for n in lengths if n not in samples and d.covers(n)]
+    executable = graphs[last]
+    known = match(executable, d.template)
+
+    def best(work) -> float:
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for n in derived:
+                work(n)
+            times.append((time.perf_counter() - t) / len(derived) * 1000)
+        return min(times)
+
+    built = {n: d.graph_at(n) for n in derived}
+    print(f"{len(derived)} lengths derived ({derived}); ms a length, best of 5:")
+    print(f"  graph_at                      {best(d.graph_at):6.2f}")
+    print(f"  delta, matched whole          {best(lambda n: delta(executable, built[n])):6.2f}")
+    print(f"  delta, through the template   "
+          f"{best(lambda n: delta(executable, built[n], pairs=known)):6.2f}")
+
+
+if __name__ == "__main__":
+    main()
