@@ -24,7 +24,7 @@ from pathlib import Path
 
 from grape.familyio import load_family
 from grape.passes.delta import delta
-from grape.passes.derive import derive, loose_slots
+from grape.passes.derive import derive, loose_at_both
 from grape.passes.families import match
 
 FOLDER = Path(__file__).parent.parent / "traces" / "h200_families"
@@ -40,10 +40,7 @@ def main() -> None:
     graphs = {n: a.graph(n) for n in lengths}
     samples = lengths[::2] + lengths[-1:]
     first, last = samples[0], samples[-1]
-    at_last = loose_slots(graphs[last], b.graph(last))
-    pairs = match(graphs[first], graphs[last])
-    loose = {node: s & at_last.get(pairs[node], frozenset())
-             for node, s in loose_slots(graphs[first], b.graph(first)).items()}
+    loose = loose_at_both((graphs[first], b.graph(first)), (graphs[last], b.graph(last)))
     d = derive({n: graphs[n] for n in samples}, loose)
     derived = [n for n in lengths if n not in samples and d.covers(n)]
     executable = graphs[last]

@@ -246,7 +246,7 @@ def test_lengths_of_a_real_decode_step_derive_byte_for_byte_but_for_loose_slots(
     import collections
 
     from grape.familyio import load_family
-    from grape.passes.derive import loose_slots
+    from grape.passes.derive import loose_at_both
     from grape.passes.families import match
 
     folder = Path(__file__).parent.parent / "traces" / "h200_families"
@@ -261,10 +261,7 @@ def test_lengths_of_a_real_decode_step_derive_byte_for_byte_but_for_loose_slots(
     first, last = samples[0], samples[-1]
     assert not any(derive({n: graphs[n] for n in samples}).covers(n)
                    for n in lengths if n not in samples)
-    at_first = loose_slots(graphs[first], b.graph(first))
-    at_last = loose_slots(graphs[last], b.graph(last))
-    pairs = match(graphs[first], graphs[last])
-    loose = {node: s & at_last.get(pairs[node], frozenset()) for node, s in at_first.items()}
+    loose = loose_at_both((graphs[first], b.graph(first)), (graphs[last], b.graph(last)))
     d = derive({n: graphs[n] for n in samples}, loose)
     assert sum(map(len, d.dividers.values())) == 13
     derivable = [n for n in lengths if n not in samples and d.covers(n)]

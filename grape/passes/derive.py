@@ -55,7 +55,8 @@ from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span, fingerprint
 from grape.passes.families import match
 
-__all__ = ["Derivation", "Sampled", "Segment", "derive", "derive_lengths", "loose_slots"]
+__all__ = ["Derivation", "Sampled", "Segment", "derive", "derive_lengths", "loose_at_both",
+           "loose_slots"]
 
 MIN_SUPPORT = 3  # captured lengths on a stretch's line before it is trusted
 
@@ -676,6 +677,17 @@ def _host_words(d: Derivation, length: int, captured: KernelGraph) -> list[tuple
     return sorted(words)
 
 
+def loose_at_both(small: tuple[KernelGraph, KernelGraph], large: tuple[KernelGraph, KernelGraph]
+                  ) -> dict[str, Slots]:
+    """The slots of ``small[0]``'s nodes that are loose (:func:`loose_slots`) both between the
+    two captures in ``small`` and between the two in ``large`` (two lengths of one structure):
+    a slot PyTorch fills at one of them is no loose slot."""
+    at_small, at_large = loose_slots(*small), loose_slots(*large)
+    pairs = match(small[0], large[0])
+    return {node: s & at_large.get(pairs[node], frozenset()) for node, s in at_small.items()
+            if s & at_large.get(pairs[node], frozenset())}
+
+
 def _loose_by_topology(runs: list[list[int]], out: Sampled,
                        capture: Callable[[int], KernelGraph]
                        ) -> Callable[[KernelGraph], dict[str, Slots]]:
@@ -688,15 +700,12 @@ def _loose_by_topology(runs: list[list[int]], out: Sampled,
     found: dict[str, tuple[KernelGraph, dict[str, Slots]]] = {}
     for topology, lengths in ends.items():
         small, large = min(lengths), max(lengths)
-        at: dict[int, dict[str, Slots]] = {}
+        again = {}
         for n in dict.fromkeys((small, large)):
-            at[n] = loose_slots(out.graphs[n], capture(n))
+            again[n] = capture(n)
             out.repeated.append(n)
-        reference = out.graphs[small]
-        pairs = match(reference, out.graphs[large])
-        found[topology] = (reference, {
-            node: slots & at[large].get(pairs[node], frozenset())
-            for node, slots in at[small].items()})
+        found[topology] = (out.graphs[small], loose_at_both(
+            (out.graphs[small], again[small]), (out.graphs[large], again[large])))
 
     def loose(graph: KernelGraph) -> dict[str, Slots]:
         reference, slots = found[fingerprint(graph, launch=False)]
