@@ -271,10 +271,6 @@ class Derivation:
                 return value
         return None
 
-    def _skip(self, node: str) -> Slots:
-        return self.loose.get(node, frozenset()) | {
-            o + k for o in self.dividers.get(node, ()) for k in (0, 4)}
-
     def uncovered(self, length: int) -> list[tuple[str, str]]:
         """The numbers that cannot be derived at ``length`` (none: it is derivable)."""
         return [key for key in self.fits if self._value(key, length) is None]
