@@ -3,15 +3,15 @@ Wav2Vec2-base over audio lengths (GPU).
 
 For each workload, in one process, side by side: one ``torch.cuda.CUDAGraph`` per shape (the
 naive way, each with its own pool), and one ``grape.torch.family`` over the same shapes (one
-executable per topology, per-shape deltas, one shared pool, captured largest first). Both run
-the same step. GPT-2: a ``PrefixCache`` preallocated to 1024 tokens, set to the length, one
+executable per topology, per-shape node versions, one shared pool, captured largest first).
+Both run the same step. GPT-2: a ``PrefixCache`` preallocated to 1024 tokens, set to the length, one
 decode step, logits copied into a static tensor. Wav2Vec2: the first n samples of a buffer
 preallocated to the longest audio, encoded, the hidden states copied into the prefix of a
 static tensor. Measured:
 
 - device memory: executables (free memory's drop beyond the pools' growth) and pools;
 - capture time for all lengths (naive: capture and instantiate; family: capture, read into the
-  IR, delta, instantiate one executable per topology);
+  IR, place it among the versions, instantiate one executable per topology);
 - step time over the lengths in generation order, back to back (one sync at the end) and with
   a sync after each step, and the family's host time per step for bringing its executable to
   the shape (``--update nodes``: prepared per-node updates, cached after the first pass, both
@@ -154,19 +154,15 @@ def _record(out_dir: Path, w: Workload, window: list[int], naive: dict, family,
 def _changed(family, a: int, b: int) -> dict[str, object]:
     """Which nodes differ between two lengths, and how (for people reading the result)."""
     from grape.ir import Kernel
-    from grape.passes.delta import transition
 
     key = family.group_of[a]
     if family.group_of[b] != key:
         return {"lengths": [a, b], "note": "different topologies"}
-    group = family.groups[key]
-    before = dict(group.template.ops())
-    for n, op in transition(group.template, family.deltas[group.template_shape],
-                            family.deltas[a]).items():
-        before[n] = op
+    variants = family.variants[key]
+    before = {**dict(variants.template.ops()), **variants.ops(a)}
     rows = []
-    for n, op in transition(group.template, family.deltas[a], family.deltas[b]).items():
-        old = before[n]
+    for n, version in variants.switch(a, b):
+        op, old = variants.nodes[n].op(version), before[n]
         if isinstance(op, Kernel) and isinstance(old, Kernel):
             fields = [f for f in ("function", "grid", "block", "shared_mem") if
                       getattr(op, f) != getattr(old, f)]
@@ -332,7 +328,9 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         # Executables: one per topology, more where a kernel's attributes change with the shape.
         "topologies": len(family.groups), "nodes_per_topology": nodes,
         "fingerprints": len({k.split("#")[0] for k in family.groups}),
-        "delta_host_bytes": family.delta_bytes,
+        # the shapes' node versions (grape.passes.variants): argument rows, which prepared
+        # updates point into; before versions, "delta_host_bytes" counted coded XOR deltas
+        "version_host_bytes": family.host_bytes,
         "changed_nodes_per_step": nodes_per_step,
         "changed_between_neighbours": neighbours,
         "delta_apply_us_per_step": update_us, "delta_apply_us_per_step_first_pass": cold_update_us,
@@ -478,7 +476,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, metavar="FILE",
                         help="write the results as JSON here (nothing is written without it)")
     parser.add_argument("--update", choices=("nodes", "graph"), default="nodes",
-                        help="bring executables to shapes node by node from the deltas, or "
+                        help="bring executables to shapes node by node from their versions, or "
                              "whole, from each shape's graph kept on the host")
     parser.add_argument("--derive-every", type=int, default=None, metavar="N",
                         help="capture one length in N and derive the others (issue 15)")

@@ -15,23 +15,24 @@ import time
 
 from grape.familyio import load_family
 from grape.ir import fingerprint
+from grape.passes.variants import Variants
 from grape.torch.family import _Group, _place
 
 saved = load_family(sys.argv[1])
 shapes = sorted(saved.members, reverse=True)
-groups = {}
+groups, variants = {}, {}
 gc.collect()
 gc.freeze()
-deltas = {}
 times = []
 for s in shapes:
     ir = saved.graph(s)
     t = time.perf_counter()
     topo = fingerprint(ir, launch=False)
-    key, d = _place(groups, topo, ir)
+    key = _place(groups, variants, topo, s, ir)
     if key not in groups:
         groups[key] = _Group(s, ir, None, None, s)
-    deltas[s] = d
+        variants[key] = Variants(ir)
+        variants[key].shapes[s] = {}
     t2 = time.perf_counter()
     gc.collect()
     times.append((t2 - t, time.perf_counter() - t2))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from grape.familyio import load_family
 from grape.ir import fingerprint
+from grape.passes.variants import Variants
 from grape.torch.family import Family, _Group, _place
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -33,14 +34,15 @@ saved = load_family(sys.argv[1])
 if "--members" in sys.argv:
     saved = widened(saved, int(sys.argv[sys.argv.index("--members") + 1]))
 shapes = sorted(saved.members, reverse=True)
-groups, deltas, group_of = {}, {}, {}
+groups, variants, group_of = {}, {}, {}
 for s in shapes:
     ir = saved.graph(s)
-    key, d = _place(groups, fingerprint(ir, launch=False), ir)
+    key = group_of[s] = _place(groups, variants, fingerprint(ir, launch=False), s, ir)
     if key not in groups:
         groups[key] = _Group(s, ir, RecordingGraph([]), None, s)
-    deltas[s], group_of[s] = d, key
-family = Family(lambda s: None, groups, group_of, deltas, 0, 0.0)
+        variants[key] = Variants(ir)
+        variants[key].shapes[s] = {}
+family = Family(lambda s: None, groups, group_of, variants, 0, 0.0)
 family.prepare_updates()
 order = sorted(shapes)
 pairs = [(a, b) for a, b in itertools.pairwise(order) if group_of[a] == group_of[b]]

@@ -514,18 +514,18 @@ def _simulate_family(args: argparse.Namespace) -> None:
 
     _refuse_trace_flags(args, "graph family", launches=True)
     saved = load_family(args.trace)
-    sequence = _sequence(args.sequence, list(saved.members))
-    if missing := [shape for shape in sequence if shape not in saved.members]:
+    sequence = _sequence(args.sequence, list(saved.shapes))
+    if missing := [shape for shape in sequence if shape not in saved.shapes]:
         raise GrapeError(f"{args.trace}: expected shapes of the family in --sequence, found "
-                         f"{missing[0]!r} (it has {len(saved.members)})")
+                         f"{missing[0]!r} (it has {len(saved.shapes)})")
     # Each executable's template first, so that the program's executables start from them.
-    templates = [s for s, (_, changes) in saved.members.items() if not changes]
+    templates = [s for s in saved.shapes if not saved.changed(s)]
     graphs = {s: saved.graph(s) for s in dict.fromkeys([*templates, *sequence])}
     durations, profile, costs = _graph_inputs(args)
     program, updated = family_program(graphs, sequence, durations, costs, _choices(args),
                                       whole=args.update_whole, name=args.trace.name)
     result = simulate(program, costs, record=args.chrome is not None)
-    print(f"{args.trace}: {len(saved.templates)} executables, {len(saved.members)} shapes; "
+    print(f"{args.trace}: {len(saved.variants)} executables, {len(saved.shapes)} shapes; "
           f"{len(sequence)} steps (kernel durations from {durations.source})")
     print(f"  per step, launch to sync       {result.per_iteration / 1000:10.3f} ms (median)")
     print(f"  nodes updated per step         {sum(updated) / len(updated):10.1f} "

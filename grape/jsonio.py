@@ -48,13 +48,16 @@ def dump_json(path: str | Path, doc: Any, *, indent: int | None = None) -> Path:
     return path
 
 
-def check_schema(doc: Any, schema: str, version: int, error: type[GrapeError],
-                 where: str = "") -> dict[str, Any]:
-    """``doc`` if it is a ``schema`` document of ``version``; ``where`` prefixes messages."""
+def check_schema(doc: Any, schema: str, version: int | tuple[int, ...],
+                 error: type[GrapeError], where: str = "") -> dict[str, Any]:
+    """``doc`` if it is a ``schema`` document of ``version`` (or of one of several read);
+    ``where`` prefixes messages."""
     if not isinstance(doc, dict) or doc.get("schema") != schema:
         found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
         raise error(f"{where}expected a {schema} document, found {found!r}")
-    if doc.get("version") != version:
-        raise SchemaVersionError(f"{where}expected {schema} schema version {version}, found "
+    versions = version if isinstance(version, tuple) else (version,)
+    if doc.get("version") not in versions:
+        raise SchemaVersionError(f"{where}expected {schema} schema version "
+                                 f"{' or '.join(map(str, versions))}, found "
                                  f"{doc.get('version')!r}")
     return doc

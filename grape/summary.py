@@ -165,13 +165,12 @@ def graph_summary(g: KernelGraph, path: str | Path) -> Summary:
 def family_summary(f: SavedFamily, path: str | Path) -> Summary:
     """A saved graph family (``grape.familyio``): its shapes, executables, how much each shape
     changes of its executable's template, and where it was captured."""
-    changed = sorted(len(changes) for _, changes in f.members.values())
-    executables = {key: {"nodes": len(g), "shapes": sum(1 for k, _ in f.members.values()
-                                                        if k == key)}
-                   for key, g in f.templates.items()}
+    changed = sorted(f.changed(s) for s in f.shapes)
+    executables = {key: {"nodes": len(v.template), "shapes": len(v.shapes)}
+                   for key, v in f.variants.items()}
     buffers = {b.id: b for g in f.templates.values() for b in g.buffers.values()}
     scratch = sum(buffers[b].size for b in f.scratch if b in buffers)
-    shapes = list(f.members)
+    shapes = list(f.shapes)
     span = (f"{min(shapes)}..{max(shapes)}" if all(type(s) is int for s in shapes)
             else ", ".join(map(repr, shapes[:3])) + (", ..." if len(shapes) > 3 else ""))
     data = {

@@ -21,3 +21,7 @@ class RecordingGraph:
             self.log.append((node, op))
             return (driver.CUresult.CUDA_SUCCESS,)
         return [Update(n, record, (n, op)) for n, op in ops.items()]
+
+    def prepare_versions(self, versions):
+        """Every version of one node, as the real graph prepares them (one update each)."""
+        return [self.prepare({versions.node: versions.op(v)})[0] for v in range(len(versions))]

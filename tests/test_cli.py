@@ -91,7 +91,7 @@ def test_info_on_a_saved_family(capsys):
 
 @pytest.mark.parametrize("content, message", [
     (b'{"traceEvents": [', "expected JSON, found .*the file looks truncated"),
-    (b'{"schema": "grape.family", "version": 9}', "expected grape.family schema version 1, "
+    (b'{"schema": "grape.family", "version": 9}', "expected grape.family schema version 1 or 2, "
                                                    "found 9"),
     (b'{"schema": "grape.family", "version": 1, "templates": {}}',
      "expected a grape.family document, found one without 'members'"),

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import gzip
 import json
 from pathlib import Path
 
 import networkx as nx
+import numpy as np
 import pytest
 
 from grape.cli import main
 from grape.errors import GrapeError
 from grape.familyio import SavedFamily, load_family, save_family
 from grape.ir import BufferRole, Kernel, KernelGraph, Memory
+from grape.irjson import graph_to_json
 from grape.passes.delta import delta, join
 
 TWIN = Path(__file__).parent.parent / "traces" / "h200_ir"
@@ -55,7 +58,7 @@ def test_a_saved_family_reloads_every_shape_as_it_was(family, tmp_path):
         assert loaded.graph(shape) == graph, shape
     # Only what a shape changes is kept: the three shapes cost little more than one graph.
     one = save_family(tmp_path / "one.family.json.gz",
-                      SavedFamily({"t": members[1]}, {1: ("t", {})}))
+                      SavedFamily.from_members({"t": members[1]}, {1: ("t", {})}))
     assert path.stat().st_size < 1.1 * one.stat().st_size
 
 
@@ -73,19 +76,25 @@ def test_a_family_from_another_environment_is_refused_naming_what_differs(family
 def test_bad_family_files_and_shapes_are_one_line_errors(family, tmp_path):
     saved, members = family
     with pytest.raises(GrapeError, match="expected shapes that are integers, strings or tuples"):
-        save_family(tmp_path / "x.family.json", SavedFamily({"t": members[1]},
-                                                            {1.5: ("t", {})}))
+        save_family(tmp_path / "x.family.json",
+                    SavedFamily.from_members({"t": members[1]}, {1.5: ("t", {})}))
     bad = tmp_path / "bad.family.json"
     bad.write_text('{"schema": "grape.ir", "version": 1}')
     with pytest.raises(GrapeError, match="bad.family.json: expected a grape.family document, "
                                          "found 'grape.ir'"):
         load_family(bad)
     _, op = next(iter(members[1].ops()))
-    stray = SavedFamily({"t": members[1]}, {1: ("t", {"nowhere": op})})
-    path = save_family(tmp_path / "stray.family.json", stray)
-    with pytest.raises(GrapeError, match="member 0: expected changes to nodes of template 't', "
-                                         "found node 'nowhere'"):
-        load_family(path)
+    with pytest.raises(GrapeError, match="shape 1 of template 't': expected changes to the "
+                                         "template's nodes, found 'nowhere'"):
+        SavedFamily.from_members({"t": members[1]}, {1: ("t", {"nowhere": op})})
+    doc = json.loads(gzip.decompress(save_family(tmp_path / "g.family.json.gz",
+                                                 saved).read_bytes()))
+    stray = tmp_path / "stray.family.json"
+    stray.write_text(json.dumps({**doc, "executables": {"t": {
+        **doc["executables"]["t"], "nodes": ["nowhere"]}}}))
+    with pytest.raises(GrapeError, match="stray.family.json, executable 't': expected changes "
+                                         "to nodes of template 't', found node 'nowhere'"):
+        load_family(stray)
     with pytest.raises(GrapeError, match="expected a shape of the family, found 7"):
         saved.graph(7)
 
@@ -131,3 +140,53 @@ def test_grape_simulate_runs_a_saved_family_over_a_sequence(family, tmp_path, ca
     assert "expected shapes of the family in --sequence, found 9" in capsys.readouterr().err
     assert main(["simulate", str(path), "--durations", durations, "--graph"]) != 0
     assert "expected a trace with --graph, found the graph family" in capsys.readouterr().err
+
+
+def test_a_version_1_file_reads_as_the_same_family(family, tmp_path):
+    # Families saved before versions (each member's changed operations in full) still load.
+    saved, members = family
+    template = saved.templates["t"]
+    old = {"schema": "grape.family", "version": 1, "environment": saved.environment,
+           "templates": {"t": graph_to_json(template)}, "members": []}
+    for shape, (_, changes) in saved.members.items():
+        sub = KernelGraph()
+        for node, op in changes.items():
+            sub.add(node, op)
+        doc = graph_to_json(sub)
+        del doc["buffers"]
+        old["members"].append({"shape": shape, "template": "t", "changes": doc})
+    path = tmp_path / "v1.family.json"
+    path.write_text(json.dumps(old))
+    loaded = load_family(path)
+    assert list(loaded.shapes) == [1, 2, 3]
+    for shape, graph in members.items():
+        assert loaded.graph(shape) == graph, shape
+
+
+def test_version_arrays_that_do_not_fit_their_node_are_one_line_errors(family, tmp_path):
+    saved, _ = family
+    doc = json.loads(gzip.decompress(save_family(tmp_path / "f.family.json.gz",
+                                                 saved).read_bytes()))
+    executable = doc["executables"]["t"]
+    node = next(iter(executable["rows"]))
+
+    def broken(name: str, **changed) -> Path:
+        bad = json.loads(json.dumps(doc))
+        bad["executables"]["t"]["rows"][node].update(changed)
+        path = tmp_path / name
+        path.write_text(json.dumps(bad))
+        return path
+
+    with pytest.raises(GrapeError, match=f"short.family.json, executable 't', node '{node}': "
+                                         f"expected 56 bytes for a <i8 array of shape"):
+        load_family(broken("short.family.json", dims="AAAA"))
+    with pytest.raises(GrapeError, match="not64.family.json, executable 't', node .*: expected "
+                                         "base64 array bytes"):
+        load_family(broken("not64.family.json", values="%%%"))
+    bad = json.loads(json.dumps(doc))
+    bad["executables"]["t"]["versions"] = base64.b64encode(
+        np.full(len(executable["nodes"]) * 3, 9, dtype="<i4").tobytes()).decode()
+    path = tmp_path / "numbers.family.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(GrapeError, match="expected version numbers below each node's count"):
+        load_family(path)

@@ -1,5 +1,5 @@
 """Graph families on a real GPU: one executable per topology, brought to each KV length node
-by node from the deltas, or whole from each length's graph."""
+by node from their versions, or whole from each length's graph."""
 
 from __future__ import annotations
 
@@ -53,12 +53,13 @@ def test_neighbouring_lengths_update_few_nodes(family):
 
 
 def test_family_keeps_one_executable_per_topology(family):
-    assert set(family.group_of) == set(LENGTHS) == set(family.deltas)
+    assert set(family.group_of) == set(LENGTHS) == {
+        s for v in family.variants.values() for s in v.shapes}
     # Whole-graph updates keep every shape's graph on the host; node updates keep none.
     assert set(family.graphs) == (set(LENGTHS) if family.update == "graph" else set())
     templates = {g.template_shape for g in family.groups.values()}
     assert max(LENGTHS) in templates  # captured first, so the first template
-    assert all(family.deltas[s].nodes == () for s in templates)
+    assert all(family.ops(s) == {} for s in templates)
 
 
 def test_a_length_never_captured_runs_eagerly_with_a_warning(decode, family):

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
 
 from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Param  # noqa: E402
-from grape.passes.delta import join  # noqa: E402
+from grape.passes.variants import Variants  # noqa: E402
 from grape.torch.family import (  # noqa: E402
     _ALIGN,
     Family,
@@ -54,14 +54,17 @@ def family():
     template = graphs["a"]
     graph = RecordingGraph(log)
     group = _Group("a", template, graph, _Executable(log), "a")
-    deltas = {s: join(template, g) for s, g in graphs.items()}
-    fam = Family(lambda s: None, {"g": group}, dict.fromkeys(SHAPES, "g"), deltas, 0, 0.0)
+    variants = Variants(template)
+    for s, g in graphs.items():
+        variants.add_graph(s, g)
+    fam = Family(lambda s: None, {"g": group}, dict.fromkeys(SHAPES, "g"), {"g": variants}, 0,
+                 0.0)
     return fam, graphs, graph, log
 
 
 def test_updates_are_prepared_once_up_front_and_a_switch_sets_what_differs(family):
     fam, graphs, graph, log = family
-    # b changes k1; c changes k1 and k2; and the template's own k1 and k2, to go back to.
+    # k1's versions: a's (the template's), b's and c's; k2's: a's and c's.
     assert fam.prepare_updates() == 5 and graph.prepared == 5
     for shape, expected in (("b", ["k1"]), ("c", ["k1", "k2"]), ("a", ["k1", "k2"]),
                             ("c", ["k1", "k2"]), ("b", ["k1", "k2"])):
@@ -74,14 +77,25 @@ def test_updates_are_prepared_once_up_front_and_a_switch_sets_what_differs(famil
     assert fam.prepare_updates() == 0
 
 
-def test_without_preparing_up_front_each_node_update_is_prepared_on_first_use(family):
+def test_without_preparing_up_front_a_node_s_versions_are_prepared_on_its_first_update(family):
     fam, _, graph, _ = family
+    fam.run("c", stream=0)  # k1 and k2 change: every version of both, 3 and 2
+    assert graph.prepared == 5
+    fam.run("b", stream=0)
     fam.run("c", stream=0)
-    assert graph.prepared == 2
-    fam.run("b", stream=0)  # b's k1, the template's k2
-    assert graph.prepared == 4
-    fam.run("c", stream=0)  # c's k1 and k2 were prepared already
-    assert graph.prepared == 4 and fam.updated_nodes == 6
+    assert graph.prepared == 5 and fam.updated_nodes == 6
+
+
+def test_a_shape_that_adds_a_version_after_preparing_has_it_prepared_on_use(family):
+    fam, _, graph, log = family
+    fam.prepare_updates()
+    d = _step((1, 9, 1))
+    fam.variants["g"].add_graph("d", d)
+    fam.group_of["d"] = "g"
+    log.clear()
+    fam.run("d", stream=0)  # from a: k1 to d's new version
+    assert [(node, op) for node, op in log[:-1]] == [("k1", d.op("k1"))]
+    assert graph.prepared == 5 + 4  # k1's four versions prepared again
 
 
 def test_scratch_is_internal_memory_inside_pool_segments_that_no_named_tensor_shares():
@@ -112,19 +126,16 @@ def test_saved_scratch_is_placed_disjoint_inside_the_arena_at_its_saved_alignmen
             assert here[b.id].size == b.size and here[b.id].id == f"scratch@{here[b.id].address:#x}"
 
 
-def test_a_switch_skips_nodes_whose_deltas_are_equal_even_where_they_cannot_be_hashed(family):
-    from grape.passes.delta import KernelDelta, NodeDelta, ShapeDelta
-    from grape.torch.family import _hash
-
-    fam, _, _, log = family
-    # A field holding a list cannot be hashed: such deltas are compared whole.
-    odd = NodeDelta("k1", KernelDelta((("grid", [1, 5, 1]),)))
-    assert _hash(odd) is None and _hash(NodeDelta("k1")) is not None
-    twin = NodeDelta("k1", KernelDelta((("grid", [1, 5, 1]),)))
-    fam.deltas["d"] = ShapeDelta((odd,), ())
-    fam.deltas["e"] = ShapeDelta((twin,), ())
-    fam.group_of.update(d="g", e="g")
-    fam.run("d", stream=0)
+def test_shapes_that_share_a_node_s_version_switch_without_updating_it(family):
+    fam, graphs, _, log = family
+    # d takes b's k1 and c's k2, as graphs of their own: one version each, shared.
+    fam.variants["g"].add_graph("d", _step((1, 2, 4)))
+    fam.group_of["d"] = "g"
+    assert {n: len(v) for n, v in fam.variants["g"].nodes.items()} == {"k1": 3, "k2": 2}
+    fam.run("c", stream=0)
     log.clear()
-    fam.run("e", stream=0)  # equal to d's: nothing to update
-    assert log == ["launch"]
+    fam.run("d", stream=0)  # c to d: only k1 differs
+    assert [node for node, _ in log[:-1]] == ["k1"]
+    log.clear()
+    fam.run("b", stream=0)  # d to b: only k2 differs (back to the template's)
+    assert log[:-1] == [("k2", graphs["a"].op("k2"))]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 import numpy as np
@@ -36,7 +36,10 @@ from grape.ir import (
     Span,
 )
 
-__all__ = ["Executable", "Graph", "Update", "kernel_params"]
+if TYPE_CHECKING:  # the backend builds what the passes describe; it never runs them
+    from grape.passes.variants import NodeVersions
+
+__all__ = ["Executable", "Graph", "Update", "kernel_params", "version_updates"]
 
 
 _SUCCESS = driver.CUresult.CUDA_SUCCESS
@@ -63,6 +66,36 @@ def kernel_params(k: Kernel, handles: dict[str, int] | None = None
     slots = np.array([base + q.offset for q in k.params], dtype=np.uint64)
     p.kernelParams = int(slots.ctypes.data) if k.params else 0
     return p, (values, slots)
+
+
+def version_updates(node: str, handle: Any, versions: NodeVersions) -> list[Update]:
+    """Driver calls that give node ``node`` (``handle``, in an executable) each of its kernel
+    versions, which are rows of arrays (``NodeVersions.rows``): one argument array and one
+    parameter-pointer array for all of them, where :func:`kernel_params` builds two arrays a
+    call (about 10 of its 19 us a kernel on this repository's CPU).
+
+    The arrays are kept by every update (the driver reads them when an update is applied)."""
+    t = versions.template
+    args, dims, _ = versions.arrays()
+    count, width = args.shape
+    values = np.zeros((count, max(width, 1)), dtype=np.uint8)  # contiguous, owned here
+    values[:, :width] = args
+    offsets = np.array([q.offset for q in t.params], dtype=np.uint64)
+    rows = np.arange(count, dtype=np.uint64)[:, None] * np.uint64(values.shape[1])
+    slots = np.ascontiguousarray(np.uint64(values.ctypes.data) + rows + offsets[None, :])
+    first, step = int(slots.ctypes.data), 8 * len(t.params)
+    func = resolve(t.function)
+    keep = (values, slots)
+    updates = []
+    for i, (gx, gy, gz, bx, by, bz, shared) in enumerate(dims.tolist()):
+        p = driver.CUDA_KERNEL_NODE_PARAMS()
+        p.func = func
+        p.gridDimX, p.gridDimY, p.gridDimZ = gx, gy, gz
+        p.blockDimX, p.blockDimY, p.blockDimZ = bx, by, bz
+        p.sharedMemBytes = shared
+        p.kernelParams = first + i * step if step else 0
+        updates.append(Update(node, driver.cuGraphExecKernelNodeSetParams, (handle, p), keep))
+    return updates
 
 
 class Graph(Resource):
@@ -218,6 +251,23 @@ class Graph(Resource):
                 raise UnsupportedError(f"node {node!r}: expected a kernel, copy or memset to "
                                        f"update, found {op.kind}")
         return updates
+
+    def prepare_versions(self, versions: NodeVersions) -> list[Update]:
+        """:meth:`prepare` for every version of one node (``grape.passes.variants``), in
+        version order: kernel versions kept as rows share their arrays
+        (:func:`version_updates`); others are prepared one by one."""
+        node = versions.node
+        handle = self.nodes.get(node)
+        if handle is None:
+            raise GrapeError(f"expected node {node!r} of a graph built from IR, found no such "
+                             f"node")
+        t = versions.template
+        if not versions.rows or t.handles:  # handles: prepare() leaves them as captured
+            return [self.prepare({node: versions.op(v)})[0] for v in range(len(versions))]
+        if t.attributes != self.ir.op(node).attributes:
+            raise UnsupportedError(f"node {node!r}: kernel attributes cannot change in an "
+                                   f"executable, found {t.attributes}")
+        return version_updates(node, handle, versions)
 
     @staticmethod
     def apply(executable: Executable, updates: list[Update]) -> None:

@@ -18,7 +18,7 @@ from grape.passes.compress import best, decode, encode, xor
 from grape.passes.families import canonical_order, match
 
 __all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "delta",
-           "identity", "join", "join_changes", "operation", "transition"]
+           "identity", "join", "join_changes", "merge_buffers", "operation", "transition"]
 
 # Kernel fields a delta carries whole when they differ (args get their own coding).
 _WHOLE = ("function", "name", "grid", "block", "shared_mem", "attributes", "params", "pointers",
@@ -186,13 +186,20 @@ def join(template: KernelGraph, other: KernelGraph,
         if mine is not None and mine.address != b.address:
             raise UnsupportedError(f"expected buffer {b.id!r} at one address in both graphs, "
                                    f"found it at {mine.address} and {b.address}")
+    merge_buffers(template, other)
+    return d
+
+
+def merge_buffers(template: KernelGraph, other: KernelGraph) -> None:
+    """Give ``template``'s buffer table ``other``'s buffers (an executable's builder resolves
+    copies' and memsets' addresses through it): those it lacks, and the larger size of one it
+    has (a pool block reused at another size: one start, one address)."""
     for b in other.buffers.values():
         mine = template.buffers.get(b.id)
         if mine is None:
             template.add_buffer(b)
-        elif b.size > mine.size:  # a pool block reused at another size: one start, one address
+        elif b.size > mine.size:
             template.buffers[b.id] = b
-    return d
 
 
 def join_changes(template: KernelGraph, changes: Mapping[str, Op],

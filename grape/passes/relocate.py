@@ -39,14 +39,18 @@ still point into the capture's scratch here (``scratch_here``) where the saved o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass
+
+import numpy as np
 
 from grape.errors import GraphError, UnsupportedError
 from grape.ir import Buffer, Conditional, Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span
 from grape.passes.families import match
+from grape.passes.variants import NodeVersions, Variants
 
-__all__ = ["Loose", "Moved", "Relocation", "relocate", "relocate_all", "relocation"]
+__all__ = ["Loose", "Moved", "Relocation", "relocate", "relocate_all", "relocate_variants",
+           "relocation"]
 
 
 @dataclass(frozen=True)
@@ -270,3 +274,109 @@ def relocate(op: Op, r: Relocation, node: str | None = None) -> Op:
 def relocate_all(changes: Mapping[str, Op], r: Relocation) -> dict[str, Op]:
     """A member shape's changed operations (by saved node), moved here (by the node here)."""
     return {r.nodes[node]: relocate(op, r, node) for node, op in changes.items()}
+
+
+def relocate_variants(variants: Variants, r: Relocation, here: KernelGraph
+                      ) -> tuple[Variants, dict[Hashable, str]]:
+    """A saved executable's shapes (``grape.passes.variants``), moved here: ``here`` is its
+    template as moved (its nodes are ``r``'s nodes here). Returns the shapes that moved, on
+    ``here``, and each shape that did not, with why (one of its versions uses a function or
+    memory the template never did): capture those here.
+
+    Versions kept as rows move all at once, a pointer column at a time; a node whose loose
+    words (module docstring) cover one of its pointers, or whose versions are operations,
+    moves version by version with :func:`relocate`."""
+    out = Variants(here)
+    moved: dict[str, tuple[str, list[int | None], dict[int, str]]] = {}
+    for node, versions in variants.nodes.items():
+        new_node = r.nodes[node]
+        found = _moved_rows(versions, r, new_node, here.op(new_node))
+        if found is None:
+            found = _moved_ops(versions, r, new_node, here.op(new_node))
+        out.nodes[new_node], numbers, why = found
+        moved[node] = (new_node, numbers, why)
+    failed: dict[Hashable, str] = {}
+    for shape, versions in variants.shapes.items():
+        mapped = {}
+        for node, v in versions.items():
+            new_node, numbers, why = moved[node]
+            if numbers[v] is None:
+                failed[shape] = why[v]
+                break
+            if numbers[v]:
+                mapped[new_node] = numbers[v]
+        else:
+            out.shapes[shape] = mapped
+    return out, failed
+
+
+Moving = tuple[NodeVersions, list[int | None], dict[int, str]]  # versions, renumbering, why not
+
+
+def _moved_ops(versions: NodeVersions, r: Relocation, node: str, here: Op) -> Moving:
+    out = NodeVersions(node, here)
+    numbers: list[int | None] = [0]
+    why: dict[int, str] = {}
+    for v in range(1, len(versions)):
+        try:
+            numbers.append(out.add(relocate(versions.op(v), r, versions.node)))
+        except UnsupportedError as e:
+            numbers.append(None)
+            why[v] = str(e)
+    return out, numbers, why
+
+
+def _moved_rows(versions: NodeVersions, r: Relocation, node: str, here: Op) -> Moving | None:
+    """Every row of ``versions`` moved at once, or None where they cannot be (operations,
+    loose words over a pointer, row 0 not moving to ``here``): move them one by one then."""
+    if not versions.rows or not isinstance(here, Kernel):
+        return None
+    t = versions.template
+    loose = r.loose.get(versions.node)
+    if loose is not None:
+        pointed = [p.offset for p in (*t.pointers, *loose.here.pointers)]
+        if any(abs(o - p) < 8 for o in loose.offsets for p in pointed):
+            return None
+    args, dims, targets = (a.copy() for a in versions.arrays())
+    count = len(args)
+    bad = np.zeros(count, dtype=bool)
+    why: dict[int, str] = {}
+
+    def refuse(rows: np.ndarray, message: str) -> None:
+        for v in np.flatnonzero(rows & ~bad).tolist():
+            why[v] = message
+        bad[:] |= rows
+
+    for j, p in enumerate(t.pointers):
+        m = r.buffers.get(p.target.buffer)
+        if m is None:
+            refuse(np.ones(count, dtype=bool), f"expected memory the template uses, found "
+                   f"buffer {p.target.buffer!r}, which it never touches")
+            continue
+        targets[:, j] += m.offset
+        outside = (targets[:, j] < 0) | (targets[:, j] >= m.size)
+        for v in np.flatnonzero(outside & ~bad).tolist():
+            why[v] = (f"expected memory within the {m.size} bytes of buffer {m.buffer!r} here, "
+                      f"found offset {int(targets[v, j])}")
+        bad |= outside
+        words = np.ascontiguousarray(args[:, p.offset:p.offset + 8]).view("<i8")[:, 0] + m.shift
+        refuse(words < 0, f"expected a device address after the move, found node "
+               f"{versions.node!r}'s pointer at byte {p.offset} below zero")
+        args[:, p.offset:p.offset + 8] = words.astype("<i8").view(np.uint8).reshape(count, 8)
+    if loose is not None:  # words left as the saved template had them take this process's
+        for o in loose.offsets:
+            saved = np.frombuffer(loose.saved[o:o + 8], dtype=np.uint8)
+            width = len(saved)
+            same = (args[:, o:o + width] == saved).all(axis=1)
+            args[same, o:o + width] = np.frombuffer(loose.here.args[o:o + 8], dtype=np.uint8)
+    if bad[0] or args[0].tobytes() != here.args or tuple(dims[0]) != (
+            *here.grid, *here.block, here.shared_mem) \
+            or [(p.offset, p.target.buffer) for p in here.pointers] != [
+                (p.offset, r.buffers[p.target.buffer].buffer) for p in t.pointers] \
+            or targets[0].tolist() != [p.target.offset for p in here.pointers]:
+        return None
+    keep = ~bad
+    numbers: list[int | None] = np.where(keep, np.cumsum(keep) - 1, -1).tolist()
+    numbers = [None if n < 0 else n for n in numbers]
+    return (NodeVersions.of_rows(node, here, args[keep], dims[keep],
+                                 targets[keep]), numbers, why)

@@ -1,15 +1,16 @@
-"""Graph families: one executable per topology, brought to each shape by its parameter delta.
+"""Graph families: one executable per topology, brought to each shape by updating its nodes.
 
 ``capture_family(step, shapes)`` captures ``step(shape)`` for every shape, in the order given
 (largest first: every shape's activations then live in the memory the largest one took),
 into one shared memory pool, and reads each capture into the IR. Shapes group by topology
 fingerprint (``grape.passes.families``); each group instantiates one executable, from its
-first shape's graph (the template), and every other shape keeps only its delta against the
-template (``grape.passes.delta``, coded by ``grape.passes.compress``). A shape whose delta an
-executable cannot take in place (a kernel's attributes change) starts another executable of
-its topology instead. ``family.run(shape)``
-updates the executable's nodes that differ from the shape it holds (``transition``) and
-launches it. A shape outside the family runs ``step`` eagerly, with a warning.
+first shape's graph (the template), and every other shape keeps only the versions it takes of
+the template's nodes it changes, each distinct version kept once (``grape.passes.variants``).
+A shape an executable cannot take in place (a kernel's attributes change) starts another
+executable of its topology instead. ``family.run(shape)`` updates the executable's nodes whose
+versions differ between the shape it holds and ``shape``, with driver calls prepared for every
+version of a node at once, and launches it. A shape outside the family runs ``step`` eagerly,
+with a warning.
 
 ``step`` must keep its buffers in place across shapes (a preallocated cache such as
 ``grape.torch.cache.PrefixCache``, outputs written into a static tensor): what it returns is
@@ -32,17 +33,10 @@ from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
-from grape.passes.delta import (
-    NodeDelta,
-    ShapeDelta,
-    identity,
-    join,
-    join_changes,
-    operation,
-    transition,
-)
+from grape.passes.delta import ShapeDelta
 from grape.passes.derive import Sampled, derive_lengths
 from grape.passes.families import match
+from grape.passes.variants import Variants
 from grape.torch.capture import capture, frozen_heap, pool_segments
 
 __all__ = ["Family", "capture_family", "environment", "load_family"]
@@ -62,19 +56,16 @@ class Family:
     step: Callable[[Hashable], Any]
     groups: dict[str, _Group]
     group_of: dict[Hashable, str]
-    deltas: dict[Hashable, ShapeDelta]
+    # each executable's shapes, as the versions they take of its template's nodes
+    variants: dict[str, Variants]
     pool_bytes: int  # the shared pool's growth over the whole capture
     capture_s: float  # capture, reading into the IR, deltas and instantiation, all shapes
     keep: list[Any] = field(default_factory=list)  # the torch graph that holds the pool
-    # Node by node: each shape's changed nodes as prepared driver calls (and each group's
-    # template values for them, to go back to), made once per (shape, node); a switch between
-    # two shapes is the union of their nodes, looked up, cached per pair.
+    # Each changed node's versions as prepared driver calls, by (executable, node), made for
+    # all its versions at once; a switch between two shapes is the nodes whose versions
+    # differ, looked up, cached per pair.
     _prepared: dict[tuple[Hashable, Hashable], list[Update]] = field(default_factory=dict)
-    _node_updates: dict[Hashable, dict[str, Update]] = field(default_factory=dict)
-    # each shape's changed nodes with their deltas' hashes: a switch compares hashes first
-    _plans: dict[Hashable, dict[str, tuple[int | None, NodeDelta]]] = field(
-        default_factory=dict)
-    _template_updates: dict[str, dict[str, Update]] = field(default_factory=dict)
+    _versions: dict[tuple[str, str], list[Update]] = field(default_factory=dict)
     _warned: set[Hashable] = field(default_factory=set)
     update_s: float = 0.0  # host time spent bringing executables to shapes, all runs
     updated_nodes: int = 0
@@ -82,7 +73,6 @@ class Family:
     # an executable is brought to a shape by one cuGraphExecUpdate from it.
     graphs: dict[Hashable, Graph] = field(default_factory=dict)
     update: str = "nodes"  # how executables are brought to shapes: "nodes" or "graph"
-    _changed: dict[tuple[Hashable, Hashable], int] = field(default_factory=dict)
     sampled: Sampled | None = None  # with derive_every: which lengths were captured, derived
     # load_family: shapes captured in this process rather than moved from the file, and why
     # the first few did not move (relocation's refusal, naming the node)
@@ -101,18 +91,27 @@ class Family:
         return sum(g.executable.device_bytes for g in self.groups.values())
 
     @property
-    def delta_bytes(self) -> int:
-        """Host bytes the coded argument deltas keep, all shapes."""
-        return sum(d.args_bytes for d in self.deltas.values())
+    def host_bytes(self) -> int:
+        """Host bytes the shapes' versions keep beyond the templates, all executables (their
+        argument rows are also what prepared updates point into)."""
+        return sum(v.host_bytes for v in self.variants.values())
+
+    @property
+    def deltas(self) -> dict[Hashable, ShapeDelta]:
+        """Each shape's delta against its executable's template, made when asked for (for
+        reports: the family switches by versions)."""
+        return {s: self.variants[key].delta(s) for s, key in self.group_of.items()}
+
+    def ops(self, shape: Hashable) -> dict[str, Op]:
+        """The operations ``shape`` changes in its executable's template, by template node."""
+        return self.variants[self.group_of[shape]].ops(shape)
 
     def save(self, path: str | Path, params: Mapping[str, torch.Tensor] | None = None) -> Path:
         """Write the family to ``path`` (``grape.familyio``): each executable's template, each
         shape's changes to it, and the environment it was captured in (``params``: the model's
         parameters, whose layout a reload must match). ``grape simulate`` runs the file."""
-        saved = SavedFamily.of({key: g.template for key, g in self.groups.items()},
-                               {s: (key, self.deltas[s]) for s, key in self.group_of.items()},
-                               environment(params), self.scratch)
-        return save_family(path, saved)
+        return save_family(path, SavedFamily(dict(self.variants), dict(self.group_of),
+                                             environment(params), self.scratch))
 
     def run(self, shape: Hashable, stream: int | None = None) -> None:
         """Run ``step(shape)``: the family's executable brought to ``shape``, or eagerly (with
@@ -132,10 +131,8 @@ class Family:
                 t = time.perf_counter()
                 group.executable.update(self.graphs[shape])
                 self.update_s += time.perf_counter() - t
-                changed = self._changed.get(key)
-                if changed is None:  # counted for reports, outside the timed update
-                    changed = self._changed[key] = len(transition(
-                        group.template, self.deltas[group.holds], self.deltas[shape]))
+                # counted for reports, outside the timed update
+                changed = len(self.variants[name].switch(group.holds, shape))
             else:
                 t = time.perf_counter()
                 updates = self._prepared.get(key)
@@ -149,70 +146,40 @@ class Family:
         group.executable.launch(torch.cuda.current_stream().cuda_stream
                                 if stream is None else stream)
 
-    def prepare_updates(self, known: Mapping[Hashable, Mapping[str, Op]] | None = None) -> int:
-        """Prepare now every driver call a switch between two shapes can need (each shape's
-        changed nodes, and each group's template values for them), so that the first pass over
-        the shapes costs what later passes cost; ``capture_family`` and ``load_family`` call it.
-        ``known``: shapes' changed operations at hand (by template node), which then need not
-        be decoded from the deltas. Returns the number of node updates prepared."""
+    def prepare_updates(self) -> int:
+        """Prepare now every driver call a switch between two shapes can need (every version
+        of every node some shape changes, the template's own among them), so that the first
+        pass over the shapes costs what later passes cost; ``capture_family`` and
+        ``load_family`` call it. Returns the number of node updates prepared."""
         if self.update != "nodes":
             return 0
-        known = known or {}
-        before = sum(map(len, self._node_updates.values())) + sum(
-            map(len, self._template_updates.values()))
-        for shape, name in self.group_of.items():
-            ops = known.get(shape, {})
-            for nd in self.deltas[shape].nodes:
-                self._node_update(name, shape, nd, ops.get(nd.node))
-                self._template_update(name, nd.node)
-            self._plan(shape)
-        return sum(map(len, self._node_updates.values())) + sum(
-            map(len, self._template_updates.values())) - before
+        before = sum(map(len, self._versions.values()))
+        for name, v in self.variants.items():
+            for node in v.nodes:
+                self._node(name, node)
+        return sum(map(len, self._versions.values())) - before
 
-    def _node_update(self, name: str, shape: Hashable, nd: NodeDelta,
-                     op: Op | None = None) -> Update:
-        mine = self._node_updates.setdefault(shape, {})
-        if nd.node not in mine:
-            group = self.groups[name]
-            op = operation(group.template, nd) if op is None else op
-            (mine[nd.node],) = group.graph.prepare({nd.node: op})
-        return mine[nd.node]
-
-    def _template_update(self, name: str, node: str) -> Update:
-        mine = self._template_updates.setdefault(name, {})
-        if node not in mine:
-            group = self.groups[name]
-            (mine[node],) = group.graph.prepare({node: group.template.op(node)})
-        return mine[node]
-
-    def _plan(self, shape: Hashable) -> dict[str, tuple[int | None, NodeDelta]]:
-        plan = self._plans.get(shape)
-        if plan is None:
-            plan = self._plans[shape] = {nd.node: (_hash(nd), nd)
-                                         for nd in self.deltas[shape].nodes}
-        return plan
+    def _node(self, name: str, node: str) -> list[Update]:
+        """Node ``node``'s versions in executable ``name`` as prepared calls, by version:
+        made for all of them at once (``Graph.prepare_versions``), and again where a shape
+        added versions since."""
+        versions = self.variants[name].nodes[node]
+        prepared = self._versions.get((name, node))
+        if prepared is None or len(prepared) < len(versions):
+            prepared = self._versions[name, node] = self.groups[name].graph.prepare_versions(
+                versions)
+        return prepared
 
     def _switch(self, name: str, holds: Hashable, shape: Hashable) -> list[Update]:
         """The prepared calls that bring an executable holding ``holds`` to ``shape``: the
-        nodes either shape changes from the template, less those both change alike. Built on
-        a switch's first use, in the first pass over the shapes: deltas whose hashes differ
-        are not compared field by field, and prepared updates are looked up in place (GPT-2
-        small's lengths, on the CPU: 205 us a switch before, 47-52 after,
-        ``benchmarks/family_switch_cost.py``)."""
-        before, after = self._plan(holds), self._plan(shape)
-        prepared = self._node_updates.get(shape, {})
-        templates = self._template_updates.get(name, {})
+        nodes whose versions differ between the two (``Variants.switch``)."""
+        versions = self._versions
         out = []
-        for node, (digest, nd) in after.items():
-            was = before.get(node)
-            if was is not None and was[0] == digest and was[1] == nd:
-                continue
-            update = prepared.get(node)
-            out.append(update if update is not None else self._node_update(name, shape, nd))
-        for node in before:
-            if node not in after:
-                update = templates.get(node)
-                out.append(update if update is not None else self._template_update(name, node))
+        for node, version in self.variants[name].switch(holds, shape):
+            prepared = versions.get((name, node))
+            if prepared is None or version >= len(prepared):
+                prepared = self._node(name, node)
+            out.append(prepared[version])
         return out
 
     def close(self) -> None:
@@ -222,14 +189,6 @@ class Family:
         for graph in self.graphs.values():
             if all(graph is not g.graph for g in self.groups.values()):
                 graph.close()
-
-
-def _hash(nd: NodeDelta) -> int | None:
-    """``nd``'s hash, or None where a field holds something unhashable (then compared whole)."""
-    try:
-        return hash(nd)
-    except TypeError:
-        return None
 
 
 def environment(params: Mapping[str, torch.Tensor] | None = None) -> dict[str, str]:
@@ -276,7 +235,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     """Capture ``step(shape)`` for each shape (largest first) into one family.
 
     ``update`` says how an executable is brought to a shape: ``"nodes"`` updates the nodes
-    that differ, one driver call each, from the coded deltas; ``"graph"`` keeps every shape's
+    that differ, one driver call each, prepared from their versions; ``"graph"`` keeps every shape's
     graph on the host and updates the whole executable from it in one ``cuGraphExecUpdate``. A
     shape the driver refuses, or whose kernels' launch attributes change, starts another
     executable, as with ``"nodes"`` (the driver took attribute changes on the H200, and the
@@ -340,7 +299,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                                  progress=progress)
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
-    deltas: dict[Hashable, ShapeDelta] = {}
+    variants: dict[str, Variants] = {}
     graphs: dict[Hashable, Graph] = {}
     keep: list[Any] = []
     matched: dict[tuple[str, int], dict[str, str]] = {}
@@ -356,7 +315,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
             if (key, base) not in matched:
                 try:
                     matched[key, base] = match(groups[key].template, sampled.graphs[base])
-                except GraphError:  # join then says why, matching the derived graph itself
+                except GraphError:  # add_graph then says why, matching the derived graph
                     return None
             return matched[key, base]
         return pairs
@@ -365,10 +324,9 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         ir = sampled.graphs[shape] if sampled is not None else captured(shape)
         if update == "graph":
             graphs[shape] = Graph.build(ir)
-        key, deltas[shape] = _add_shape(groups, shape, ir, graphs.get(shape),
-                                        sampled.topologies.get(shape) if sampled else None,
-                                        pairs_for(shape))
-        group_of[shape] = key
+        key = group_of[shape] = _add_shape(
+            groups, variants, shape, ir, graphs.get(shape),
+            sampled.topologies.get(shape) if sampled else None, pairs_for(shape))
         # The first captured graph keeps the shared pool, and with it every shape's memory;
         # the others go (largest first, every later shape's blocks came from the pool).
         if shape in torch_graphs and (not keep or groups[key].template_shape == shape):
@@ -377,7 +335,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         if (i + 1) % 10 == 0 or i + 1 == len(shapes):
             progress(f"placed {i + 1}/{len(shapes)} shapes, {len(groups)} executables")
     torch.cuda.synchronize()
-    family = Family(step, groups, group_of, deltas, torch.cuda.memory_reserved() - reserved,
+    family = Family(step, groups, group_of, variants, torch.cuda.memory_reserved() - reserved,
                     0.0, keep, graphs=graphs, update=update, sampled=sampled,
                     scratch=scratch_of([g.template for g in groups.values()],
                                        pool_segments(pool, idle=True)))
@@ -412,7 +370,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
         The file is not a family, or was captured elsewhere.
     """
     from grape.familyio import load_family as read_family
-    from grape.passes.relocate import relocate_all, relocation
+    from grape.passes.relocate import relocate_all, relocate_variants, relocation
 
     began = time.perf_counter()
     saved = read_family(path)
@@ -421,12 +379,11 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     reserved = torch.cuda.memory_reserved()
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
-    deltas: dict[Hashable, ShapeDelta] = {}
+    variants: dict[str, Variants] = {}
     pool_graphs: list[Any] = []  # the captures here: the first keeps the pool alive
     captured: list[Hashable] = []
     not_moved: list[str] = []
     blocks: list[tuple[int, int]] | bool = True  # as capture_family finds them
-    moved_ops: dict[Hashable, dict[str, Op]] = {}  # members' operations here, for prepare
 
     def here(shape: Hashable) -> KernelGraph:
         nonlocal blocks
@@ -440,15 +397,14 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
 
     # Every template captured before the scratch is allocated: memory outside the pool (the
     # workspaces a warm-up allocates) is then laid out as it was in the saving process.
-    firsts = {key: next(s for s, (k, changes) in saved.members.items()
-                        if k == key and not changes) for key in saved.templates}
+    firsts = {key: next(s for s, versions in v.shapes.items() if not versions)
+              for key, v in saved.variants.items()}
     fresh = {key: here(first) for key, first in firsts.items()}
     progress(f"read the file and captured {len(fresh)} templates here in "
              f"{time.perf_counter() - began:.2f} s")
     arena, scratch = _arena(saved.scratch_buffers().values())
     scratch_here = scratch_of(fresh.values(), pool_segments(pool))
     for key, template in saved.templates.items():
-        shapes = [s for s, (k, _) in saved.members.items() if k == key]
         try:
             moved = relocation(template, fresh[key], scratch, scratch_here)
             # The saved template itself, moved: its members' changes assume its scratch layout.
@@ -458,25 +414,27 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
             moved, base = None, fresh[key]
             _note(not_moved, f"template {firsts[key]!r}: {e}")
         first = firsts[key]
-        group_of[first], deltas[first] = _add_shape(groups, first, base)
-        for shape in shapes:
-            if shape == first:
-                continue
-            if moved is not None:
+        name = group_of[first] = _add_shape(groups, variants, first, base)
+        rest = [s for s in saved.variants[key].shapes if s != first]
+        if moved is not None and groups[name].template_shape == first:
+            # base is its executable's template: every saved version moves onto it at once
+            variants[name], failed = relocate_variants(saved.variants[key], moved, base)
+            group_of.update(dict.fromkeys(variants[name].shapes, name))
+            for shape, why in failed.items():
+                _note(not_moved, f"shape {shape!r}: {why}")
+            rest = list(failed)
+        elif moved is not None:  # base joined another executable: placed graph by graph
+            left = []
+            for shape in rest:
                 try:
-                    ops = relocate_all(saved.members[shape][1], moved)
-                    if deltas[first].nodes:  # base joined another executable: compare graphs
-                        group_of[shape], deltas[shape] = _add_shape(
-                            groups, shape, graph_with(base, ops))
-                        continue
-                    # base is its executable's template: the saved changes are the delta
-                    deltas[shape] = join_changes(groups[group_of[first]].template, ops,
-                                                 deltas[first].mapping)
-                    group_of[shape], moved_ops[shape] = group_of[first], ops
-                    continue
+                    ops = relocate_all(saved.variants[key].ops(shape), moved)
+                    group_of[shape] = _add_shape(groups, variants, shape, graph_with(base, ops))
                 except UnsupportedError as e:
                     _note(not_moved, f"shape {shape!r}: {e}")
-            group_of[shape], deltas[shape] = _add_shape(groups, shape, here(shape))
+                    left.append(shape)
+            rest = left
+        for shape in rest:
+            group_of[shape] = _add_shape(groups, variants, shape, here(shape))
     keep: list[Any] = [arena]
     if not_moved:  # executables that run on memory captured here
         keep += pool_graphs[:1]
@@ -485,18 +443,18 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
         fresh.clear()
         torch.cuda.empty_cache()
     if len(captured) > len(saved.templates):
-        warnings.warn(f"{path}: {len(captured)} of {len(saved.members)} shapes captured here "
+        warnings.warn(f"{path}: {len(captured)} of {len(saved.shapes)} shapes captured here "
                       f"({len(saved.templates)} templates; the others' saved changes did not "
                       f"move to this process; first: {not_moved[0].splitlines()[0]})",
                       stacklevel=2)
-    progress(f"loaded {len(saved.members)} shapes, {len(captured)} captured here, in "
+    progress(f"loaded {len(saved.shapes)} shapes, {len(captured)} captured here, in "
              f"{time.perf_counter() - began:.2f} s")
     torch.cuda.synchronize()
-    family = Family(step, groups, group_of, deltas, torch.cuda.memory_reserved() - reserved,
+    family = Family(step, groups, group_of, variants, torch.cuda.memory_reserved() - reserved,
                     0.0, keep, captured_here=len(captured), not_moved=not_moved,
                     scratch=frozenset(b.id for b in scratch.values()))
     if prepare:
-        progress(f"prepared {family.prepare_updates(moved_ops)} node updates, "
+        progress(f"prepared {family.prepare_updates()} node updates, "
                  f"{time.perf_counter() - began:.2f} s in all")
     return family
 
@@ -555,61 +513,72 @@ def _note(reasons: list[str], reason: str, keep: int = 5) -> None:
         reasons.append(reason)
 
 
-def _add_shape(groups: dict[str, _Group], shape: Hashable, ir: KernelGraph,
-               graph: Graph | None = None, topology: str | None = None,
-               pairs: Callable[[str], Mapping[str, str] | None] | None = None
-               ) -> tuple[str, ShapeDelta]:
-    """Put ``shape`` in the group whose executable can take it, or start one: its key and its
-    delta against the group's template. ``graph``: the shape's own graph, built, for
-    whole-graph updates (the executable is then brought to it here); ``topology``: its
-    ``fingerprint(launch=False)`` where already known; ``pairs``: a group's key to its
-    template's match with ``ir``, where known without matching (node updates only)."""
+def _add_shape(groups: dict[str, _Group], variants: dict[str, Variants], shape: Hashable,
+               ir: KernelGraph, graph: Graph | None = None, topology: str | None = None,
+               pairs: Callable[[str], Mapping[str, str] | None] | None = None) -> str:
+    """Put ``shape`` in the group whose executable can take it, or start one; returns the
+    group's key. ``graph``: the shape's own graph, built, for whole-graph updates (the
+    executable is then brought to it here); ``topology``: its ``fingerprint(launch=False)``
+    where already known; ``pairs``: a group's key to its template's match with ``ir``, where
+    known without matching."""
     topology = topology or fingerprint(ir, launch=False)
     if graph is not None:
-        key, d = _place_whole(groups, topology, ir, graph)
+        key = _place_whole(groups, variants, topology, shape, ir, graph)
     else:
-        key, d = _place(groups, topology, ir, pairs)
+        key = _place(groups, variants, topology, shape, ir, pairs)
     if key not in groups:
         built = graph or Graph.build(ir)
         groups[key] = _Group(shape, ir, built, built.instantiate(), shape)
+        variants[key] = Variants(ir)
+        variants[key].shapes[shape] = {}
     elif graph is not None:
         groups[key].holds = shape  # _place_whole brought the executable to it
-    return key, d
+    return key
 
 
-def _place_whole(groups: Mapping[str, _Group], topology: str, ir: KernelGraph,
-                 graph: Graph) -> tuple[str, ShapeDelta]:
+def _variants_of(groups: Mapping[str, _Group], topology: str) -> list[str]:
+    return [k for k in groups if k.split("#")[0] == topology]
+
+
+def _new_key(groups: Mapping[str, _Group], topology: str) -> str:
+    count = len(_variants_of(groups, topology))
+    return f"{topology}#{count}" if count else topology
+
+
+def _place_whole(groups: Mapping[str, _Group], variants: Mapping[str, Variants], topology: str,
+                 shape: Hashable, ir: KernelGraph, graph: Graph) -> str:
     """The group a shape joins under whole-graph updates: the first executable of its
     topology that the driver updates to the shape's graph (tried here, so that a refusal shows
     at capture, not at run time), or a new one."""
-    variants = [k for k in groups if k.split("#")[0] == topology]
-    for key in variants:
+    for key in _variants_of(groups, topology):
         try:
-            # join refuses kernels whose attributes change: cuGraphExecUpdate took such
+            # add_graph refuses kernels whose attributes change: cuGraphExecUpdate took such
             # changes on the H200 and the kernels then hit an illegal instruction (Wav2Vec2's,
             # whose cluster shapes vary with the length).
-            d = join(groups[key].template, ir)
+            variants[key].add_graph(shape, ir)
+        except UnsupportedError:
+            continue
+        try:
             groups[key].executable.update(graph)
         except UnsupportedError:
+            variants[key].discard(shape)
             continue
-        return key, d
-    key = f"{topology}#{len(variants)}" if variants else topology
-    return key, identity(ir)
+        return key
+    return _new_key(groups, topology)
 
 
-def _place(groups: Mapping[str, _Group], topology: str, ir: KernelGraph,
-           pairs: Callable[[str], Mapping[str, str] | None] | None = None
-           ) -> tuple[str, ShapeDelta]:
-    """The group a shape joins, and its delta against the group's template: the first
-    executable of its topology that can take the shape by updates in place
-    (``grape.passes.delta.join``). Where none can (a kernel whose attributes change with the
-    shape, as the H200's convolution kernels for Wav2Vec2 did), the shape starts another
-    executable of that topology, keyed ``topology#n``, and its delta is empty."""
-    variants = [k for k in groups if k.split("#")[0] == topology]
-    for key in variants:
+def _place(groups: Mapping[str, _Group], variants: Mapping[str, Variants], topology: str,
+           shape: Hashable, ir: KernelGraph,
+           pairs: Callable[[str], Mapping[str, str] | None] | None = None) -> str:
+    """The group a shape joins: the first executable of its topology that can take the shape
+    by updates in place (``Variants.add_graph``), which then holds the shape's versions. Where
+    none can (a kernel whose attributes change with the shape, as the H200's convolution
+    kernels for Wav2Vec2 did), the shape starts another executable of that topology, keyed
+    ``topology#n``."""
+    for key in _variants_of(groups, topology):
         try:
-            return key, join(groups[key].template, ir, pairs(key) if pairs else None)
+            variants[key].add_graph(shape, ir, pairs(key) if pairs else None)
         except UnsupportedError:
             continue
-    key = f"{topology}#{len(variants)}" if variants else topology
-    return key, identity(ir)
+        return key
+    return _new_key(groups, topology)

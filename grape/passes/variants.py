@@ -1,0 +1,332 @@
+"""A family's shapes as versions of its template's nodes, each distinct version kept once.
+
+Every shape an executable of a family runs changes some of its template's nodes: GPT-2
+small's decode step changes about a hundred of its 316 nodes from one KV length to the next.
+Kept as one operation (or coded delta) per shape and node, a family of a thousand lengths is a
+hundred thousand small objects, and each step that touches them pays per object: reading a
+saved family, moving it to another process, preparing the driver's calls. A warm start of
+GPT-2's 1,023 lengths took 36 s on the H200 that way (run 7, ``benchmarks/README.md``).
+
+:class:`Variants` keeps, for each template node that some shape changes, every distinct
+version of it once (:class:`NodeVersions`), and each shape as the version it takes of each node
+it changes (version 0 is the template's own). Versions of a kernel that keep the template's
+function, launch attributes, parameter layout, pointer places and buffers, handles and
+argument length are rows of three arrays: the argument bytes, the launch dimensions, and each
+pointer's offset into its buffer (467 of the 468 changed kernel nodes of the three H200 GPT-2
+families committed under ``traces/h200_families`` keep rows; the other one's second version
+holds two fewer pointers, in words PyTorch leaves unfilled). Moving a family to another
+process then shifts a pointer column of every version at once
+(``grape.passes.relocate.relocate_variants``), and the driver's calls for every version of a
+node share one argument array
+(``grape.cuda.build.version_updates``). Other versions (copies, memsets, kernels of another
+layout) are kept as operations.
+
+Bringing an executable from one shape to another updates the nodes whose versions differ
+(:meth:`Variants.switch`); shapes that share a version of a node need nothing there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Hashable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from grape.errors import GraphError, UnsupportedError
+from grape.ir import Kernel, KernelGraph, Op, Pointer, Span
+from grape.passes.delta import NodeDelta, ShapeDelta, _node_delta, merge_buffers
+from grape.passes.families import match
+
+__all__ = ["DIMS", "NodeVersions", "Variants", "check_in_place"]
+
+# A kernel version's launch dimensions, one row each: grid x, y, z, block x, y, z, shared bytes.
+DIMS = 7
+
+Row = tuple[tuple[int, ...], bytes, tuple[int, ...]]  # dimensions, argument bytes, targets
+
+
+def _layout(k: Kernel) -> tuple:
+    """What every row of a kernel node shares with its template (all but the numbers)."""
+    return (k.function, k.name, k.attributes, k.params,
+            tuple((p.offset, p.target.buffer) for p in k.pointers), k.handles, len(k.args))
+
+
+def _row(k: Kernel) -> Row:
+    return ((*k.grid, *k.block, k.shared_mem), k.args, tuple(p.target.offset for p in k.pointers))
+
+
+class NodeVersions:
+    """Every version of one template node that a family's shapes use; version 0 is the
+    template's operation. Equal operations are one version."""
+
+    __slots__ = ("_arrays", "_index", "_layout", "_ops", "_rows", "node", "template")
+
+    def __init__(self, node: str, template: Op) -> None:
+        self.node = node
+        self.template = template
+        kernel = isinstance(template, Kernel)
+        self._layout = _layout(template) if kernel else None
+        self._rows: list[Row] | None = [_row(template)] if kernel else None
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._ops: list[Op] | None = None if kernel else [template]
+        self._index: dict[Any, int] | None = None  # version by row or operation, made on use
+
+    @classmethod
+    def of_rows(cls, node: str, template: Kernel, args: np.ndarray, dims: np.ndarray,
+                targets: np.ndarray) -> NodeVersions:
+        """Kernel versions as arrays (row 0 the template's): ``args`` (versions, argument
+        bytes) uint8, ``dims`` (versions, DIMS) and ``targets`` (versions, pointers) int64."""
+        nv = cls.__new__(cls)
+        nv.node, nv.template, nv._layout = node, template, _layout(template)
+        nv._rows, nv._ops, nv._index = None, None, None
+        nv._arrays = (args, dims, targets)
+        return nv
+
+    @classmethod
+    def of_ops(cls, node: str, ops: list[Op]) -> NodeVersions:
+        """Versions as operations, ``ops[0]`` the template's."""
+        nv = cls(node, ops[0])
+        nv._rows, nv._ops = None, [ops[0]]  # operations even where they could be rows
+        for op in ops[1:]:
+            nv._push(op)
+        return nv
+
+    @property
+    def rows(self) -> bool:
+        """Whether the versions are rows of arrays (:meth:`arrays`), not operations."""
+        return self._ops is None
+
+    def __len__(self) -> int:
+        if self._ops is not None:
+            return len(self._ops)
+        return len(self._rows) if self._rows is not None else len(self._arrays[0])
+
+    def add(self, op: Op) -> int:
+        """The version number of ``op``, made a new version where no version equals it."""
+        if self._ops is None:
+            if isinstance(op, Kernel) and _layout(op) == self._layout:
+                row = _row(op)
+                index = self._indexed()
+                found = index.get(row)
+                if found is None:
+                    found = index[row] = len(self)
+                    self._rows_list().append(row)
+                    self._arrays = None
+                return found
+            # A version of another layout: every version becomes an operation.
+            self._ops = [self.op(v) for v in range(len(self))]
+            self._rows = self._arrays = None
+            self._index = None
+        return self._append_op(op)
+
+    def _append_op(self, op: Op) -> int:
+        index = self._indexed()
+        try:
+            found = index.get(op)
+        except TypeError:  # a field holding a list cannot be hashed: compared whole
+            found = next((v for v, mine in enumerate(self._ops) if mine == op), None)
+            return self._push(op) if found is None else found
+        if found is None:
+            found = index[op] = self._push(op)
+        return found
+
+    def _push(self, op: Op) -> int:
+        self._ops.append(op)
+        return len(self._ops) - 1
+
+    def _indexed(self) -> dict[Any, int]:
+        if self._index is None:
+            if self._ops is not None:
+                self._index = {}
+                for v, op in enumerate(self._ops):
+                    with contextlib.suppress(TypeError):  # unhashable: found by comparing
+                        self._index.setdefault(op, v)
+            else:
+                self._index = {}
+                for v, row in enumerate(self._rows_list()):
+                    self._index.setdefault(row, v)
+        return self._index
+
+    def _rows_list(self) -> list[Row]:
+        if self._rows is None:
+            args, dims, targets = self._arrays
+            self._rows = [(tuple(d), a.tobytes(), tuple(t))
+                          for a, d, t in zip(args, dims.tolist(), targets.tolist(),
+                                             strict=True)]
+        return self._rows
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Kernel versions' argument bytes (versions, length) uint8, launch dimensions
+        (versions, DIMS) and pointers' offsets into their buffers (versions, pointers) int64,
+        row 0 the template's."""
+        if self._ops is not None:
+            raise GraphError(f"expected kernel versions as rows of node {self.node!r}, found "
+                             f"operations of another layout")
+        if self._arrays is None:
+            rows = self._rows
+            width = len(self.template.args)
+            args = np.frombuffer(b"".join(r[1] for r in rows), dtype=np.uint8).reshape(
+                len(rows), width)
+            dims = np.array([r[0] for r in rows], dtype=np.int64).reshape(len(rows), DIMS)
+            targets = np.array([r[2] for r in rows], dtype=np.int64).reshape(
+                len(rows), len(self.template.pointers))
+            self._arrays = (args, dims, targets)
+        return self._arrays
+
+    def op(self, version: int) -> Op:
+        """Version ``version``'s operation (0: the template's own)."""
+        if version == 0:
+            return self.template
+        if self._ops is not None:
+            return self._ops[version]
+        t = self.template
+        if self._rows is not None:
+            dims, args, targets = self._rows[version]
+        else:
+            a, d, p = self.arrays()
+            dims, args, targets = d[version].tolist(), a[version].tobytes(), p[version].tolist()
+        return dataclasses.replace(
+            t, grid=tuple(dims[:3]), block=tuple(dims[3:6]), shared_mem=dims[6], args=args,
+            pointers=tuple(Pointer(p.offset, Span(p.target.buffer, offset))
+                           for p, offset in zip(t.pointers, targets, strict=True)))
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the versions keep beyond the template: array rows, or an estimate of 64
+        bytes an operation (its fields are shared with the template's where equal)."""
+        if self._ops is not None:
+            return 64 * (len(self._ops) - 1) + sum(
+                len(op.args) for op in self._ops[1:] if isinstance(op, Kernel))
+        args, dims, targets = self.arrays()
+        return (args.nbytes + dims.nbytes + targets.nbytes) * (len(self) - 1) // len(self)
+
+
+def check_in_place(template: KernelGraph, changes: Mapping[str, Op]) -> None:
+    """Refuse changes an executable of ``template`` cannot take by updating nodes in place (as
+    ``grape.passes.delta.join`` refuses them): a node of another kind, a kernel whose launch
+    attributes change, a node that is no kernel, copy or memset changing.
+
+    Raises
+    ------
+    UnsupportedError
+        The first change that cannot be made, named.
+    """
+    for node, op in changes.items():
+        if node not in template.dag:
+            raise UnsupportedError(f"expected changes to the template's nodes, found {node!r}")
+        mine = template.op(node)
+        if type(op) is not type(mine):
+            raise UnsupportedError(f"expected node {node!r} to keep its kind, found {mine.kind} "
+                                   f"becoming {op.kind}")
+        if isinstance(mine, Kernel):
+            if op.attributes != mine.attributes:
+                raise UnsupportedError("expected kernels whose launch attributes stay, found one "
+                                       "whose attributes change, which an executable cannot "
+                                       "take in place")
+        elif mine.kind not in ("memcpy", "memset"):
+            raise UnsupportedError(f"expected only kernels, copies and memsets to change, found "
+                                   f"node {node!r} ({mine.kind}) changing")
+
+
+class Variants:
+    """One executable's shapes: each as the versions it takes of the template's nodes it
+    changes (see the module)."""
+
+    def __init__(self, template: KernelGraph) -> None:
+        self.template = template
+        self.nodes: dict[str, NodeVersions] = {}
+        # shape -> {template node: version} for the nodes it changes (none: the template's)
+        self.shapes: dict[Hashable, dict[str, int]] = {}
+
+    def add_graph(self, shape: Hashable, graph: KernelGraph,
+                  pairs: Mapping[str, str] | None = None) -> None:
+        """Add ``shape`` by its whole graph (a capture), where an executable of the template
+        can be brought to it by updating nodes in place; the template's buffer table then
+        takes its buffers (``grape.passes.delta.join`` explains). ``pairs``: the template's
+        nodes to ``graph``'s, where known without matching. Nothing changes where it raises.
+
+        Raises
+        ------
+        UnsupportedError
+            The graphs differ in structure, in a kernel's launch attributes or in a node that
+            cannot change in place, or name one buffer at two addresses.
+        """
+        try:
+            pairs = pairs if pairs is not None else match(self.template, graph)
+        except GraphError as e:
+            raise UnsupportedError(str(e)) from None
+        template = self.template
+        changes = {}
+        for mine, theirs in pairs.items():
+            op, before = graph.op(theirs), template.op(mine)
+            if op is not before and op != before:
+                changes[mine] = op
+        check_in_place(template, changes)
+        for b in graph.buffers.values():
+            known = template.buffers.get(b.id)
+            if known is not None and known.address != b.address:
+                raise UnsupportedError(f"expected buffer {b.id!r} at one address in both "
+                                       f"graphs, found it at {known.address} and {b.address}")
+        self._commit(shape, changes)
+        merge_buffers(template, graph)
+
+    def add_changes(self, shape: Hashable, changes: Mapping[str, Op]) -> None:
+        """Add ``shape`` by the template nodes it changes (a saved member: its operations point
+        into the template's buffers). Nothing changes where it raises.
+
+        Raises
+        ------
+        UnsupportedError
+            A node that is not the template's, or a change that cannot be made in place.
+        """
+        check_in_place(self.template, changes)
+        self._commit(shape, {n: op for n, op in changes.items() if op != self.template.op(n)})
+
+    def _commit(self, shape: Hashable, changes: Mapping[str, Op]) -> None:
+        versions = {}
+        for node, op in changes.items():
+            nv = self.nodes.get(node)
+            if nv is None:
+                nv = self.nodes[node] = NodeVersions(node, self.template.op(node))
+            if v := nv.add(op):
+                versions[node] = v
+        self.shapes[shape] = versions
+
+    def discard(self, shape: Hashable) -> None:
+        """Forget ``shape`` (its versions stay, unused)."""
+        self.shapes.pop(shape, None)
+
+    def switch(self, holds: Hashable, shape: Hashable) -> list[tuple[str, int]]:
+        """(node, version) for each node whose version differs between an executable holding
+        ``holds`` and ``shape``: what to update to run ``shape``."""
+        before, after = self.shapes[holds], self.shapes[shape]
+        out = [(node, v) for node, v in after.items() if before.get(node) != v]
+        out += [(node, 0) for node in before if node not in after]
+        return out
+
+    def ops(self, shape: Hashable) -> dict[str, Op]:
+        """The operations ``shape`` changes, by template node."""
+        return {node: self.nodes[node].op(v) for node, v in self.shapes[shape].items()}
+
+    def delta(self, shape: Hashable) -> ShapeDelta:
+        """``shape``'s :class:`ShapeDelta` against the template (for reports and the
+        simulator; the family itself switches by versions)."""
+        template = self.template
+        nodes: list[NodeDelta] = []
+        for node, op in self.ops(shape).items():
+            nd = _node_delta(node, template.op(node), op, None)
+            if nd is not None:
+                nodes.append(nd)
+        return ShapeDelta(tuple(nodes), tuple((n, n) for n in template.dag))
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the shapes' versions keep beyond the template (8 a shape and node for the
+        version numbers)."""
+        return sum(nv.host_bytes for nv in self.nodes.values()) + 8 * sum(
+            map(len, self.shapes.values()))
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self.shapes)

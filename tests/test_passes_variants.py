@@ -1,0 +1,152 @@
+"""A family's shapes as versions of its template's nodes (grape.passes.variants), and moving
+them to another process all at once (grape.passes.relocate.relocate_variants): against the
+per-shape deltas and per-operation relocation they replace, on GPT-2 small decode families
+captured on the H200."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+
+from grape.errors import UnsupportedError
+from grape.familyio import graph_with, load_family
+from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Param, Pointer, Span
+from grape.passes.delta import join, transition
+from grape.passes.relocate import relocate_all, relocate_variants, relocation
+from grape.passes.variants import NodeVersions, Variants
+
+FAMILIES = Path(__file__).parent.parent / "traces" / "h200_families"
+CAPTURE = "gpt2_small_decode_b1_kv240_255.capture_{}.family.json.gz"
+
+
+@pytest.fixture(scope="module")
+def captures():
+    return [load_family(FAMILIES / CAPTURE.format(x)) for x in "ab"]
+
+
+def _variants(saved, key: str) -> Variants:
+    """One executable's shapes, added graph by graph as a capture adds them."""
+    shapes = [s for s, k in saved.shapes.items() if k == key]
+    first = next(s for s in shapes if not saved.changed(s))
+    v = Variants(saved.graph(first))
+    v.shapes[first] = {}
+    for s in shapes:
+        if s != first:
+            v.add_graph(s, saved.graph(s))
+    return v
+
+
+def test_a_switch_updates_what_the_shapes_deltas_say_differs(captures):
+    saved = captures[0]
+    for key in saved.variants:
+        v = _variants(saved, key)
+        template = saved.graph(next(iter(v.shapes)))
+        deltas = {s: join(template, saved.graph(s)) for s in v.shapes}
+        for a, b in itertools.permutations(v.shapes, 2):
+            expected = transition(template, deltas[a], deltas[b])
+            switch = dict(v.switch(a, b))
+            assert switch.keys() == expected.keys(), (a, b)
+            assert all(v.nodes[n].op(switch[n]) == op for n, op in expected.items())
+        for s in v.shapes:
+            assert graph_with(v.template, v.ops(s)) == saved.graph(s)
+
+
+def test_kernel_versions_are_rows_and_equal_operations_share_one(captures):
+    v = _variants(captures[0], max(captures[0].variants, key=lambda k: len(
+        captures[0].variants[k].shapes)))
+    kernels = [nv for nv in v.nodes.values() if nv.template.kind == "kernel"]
+    assert kernels and all(nv.rows for nv in kernels)
+    nv = kernels[0]
+    args, dims, targets = nv.arrays()
+    assert args.shape == (len(nv), len(nv.template.args)) and dims.shape == (len(nv), 7)
+    for version in range(len(nv)):
+        op = nv.op(version)
+        assert args[version].tobytes() == op.args
+        assert tuple(dims[version]) == (*op.grid, *op.block, op.shared_mem)
+        assert targets[version].tolist() == [p.target.offset for p in op.pointers]
+        assert nv.add(op) == version  # the same operation again: the same version
+    assert nv.add(nv.op(len(nv) - 1)) == len(nv) - 1 and nv.op(0) is nv.template
+
+
+def _kernel(grid: int, args: bytes, pointers=()) -> Kernel:
+    return Kernel("f@0x1", "f", (grid, 1, 1), (32, 1, 1), args=args,
+                  params=(Param(0, len(args)),), pointers=tuple(pointers))
+
+
+def test_a_version_of_another_layout_turns_a_node_s_versions_into_operations():
+    buffer = Pointer(0, Span("x", 0))
+    nv = NodeVersions("k", _kernel(1, bytes(16), [buffer]))
+    first = _kernel(2, bytes(16), [buffer])
+    assert nv.add(first) == 1 and nv.rows
+    fewer = _kernel(3, bytes(16))  # the pointer's word left unfilled: no pointer there
+    assert nv.add(fewer) == 2 and not nv.rows
+    assert [nv.op(v) for v in range(3)] == [nv.template, first, fewer]
+    assert nv.add(first) == 1 and len(nv) == 3
+
+
+def test_a_shape_that_cannot_be_taken_in_place_changes_nothing():
+    g = KernelGraph()
+    g.add_buffer(Buffer("x", 64, BufferRole.INTERNAL, address=0x1000))
+    g.add("k", _kernel(1, bytes(8)))
+    v = Variants(g)
+    v.shapes["t"] = {}
+    other = KernelGraph()
+    other.add_buffer(Buffer("x", 64, BufferRole.INTERNAL, address=0x1000))
+    other.add("k", dataclasses.replace(_kernel(2, bytes(8)), attributes=(("cluster", 2),)))
+    with pytest.raises(UnsupportedError, match="attributes change"):
+        v.add_graph("s", other)
+    moved = KernelGraph()
+    moved.add_buffer(Buffer("x", 64, BufferRole.INTERNAL, address=0x2000))
+    moved.add("k", _kernel(2, bytes(8)))
+    with pytest.raises(UnsupportedError, match="expected buffer 'x' at one address"):
+        v.add_graph("s", moved)
+    assert v.nodes == {} and list(v.shapes) == ["t"]
+
+
+def test_versions_moved_at_once_equal_operations_moved_one_by_one(captures):
+    # The second capture, in the same process, left other bytes in PyTorch's unfilled
+    # argument words (loose): the move takes the capture's here, where a member left them.
+    a, b = captures
+    for key, template in a.templates.items():
+        v = a.variants[key]
+        first = next(s for s, versions in v.shapes.items() if not versions)
+        r = relocation(template, b.graph(first))
+        assert r.loose  # the case the rows must get right
+        base = graph_with(b.graph(first), relocate_all(dict(template.ops()), r))
+        moved, failed = relocate_variants(v, r, base)
+        assert not failed and moved.shapes.keys() == v.shapes.keys()
+        rows = [n for n, nv in moved.nodes.items() if nv.rows]
+        assert len(rows) >= len(moved.nodes) - 12  # all kernels here; the copies one by one
+        for shape in v.shapes:
+            one_by_one = {n: op for n, op in relocate_all(v.ops(shape), r).items()
+                          if op != base.op(n)}
+            assert moved.ops(shape) == one_by_one, shape
+
+
+def test_a_version_that_points_outside_its_buffer_here_keeps_only_its_shapes_back():
+    g = KernelGraph()
+    g.add_buffer(Buffer("x", 256, BufferRole.INTERNAL, address=0x10000))
+    word = (0x10000).to_bytes(8, "little")
+    g.add("k", _kernel(1, word, [Pointer(0, Span("x", 0))]))
+    v = Variants(g)
+    v.shapes[0] = {}
+    for shape, offset in ((1, 64), (2, 200), (3, 64)):
+        member = KernelGraph()
+        member.add_buffer(Buffer("x", 256, BufferRole.INTERNAL, address=0x10000))
+        member.add("k", _kernel(1 + offset, (0x10000 + offset).to_bytes(8, "little"),
+                                [Pointer(0, Span("x", offset))]))
+        v.add_graph(shape, member)
+    here = KernelGraph()  # x is 128 bytes here, at another address
+    here.add_buffer(Buffer("y", 128, BufferRole.INTERNAL, address=0x50000))
+    here.add("k", _kernel(1, (0x50000).to_bytes(8, "little"), [Pointer(0, Span("y", 0))]))
+    r = relocation(g, here)
+    moved, failed = relocate_variants(v, r, here)
+    assert set(failed) == {2} and "within the 128 bytes of buffer 'y' here, found offset 200" \
+        in failed[2]
+    assert set(moved.shapes) == {0, 1, 3} and moved.shapes[1] == moved.shapes[3]
+    op = moved.ops(1)["k"]
+    assert op.args == (0x50000 + 64).to_bytes(8, "little") and op.pointers == (
+        Pointer(0, Span("y", 64)),)
