@@ -8,10 +8,15 @@ others, kernel handles stubbed). ``--members N`` as in ``family_files.py``.
 ``python benchmarks/family_load_cost.py
 traces/h200_families/gpt2_small_decode_b1_kv240_255.family.json.gz --members 1023`` (this
 repository's 2-core CPU machine, 2026-12-01). Before node versions (each member's changed
-operations read, moved and coded one by one; members then repeated the file's 16 exactly),
-four runs: read 4.82-5.40 s, templates 0.12-0.13, members 6.57-7.29, prepare 1.21-1.29 (69,888
-kernel updates), 12.8-13.8 s in all. The members here change 68 kernels each, GPT-2's real
-lengths 1..1023 about 190 (run 7 in ``benchmarks/README.md``: 194,472 updates).
+operations read, moved and coded one by one; members repeating the file's 16 exactly), four
+runs: read 4.82-5.40 s, templates 0.12-0.13, members 6.57-7.29, prepare 1.21-1.29 (69,888
+kernel updates), 12.8-13.8 s in all. With the members made distinct, the version before node
+versions (a worktree at 9352c90, its own ``grape``) and this one alternating, two runs each:
+before 16.55 and 15.97 s (read 6.47/6.33, members 8.55/8.10, prepare 1.39/1.42; 69,875 kernel
+updates), after 0.92 and 0.91 s (read 0.25, templates 0.13, members 0.10, prepare 0.44; 63,551
+kernel versions: members whose kernels have no argument word free of pointers stay alike and
+share versions). The members here change 68 kernels each, GPT-2's real lengths 1..1023 about
+190 (run 7 in ``benchmarks/README.md``: 194,472 updates).
 """
 
 import sys
