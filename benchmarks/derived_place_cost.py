@@ -1,6 +1,8 @@
 """What a derived length costs on the host before it runs (no GPU): building its graph
-(``Derivation.graph_at``) and its delta against the family's executable, matched whole as a
-captured graph is or through the derivation's template, matched once.
+(``Derivation.graph_at``) and placing it in the family's executable, as a delta matched whole,
+as a delta or versions through the derivation's template (matched once), or as versions from
+the operations its derivation rebuilds, without the graph (``derived_changes``, what
+``capture_family`` does since node versions).
 
 On GPT-2 small's decode family captured twice on the H200 (``traces/h200_families``, KV
 lengths 240..255): the larger executable's lengths derived from every other one, loose slots
@@ -10,10 +12,12 @@ from the two captures of its first and last sample, as ``derive_lengths`` finds 
 This repository's 2-core CPU machine, 2026-12-01, three lengths derived (245, 250, 252): at
 a996434's derive and family code, graph_at 13.85 ms, the delta matched whole 37.12 ms and
 through the template 6.94 ms (one run, the delta's ``pairs`` added for it); with graph_at
-copying the template's DAG, two runs: 7.07 and 6.87, 22.58 and 22.24, 4.27 and 4.22 (the
-whole match fell too, on graphs that are now copies of the template's DAG, whose nodes
-networkx then keeps in the template's order: not looked into further).
-``capture_family`` places derived lengths through the template since this script was written.
+copying the template's DAG, two runs: 7.07 and 6.87, 22.58 and 22.24, 4.27 and 4.22. With
+node versions, ``match`` taking graphs of one structure under the same ids node to node
+without hashing, and Segment.at in integers, one run: graph_at 8.77, delta whole 9.37,
+through the template 7.62, versions through the template 1.81, versions without the graph
+5.55 (against graph_at and versions through the template, 10.58); derive of the 8 samples
+223 ms once. The machine's pace moved by a third between runs that day: compare within one.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from pathlib import Path
 
 from grape.familyio import load_family
 from grape.passes.delta import delta
-from grape.passes.derive import derive, loose_at_both
+from grape.passes.derive import derive, derived_changes, loose_at_both
 from grape.passes.families import match
+from grape.passes.variants import Variants
 
 FOLDER = Path(__file__).parent.parent / "traces" / "h200_families"
 
@@ -61,6 +66,17 @@ def main() -> None:
     print(f"  delta, matched whole          {best(lambda n: delta(executable, built[n])):6.2f}")
     print(f"  delta, through the template   "
           f"{best(lambda n: delta(executable, built[n], pairs=known)):6.2f}")
+    versions = Variants(executable)
+    print(f"  versions, through the template "
+          f"{best(lambda n: versions.add_graph(n, built[n], pairs=known)):5.2f}")
+    versions.add_graph(first, graphs[first])
+    base = versions.ops(first)
+    print(f"  versions, without the graph    "
+          f"{best(lambda n: versions.add_changes(n, derived_changes(d, n, base, known))):5.2f}"
+          f" (derived_changes: what capture_family does)")
+    t = time.perf_counter()
+    derive({n: graphs[n] for n in samples}, loose)
+    print(f"  derive, {len(samples)} samples      {1000 * (time.perf_counter() - t):6.0f} (once)")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,8 @@ import sys
 import time
 
 from grape.familyio import load_family
-from grape.ir import fingerprint
 from grape.passes.variants import Variants
-from grape.torch.family import _Group, _place
+from grape.torch.family import _Group, _place, _topology
 
 saved = load_family(sys.argv[1])
 shapes = sorted(saved.members, reverse=True)
@@ -27,7 +26,7 @@ times = []
 for s in shapes:
     ir = saved.graph(s)
     t = time.perf_counter()
-    topo = fingerprint(ir, launch=False)
+    topo = _topology(groups, ir)
     key = _place(groups, variants, topo, s, ir)
     if key not in groups:
         groups[key] = _Group(s, ir, None, None, s)

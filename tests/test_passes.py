@@ -21,7 +21,7 @@ from grape.passes.delta import (
     join_changes,
     transition,
 )
-from grape.passes.families import canonical_order, group, match
+from grape.passes.families import canonical_order, group, match, same_ids
 from tests.strategies import graphs
 
 sparse = st.lists(st.one_of(st.just(0), st.just(0), st.just(0), st.integers(0, 255)),
@@ -127,6 +127,22 @@ def test_matching_survives_relabelling(g):
     # The prefix keeps the ids' order, so even nodes tied by position pair with their copies.
     assert all(h.op(pairs[n]) == g.op(n) for n in g.dag)
     assert len(canonical_order(g)) == len(g)
+
+
+@given(graphs(), st.data())
+def test_graphs_of_one_structure_under_the_same_ids_match_node_to_node_as_hashing_would(g, data):
+    h = _mutated(g, data)
+    assert same_ids(g, h) == (not any(op.kind == "conditional" for _, op in g.ops()))
+    # what the canonical orders give, without the shortcut: each node to itself
+    assert dict(zip(canonical_order(g), canonical_order(h), strict=True)) == {n: n for n in g.dag}
+    assert match(g, h) == {n: n for n in g.dag}
+    if g.dag.number_of_edges():  # an edge less: no longer one structure under these ids
+        h.dag.remove_edge(*next(iter(g.dag.edges)))
+        assert not same_ids(g, h)
+    renamed = KernelGraph()
+    for n in g.dag:
+        renamed.dag.add_node(f"N-{n}", op=g.op(n))
+    assert len(g) == 0 or not same_ids(g, renamed)
 
 
 def _decode_step(kv: int) -> KernelGraph:

@@ -273,6 +273,18 @@ def test_lengths_of_a_real_decode_step_derive_byte_for_byte_but_for_loose_slots(
     for n in derivable:
         assert delta(executable, d.graph_at(n), pairs=known) == delta(executable,
                                                                       d.graph_at(n)), n
+    # Placed without its graph (what capture_family does): the derivation's template's own
+    # changes to the executable, with the nodes the derivation rebuilds, are the same versions.
+    from grape.passes.derive import derived_changes
+    from grape.passes.variants import Variants
+
+    whole, direct = Variants(executable), Variants(executable)
+    for v in (whole, direct):
+        v.add_graph(first, graphs[first])
+    for n in derivable:
+        whole.add_graph(n, d.graph_at(n), pairs=known)
+        direct.add_changes(n, derived_changes(d, n, direct.ops(first), known))
+        assert direct.ops(n) == whole.ops(n) and direct.ops(n), n
 
 
 def test_differences_name_each_number_a_check_refuses():

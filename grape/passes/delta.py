@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from grape.errors import GraphError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Op
 from grape.passes.compress import best, decode, encode, xor
-from grape.passes.families import canonical_order, match
+from grape.passes.families import canonical_order, match, same_ids
 
 __all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "delta",
            "identity", "join", "join_changes", "merge_buffers", "operation", "transition"]
@@ -98,7 +98,10 @@ def delta(template: KernelGraph, other: KernelGraph, codec: str | None = None,
 def identity(graph: KernelGraph) -> ShapeDelta:
     """``delta(graph, graph)`` without comparing the graph with itself: no node changes, each
     maps to itself (a new executable's own shape; on a Wav2Vec2 training step, thousands of
-    nodes, the comparison cost a third of a second per shape)."""
+    nodes, the comparison cost a third of a second per shape). Its mapping is in the order
+    ``match(graph, graph)`` gives it (node ids' order, without conditional nodes)."""
+    if same_ids(graph, graph):
+        return ShapeDelta((), tuple((n, n) for n in graph.dag))
     return ShapeDelta((), tuple((n, n) for n in canonical_order(graph)))
 
 

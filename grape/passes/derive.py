@@ -43,7 +43,7 @@ lengths 240..254: of 248 varying words on no line, 199 were the first kind and 4
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from itertools import pairwise
@@ -55,8 +55,8 @@ from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span, fingerprint
 from grape.passes.families import match
 
-__all__ = ["Derivation", "Sampled", "Segment", "derive", "derive_lengths", "loose_at_both",
-           "loose_slots"]
+__all__ = ["Derivation", "Graphs", "Sampled", "Segment", "derive", "derive_lengths",
+           "derived_changes", "loose_at_both", "loose_slots"]
 
 MIN_SUPPORT = 3  # captured lengths on a stretch's line before it is trusted
 
@@ -73,7 +73,10 @@ class Segment:
     support: int
 
     def at(self, length: int) -> int | None:
-        value = self.intercept + self.slope * length
+        slope, intercept = self.slope, self.intercept
+        if slope.denominator == 1 and intercept.denominator == 1:  # most: integers, fast
+            return intercept.numerator + slope.numerator * length
+        value = intercept + slope * length
         return int(value) if value.denominator == 1 else None
 
 
@@ -278,14 +281,8 @@ class Derivation:
     def covers(self, length: int) -> bool:
         return not self.uncovered(length)
 
-    def graph_at(self, length: int) -> KernelGraph:
-        """The graph at ``length``, derived, not captured.
-
-        Raises
-        ------
-        UnsupportedError
-            ``length`` lies where some number has no trusted stretch: capture it instead.
-        """
+    def _numbers(self, length: int) -> dict[str, dict[str, int]]:
+        """Every fitted number at ``length``, by node (or ``buffer:<id>``)."""
         if missing := self.uncovered(length):
             where, what = missing[0]
             raise UnsupportedError(
@@ -295,6 +292,36 @@ class Derivation:
         numbers: dict[str, dict[str, int]] = {}
         for (where, what), _ in self.fits.items():
             numbers.setdefault(where, {})[what] = self._value((where, what), length)
+        return numbers
+
+    @property
+    def buffers_vary(self) -> bool:
+        """Whether some buffer's size or address is fitted (changes with the length)."""
+        return any(where.startswith("buffer:") for where, _ in self.fits)
+
+    def ops_at(self, length: int) -> dict[str, Op]:
+        """The operations at ``length`` of the template's nodes whose numbers vary (every other
+        node's is the template's), derived: what :meth:`graph_at` rebuilds, without the graph.
+
+        Raises
+        ------
+        UnsupportedError
+            As :meth:`graph_at`.
+        """
+        return {node: _rebuild(self.template.op(node), found,
+                               self.dividers.get(node, frozenset()))
+                for node, found in self._numbers(length).items()
+                if not node.startswith("buffer:")}
+
+    def graph_at(self, length: int) -> KernelGraph:
+        """The graph at ``length``, derived, not captured.
+
+        Raises
+        ------
+        UnsupportedError
+            ``length`` lies where some number has no trusted stretch: capture it instead.
+        """
+        numbers = self._numbers(length)
         out = KernelGraph()
         for b in self.template.buffers.values():
             got = numbers.get(f"buffer:{b.id}", {})
@@ -406,6 +433,22 @@ def derive(samples: Mapping[int, KernelGraph],
     return Derivation(template, lengths, fits, loose, dividers, bits)
 
 
+def derived_changes(d: Derivation, length: int, base: Mapping[str, Op],
+                    pairs: Mapping[str, str]) -> dict[str, Op]:
+    """The operations a derived ``length`` changes in an executable's template, without its
+    graph: those the captured length it is derived from (``d.lengths[0]``) changes there
+    (``base``, by template node), with the nodes the derivation rebuilds put over them
+    (``pairs``: the template's nodes to the captured length's).
+
+    Raises
+    ------
+    UnsupportedError
+        ``length`` is not derivable (:meth:`Derivation.graph_at`).
+    """
+    back = {theirs: mine for mine, theirs in pairs.items()}
+    return {**base, **{back[node]: op for node, op in d.ops_at(length).items()}}
+
+
 def _differs(a: KernelGraph, at: int, b: KernelGraph, bt: int) -> str | None:
     """What keeps two graphs (at lengths ``at`` and ``bt``) from one derivation, as
     :func:`derive` would say it, without fitting anything: None where only numbers differ."""
@@ -437,11 +480,45 @@ def _first_difference(a: tuple, b: tuple) -> str:
     return "kind"
 
 
+class Graphs(MutableMapping):
+    """Graphs by length: captured ones kept, derived ones made from their derivation each time
+    one is asked for (a family places most derived lengths from their changed operations alone,
+    :meth:`Derivation.ops_at`, and never needs their whole graph)."""
+
+    def __init__(self) -> None:
+        self.captured: dict[int, KernelGraph] = {}
+        self.derived: dict[int, Derivation] = {}
+
+    def __getitem__(self, length: int) -> KernelGraph:
+        if length in self.captured:
+            return self.captured[length]
+        return self.derived[length].graph_at(length)
+
+    def __setitem__(self, length: int, graph: KernelGraph) -> None:
+        self.captured[length] = graph
+
+    def __delitem__(self, length: int) -> None:
+        if length in self.captured:
+            del self.captured[length]
+        else:
+            del self.derived[length]
+
+    def __contains__(self, length: object) -> bool:
+        return length in self.captured or length in self.derived
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self.captured
+        yield from (n for n in self.derived if n not in self.captured)
+
+    def __len__(self) -> int:
+        return len(self.captured.keys() | self.derived.keys())
+
+
 @dataclass
 class Sampled:
     """Graphs at every length asked for, and how each was had (see :func:`derive_lengths`)."""
 
-    graphs: dict[int, KernelGraph]
+    graphs: Graphs = field(default_factory=Graphs)
     captured: list[int] = field(default_factory=list)  # in the order captured
     derived: list[int] = field(default_factory=list)
     checked: dict[int, list[str]] = field(default_factory=dict)  # held-out length -> differing
@@ -574,7 +651,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         raise GrapeError(f"expected lengths, every >= 1, checks >= 0 and period >= 1, found "
                          f"{len(want)} lengths, every={every}, checks={checks}, "
                          f"period={period}")
-    out = Sampled({})
+    out = Sampled()
 
     def take(n: int) -> KernelGraph:
         out.graphs[n] = capture(n)
@@ -624,7 +701,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         if d is None:
             take(n)
         else:
-            out.graphs[n] = d.graph_at(n)
+            out.graphs.derived[n] = d
             out.derived.append(n)
             out.derived_from[n] = d.lengths[0]
             out.topologies[n] = out.topologies[d.lengths[0]]  # numbers differ, nothing else

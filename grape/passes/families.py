@@ -25,9 +25,9 @@ from collections.abc import Hashable, Mapping
 import networkx as nx
 
 from grape.errors import GraphError
-from grape.ir import KernelGraph, fingerprint, node_hashes
+from grape.ir import Conditional, KernelGraph, fingerprint, node_hashes
 
-__all__ = ["canonical_order", "group", "match"]
+__all__ = ["canonical_order", "group", "match", "same_ids"]
 
 
 def group(graphs: Mapping[Hashable, KernelGraph]) -> dict[str, list[Hashable]]:
@@ -49,6 +49,24 @@ def canonical_order(graph: KernelGraph, hashes: Mapping[str, str] | None = None)
     return list(nx.lexicographical_topological_sort(graph.dag, key=lambda n: (hashes[n], n)))
 
 
+def same_ids(template: KernelGraph, other: KernelGraph) -> bool:
+    """Whether two graphs are one structure under their own node ids: the same ids, each of
+    the same kind, joined by the same edges (no conditional nodes, whose bodies would need
+    comparing too). Captures of one step number their nodes in the order they were recorded,
+    so captures of one topology usually are; their :func:`match` is then every node to
+    itself, which is what the canonical orders would give (identical labelled graphs hash
+    alike, node by node, and ties go to the id), found without hashing."""
+    a, b = template.dag, other.dag
+    if len(a) != len(b) or a.number_of_edges() != b.number_of_edges():
+        return False
+    ops = b.nodes
+    for node, op in a.nodes(data="op"):
+        theirs = ops.get(node)
+        if theirs is None or type(theirs["op"]) is not type(op) or isinstance(op, Conditional):
+            return False
+    return set(a.edges) == set(b.edges)
+
+
 def match(template: KernelGraph, other: KernelGraph) -> dict[str, str]:
     """Each node of ``template`` and the node of ``other`` in its place.
 
@@ -58,6 +76,8 @@ def match(template: KernelGraph, other: KernelGraph) -> dict[str, str]:
         The two graphs differ in structure (a node's kind, or an edge), so no executable of one
         can be brought to the other by updating parameters.
     """
+    if same_ids(template, other):
+        return {node: node for node in template.dag}
     # Each graph's structural hashes once: the fingerprint and the order are both made of them
     # (computing them twice was half of a family shape's placement on the host).
     mine, theirs = node_hashes(template, launch=False), node_hashes(other, launch=False)

@@ -34,8 +34,8 @@ from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
 from grape.passes.delta import ShapeDelta
-from grape.passes.derive import Sampled, derive_lengths
-from grape.passes.families import match
+from grape.passes.derive import Sampled, derive_lengths, derived_changes
+from grape.passes.families import match, same_ids
 from grape.passes.variants import Variants
 from grape.torch.capture import capture, frozen_heap, pool_segments
 
@@ -303,6 +303,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     graphs: dict[Hashable, Graph] = {}
     keep: list[Any] = []
     matched: dict[tuple[str, int], dict[str, str]] = {}
+    base_ops: dict[tuple[str, int], dict[str, Op]] = {}  # captured lengths derived from
 
     def pairs_for(shape: Hashable) -> Callable[[str], dict[str, str] | None] | None:
         """For a derived length: each executable's template node to the derived graph's, by
@@ -320,13 +321,39 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
             return matched[key, base]
         return pairs
 
-    for i, shape in enumerate(shapes):
-        ir = sampled.graphs[shape] if sampled is not None else captured(shape)
-        if update == "graph":
-            graphs[shape] = Graph.build(ir)
-        key = group_of[shape] = _add_shape(
-            groups, variants, shape, ir, graphs.get(shape),
-            sampled.topologies.get(shape) if sampled else None, pairs_for(shape))
+    def place_derived(shape: int) -> str | None:
+        """A derived length placed from the operations its derivation rebuilds (the others
+        are those of the captured length it was derived from), without its whole graph: its
+        executable's key, or None where it must be placed as a graph."""
+        d = sampled.graphs.derived[shape]
+        base = d.lengths[0]
+        key = group_of.get(base)
+        pairs = pairs_for(shape)(key) if key is not None and not d.buffers_vary else None
+        if pairs is None:
+            return None
+        v = variants[key]
+        if (key, base) not in base_ops:
+            base_ops[key, base] = v.ops(base)
+        try:
+            v.add_changes(shape, derived_changes(d, shape, base_ops[key, base], pairs))
+        except UnsupportedError:
+            return None
+        return key
+
+    # Captured shapes first: every executable's template is a capture, and a derived length's
+    # captured one is placed before it.
+    derived = set(sampled.derived) if sampled is not None else set()
+    order = [s for s in shapes if s not in derived] + [s for s in shapes if s in derived]
+    for i, shape in enumerate(order):
+        key = place_derived(shape) if shape in derived and update == "nodes" else None
+        if key is None:
+            ir = sampled.graphs[shape] if sampled is not None else captured(shape)
+            if update == "graph":
+                graphs[shape] = Graph.build(ir)
+            key = _add_shape(groups, variants, shape, ir, graphs.get(shape),
+                             sampled.topologies.get(shape) if sampled else None,
+                             pairs_for(shape))
+        group_of[shape] = key
         # The first captured graph keeps the shared pool, and with it every shape's memory;
         # the others go (largest first, every later shape's blocks came from the pool).
         if shape in torch_graphs and (not keep or groups[key].template_shape == shape):
@@ -521,7 +548,7 @@ def _add_shape(groups: dict[str, _Group], variants: dict[str, Variants], shape: 
     executable is then brought to it here); ``topology``: its ``fingerprint(launch=False)``
     where already known; ``pairs``: a group's key to its template's match with ``ir``, where
     known without matching."""
-    topology = topology or fingerprint(ir, launch=False)
+    topology = topology or _topology(groups, ir)
     if graph is not None:
         key = _place_whole(groups, variants, topology, shape, ir, graph)
     else:
@@ -534,6 +561,14 @@ def _add_shape(groups: dict[str, _Group], variants: dict[str, Variants], shape: 
     elif graph is not None:
         groups[key].holds = shape  # _place_whole brought the executable to it
     return key
+
+
+def _topology(groups: Mapping[str, _Group], ir: KernelGraph) -> str:
+    """``ir``'s ``fingerprint(launch=False)``: an executable's, where its template is the same
+    structure under the same node ids (``same_ids``: captures of one step usually are), which
+    spares hashing the graph (a third of a captured shape's placement on the host)."""
+    return next((k.split("#")[0] for k, g in groups.items() if same_ids(g.template, ir)),
+                None) or fingerprint(ir, launch=False)
 
 
 def _variants_of(groups: Mapping[str, _Group], topology: str) -> list[str]:
