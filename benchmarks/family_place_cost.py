@@ -6,7 +6,12 @@ capture's is; mean milliseconds per 50 shapes.
 ``python benchmarks/family_place_cost.py FAMILY.json.gz`` (this repository's 2-core CPU
 machine, 2026-12-01, on GPT-2 small's 255-shape family saved on the H200): placing took
 41 to 48 ms a shape; the collection grew from 1.7 ms to 24.6 ms (about 0.09 ms per shape
-kept).
+kept). On the committed 16-length family
+(``traces/h200_families/gpt2_small_decode_b1_kv240_255.capture_a.family.json.gz``), the
+version before node versions (a worktree at 9352c90) and this one, one run each, same day:
+29.0 ms a shape, then 3.6 (node versions, and ``match`` and the topology taken without
+hashing where the graphs are one structure under the same ids, as a saved family's members
+are; captures here are numbered in recording order, which the H200 has not yet confirmed).
 """
 
 import gc
