@@ -17,8 +17,9 @@ from grape.ir import Kernel, KernelGraph, Op
 from grape.passes.compress import best, decode, encode, xor
 from grape.passes.families import canonical_order, match, same_ids
 
-__all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "delta",
-           "identity", "join", "join_changes", "merge_buffers", "operation", "transition"]
+__all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "check_buffers",
+           "delta", "identity", "join", "join_changes", "merge_buffers", "operation",
+           "transition"]
 
 # Kernel fields a delta carries whole when they differ (args get their own coding).
 _WHOLE = ("function", "name", "grid", "block", "shared_mem", "attributes", "params", "pointers",
@@ -184,13 +185,25 @@ def join(template: KernelGraph, other: KernelGraph,
     except GraphError as e:
         raise UnsupportedError(str(e)) from None
     _check_in_place(template, d)
+    check_buffers(template, other)
+    merge_buffers(template, other)
+    return d
+
+
+def check_buffers(template: KernelGraph, other: KernelGraph) -> None:
+    """Refuse graphs that name one buffer at two addresses: an executable resolves copies' and
+    memsets' addresses through one buffer table.
+
+    Raises
+    ------
+    UnsupportedError
+        The first buffer found at two addresses.
+    """
     for b in other.buffers.values():
         mine = template.buffers.get(b.id)
         if mine is not None and mine.address != b.address:
             raise UnsupportedError(f"expected buffer {b.id!r} at one address in both graphs, "
                                    f"found it at {mine.address} and {b.address}")
-    merge_buffers(template, other)
-    return d
 
 
 def merge_buffers(template: KernelGraph, other: KernelGraph) -> None:

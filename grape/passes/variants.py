@@ -36,7 +36,13 @@ import numpy as np
 
 from grape.errors import GraphError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Op, Pointer, Span
-from grape.passes.delta import NodeDelta, ShapeDelta, _node_delta, merge_buffers
+from grape.passes.delta import (
+    NodeDelta,
+    ShapeDelta,
+    _node_delta,
+    check_buffers,
+    merge_buffers,
+)
 from grape.passes.families import match
 
 __all__ = ["DIMS", "NodeVersions", "Variants", "check_in_place"]
@@ -264,11 +270,7 @@ class Variants:
             if op is not before and op != before:
                 changes[mine] = op
         check_in_place(template, changes)
-        for b in graph.buffers.values():
-            known = template.buffers.get(b.id)
-            if known is not None and known.address != b.address:
-                raise UnsupportedError(f"expected buffer {b.id!r} at one address in both "
-                                       f"graphs, found it at {known.address} and {b.address}")
+        check_buffers(template, graph)
         self._commit(shape, changes)
         merge_buffers(template, graph)
 
