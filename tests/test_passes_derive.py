@@ -331,3 +331,86 @@ def test_a_host_address_that_changed_since_the_samples_is_loose_not_refused():
     got = derive_lengths(_later_another(12345, 35, before=777), range(1, 257), every=8,
                          checks=1)
     assert got.refused and not got.host_words
+
+
+def _row_ops(d, node, lengths):
+    """Each length's operation for ``node`` as Derivation.rows makes it (through NodeVersions,
+    which turns rows back into operations)."""
+    from grape.passes.variants import NodeVersions
+
+    versions = NodeVersions(node, d.template.op(node))
+    return [versions.op(v) for v in versions.add_rows(*d.rows(node, lengths))]
+
+
+def test_rows_are_the_derived_operations_byte_for_byte():
+    # Pointers, grid steps and plain numbers (step), and IntDivider magic computed from a
+    # fitted divisor with a loose slot kept as the template's (packed).
+    import random
+
+    from grape.passes.derive import loose_slots
+
+    d = derive({n: step(n) for n in SAMPLED})
+    lengths = [n for n in range(1, 250) if d.covers(n)]
+    assert len(lengths) > 200
+    assert _row_ops(d, "attn", lengths) == [d.op_at("attn", n) for n in lengths] == [
+        step(n).op("attn") for n in lengths]
+    rng = random.Random(0)
+    samples = {n: packed(n, rng.getrandbits(32)) for n in range(10, 200, 9)}
+    d = derive(samples, loose_slots(samples[10], packed(10, rng.getrandbits(32))))
+    lengths = [n for n in range(10, 200) if d.covers(n)]
+    assert _row_ops(d, "k", lengths) == [d.ops_at(n)["k"] for n in lengths]
+    with pytest.raises(UnsupportedError, match="derivable at length 5"):
+        d.rows("k", [12, 5])
+    # A line of slope 3/2 (computed with fractions, not in numpy): whole at even lengths only.
+
+    def halves(n: int) -> KernelGraph:
+        g = KernelGraph()
+        g.add("k", Kernel("k@0x1", "k", grid=(1, 1, 1), block=(32, 1, 1),
+                          args=(3 * n // 2).to_bytes(4, "little")))
+        return g
+
+    d = derive({n: halves(n) for n in range(10, 100, 10)})
+    assert d.covers(12) and not d.covers(13)
+    assert _row_ops(d, "k", [12, 40, 88]) == [halves(n).op("k") for n in (12, 40, 88)]
+    with pytest.raises(UnsupportedError, match="derivable at length 13"):
+        d.rows("k", [12, 13])
+
+
+def test_derived_lengths_placed_at_once_take_the_versions_placed_one_by_one():
+    # GPT-2 small decode on the H200 (the committed captures): every other length of the
+    # larger executable sampled, the rest derived; placed in one go, a node at a time, each
+    # length takes the versions it takes placed length by length from its operations.
+    import collections
+
+    from grape.familyio import load_family
+    from grape.passes.derive import derived_changes, loose_at_both, place_derived
+    from grape.passes.families import match
+    from grape.passes.variants import Variants
+
+    folder = Path(__file__).parent.parent / "traces" / "h200_families"
+    a, b = (load_family(folder / f"gpt2_small_decode_b1_kv240_255.capture_{x}.family.json.gz")
+            for x in "ab")
+    by_key = collections.defaultdict(list)
+    for n, key in a.shapes.items():
+        by_key[key].append(n)
+    lengths = sorted(max(by_key.values(), key=len))
+    graphs = {n: a.graph(n) for n in lengths}
+    samples = lengths[::2] + lengths[-1:]
+    first, last = samples[0], samples[-1]
+    loose = loose_at_both((graphs[first], b.graph(first)), (graphs[last], b.graph(last)))
+    d = derive({n: graphs[n] for n in samples}, loose)
+    derivable = [n for n in lengths if n not in samples and d.covers(n)]
+    assert len(derivable) >= 3
+    executable = graphs[last]
+    pairs = match(executable, d.template)
+    one, many = Variants(executable), Variants(executable)
+    for v in (one, many):
+        v.add_graph(first, graphs[first])
+    for n in derivable:
+        one.add_changes(n, derived_changes(d, n, one.ops(first), pairs))
+    place_derived(many, d, derivable, first, pairs)
+    assert all(many.ops(n) == one.ops(n) for n in derivable)
+    assert sum(nv.rows for nv in many.nodes.values()) >= len(many.nodes) - 12  # copies aside
+    with pytest.raises(UnsupportedError):
+        place_derived(many, d, [last + 1], first, pairs)
+    assert last + 1 not in many.shapes

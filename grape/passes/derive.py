@@ -43,7 +43,16 @@ lengths 240..254: of 248 varying words on no line, 199 were the first kind and 4
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+import functools
+from collections.abc import (
+    Callable,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from fractions import Fraction
 from itertools import pairwise
@@ -54,9 +63,10 @@ import numpy as np
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span, fingerprint
 from grape.passes.families import match
+from grape.passes.variants import NodeVersions, Variants
 
 __all__ = ["Derivation", "Graphs", "Sampled", "Segment", "derive", "derive_lengths",
-           "derived_changes", "loose_at_both", "loose_slots"]
+           "derived_changes", "loose_at_both", "loose_slots", "place_derived"]
 
 MIN_SUPPORT = 3  # captured lengths on a stretch's line before it is trusted
 
@@ -99,6 +109,10 @@ def _segments(points: list[tuple[int, int]]) -> list[Segment]:
 
 
 Slots = frozenset[int]  # byte offsets of 4-byte argument slots
+
+# Where a kernel's launch numbers go in a row of ``grape.passes.variants.DIMS`` columns.
+_DIM_COLUMNS = {"grid0": 0, "grid1": 1, "grid2": 2, "block0": 3, "block1": 4, "block2": 5,
+                "shared_mem": 6}
 
 
 def _slots(offset: int, size: int) -> range:
@@ -274,6 +288,45 @@ class Derivation:
                 return value
         return None
 
+    def _column(self, key: tuple[str, str], lengths: np.ndarray) -> list[int] | np.ndarray:
+        """``key``'s number at each of ``lengths`` (int64 ``lengths``), as :meth:`_value` gives
+        it one at a time; a stretch whose line is in integers small enough is computed in
+        numpy at once. Raises (naming what is missing) where some length is not derivable."""
+        out = np.zeros(len(lengths), dtype=np.int64)
+        done = np.zeros(len(lengths), dtype=bool)
+        top = 1 << self.bits.get(key, 64)
+        wide: dict[int, int] = {}  # lengths whose value needs Python's integers
+        for seg in self.fits[key]:
+            inside = (lengths >= seg.first) & (lengths <= seg.last) & ~done
+            if not inside.any():
+                continue
+            done |= inside
+            if seg.support < MIN_SUPPORT:
+                self._numbers(int(lengths[inside][0]))  # raises
+            slope, intercept = seg.slope, seg.intercept
+            small = (slope.denominator == 1 and intercept.denominator == 1
+                     and abs(intercept.numerator) < 1 << 61
+                     and abs(slope.numerator) * (seg.last + 1) < 1 << 61)
+            if small:
+                values = intercept.numerator + slope.numerator * lengths[inside]
+                if values.min() < 0 or (top < 1 << 62 and values.max() >= top):
+                    self._numbers(int(lengths[inside][(values < 0) | (values >= top)][0]))
+                out[inside] = values
+            else:
+                for i in np.flatnonzero(inside).tolist():
+                    value = self._value(key, int(lengths[i]))
+                    if value is None:
+                        self._numbers(int(lengths[i]))  # raises
+                    wide[i] = value
+        if not done.all():
+            self._numbers(int(lengths[~done][0]))  # raises
+        if not wide:
+            return out
+        values = out.tolist()
+        for i, value in wide.items():
+            values[i] = value
+        return values
+
     def uncovered(self, length: int) -> list[tuple[str, str]]:
         """The numbers that cannot be derived at ``length`` (none: it is derivable)."""
         return [key for key in self.fits if self._value(key, length) is None]
@@ -298,6 +351,62 @@ class Derivation:
     def buffers_vary(self) -> bool:
         """Whether some buffer's size or address is fitted (changes with the length)."""
         return any(where.startswith("buffer:") for where, _ in self.fits)
+
+    @functools.cached_property
+    def varying(self) -> dict[str, list[str]]:
+        """The numbers fitted for each node (``buffer:<id>`` entries left out)."""
+        out: dict[str, list[str]] = {}
+        for where, what in self.fits:
+            if not where.startswith("buffer:"):
+                out.setdefault(where, []).append(what)
+        return out
+
+    def rows(self, node: str, lengths: Sequence[int]
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Kernel node ``node`` at each of ``lengths``, as rows of arrays in the layout of
+        ``grape.passes.variants``: argument bytes (lengths, bytes) uint8, launch dimensions
+        (lengths, 7) and pointers' offsets (lengths, pointers) int64. What :meth:`ops_at` gives
+        for the node at each length, without making an operation per length.
+
+        Raises
+        ------
+        UnsupportedError
+            Some length is not derivable (:meth:`graph_at`).
+        """
+        t = self.template.op(node)
+        count, width = len(lengths), len(t.args)
+        args = np.repeat(np.frombuffer(t.args, dtype=np.uint8)[None], count, axis=0)
+        dims = np.tile(np.array([*t.grid, *t.block, t.shared_mem], dtype=np.int64), (count, 1))
+        targets = np.tile(np.array([p.target.offset for p in t.pointers], dtype=np.int64),
+                          (count, 1))
+        pointer = {p.offset: j for j, p in enumerate(t.pointers)}
+        at = np.asarray(lengths, dtype=np.int64)
+        for what in self.varying.get(node, ()):
+            values = self._column((node, what), at)
+            if what[0] in "aw":
+                o = int(what[1:])
+                size = 8 if what[0] == "w" else min(4, width - o)
+                words = np.array(values, dtype="<u8").view(np.uint8).reshape(count, 8)
+                args[:, o:o + size] = words[:, :size]
+            else:
+                column = np.array(values, dtype=np.int64)
+                if what[0] == "p":
+                    targets[:, pointer[int(what[1:])]] = column
+                else:
+                    dims[:, _DIM_COLUMNS[what]] = column
+        for o in sorted(self.dividers.get(node, ())):
+            divisors = np.ascontiguousarray(args[:, o - 4:o]).view("<u4")[:, 0]
+            magic = {int(d): _divider(int(d)) for d in np.unique(divisors)}
+            pairs = np.array([magic[int(d)] for d in divisors], dtype="<u4").reshape(count, 2)
+            args[:, o:o + 8] = pairs.view(np.uint8).reshape(count, 8)
+        return args, dims, targets
+
+    def op_at(self, node: str, length: int) -> Op:
+        """Node ``node``'s operation at ``length``, derived (:meth:`ops_at`'s, for one node)."""
+        numbers = {what: self._value((node, what), length) for what in self.varying.get(node, ())}
+        if None in numbers.values():
+            self._numbers(length)  # raises, naming what is missing
+        return _rebuild(self.template.op(node), numbers, self.dividers.get(node, frozenset()))
 
     def ops_at(self, length: int) -> dict[str, Op]:
         """The operations at ``length`` of the template's nodes whose numbers vary (every other
@@ -447,6 +556,39 @@ def derived_changes(d: Derivation, length: int, base: Mapping[str, Op],
     """
     back = {theirs: mine for mine, theirs in pairs.items()}
     return {**base, **{back[node]: op for node, op in d.ops_at(length).items()}}
+
+
+def place_derived(variants: Variants, d: Derivation, lengths: Sequence[int], base: Hashable,
+                  pairs: Mapping[str, str]) -> None:
+    """Add derived ``lengths`` (each derivable by ``d``) to an executable's ``variants``, all
+    at once: each takes the versions of the captured length they are derived from (``base``,
+    ``d.lengths[0]``, already among ``variants``' shapes) but for the nodes ``d`` rebuilds,
+    whose versions come from :meth:`Derivation.rows` a node at a time (an operation per
+    length only where the executable keeps that node's versions as operations). ``pairs``: the
+    executable's template nodes to ``base``'s graph's. What :func:`derived_changes` and
+    ``Variants.add_changes`` give length by length, without an object per length and node.
+
+    Raises
+    ------
+    UnsupportedError
+        Some length is not derivable; nothing is added then.
+    """
+    back = {theirs: mine for mine, theirs in pairs.items()}
+    lengths = list(lengths)
+    made: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray] | list[Op]] = {}
+    for node in d.varying:  # every length's numbers first: a length that fails adds nothing
+        mine = back[node]
+        versions = variants.nodes.get(mine) or NodeVersions(mine, variants.template.op(mine))
+        if versions.takes_rows(d.template.op(node)):
+            made[node] = d.rows(node, lengths)
+        else:
+            made[node] = [d.op_at(node, length) for length in lengths]
+    numbers = {}
+    for node, found in made.items():
+        versions = variants.node(back[node])
+        numbers[back[node]] = versions.add_rows(*found) if isinstance(found, tuple) \
+            else [versions.add(op) for op in found]
+    variants.add_like(lengths, base, numbers)
 
 
 def _differs(a: KernelGraph, at: int, b: KernelGraph, bt: int) -> str | None:

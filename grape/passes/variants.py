@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Hashable, Iterator, Mapping
+import struct
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,7 +51,9 @@ __all__ = ["DIMS", "NodeVersions", "Variants", "check_in_place"]
 # A kernel version's launch dimensions, one row each: grid x, y, z, block x, y, z, shared bytes.
 DIMS = 7
 
-Row = tuple[tuple[int, ...], bytes, tuple[int, ...]]  # dimensions, argument bytes, targets
+# A kernel version as one bytes object: its argument bytes, then its DIMS launch numbers and
+# each pointer's offset as little-endian int64 (one hash and one comparison a version).
+Row = bytes
 
 
 def _layout(k: Kernel) -> tuple:
@@ -60,7 +63,17 @@ def _layout(k: Kernel) -> tuple:
 
 
 def _row(k: Kernel) -> Row:
-    return ((*k.grid, *k.block, k.shared_mem), k.args, tuple(p.target.offset for p in k.pointers))
+    numbers = (*k.grid, *k.block, k.shared_mem, *(p.target.offset for p in k.pointers))
+    return k.args + struct.pack(f"<{len(numbers)}q", *numbers)
+
+
+def _blobs(args: np.ndarray, dims: np.ndarray, targets: np.ndarray) -> list[Row]:
+    """Rows of arrays as :data:`Row` objects."""
+    matrix = np.concatenate([args, dims.astype("<i8").view(np.uint8),
+                             targets.astype("<i8").view(np.uint8)], axis=1)
+    width, data = matrix.shape[1], matrix.tobytes()
+    return [data[i:i + width] for i in range(0, len(data), width)] if width else \
+        [b""] * len(matrix)
 
 
 class NodeVersions:
@@ -127,6 +140,28 @@ class NodeVersions:
             self._index = None
         return self._append_op(op)
 
+    def takes_rows(self, op: Op) -> bool:
+        """Whether versions of ``op``'s layout are kept as rows here (:meth:`add_rows`)."""
+        return self._ops is None and isinstance(op, Kernel) and _layout(op) == self._layout
+
+    def add_rows(self, args: np.ndarray, dims: np.ndarray, targets: np.ndarray) -> list[int]:
+        """Many kernel versions at once, as rows of :meth:`arrays`' layout (which
+        :meth:`takes_rows` must allow): each row's version number, made a new version where no
+        version equals it."""
+        if self._ops is not None:
+            raise GraphError(f"expected node {self.node!r} to keep its versions as rows, found "
+                             f"them kept as operations")
+        index, rows = self._indexed(), self._rows_list()
+        out = []
+        for row in _blobs(args, dims, targets):
+            found = index.get(row)
+            if found is None:
+                found = index[row] = len(rows)
+                rows.append(row)
+            out.append(found)
+        self._arrays = None
+        return out
+
     def _append_op(self, op: Op) -> int:
         index = self._indexed()
         try:
@@ -157,10 +192,7 @@ class NodeVersions:
 
     def _rows_list(self) -> list[Row]:
         if self._rows is None:
-            args, dims, targets = self._arrays
-            self._rows = [(tuple(d), a.tobytes(), tuple(t))
-                          for a, d, t in zip(args, dims.tolist(), targets.tolist(),
-                                             strict=True)]
+            self._rows = _blobs(*self._arrays)
         return self._rows
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -171,14 +203,15 @@ class NodeVersions:
             raise GraphError(f"expected kernel versions as rows of node {self.node!r}, found "
                              f"operations of another layout")
         if self._arrays is None:
-            rows = self._rows
-            width = len(self.template.args)
-            args = np.frombuffer(b"".join(r[1] for r in rows), dtype=np.uint8).reshape(
-                len(rows), width)
-            dims = np.array([r[0] for r in rows], dtype=np.int64).reshape(len(rows), DIMS)
-            targets = np.array([r[2] for r in rows], dtype=np.int64).reshape(
-                len(rows), len(self.template.pointers))
-            self._arrays = (args, dims, targets)
+            rows, width = self._rows, len(self.template.args)
+            numbers = 8 * (DIMS + len(self.template.pointers))
+            matrix = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(
+                len(rows), width + numbers)
+            # copies: contiguous, writable, and not the joined bytes' view
+            args = matrix[:, :width].copy()
+            tail = np.ascontiguousarray(matrix[:, width:]).view("<i8")
+            self._arrays = (args, tail[:, :DIMS].astype(np.int64),
+                            tail[:, DIMS:].astype(np.int64))
         return self._arrays
 
     def op(self, version: int) -> Op:
@@ -189,7 +222,10 @@ class NodeVersions:
             return self._ops[version]
         t = self.template
         if self._rows is not None:
-            dims, args, targets = self._rows[version]
+            row, width = self._rows[version], len(t.args)
+            args = row[:width]
+            numbers = struct.unpack(f"<{(len(row) - width) // 8}q", row[width:])
+            dims, targets = numbers[:DIMS], numbers[DIMS:]
         else:
             a, d, p = self.arrays()
             dims, args, targets = d[version].tolist(), a[version].tobytes(), p[version].tolist()
@@ -295,6 +331,29 @@ class Variants:
             if v := nv.add(op):
                 versions[node] = v
         self.shapes[shape] = versions
+
+    def node(self, node: str) -> NodeVersions:
+        """Node ``node``'s versions (none but the template's where no shape changes it yet)."""
+        found = self.nodes.get(node)
+        if found is None:
+            found = self.nodes[node] = NodeVersions(node, self.template.op(node))
+        return found
+
+    def add_like(self, shapes: Sequence[Hashable], like: Hashable,
+                 versions: Mapping[str, Sequence[int]]) -> None:
+        """Add ``shapes``, each taking the versions ``like`` takes but for the nodes of
+        ``versions``, of which the i-th shape takes ``versions[node][i]`` (made by
+        :meth:`NodeVersions.add_rows` or ``add``; 0: the template's). For lengths derived
+        from a captured one, whose other nodes are that one's."""
+        base = self.shapes[like]
+        for i, shape in enumerate(shapes):
+            mine = dict(base)
+            for node, numbers in versions.items():
+                if numbers[i]:
+                    mine[node] = numbers[i]
+                else:
+                    mine.pop(node, None)
+            self.shapes[shape] = mine
 
     def discard(self, shape: Hashable) -> None:
         """Forget ``shape`` (its versions stay, unused)."""

@@ -34,7 +34,7 @@ from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
 from grape.passes.delta import ShapeDelta
-from grape.passes.derive import Sampled, derive_lengths, derived_changes
+from grape.passes.derive import Derivation, Sampled, derive_lengths, place_derived
 from grape.passes.families import match, same_ids
 from grape.passes.variants import Variants
 from grape.torch.capture import capture, frozen_heap, pool_segments
@@ -303,7 +303,6 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     graphs: dict[Hashable, Graph] = {}
     keep: list[Any] = []
     matched: dict[tuple[str, int], dict[str, str]] = {}
-    base_ops: dict[tuple[str, int], dict[str, Op]] = {}  # captured lengths derived from
 
     def pairs_for(shape: Hashable) -> Callable[[str], dict[str, str] | None] | None:
         """For a derived length: each executable's template node to the derived graph's, by
@@ -321,46 +320,56 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
             return matched[key, base]
         return pairs
 
-    def place_derived(shape: int) -> str | None:
-        """A derived length placed from the operations its derivation rebuilds (the others
-        are those of the captured length it was derived from), without its whole graph: its
-        executable's key, or None where it must be placed as a graph."""
-        d = sampled.graphs.derived[shape]
-        base = d.lengths[0]
-        key = group_of.get(base)
-        pairs = pairs_for(shape)(key) if key is not None and not d.buffers_vary else None
+    def placed_derived(d: Derivation, lengths: list[int]) -> str | None:
+        """Lengths derived by ``d`` placed all at once, from the rows their derivation makes
+        (``place_derived``: no graph, no operation per length and node): their executable's
+        key, or None where they must be placed one by one, as graphs."""
+        key = group_of.get(d.lengths[0])
+        pairs = pairs_for(lengths[0])(key) if key is not None and not d.buffers_vary else None
         if pairs is None:
             return None
-        v = variants[key]
-        if (key, base) not in base_ops:
-            base_ops[key, base] = v.ops(base)
         try:
-            v.add_changes(shape, derived_changes(d, shape, base_ops[key, base], pairs))
+            place_derived(variants[key], d, lengths, d.lengths[0], pairs)
         except UnsupportedError:
             return None
         return key
 
-    # Captured shapes first: every executable's template is a capture, and a derived length's
-    # captured one is placed before it.
-    derived = set(sampled.derived) if sampled is not None else set()
-    order = [s for s in shapes if s not in derived] + [s for s in shapes if s in derived]
-    for i, shape in enumerate(order):
-        key = place_derived(shape) if shape in derived and update == "nodes" else None
-        if key is None:
-            ir = sampled.graphs[shape] if sampled is not None else captured(shape)
-            if update == "graph":
-                graphs[shape] = Graph.build(ir)
-            key = _add_shape(groups, variants, shape, ir, graphs.get(shape),
-                             sampled.topologies.get(shape) if sampled else None,
-                             pairs_for(shape))
+    def placed(shape: Hashable, key: str) -> None:
         group_of[shape] = key
         # The first captured graph keeps the shared pool, and with it every shape's memory;
         # the others go (largest first, every later shape's blocks came from the pool).
         if shape in torch_graphs and (not keep or groups[key].template_shape == shape):
             keep.append(torch_graphs[shape])
         torch_graphs.pop(shape, None)
-        if (i + 1) % 10 == 0 or i + 1 == len(shapes):
-            progress(f"placed {i + 1}/{len(shapes)} shapes, {len(groups)} executables")
+        if len(group_of) % 10 == 0 or len(group_of) == len(shapes):
+            progress(f"placed {len(group_of)}/{len(shapes)} shapes, {len(groups)} executables")
+
+    def place_graph(shape: Hashable) -> None:
+        ir = sampled.graphs[shape] if sampled is not None else captured(shape)
+        if update == "graph":
+            graphs[shape] = Graph.build(ir)
+        placed(shape, _add_shape(groups, variants, shape, ir, graphs.get(shape),
+                                 sampled.topologies.get(shape) if sampled else None,
+                                 pairs_for(shape)))
+
+    # Captured shapes first: every executable's template is a capture, and the captured
+    # length a derivation starts from is placed before the lengths derived from it, which then
+    # go a derivation at a time.
+    derived = set(sampled.derived) if sampled is not None else set()
+    by_derivation: dict[int, tuple[Derivation, list[int]]] = {}
+    for shape in shapes:
+        if shape in derived:
+            d = sampled.graphs.derived[shape]
+            by_derivation.setdefault(id(d), (d, []))[1].append(shape)
+        else:
+            place_graph(shape)
+    for d, lengths in by_derivation.values():
+        key = placed_derived(d, lengths) if update == "nodes" else None
+        for shape in lengths:
+            if key is None:
+                place_graph(shape)
+            else:
+                placed(shape, key)
     torch.cuda.synchronize()
     family = Family(step, groups, group_of, variants, torch.cuda.memory_reserved() - reserved,
                     0.0, keep, graphs=graphs, update=update, sampled=sampled,
