@@ -507,7 +507,8 @@ def _sequence(text: str | None, shapes: list) -> list:
 
 def _simulate_family(args: argparse.Namespace) -> None:
     """A saved family run over a sequence of its shapes on the simulated GPU: each step's
-    update priced from the shapes' own changes, each launch from the shape's own graph."""
+    update priced from the nodes whose versions differ (as the CUDA backend updates them), each
+    launch from the shape's own graph."""
     from grape.familyio import load_family
     from grape.sim.engine import simulate
     from grape.sim.graph import family_program
@@ -518,12 +519,11 @@ def _simulate_family(args: argparse.Namespace) -> None:
     if missing := [shape for shape in sequence if shape not in saved.shapes]:
         raise GrapeError(f"{args.trace}: expected shapes of the family in --sequence, found "
                          f"{missing[0]!r} (it has {len(saved.shapes)})")
-    # Each executable's template first, so that the program's executables start from them.
-    templates = [s for s in saved.shapes if not saved.changed(s)]
-    graphs = {s: saved.graph(s) for s in dict.fromkeys([*templates, *sequence])}
+    graphs = {s: saved.graph(s) for s in dict.fromkeys(sequence)}
     durations, profile, costs = _graph_inputs(args)
     program, updated = family_program(graphs, sequence, durations, costs, _choices(args),
-                                      whole=args.update_whole, name=args.trace.name)
+                                      whole=args.update_whole, name=args.trace.name,
+                                      variants=saved.variants)
     result = simulate(program, costs, record=args.chrome is not None)
     print(f"{args.trace}: {len(saved.variants)} executables, {len(saved.shapes)} shapes; "
           f"{len(sequence)} steps (kernel durations from {durations.source})")

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 import cxxfilt
 import networkx as nx
 
-from grape.errors import SimulationError
+from grape.errors import SimulationError, UnsupportedError
 from grape.ir import Conditional, ConditionalKind, Kernel, KernelGraph, Memcpy, Memset, Op
+from grape.passes.variants import Variants
 from grape.program import GpuWork, GraphLaunch, HostWork, Program, Sync
 from grape.records import GpuRecord
 from grape.sim.engine import Costs
@@ -357,47 +358,49 @@ def program_from_graph(graph: KernelGraph, durations: Durations, costs: Costs,
 
 def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Hashable],
                    durations: Durations, costs: Costs, choices: Choices | None = None,
-                   whole: bool = False, name: str = "graph family"
+                   whole: bool = False, name: str = "graph family",
+                   variants: Mapping[str, Variants] | None = None
                    ) -> tuple[Program, list[int]]:
     """A graph family run over ``sequence`` of shapes, from the shapes' own kernel graphs.
 
-    Shapes group by structure (``grape.passes.families.group``); each group is one executable,
-    made from its first shape's graph (the template), holding one shape at a time. A step to a
-    shape the executable does not hold first updates it on the host: one node update
-    (``Costs.set_params``) per node that differs between the two shapes (the deltas' own
-    ``transition``), or with ``whole``, one ``cuGraphExecUpdate`` priced per node of the graph;
-    then the launch, at the GPU time of running the shape's own graph, and a sync. Returns the
-    Program and the nodes updated before each step.
+    Each executable holds one shape at a time. A step to a shape the executable does not hold
+    first updates it on the host: one node update (``Costs.set_params``) per node whose version
+    differs between the two shapes (``Variants.switch``, what ``grape.torch.family`` updates on
+    the GPU), or with ``whole``, one ``cuGraphExecUpdate`` priced per node of the graph; then
+    the launch, at the GPU time of running the shape's own graph, and a sync. ``variants``:
+    the family's executables (a saved family's, each starting out holding its template's
+    shape, the first it lists); without them, shapes group by structure
+    (``grape.passes.families.group``), each group one executable made from its first shape's
+    graph. Returns the Program and the nodes updated before each step.
 
     Raises
     ------
     SimulationError
-        A shape in ``sequence`` that ``graphs`` lacks; what :func:`run_graph` raises.
+        A shape in ``sequence`` that ``graphs`` (or ``variants``) lacks; what
+        :func:`run_graph` raises.
     """
-    from grape.passes.delta import delta, transition
-    from grape.passes.families import group
-
     if missing := [s for s in sequence if s not in graphs]:
         raise SimulationError(f"expected a kernel graph for every shape of the sequence, found "
                               f"none for {missing[0]!r}")
-    topology = {shape: key for key, shapes in group(graphs).items() for shape in shapes}
-    templates: dict[str, Hashable] = {}
-    for shape in graphs:
-        templates.setdefault(topology[shape], shape)
-    deltas = {shape: delta(graphs[templates[topology[shape]]], g) for shape, g in graphs.items()}
+    variants = dict(variants) if variants is not None else _variants(graphs)
+    key_of = {shape: key for key, v in variants.items() for shape in v.shapes}
+    if missing := [s for s in sequence if s not in key_of]:
+        raise SimulationError(f"expected every shape of the sequence in the family, found "
+                              f"{missing[0]!r} in none of its executables")
     runs = {shape: run_graph(graphs[shape], durations, costs, choices) for shape in set(sequence)}
-    holds = dict(templates)  # each executable starts out holding its template's shape
+    # each executable starts out holding its template's shape
+    holds = {key: next(s for s, versions in v.shapes.items() if not versions)
+             for key, v in variants.items()}
     iterations, updated = [], []
     for shape in sequence:
-        key = topology[shape]
-        template = graphs[templates[key]]
-        nodes = template.dag.number_of_nodes()
+        key = key_of[shape]
+        nodes = variants[key].template.dag.number_of_nodes()
         if holds[key] == shape:
             changed = 0
         elif whole:
             changed = nodes
         else:
-            changed = len(transition(template, deltas[holds[key]], deltas[shape]))
+            changed = len(variants[key].switch(holds[key], shape))
         holds[key] = shape
         cost = (nodes * costs.exec_update_per_node if whole and changed
                 else changed * costs.set_params)
@@ -411,3 +414,27 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
     program.approximations.append("a graph launch's host cost is the device profile's replay "
                                   "cost; the sync after it costs nothing on the host")
     return program, updated
+
+
+def _variants(graphs: Mapping[Hashable, KernelGraph]) -> dict[str, Variants]:
+    """Shapes grouped by structure, as ``grape.torch.family`` groups them: each shape joins
+    the first executable of its structure that can be brought to it in place, or starts
+    another (a kernel whose launch attributes change), of which it is the template."""
+    from grape.passes.families import group
+
+    out: dict[str, Variants] = {}
+    for topology, shapes in group(graphs).items():
+        mine: list[Variants] = []
+        for shape in shapes:
+            for v in mine:
+                try:
+                    v.add_graph(shape, graphs[shape])
+                    break
+                except UnsupportedError:
+                    continue
+            else:
+                v = Variants(graphs[shape])
+                v.shapes[shape] = {}
+                out[f"{topology}#{len(mine)}" if mine else topology] = v
+                mine.append(v)
+    return out
