@@ -73,6 +73,7 @@ class Family:
     # an executable is brought to a shape by one cuGraphExecUpdate from it.
     graphs: dict[Hashable, Graph] = field(default_factory=dict)
     update: str = "nodes"  # how executables are brought to shapes: "nodes" or "graph"
+    _changed: dict[tuple[Hashable, Hashable], int] = field(default_factory=dict)
     sampled: Sampled | None = None  # with derive_every: which lengths were captured, derived
     # load_family: shapes captured in this process rather than moved from the file, and why
     # the first few did not move (relocation's refusal, naming the node)
@@ -131,8 +132,10 @@ class Family:
                 t = time.perf_counter()
                 group.executable.update(self.graphs[shape])
                 self.update_s += time.perf_counter() - t
-                # counted for reports, outside the timed update
-                changed = len(self.variants[name].switch(group.holds, shape))
+                changed = self._changed.get(key)
+                if changed is None:  # counted for reports, outside the timed update, once
+                    changed = self._changed[key] = len(self.variants[name].switch(
+                        group.holds, shape))
             else:
                 t = time.perf_counter()
                 updates = self._prepared.get(key)
