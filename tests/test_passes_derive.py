@@ -351,7 +351,7 @@ def test_rows_are_the_derived_operations_byte_for_byte():
 
     d = derive({n: step(n) for n in SAMPLED})
     lengths = [n for n in range(1, 250) if d.covers(n)]
-    assert len(lengths) > 200
+    assert len(lengths) > 200 and d.covered(range(-5, 300)) == lengths
     assert _row_ops(d, "attn", lengths) == [d.op_at("attn", n) for n in lengths] == [
         step(n).op("attn") for n in lengths]
     rng = random.Random(0)
@@ -371,6 +371,7 @@ def test_rows_are_the_derived_operations_byte_for_byte():
 
     d = derive({n: halves(n) for n in range(10, 100, 10)})
     assert d.covers(12) and not d.covers(13)
+    assert d.covered(range(100)) == [n for n in range(100) if d.covers(n)]
     assert _row_ops(d, "k", [12, 40, 88]) == [halves(n).op("k") for n in (12, 40, 88)]
     with pytest.raises(UnsupportedError, match="derivable at length 13"):
         d.rows("k", [12, 13])

@@ -288,12 +288,14 @@ class Derivation:
                 return value
         return None
 
-    def _column(self, key: tuple[str, str], lengths: np.ndarray) -> list[int] | np.ndarray:
-        """``key``'s number at each of ``lengths`` (int64 ``lengths``), as :meth:`_value` gives
-        it one at a time; a stretch whose line is in integers small enough is computed in
-        numpy at once. Raises (naming what is missing) where some length is not derivable."""
+    def _column(self, key: tuple[str, str], lengths: np.ndarray
+                ) -> tuple[list[int] | np.ndarray, np.ndarray]:
+        """``key``'s number at each of ``lengths`` (int64), as :meth:`_value` gives it one at a
+        time, and where it is derivable (a mask; elsewhere the value means nothing). A stretch
+        whose line is in integers small enough is computed in numpy at once."""
         out = np.zeros(len(lengths), dtype=np.int64)
-        done = np.zeros(len(lengths), dtype=bool)
+        ok = np.zeros(len(lengths), dtype=bool)
+        done = np.zeros(len(lengths), dtype=bool)  # the first stretch holding a length decides
         top = 1 << self.bits.get(key, 64)
         wide: dict[int, int] = {}  # lengths whose value needs Python's integers
         for seg in self.fits[key]:
@@ -302,30 +304,39 @@ class Derivation:
                 continue
             done |= inside
             if seg.support < MIN_SUPPORT:
-                self._numbers(int(lengths[inside][0]))  # raises
+                continue
             slope, intercept = seg.slope, seg.intercept
-            small = (slope.denominator == 1 and intercept.denominator == 1
-                     and abs(intercept.numerator) < 1 << 61
-                     and abs(slope.numerator) * (seg.last + 1) < 1 << 61)
-            if small:
+            if (slope.denominator == 1 and intercept.denominator == 1
+                    and abs(intercept.numerator) < 1 << 61
+                    and abs(slope.numerator) * (seg.last + 1) < 1 << 61):
                 values = intercept.numerator + slope.numerator * lengths[inside]
-                if values.min() < 0 or (top < 1 << 62 and values.max() >= top):
-                    self._numbers(int(lengths[inside][(values < 0) | (values >= top)][0]))
+                valid = values >= 0
+                if top < 1 << 62:
+                    valid &= values < top
                 out[inside] = values
+                ok[inside] = valid
             else:
                 for i in np.flatnonzero(inside).tolist():
                     value = self._value(key, int(lengths[i]))
-                    if value is None:
-                        self._numbers(int(lengths[i]))  # raises
-                    wide[i] = value
-        if not done.all():
-            self._numbers(int(lengths[~done][0]))  # raises
+                    if value is not None:
+                        wide[i] = value
+                        ok[i] = True
         if not wide:
-            return out
+            return out, ok
         values = out.tolist()
         for i, value in wide.items():
             values[i] = value
-        return values
+        return values, ok
+
+    def covered(self, lengths: Iterable[int]) -> list[int]:
+        """The lengths among ``lengths`` that are derivable (:meth:`covers`), found a number
+        at a time for all of them."""
+        lengths = list(lengths)
+        at = np.asarray(lengths, dtype=np.int64)
+        ok = np.ones(len(lengths), dtype=bool)
+        for key in self.fits:
+            ok &= self._column(key, at)[1]
+        return [n for n, good in zip(lengths, ok.tolist(), strict=True) if good]
 
     def uncovered(self, length: int) -> list[tuple[str, str]]:
         """The numbers that cannot be derived at ``length`` (none: it is derivable)."""
@@ -382,7 +393,9 @@ class Derivation:
         pointer = {p.offset: j for j, p in enumerate(t.pointers)}
         at = np.asarray(lengths, dtype=np.int64)
         for what in self.varying.get(node, ()):
-            values = self._column((node, what), at)
+            values, ok = self._column((node, what), at)
+            if not ok.all():
+                self._numbers(int(at[~ok][0]))  # raises, naming what is missing
             if what[0] in "aw":
                 o = int(what[1:])
                 size = 8 if what[0] == "w" else min(4, width - o)
@@ -819,8 +832,8 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     for c, run in runs:
         d = derive({n: out.graphs[n] for n in run}, loose(out.graphs[run[0]]))
         out.derivations.append(d)
-        inside = [n for n in c if d.lengths[0] < n < d.lengths[-1]
-                  and n not in out.graphs and d.covers(n)]
+        inside = d.covered(n for n in c if d.lengths[0] < n < d.lengths[-1]
+                           and n not in out.graphs)
         refuted = False
         for n in _spread(inside, checks):
             captured = take(n)
@@ -835,11 +848,13 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
             out.refused.append((d.lengths[0], d.lengths[-1]))
         else:
             trusted.append((c, d))
+    # What each trusted derivation covers, found for all its lengths at once.
+    covering = [(d, set(d.covered(n for n in c if d.lengths[0] <= n <= d.lengths[-1]
+                                  and n not in out.graphs))) for c, d in trusted]
     for n in want:
         if n in out.graphs:
             continue
-        d = next((d for c, d in trusted if n % period == c[0] % period
-                  and d.lengths[0] <= n <= d.lengths[-1] and d.covers(n)), None)
+        d = next((d for d, lengths in covering if n in lengths), None)
         if d is None:
             take(n)
         else:
