@@ -28,32 +28,25 @@ and 0.315 all at once.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import sys
 import time
 from pathlib import Path
 
-from grape.familyio import load_family
 from grape.passes.delta import delta
-from grape.passes.derive import derive, derived_changes, loose_at_both, place_derived
+from grape.passes.derive import derive, derived_changes, place_derived
 from grape.passes.families import match
 from grape.passes.variants import Variants
 
-FOLDER = Path(__file__).parent.parent / "traces" / "h200_families"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.h200_captures import captures
 
 
 def main() -> None:
-    a, b = (load_family(FOLDER / f"gpt2_small_decode_b1_kv240_255.capture_{x}.family.json.gz")
-            for x in "ab")
-    by_key = collections.defaultdict(list)
-    for n, (key, _) in a.members.items():
-        by_key[key].append(n)
-    lengths = sorted(max(by_key.values(), key=len))
-    graphs = {n: a.graph(n) for n in lengths}
-    samples = lengths[::2] + lengths[-1:]
-    first, last = samples[0], samples[-1]
-    loose = loose_at_both((graphs[first], b.graph(first)), (graphs[last], b.graph(last)))
-    d = derive({n: graphs[n] for n in samples}, loose)
+    got = captures()
+    graphs, samples, lengths, loose = got.graphs, got.samples, got.lengths, got.loose
+    first, last = got.first, got.last
+    d = got.derivation()
     derived = [n for n in lengths if n not in samples and d.covers(n)]
     executable = graphs[last]
     known = match(executable, d.template)

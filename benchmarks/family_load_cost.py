@@ -15,9 +15,9 @@ versions (a worktree at 9352c90, its own ``grape``) and this one alternating, tw
 before 16.55 and 15.97 s (read 6.47/6.33, members 8.55/8.10, prepare 1.39/1.42; 69,875 kernel
 updates), after 0.92 and 0.91 s (read 0.25, templates 0.13, members 0.10, prepare 0.44; 63,551
 kernel versions: members whose kernels have no argument word free of pointers stay alike and
-share versions). With ``Update`` a named tuple rather than a frozen dataclass, two runs: prepare
-0.35 s, 0.76 and 0.77 s in all. The members here change 68 kernels each, GPT-2's real lengths 1..1023 about
-190 (run 7 in ``benchmarks/README.md``: 194,472 updates).
+share versions). With ``Update`` a named tuple rather than a frozen dataclass, two runs:
+prepare 0.35 s, 0.76 and 0.77 s in all. The members here change 68 kernels each, GPT-2's real
+lengths 1..1023 about 190 (run 7 in ``benchmarks/README.md``: 194,472 updates).
 """
 
 import sys

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from grape.errors import GrapeError, GraphError, UnsupportedError
@@ -239,26 +237,15 @@ def test_lengths_of_a_real_decode_step_derive_byte_for_byte_but_for_loose_slots(
     # (traces/README.md). From every other length of the larger executable, with the slots that
     # differ between the two captures of its first and last sample left out, the lengths
     # between samples on one stretch derive as captured, outside the loose slots.
-    import collections
-
-    from grape.familyio import load_family
-    from grape.passes.derive import loose_at_both
     from grape.passes.families import match
+    from tests.h200_captures import captures
 
-    folder = Path(__file__).parent.parent / "traces" / "h200_families"
-    a, b = (load_family(folder / f"gpt2_small_decode_b1_kv240_255.capture_{x}.family.json.gz")
-            for x in "ab")
-    by_key = collections.defaultdict(list)
-    for n, (key, _) in a.members.items():
-        by_key[key].append(n)
-    lengths = sorted(max(by_key.values(), key=len))
-    graphs = {n: a.graph(n) for n in lengths}
-    samples = lengths[::2] + lengths[-1:]
-    first, last = samples[0], samples[-1]
+    got = captures()
+    graphs, samples, lengths = got.graphs, got.samples, got.lengths
+    first, last = got.first, got.last
     assert not any(derive({n: graphs[n] for n in samples}).covers(n)
                    for n in lengths if n not in samples)
-    loose = loose_at_both((graphs[first], b.graph(first)), (graphs[last], b.graph(last)))
-    d = derive({n: graphs[n] for n in samples}, loose)
+    d = got.derivation()
     assert sum(map(len, d.dividers.values())) == 13
     derivable = [n for n in lengths if n not in samples and d.covers(n)]
     assert len(derivable) >= 3
@@ -381,25 +368,15 @@ def test_derived_lengths_placed_at_once_take_the_versions_placed_one_by_one():
     # GPT-2 small decode on the H200 (the committed captures): every other length of the
     # larger executable sampled, the rest derived; placed in one go, a node at a time, each
     # length takes the versions it takes placed length by length from its operations.
-    import collections
-
-    from grape.familyio import load_family
-    from grape.passes.derive import derived_changes, loose_at_both, place_derived
+    from grape.passes.derive import derived_changes, place_derived
     from grape.passes.families import match
     from grape.passes.variants import Variants
+    from tests.h200_captures import captures
 
-    folder = Path(__file__).parent.parent / "traces" / "h200_families"
-    a, b = (load_family(folder / f"gpt2_small_decode_b1_kv240_255.capture_{x}.family.json.gz")
-            for x in "ab")
-    by_key = collections.defaultdict(list)
-    for n, key in a.shapes.items():
-        by_key[key].append(n)
-    lengths = sorted(max(by_key.values(), key=len))
-    graphs = {n: a.graph(n) for n in lengths}
-    samples = lengths[::2] + lengths[-1:]
-    first, last = samples[0], samples[-1]
-    loose = loose_at_both((graphs[first], b.graph(first)), (graphs[last], b.graph(last)))
-    d = derive({n: graphs[n] for n in samples}, loose)
+    got = captures()
+    graphs, samples, lengths = got.graphs, got.samples, got.lengths
+    first, last = got.first, got.last
+    d = got.derivation()
     derivable = [n for n in lengths if n not in samples and d.covers(n)]
     assert len(derivable) >= 3
     executable = graphs[last]
