@@ -69,6 +69,13 @@ def test_kernel_versions_are_rows_and_equal_operations_share_one(captures):
         assert targets[version].tolist() == [p.target.offset for p in op.pointers]
         assert nv.add(op) == version  # the same operation again: the same version
     assert nv.add(nv.op(len(nv) - 1)) == len(nv) - 1 and nv.op(0) is nv.template
+    # Settled (arrays alone), it still finds and adds versions: the rows come back on use.
+    before = [nv.op(version) for version in range(len(nv))]
+    v.settle()
+    assert [nv.op(version) for version in range(len(nv))] == before
+    assert nv.add(before[1]) == 1
+    other = dataclasses.replace(before[1], grid=(999, 1, 1))
+    assert nv.add(other) == len(before) and nv.op(len(before)) == other
 
 
 def _kernel(grid: int, args: bytes, pointers=()) -> Kernel:

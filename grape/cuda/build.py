@@ -77,8 +77,11 @@ def version_updates(node: str, handle: Any, versions: NodeVersions) -> list[Upda
     t = versions.template
     args, dims, _ = versions.arrays()
     count, width = args.shape
-    values = np.zeros((count, max(width, 1)), dtype=np.uint8)  # contiguous, owned here
-    values[:, :width] = args
+    if width and args.flags.c_contiguous:  # the versions' own array: kept alive by the updates
+        values = args
+    else:
+        values = np.zeros((count, max(width, 1)), dtype=np.uint8)
+        values[:, :width] = args
     offsets = np.array([q.offset for q in t.params], dtype=np.uint64)
     rows = np.arange(count, dtype=np.uint64)[:, None] * np.uint64(values.shape[1])
     slots = np.ascontiguousarray(np.uint64(values.ctypes.data) + rows + offsets[None, :])

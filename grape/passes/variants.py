@@ -190,6 +190,13 @@ class NodeVersions:
                     self._index.setdefault(row, v)
         return self._index
 
+    def settle(self) -> None:
+        """Keep the versions as arrays alone: the rows and their index, which only adding
+        versions needs, are made again if one is added."""
+        if self._ops is None:
+            self.arrays()
+            self._rows = self._index = None
+
     def _rows_list(self) -> list[Row]:
         if self._rows is None:
             self._rows = _blobs(*self._arrays)
@@ -354,6 +361,12 @@ class Variants:
                 else:
                     mine.pop(node, None)
             self.shapes[shape] = mine
+
+    def settle(self) -> None:
+        """Every node's versions as arrays alone (:meth:`NodeVersions.settle`): a family
+        settles once its shapes are placed, halving what its kernel versions hold."""
+        for versions in self.nodes.values():
+            versions.settle()
 
     def discard(self, shape: Hashable) -> None:
         """Forget ``shape`` (its versions stay, unused)."""

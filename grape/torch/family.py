@@ -373,6 +373,8 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                 place_graph(shape)
             else:
                 placed(shape, key)
+    for v in variants.values():
+        v.settle()
     torch.cuda.synchronize()
     family = Family(step, groups, group_of, variants, torch.cuda.memory_reserved() - reserved,
                     0.0, keep, graphs=graphs, update=update, sampled=sampled,
