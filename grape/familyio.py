@@ -302,9 +302,12 @@ def family_from_json(doc: Any, path: str | Path) -> SavedFamily:
                 raise GrapeError(f"{where}: expected scratch to name internal device buffers "
                                  f"of the templates, found {sid!r}"
                                  f"{f' ({b.role}, {b.memory})' if b else ''}")
-    except (KeyError, TypeError, AttributeError, IndexError) as e:
+    except KeyError as e:
         raise GrapeError(f"{where}: expected a grape.family document, found one without "
                          f"{e}") from None
+    except (TypeError, AttributeError, IndexError, ValueError) as e:
+        raise GrapeError(f"{where}: expected a grape.family document, found a field of "
+                         f"another form ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     except GrapeError as e:
         message = str(e)
         raise type(e)(message if message.startswith(where) else f"{where}: {message}") from None

@@ -190,3 +190,7 @@ def test_version_arrays_that_do_not_fit_their_node_are_one_line_errors(family, t
     path.write_text(json.dumps(bad))
     with pytest.raises(GrapeError, match="expected version numbers below each node's count"):
         load_family(path)
+    path.write_text(json.dumps({**doc, "shapes": [[1]]}))
+    with pytest.raises(GrapeError, match="numbers.family.json: expected a grape.family "
+                                         "document, found a field of another form"):
+        load_family(path)
