@@ -1,8 +1,9 @@
 """What a derived length costs on the host before it runs (no GPU): building its graph
 (``Derivation.graph_at``) and placing it in the family's executable, as a delta matched whole,
 as a delta or versions through the derivation's template (matched once), or as versions from
-the operations its derivation rebuilds, without the graph (``derived_changes``, what
-``capture_family`` does since node versions).
+the operations its derivation rebuilds, without the graph: length by length
+(``tests.h200_captures.changes_at``) and all at once (``place_derived``, what
+``capture_family`` does).
 
 On GPT-2 small's decode family captured twice on the H200 (``traces/h200_families``, KV
 lengths 240..255): the larger executable's lengths derived from every other one, loose slots
@@ -23,7 +24,10 @@ time, numbers a stretch at a time in numpy, versions as one bytes object each), 
 graph_at 5.98, versions without the graph 3.84 length by length, all at once 5.25 (three
 lengths: the per-node work is not shared yet); with the derivation's stretches extended over
 100 and 1,000 lengths (cost only), 4.10 and 4.78 ms a length length by length against 0.440
-and 0.315 all at once.
+and 0.315 all at once. After the length-by-length reference moved into the tests
+(``changes_at``: each rebuilt node's ``Derivation.op_at``), one run: 6.72 and 6.76 length by
+length against 0.710 and 0.505 all at once (the three real lengths all at once 8.25: slower
+throughout than the run before).
 """
 
 from __future__ import annotations
@@ -34,12 +38,12 @@ import time
 from pathlib import Path
 
 from grape.passes.delta import delta
-from grape.passes.derive import derive, derived_changes, place_derived
+from grape.passes.derive import derive, place_derived
 from grape.passes.families import match
 from grape.passes.variants import Variants
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.h200_captures import captures
+from tests.h200_captures import captures, changes_at
 
 
 def main() -> None:
@@ -72,8 +76,8 @@ def main() -> None:
     versions.add_graph(first, graphs[first])
     base = versions.ops(first)
     print(f"  versions, without the graph    "
-          f"{best(lambda n: versions.add_changes(n, derived_changes(d, n, base, known))):5.2f}"
-          f" (derived_changes, length by length)")
+          f"{best(lambda n: versions.add_changes(n, changes_at(d, n, base, known))):5.2f}"
+          f" (length by length)")
     together = at_once(d, derived, executable, graphs[first], first, known)
     print(f"  versions, all at once          {together:5.2f} (place_derived: what "
           f"capture_family does)")
@@ -93,7 +97,7 @@ def main() -> None:
         base = one_by_one.ops(first)
         t = time.perf_counter()
         for n in many[:100]:
-            one_by_one.add_changes(n, derived_changes(wide, n, base, known))
+            one_by_one.add_changes(n, changes_at(wide, n, base, known))
         single = (time.perf_counter() - t) / len(many[:100]) * 1000
         print(f"  {len(many)} lengths, stretches extended: length by length {single:.2f}, all "
               f"at once {at_once(wide, many, executable, graphs[first], first, known):.3f}")

@@ -1,15 +1,17 @@
 """GPT-2 small decode's family over KV lengths 240..255, captured twice in one process on the
 H200 (``traces/h200_families/gpt2_small_decode_b1_kv240_255.capture_{a,b}``), set up as
-derivation uses it: for the tests and ``benchmarks/derived_place_cost.py``."""
+derivation uses it, and the length-by-length placement of derived lengths to compare
+``place_derived`` with: for the tests and ``benchmarks/derived_place_cost.py``."""
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from grape.familyio import SavedFamily, load_family
-from grape.ir import KernelGraph
+from grape.ir import KernelGraph, Op
 from grape.passes.derive import Derivation, derive, loose_at_both
 
 FOLDER = Path(__file__).resolve().parent.parent / "traces" / "h200_families"
@@ -35,6 +37,16 @@ class Captures:
     def derivation(self) -> Derivation:
         """The samples' derivation, loose slots left out (what derive_lengths would make)."""
         return derive({n: self.graphs[n] for n in self.samples}, self.loose)
+
+
+def changes_at(d: Derivation, length: int, base: Mapping[str, Op],
+               pairs: Mapping[str, str]) -> dict[str, Op]:
+    """Length by length, what ``place_derived`` adds all at once: the operations a derived
+    ``length`` changes in an executable's template, those of the captured length it is derived
+    from (``base``, by template node) with each node the derivation rebuilds over them
+    (``pairs``: the template's nodes to the captured length's)."""
+    back = {theirs: mine for mine, theirs in pairs.items()}
+    return {**base, **{back[node]: d.op_at(node, length) for node in d.varying}}
 
 
 def captures() -> Captures:

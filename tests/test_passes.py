@@ -18,7 +18,6 @@ from grape.passes.delta import (
     delta,
     identity,
     join,
-    join_changes,
     transition,
 )
 from grape.passes.families import canonical_order, group, match, same_ids
@@ -168,19 +167,21 @@ def test_consecutive_lengths_touch_few_nodes_and_code_small():
     assert grid_change == {"grid": (3, 1, 1)}
 
 
-def test_a_shape_known_by_its_changes_joins_as_its_whole_graph_does():
+def test_a_shape_known_by_its_changes_takes_the_versions_its_whole_graph_does():
     # A saved family's member: its changed operations, under the template's node ids.
+    from grape.passes.variants import Variants
+
     template, other = _decode_step(100), _decode_step(130)
-    whole = join(_decode_step(100), other)
-    mapping = tuple((n, n) for n in template.dag)
-    known = join_changes(template, {"attn": other.op("attn"), "mlp": other.op("mlp")}, mapping)
-    assert known.nodes == whole.nodes  # mlp did not change: no node for it
-    assert dict(known.mapping) == dict(whole.mapping)
+    whole, known = Variants(_decode_step(100)), Variants(template)
+    whole.add_graph(130, other)
+    known.add_changes(130, {"attn": other.op("attn"), "mlp": other.op("mlp")})
+    assert known.ops(130) == whole.ops(130) == {"attn": other.op("attn")}  # mlp: unchanged
     with pytest.raises(UnsupportedError, match="found 'nowhere'"):
-        join_changes(template, {"nowhere": other.op("attn")}, mapping)
+        known.add_changes(131, {"nowhere": other.op("attn")})
     wider = dataclasses.replace(other.op("attn"), attributes=(("cluster", (2, 1, 1)),))
     with pytest.raises(UnsupportedError, match="attributes change"):
-        join_changes(template, {"attn": wider}, mapping)
+        known.add_changes(131, {"attn": wider})
+    assert 131 not in known.shapes
 
 
 def test_a_change_of_structure_or_kind_is_refused():

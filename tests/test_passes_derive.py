@@ -260,17 +260,17 @@ def test_lengths_of_a_real_decode_step_derive_byte_for_byte_but_for_loose_slots(
     for n in derivable:
         assert delta(executable, d.graph_at(n), pairs=known) == delta(executable,
                                                                       d.graph_at(n)), n
-    # Placed without its graph (what capture_family does): the derivation's template's own
-    # changes to the executable, with the nodes the derivation rebuilds, are the same versions.
-    from grape.passes.derive import derived_changes
+    # Placed without its graph: the derivation's template's own changes to the executable,
+    # with the nodes the derivation rebuilds, are the same versions.
     from grape.passes.variants import Variants
+    from tests.h200_captures import changes_at
 
     whole, direct = Variants(executable), Variants(executable)
     for v in (whole, direct):
         v.add_graph(first, graphs[first])
     for n in derivable:
         whole.add_graph(n, d.graph_at(n), pairs=known)
-        direct.add_changes(n, derived_changes(d, n, direct.ops(first), known))
+        direct.add_changes(n, changes_at(d, n, direct.ops(first), known))
         assert direct.ops(n) == whole.ops(n) and direct.ops(n), n
 
 
@@ -345,7 +345,7 @@ def test_rows_are_the_derived_operations_byte_for_byte():
     samples = {n: packed(n, rng.getrandbits(32)) for n in range(10, 200, 9)}
     d = derive(samples, loose_slots(samples[10], packed(10, rng.getrandbits(32))))
     lengths = [n for n in range(10, 200) if d.covers(n)]
-    assert _row_ops(d, "k", lengths) == [d.ops_at(n)["k"] for n in lengths]
+    assert _row_ops(d, "k", lengths) == [d.graph_at(n).op("k") for n in lengths]
     with pytest.raises(UnsupportedError, match="derivable at length 5"):
         d.rows("k", [12, 5])
     # A line of slope 3/2 (computed with fractions, not in numpy): whole at even lengths only.
@@ -368,10 +368,10 @@ def test_derived_lengths_placed_at_once_take_the_versions_placed_one_by_one():
     # GPT-2 small decode on the H200 (the committed captures): every other length of the
     # larger executable sampled, the rest derived; placed in one go, a node at a time, each
     # length takes the versions it takes placed length by length from its operations.
-    from grape.passes.derive import derived_changes, place_derived
+    from grape.passes.derive import place_derived
     from grape.passes.families import match
     from grape.passes.variants import Variants
-    from tests.h200_captures import captures
+    from tests.h200_captures import captures, changes_at
 
     got = captures()
     graphs, samples, lengths = got.graphs, got.samples, got.lengths
@@ -385,7 +385,7 @@ def test_derived_lengths_placed_at_once_take_the_versions_placed_one_by_one():
     for v in (one, many):
         v.add_graph(first, graphs[first])
     for n in derivable:
-        one.add_changes(n, derived_changes(d, n, one.ops(first), pairs))
+        one.add_changes(n, changes_at(d, n, one.ops(first), pairs))
     place_derived(many, d, derivable, first, pairs)
     assert all(many.ops(n) == one.ops(n) for n in derivable)
     assert sum(nv.rows for nv in many.nodes.values()) >= len(many.nodes) - 12  # copies aside

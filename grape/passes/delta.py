@@ -18,7 +18,7 @@ from grape.passes.compress import best, decode, encode, xor
 from grape.passes.families import canonical_order, match, same_ids
 
 __all__ = ["KernelDelta", "NodeDelta", "ShapeDelta", "apply", "changed_nodes", "check_buffers",
-           "delta", "identity", "join", "join_changes", "merge_buffers", "operation",
+           "delta", "identity", "join", "merge_buffers", "operation",
            "transition"]
 
 # Kernel fields a delta carries whole when they differ (args get their own coding).
@@ -216,33 +216,6 @@ def merge_buffers(template: KernelGraph, other: KernelGraph) -> None:
             template.add_buffer(b)
         elif b.size > mine.size:
             template.buffers[b.id] = b
-
-
-def join_changes(template: KernelGraph, changes: Mapping[str, Op],
-                 mapping: tuple[tuple[str, str], ...]) -> ShapeDelta:
-    """What :func:`join` returns for a shape known by the template nodes it changes (a saved
-    family's member, its operations pointing into the template's buffers), without matching
-    whole graphs (node hashes and topological orders: most of what a warm start spent on its
-    members). ``mapping``: the template's nodes, each to itself.
-
-    Raises
-    ------
-    UnsupportedError
-        A node that is not the template's, or a change that cannot be made in place.
-    """
-    nodes = []
-    for node, op in changes.items():
-        if node not in template.dag:
-            raise UnsupportedError(f"expected changes to the template's nodes, found {node!r}")
-        try:
-            nd = _node_delta(node, template.op(node), op, None)
-        except GraphError as e:
-            raise UnsupportedError(str(e)) from None
-        if nd is not None:
-            nodes.append(nd)
-    d = ShapeDelta(tuple(nodes), mapping)
-    _check_in_place(template, d)
-    return d
 
 
 def _check_in_place(template: KernelGraph, d: ShapeDelta) -> None:

@@ -66,7 +66,7 @@ from grape.passes.families import match
 from grape.passes.variants import NodeVersions, Variants
 
 __all__ = ["Derivation", "Graphs", "Sampled", "Segment", "derive", "derive_lengths",
-           "derived_changes", "loose_at_both", "loose_slots", "place_derived"]
+           "loose_at_both", "loose_slots", "place_derived"]
 
 MIN_SUPPORT = 3  # captured lengths on a stretch's line before it is trusted
 
@@ -376,7 +376,7 @@ class Derivation:
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Kernel node ``node`` at each of ``lengths``, as rows of arrays in the layout of
         ``grape.passes.variants``: argument bytes (lengths, bytes) uint8, launch dimensions
-        (lengths, 7) and pointers' offsets (lengths, pointers) int64. What :meth:`ops_at` gives
+        (lengths, 7) and pointers' offsets (lengths, pointers) int64. What :meth:`op_at` gives
         for the node at each length, without making an operation per length.
 
         Raises
@@ -415,25 +415,12 @@ class Derivation:
         return args, dims, targets
 
     def op_at(self, node: str, length: int) -> Op:
-        """Node ``node``'s operation at ``length``, derived (:meth:`ops_at`'s, for one node)."""
+        """Node ``node``'s operation at ``length``, derived (:meth:`graph_at`'s, for one
+        node)."""
         numbers = {what: self._value((node, what), length) for what in self.varying.get(node, ())}
         if None in numbers.values():
             self._numbers(length)  # raises, naming what is missing
         return _rebuild(self.template.op(node), numbers, self.dividers.get(node, frozenset()))
-
-    def ops_at(self, length: int) -> dict[str, Op]:
-        """The operations at ``length`` of the template's nodes whose numbers vary (every other
-        node's is the template's), derived: what :meth:`graph_at` rebuilds, without the graph.
-
-        Raises
-        ------
-        UnsupportedError
-            As :meth:`graph_at`.
-        """
-        return {node: _rebuild(self.template.op(node), found,
-                               self.dividers.get(node, frozenset()))
-                for node, found in self._numbers(length).items()
-                if not node.startswith("buffer:")}
 
     def graph_at(self, length: int) -> KernelGraph:
         """The graph at ``length``, derived, not captured.
@@ -555,22 +542,6 @@ def derive(samples: Mapping[int, KernelGraph],
     return Derivation(template, lengths, fits, loose, dividers, bits)
 
 
-def derived_changes(d: Derivation, length: int, base: Mapping[str, Op],
-                    pairs: Mapping[str, str]) -> dict[str, Op]:
-    """The operations a derived ``length`` changes in an executable's template, without its
-    graph: those the captured length it is derived from (``d.lengths[0]``) changes there
-    (``base``, by template node), with the nodes the derivation rebuilds put over them
-    (``pairs``: the template's nodes to the captured length's).
-
-    Raises
-    ------
-    UnsupportedError
-        ``length`` is not derivable (:meth:`Derivation.graph_at`).
-    """
-    back = {theirs: mine for mine, theirs in pairs.items()}
-    return {**base, **{back[node]: op for node, op in d.ops_at(length).items()}}
-
-
 def place_derived(variants: Variants, d: Derivation, lengths: Sequence[int], base: Hashable,
                   pairs: Mapping[str, str]) -> None:
     """Add derived ``lengths`` (each derivable by ``d``) to an executable's ``variants``, all
@@ -578,8 +549,9 @@ def place_derived(variants: Variants, d: Derivation, lengths: Sequence[int], bas
     ``d.lengths[0]``, already among ``variants``' shapes) but for the nodes ``d`` rebuilds,
     whose versions come from :meth:`Derivation.rows` a node at a time (an operation per
     length only where the executable keeps that node's versions as operations). ``pairs``: the
-    executable's template nodes to ``base``'s graph's. What :func:`derived_changes` and
-    ``Variants.add_changes`` give length by length, without an object per length and node.
+    executable's template nodes to ``base``'s graph's. What ``Variants.add_changes`` gives
+    length by length (``base``'s changes with each rebuilt node's :meth:`Derivation.op_at`
+    over them), without an object per length and node.
 
     Raises
     ------
@@ -637,8 +609,8 @@ def _first_difference(a: tuple, b: tuple) -> str:
 
 class Graphs(MutableMapping):
     """Graphs by length: captured ones kept, derived ones made from their derivation each time
-    one is asked for (a family places most derived lengths from their changed operations alone,
-    :meth:`Derivation.ops_at`, and never needs their whole graph)."""
+    one is asked for (a family places derived lengths from their rows alone,
+    :func:`place_derived`, and never needs their whole graph)."""
 
     def __init__(self) -> None:
         self.captured: dict[int, KernelGraph] = {}

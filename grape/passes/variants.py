@@ -38,9 +38,6 @@ import numpy as np
 from grape.errors import GraphError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Op, Pointer, Span
 from grape.passes.delta import (
-    NodeDelta,
-    ShapeDelta,
-    _node_delta,
     check_buffers,
     merge_buffers,
 )
@@ -383,17 +380,6 @@ class Variants:
     def ops(self, shape: Hashable) -> dict[str, Op]:
         """The operations ``shape`` changes, by template node."""
         return {node: self.nodes[node].op(v) for node, v in self.shapes[shape].items()}
-
-    def delta(self, shape: Hashable) -> ShapeDelta:
-        """``shape``'s :class:`ShapeDelta` against the template (for reports and the
-        simulator; the family itself switches by versions)."""
-        template = self.template
-        nodes: list[NodeDelta] = []
-        for node, op in self.ops(shape).items():
-            nd = _node_delta(node, template.op(node), op, None)
-            if nd is not None:
-                nodes.append(nd)
-        return ShapeDelta(tuple(nodes), tuple((n, n) for n in template.dag))
 
     @property
     def host_bytes(self) -> int:

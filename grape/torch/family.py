@@ -33,7 +33,6 @@ from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
-from grape.passes.delta import ShapeDelta
 from grape.passes.derive import Derivation, Sampled, derive_lengths, place_derived
 from grape.passes.families import match, same_ids
 from grape.passes.variants import Variants
@@ -96,12 +95,6 @@ class Family:
         """Host bytes the shapes' versions keep beyond the templates, all executables (their
         argument rows are also what prepared updates point into)."""
         return sum(v.host_bytes for v in self.variants.values())
-
-    @property
-    def deltas(self) -> dict[Hashable, ShapeDelta]:
-        """Each shape's delta against its executable's template, made when asked for (for
-        reports: the family switches by versions)."""
-        return {s: self.variants[key].delta(s) for s, key in self.group_of.items()}
 
     def ops(self, shape: Hashable) -> dict[str, Op]:
         """The operations ``shape`` changes in its executable's template, by template node."""
