@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from grape.cuda.build import Graph
 from grape.errors import GrapeError
 from grape.torch.cache import PrefixCache
 from grape.torch.family import capture_family, load_family
@@ -240,6 +241,8 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
             derive_period: int = 1) -> dict[str, object]:
     if update == "graph":
         w = replace(w, name=f"{w.name} (whole-graph updates)", slug=f"{w.slug}_whole")
+    elif update == "device":
+        w = replace(w, name=f"{w.name} (device switch)", slug=f"{w.slug}_device")
     lengths, step, label = w.shapes, w.step, w.name
     order = sorted(lengths)  # generation order, for decode: one more token each step
     eager_ms = _steps(step, order, sync_each=False)  # also: every length's eager memory cached
@@ -270,7 +273,10 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     # the naive graphs are measured too).
     copies = 16
     free_a, _ = _device_bytes()
-    extra = [g.graph.instantiate() for g in family.groups.values() for _ in range(copies)]
+    # (A graph with device-updatable nodes is instantiated once; its copies here are of the
+    # template built again, the same kernels without the attribute.)
+    extra = [(g.graph if update != "device" else Graph.build(g.template)).instantiate()
+             for g in family.groups.values() for _ in range(copies)]
     free_b, _ = _device_bytes()
     family_graph = (free_a - free_b) / copies
     mid = lengths[len(lengths) // 2]
@@ -409,7 +415,7 @@ def shared_pool_baseline(w: Workload) -> dict[str, object]:
             "naive_shared_capture_s": capture_s}
 
 
-def warm_start(w: Workload, folder: Path) -> dict[str, object]:
+def warm_start(w: Workload, folder: Path, update: str = "nodes") -> dict[str, object]:
     """Load the family ``measure`` saved into ``folder`` in this (fresh) process, without
     capturing every shape, and check it bitwise against per-shape graphs captured here on a
     sample of lengths. (Not against the saving process's outputs: a decode step writes its
@@ -418,7 +424,8 @@ def warm_start(w: Workload, folder: Path) -> dict[str, object]:
     _steps(w.step, sorted(w.shapes), sync_each=False)  # the same eager pass as measure's
     t = time.perf_counter()
     family = load_family(w.step, folder / "family.json.gz", w.params,
-                         progress=lambda line: _log(f"  {w.name} warm start: {line}"))
+                         progress=lambda line: _log(f"  {w.name} warm start: {line}"),
+                         update="device" if update == "device" else "nodes")
     loaded_s = time.perf_counter() - t
     same = []
     for n in _sample(w.shapes):
@@ -475,9 +482,10 @@ def main() -> None:
                              "the family's figures as counters, into DIR")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE",
                         help="write the results as JSON here (nothing is written without it)")
-    parser.add_argument("--update", choices=("nodes", "graph"), default="nodes",
-                        help="bring executables to shapes node by node from their versions, or "
-                             "whole, from each shape's graph kept on the host")
+    parser.add_argument("--update", choices=("nodes", "device", "graph"), default="nodes",
+                        help="bring executables to shapes node by node from their versions "
+                             "(from the host, or by one kernel on the device), or whole, from "
+                             "each shape's graph kept on the host")
     parser.add_argument("--derive-every", type=int, default=None, metavar="N",
                         help="capture one length in N and derive the others (issue 15)")
     parser.add_argument("--derive-period", type=int, default=1, metavar="P",
@@ -509,7 +517,8 @@ def main() -> None:
         if len(loads) != 1 or (args.part == "warm_start") != (args.saved is not None):
             raise SystemExit("expected one workload, and --from with --part warm_start only")
         w = loads[0][0]()
-        got = shared_pool_baseline(w) if args.part == "shared_pool" else warm_start(w, args.saved)
+        got = (shared_pool_baseline(w) if args.part == "shared_pool"
+               else warm_start(w, args.saved, args.update))
         print(json.dumps(got), flush=True)
         return
     old = (json.loads(args.out.read_text()) if args.append and args.out and args.out.exists()
@@ -544,8 +553,9 @@ def main() -> None:
                         results[-1]["device_bytes_naive_shared_pool"]
                         / results[-1]["device_bytes_family"])
                 write()
-                results[-1].update(_in_fresh_process("warm_start", workload_args,
-                                                     ["--from", saved], args.fresh_timeout))
+                results[-1].update(_in_fresh_process(
+                    "warm_start", workload_args, ["--from", saved, "--update", args.update],
+                    args.fresh_timeout))
                 write()
                 if args.keep_family:
                     args.keep_family.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """Graph families on a real GPU: one executable per topology, brought to each KV length node
-by node from their versions, or whole from each length's graph."""
+by node from their versions (from the host, or by one kernel on the device), or whole from each
+length's graph."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def decode():
     return decode()
 
 
-@pytest.fixture(scope="module", params=["nodes", "graph"])
+@pytest.fixture(scope="module", params=["nodes", "device", "graph"])
 def family(decode, request):
     from grape.torch.family import capture_family
 
@@ -60,6 +61,23 @@ def test_family_keeps_one_executable_per_topology(family):
     templates = {g.template_shape for g in family.groups.values()}
     assert max(LENGTHS) in templates  # captured first, so the first template
     assert all(family.ops(s) == {} for s in templates)
+
+
+def test_a_device_switch_takes_most_changed_kernel_nodes_and_reports_no_failure(family):
+    if family.update != "device":
+        pytest.skip("only families switched on the device have device switches")
+    for n in [59, 1, 33, 60]:
+        family.run(n)
+    torch.cuda.synchronize()
+    assert set(family._device) == set(family.groups)
+    for name, switch in family._device.items():
+        switch.check()  # the status every switch kernel writes on a failed update
+        v = family.variants[name]
+        changed = {node for taken in v.shapes.values() for node in taken}
+        kernels = {node for node in changed if v.nodes[node].rows}
+        assert switch.nodes <= changed
+        # kernels of one block shape throughout (GPT-2's) are all switched on the device
+        assert len(switch.nodes) >= len(kernels) // 2, (len(switch.nodes), len(kernels))
 
 
 def test_a_length_never_captured_runs_eagerly_with_a_warning(decode, family):
@@ -147,7 +165,8 @@ def _warm_start(decode, family, tmp_path):
     loaded.check(environment(params))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the shapes that did not move: the test below
-        return loaded, warm_start(step, path, params)
+        return loaded, warm_start(step, path, params,
+                                  update="device" if family.update == "device" else "nodes")
 
 
 def test_a_saved_family_reloads_and_computes_what_per_shape_graphs_compute(decode, family,

@@ -139,3 +139,93 @@ def test_shapes_that_share_a_node_s_version_switch_without_updating_it(family):
     log.clear()
     fam.run("b", stream=0)  # d to b: only k2 differs (back to the template's)
     assert log[:-1] == [("k2", graphs["a"].op("k2"))]
+
+
+class _Switch:
+    """Stands in for grape.cuda.switch.DeviceSwitch: keeps what it was built with, logs its
+    launches."""
+
+    def __init__(self, graph, versions, table, log) -> None:
+        self.graph, self.table, self.log = graph, table, log
+        self.order = [nv.node for nv in versions]
+        self.nodes = frozenset(self.order)
+
+    def launch(self, shape, stream=0, holds=-1) -> None:
+        self.log.append(("switch", shape, holds))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def device_family(family, monkeypatch):
+    """``family`` with update="device": Graph.build and DeviceSwitch stand-ins, every graph it
+    builds and every switch it makes kept."""
+    import grape.torch.family as fam_module
+
+    fam, graphs, graph, log = family
+    built, switches = [], []
+
+    class _Closable(_Executable):
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    class _Built(RecordingGraph):
+        def instantiate(self):
+            return _Closable(log)
+
+        def close(self) -> None:
+            pass
+
+    def switch(g, versions, table):
+        switches.append(_Switch(g, versions, table, log))
+        return switches[-1]
+
+    fam.groups["g"].executable = _Closable(log)
+    graph.close = lambda: None
+    monkeypatch.setattr(fam_module.Graph, "build",
+                        staticmethod(lambda ir: built.append(ir) or _Built(log, ir)))
+    monkeypatch.setattr(fam_module, "DeviceSwitch", switch)
+    fam.update = "device"
+    return fam, graphs, log, built, switches
+
+
+def test_a_device_family_switches_its_kernels_with_one_launch_from_a_table(device_family):
+    fam, graphs, log, built, switches = device_family
+    old = fam.groups["g"].executable
+    # k1 (3 versions) and k2 (2) keep one block shape: both on the device, nothing on the host
+    assert fam.prepare_updates() == 5
+    switch = fam._device["g"]
+    assert switches == [switch] and built == [graphs["a"]]
+    assert switch.graph is fam.groups["g"].graph
+    assert old.closed and fam.groups["g"].executable is not old  # instantiated again
+    rows = {s: fam._row[s] for s in SHAPES}
+    want = {"a": {"k1": 0, "k2": 0}, "b": {"k1": 1, "k2": 0}, "c": {"k1": 2, "k2": 1}}
+    for s, versions in want.items():
+        assert [switch.table[rows[s]][switch.order.index(n)] for n in ("k1", "k2")] == [
+            versions["k1"], versions["k2"]], s
+    for shape, holds in (("b", "a"), ("c", "b"), ("c", "c"), ("a", "c")):
+        log.clear()
+        fam.run(shape, stream=0)
+        if shape == holds:  # the executable holds it already: no switch at all
+            assert log == ["launch"]
+        else:
+            assert log == [("switch", rows[shape], rows[holds]), "launch"], shape
+    assert fam.updated_nodes == 1 + 2 + 2  # nodes whose versions changed, for reports
+
+
+def test_a_shape_added_to_a_device_family_gets_a_new_switch_that_knows_it(device_family):
+    fam, _, log, built, switches = device_family
+    fam.prepare_updates()
+    fam.run("c", stream=0)
+    fam.variants["g"].add_graph("d", _step((1, 9, 1)))  # a fourth version of k1
+    fam.group_of["d"] = "g"
+    log.clear()
+    fam.run("d", stream=0)
+    assert len(switches) == 2 and len(built) == 2  # made again, with d's row
+    new = fam._device["g"]
+    assert new is switches[1] and new.table[fam._row["d"]][new.order.index("k1")] == 3
+    # the new executable holds the template: the switch goes from a's row to d's
+    assert log == [("switch", fam._row["d"], fam._row["a"]), "launch"]

@@ -9,7 +9,9 @@ the template's nodes it changes, each distinct version kept once (``grape.passes
 A shape an executable cannot take in place (a kernel's attributes change) starts another
 executable of its topology instead. ``family.run(shape)`` updates the executable's nodes whose
 versions differ between the shape it holds and ``shape``, with driver calls prepared for every
-version of a node at once, and launches it. A shape outside the family runs ``step`` eagerly,
+version of a node at once, and launches it; with ``update="device"`` a kernel on the GPU gives
+the kernel nodes their versions instead, from tables on the device, in one launch
+(``grape.cuda.switch``). A shape outside the family runs ``step`` eagerly,
 with a warning.
 
 ``step`` must keep its buffers in place across shapes (a preallocated cache such as
@@ -27,9 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from grape.cuda.build import Executable, Graph, Update
+from grape.cuda.switch import DeviceSwitch, takes
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
@@ -71,7 +75,11 @@ class Family:
     # update="graph": every shape's own graph, built as its executable's was (host memory);
     # an executable is brought to a shape by one cuGraphExecUpdate from it.
     graphs: dict[Hashable, Graph] = field(default_factory=dict)
-    update: str = "nodes"  # how executables are brought to shapes: "nodes" or "graph"
+    update: str = "nodes"  # how executables are brought to shapes: "nodes", "device", "graph"
+    # update="device": per executable, the kernel nodes a kernel on the GPU switches, and each
+    # shape's row in its executable's switch
+    _device: dict[str, DeviceSwitch] = field(default_factory=dict)
+    _row: dict[Hashable, int] = field(default_factory=dict)
     _changed: dict[tuple[Hashable, Hashable], int] = field(default_factory=dict)
     sampled: Sampled | None = None  # with derive_every: which lengths were captured, derived
     # load_family: shapes captured in this process rather than moved from the file, and why
@@ -119,41 +127,91 @@ class Family:
             self.step(shape)
             return
         group = self.groups[name]
+        stream = torch.cuda.current_stream().cuda_stream if stream is None else stream
+        if self.update == "device" and (name not in self._device or shape not in self._row):
+            self._on_device(name)  # first use, or a shape added since the switch was made
         if group.holds != shape:
             key = (group.holds, shape)
             if self.update == "graph":
                 t = time.perf_counter()
                 group.executable.update(self.graphs[shape])
                 self.update_s += time.perf_counter() - t
-                changed = self._changed.get(key)
-                if changed is None:  # counted for reports, outside the timed update, once
-                    changed = self._changed[key] = len(self.variants[name].switch(
-                        group.holds, shape))
+                changed = self._count(name, key)
             else:
                 t = time.perf_counter()
                 updates = self._prepared.get(key)
                 if updates is None:
                     updates = self._prepared[key] = self._switch(name, group.holds, shape)
                 Graph.apply(group.executable, updates)
+                if self.update == "device":
+                    self._device[name].launch(self._row[shape], stream, self._row[group.holds])
                 self.update_s += time.perf_counter() - t
-                changed = len(updates)
+                changed = len(updates) if self.update == "nodes" else self._count(name, key)
             group.holds = shape
             self.updated_nodes += changed
-        group.executable.launch(torch.cuda.current_stream().cuda_stream
-                                if stream is None else stream)
+        group.executable.launch(stream)
+
+    def _count(self, name: str, key: tuple[Hashable, Hashable]) -> int:
+        """How many nodes a switch changes (for reports; counted once per pair, outside the
+        timed update)."""
+        changed = self._changed.get(key)
+        if changed is None:
+            changed = self._changed[key] = len(self.variants[name].switch(*key))
+        return changed
 
     def prepare_updates(self) -> int:
         """Prepare now every driver call a switch between two shapes can need (every version
         of every node some shape changes, the template's own among them), so that the first
         pass over the shapes costs what later passes cost; ``capture_family`` and
         ``load_family`` call it. Returns the number of node updates prepared."""
-        if self.update != "nodes":
+        if self.update == "graph":
             return 0
+        on_device = 0
+        if self.update == "device":
+            for name in self.variants:
+                if name not in self._device:
+                    on_device += self._on_device(name)
         before = sum(map(len, self._versions.values()))
         for name, v in self.variants.items():
-            for node in v.nodes:
+            switched = self._device[name].nodes if name in self._device else frozenset()
+            for node in v.nodes.keys() - switched:
                 self._node(name, node)
-        return sum(map(len, self._versions.values())) - before
+        return sum(map(len, self._versions.values())) - before + on_device
+
+    def _on_device(self, name: str) -> int:
+        """Give executable ``name`` a :class:`DeviceSwitch` for every node a kernel on the GPU
+        can switch (``takes``): its graph is built again from the template with those nodes
+        made device-updatable (the attribute must be there at instantiation) and instantiated
+        in place of the old executable, which held the template too. Returns the versions
+        put on the device."""
+        group, v = self.groups[name], self.variants[name]
+        if (old := self._device.pop(name, None)) is not None:
+            old.close()
+        chosen = [v.nodes[node] for node in v.nodes if takes(v.nodes[node])]
+        shapes = list(v.shapes)
+        table = np.zeros((len(shapes), len(chosen)), dtype=np.int64)
+        for i, shape in enumerate(shapes):
+            taken = v.shapes[shape]
+            table[i] = [taken.get(nv.node, 0) for nv in chosen]
+            self._row[shape] = i
+        graph = Graph.build(group.template)
+        try:
+            switch = DeviceSwitch(graph, chosen, table)
+            executable = graph.instantiate()
+        except BaseException:
+            graph.close()
+            raise
+        group.executable.close()
+        if all(group.graph is not g for g in self.graphs.values()):
+            group.graph.close()
+        group.graph, group.executable, group.holds = graph, executable, group.template_shape
+        self._device[name] = switch
+        # host calls prepared against the old graph's nodes: made again against the new one's
+        for key in [k for k in self._versions if k[0] == name]:
+            del self._versions[key]
+        self._prepared = {k: u for k, u in self._prepared.items()
+                          if self.group_of.get(k[1]) != name}
+        return sum(len(nv) for nv in chosen)
 
     def _node(self, name: str, node: str) -> list[Update]:
         """Node ``node``'s versions in executable ``name`` as prepared calls, by version:
@@ -170,15 +228,27 @@ class Family:
         """The prepared calls that bring an executable holding ``holds`` to ``shape``: the
         nodes whose versions differ between the two (``Variants.switch``)."""
         versions = self._versions
+        switched = self._device[name].nodes if name in self._device else frozenset()
         out = []
         for node, version in self.variants[name].switch(holds, shape):
+            if node in switched:
+                continue
             prepared = versions.get((name, node))
             if prepared is None or version >= len(prepared):
                 prepared = self._node(name, node)
             out.append(prepared[version])
         return out
 
+    def check(self) -> None:
+        """Raise if a device switch failed on the GPU since the family was made (``update=
+        "device"``; reads each switch's status, so it waits for the GPU). :meth:`run` never
+        waits for the GPU, so it cannot tell."""
+        for switch in self._device.values():
+            switch.check()
+
     def close(self) -> None:
+        for switch in self._device.values():
+            switch.close()
         for g in self.groups.values():
             g.executable.close()
             g.graph.close()
@@ -231,7 +301,9 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     """Capture ``step(shape)`` for each shape (largest first) into one family.
 
     ``update`` says how an executable is brought to a shape: ``"nodes"`` updates the nodes
-    that differ, one driver call each, prepared from their versions; ``"graph"`` keeps every shape's
+    that differ, one driver call each, prepared from their versions; ``"device"`` puts every
+    version of the kernel nodes that allow it on the device and switches them all with one
+    kernel launch (``grape.cuda.switch``; the rest as ``"nodes"``); ``"graph"`` keeps every shape's
     graph on the host and updates the whole executable from it in one ``cuGraphExecUpdate``. A
     shape the driver refuses, or whose kernels' launch attributes change, starts another
     executable, as with ``"nodes"`` (the driver took attribute changes on the H200, and the
@@ -263,8 +335,8 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         No shapes, a shape given twice, an unknown ``update``, or ``derive_every`` with shapes
         that are not integers.
     """
-    if update not in ("nodes", "graph"):
-        raise GrapeError(f"expected update 'nodes' or 'graph', found {update!r}")
+    if update not in ("nodes", "device", "graph"):
+        raise GrapeError(f"expected update 'nodes', 'device' or 'graph', found {update!r}")
     shapes = list(shapes)
     if not shapes or len(set(shapes)) != len(shapes):
         raise GrapeError(f"expected distinct shapes to capture, found {len(shapes)} with "
@@ -360,7 +432,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         else:
             place_graph(shape)
     for d, lengths in by_derivation.values():
-        key = placed_derived(d, lengths) if update == "nodes" else None
+        key = placed_derived(d, lengths) if update != "graph" else None
         for shape in lengths:
             if key is None:
                 place_graph(shape)
@@ -382,7 +454,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
 def load_family(step: Callable[[Hashable], Any], path: str | Path,
                 params: Mapping[str, torch.Tensor] | None = None,
                 progress: Callable[[str], None] = lambda line: None,
-                prepare: bool = True) -> Family:
+                prepare: bool = True, update: str = "nodes") -> Family:
     """A family saved by :meth:`Family.save`, in this process, capturing one shape per
     executable rather than every shape (the warm start).
 
@@ -396,13 +468,16 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     take; the captures' own pool is then given back. A shape whose changes use a kernel or
     memory its template never did, and every shape of an executable whose template does not
     move, is captured here instead (with a warning that counts them).
-    ``prepare``: as for :func:`capture_family`.
+    ``prepare``, ``update`` (``"nodes"`` or ``"device"``): as for :func:`capture_family`.
 
     Raises
     ------
     GrapeError
-        The file is not a family, or was captured elsewhere.
+        The file is not a family, or was captured elsewhere, or ``update`` is another word.
     """
+    if update not in ("nodes", "device"):
+        raise GrapeError(f"expected update 'nodes' or 'device' for a loaded family, found "
+                         f"{update!r}")
     from grape.familyio import load_family as read_family
     from grape.passes.relocate import relocate_all, relocate_variants, relocation
 
@@ -485,8 +560,8 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
              f"{time.perf_counter() - began:.2f} s")
     torch.cuda.synchronize()
     family = Family(step, groups, group_of, variants, torch.cuda.memory_reserved() - reserved,
-                    0.0, keep, captured_here=len(captured), not_moved=not_moved,
-                    scratch=frozenset(b.id for b in scratch.values()))
+                    0.0, keep, update=update, captured_here=len(captured),
+                    not_moved=not_moved, scratch=frozenset(b.id for b in scratch.values()))
     if prepare:
         progress(f"prepared {family.prepare_updates()} node updates, "
                  f"{time.perf_counter() - began:.2f} s in all")

@@ -1,0 +1,81 @@
+"""The tables a device switch (grape.cuda.switch) copies to the GPU, built on the CPU: each
+shape's row of each node must hold the bytes its version differs in and its grid, and a node
+whose versions change their block shape stays with host updates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+
+from grape.cuda.switch import _tables, spans, takes
+from grape.ir import Kernel, Param
+from grape.passes.variants import NodeVersions
+
+
+def _kernel(grid: int, args: bytes, block: int = 32) -> Kernel:
+    return Kernel("f@0x1", "f", (grid, 1, 1), (block, 1, 1), 0, args=args,
+                  params=(Param(0, len(args)),))
+
+
+def _versions(node: str, width: int, changes: list[dict[int, int]], grids: list[int]
+              ) -> NodeVersions:
+    """Version 0 zeros with grid ``grids[0]``; version i the bytes ``changes[i - 1]`` set."""
+    nv = NodeVersions(node, _kernel(grids[0], bytes(width)))
+    for i, (change, grid) in enumerate(zip(changes, grids[1:], strict=True), start=1):
+        args = bytearray(width)
+        for at, value in change.items():
+            args[at] = value
+        assert nv.add(_kernel(grid, bytes(args))) == i
+    return nv
+
+
+def _read(blob: np.ndarray, at: dict[str, int], name: str, dtype: str, count: int
+          ) -> np.ndarray:
+    start = at[name]
+    return blob[start:start + count * np.dtype(dtype).itemsize].view(dtype)
+
+
+def test_spans_cover_the_bytes_that_differ_in_whole_words():
+    nv = _versions("a", 40, [{13: 1}, {21: 2}], [1, 1, 1])
+    assert spans(nv) == (8, 16, False)  # bytes 13..21 -> words 8..24
+    still = _versions("b", 12, [], [3])
+    assert spans(still) == (0, 0, False)
+    grid_only = _versions("c", 12, [{}], [3, 4])
+    assert spans(grid_only) == (0, 0, True)
+    tail = _versions("d", 12, [{11: 9}], [1, 1])
+    assert spans(tail) == (8, 4, False)  # widened to the word, never past the arguments
+
+
+def test_each_shape_s_row_holds_its_version_s_bytes_and_grid():
+    a = _versions("a", 40, [{13: 1}, {21: 2}], [1, 2, 3])
+    b = _versions("b", 16, [{0: 7, 15: 8}], [5, 5])
+    table = np.array([[0, 0], [1, 0], [2, 1], [1, 1]])
+    blob, at = _tables([a, b], table, [0xA, 0xB])
+    assert all(v % 8 == 0 for v in at.values())
+    n, shapes = 2, len(table)
+    assert _read(blob, at, "nodes", "<u8", n).tolist() == [0xA, 0xB]
+    starts = _read(blob, at, "starts", "<u4", n)
+    sizes = _read(blob, at, "sizes", "<u4", n)
+    assert _read(blob, at, "grid_varies", "<u4", n).tolist() == [1, 0]
+    rows = _read(blob, at, "rows", "<i4", shapes * n).reshape(shapes, n)
+    offsets = _read(blob, at, "offsets", "<i8", len(a) + len(b))
+    grids = _read(blob, at, "grids", "<u4", 3 * (len(a) + len(b))).reshape(-1, 3)
+    for s in range(shapes):
+        for j, nv in enumerate([a, b]):
+            version = table[s, j]
+            r = rows[s, j]
+            op = nv.op(version)
+            lo, size = int(starts[j]), int(sizes[j])
+            got = blob[at["args"] + offsets[r]:at["args"] + offsets[r] + size].tobytes()
+            assert got == op.args[lo:lo + size], (s, j)
+            assert tuple(grids[r]) == op.grid, (s, j)
+
+
+def test_a_node_whose_block_shape_changes_stays_on_the_host():
+    nv = NodeVersions("k", _kernel(1, bytes(8)))
+    nv.add(_kernel(2, bytes(8)))
+    assert takes(nv)
+    nv.add(_kernel(2, bytes(8), block=64))
+    assert not takes(nv)  # the device sets arguments and grid only
