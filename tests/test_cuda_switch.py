@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
 
-from grape.cuda.switch import _tables, spans, takes
+from grape.cuda.switch import _tables, spans
 from grape.ir import Kernel, Param
-from grape.passes.variants import NodeVersions
+from grape.passes.variants import NodeVersions, device_switchable
 
 
 def _kernel(grid: int, args: bytes, block: int = 32) -> Kernel:
@@ -76,6 +76,16 @@ def test_each_shape_s_row_holds_its_version_s_bytes_and_grid():
 def test_a_node_whose_block_shape_changes_stays_on_the_host():
     nv = NodeVersions("k", _kernel(1, bytes(8)))
     nv.add(_kernel(2, bytes(8)))
-    assert takes(nv)
+    assert device_switchable(nv)
     nv.add(_kernel(2, bytes(8), block=64))
-    assert not takes(nv)  # the device sets arguments and grid only
+    assert not device_switchable(nv)  # the device sets arguments and grid only
+
+
+def test_a_switch_refuses_a_node_whose_block_shape_changes_before_touching_the_driver():
+    from grape.cuda.switch import DeviceSwitch
+    from grape.errors import GrapeError
+
+    nv = NodeVersions("k", _kernel(1, bytes(8)))
+    nv.add(_kernel(1, bytes(8), block=64))
+    with pytest.raises(GrapeError, match="node 'k' changing more"):
+        DeviceSwitch(None, [nv], np.zeros((1, 1), dtype=np.int64))

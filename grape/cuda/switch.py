@@ -14,7 +14,8 @@ same launch, WHILE bodies included).
 What ``benchmarks/device_updates.py`` found on the H200 (driver 580): updates apply only to an
 executable already uploaded (``Executable`` uploads at instantiation; before that the call
 fails with an invalid value), and block dimensions and shared memory cannot change on the
-device, so nodes whose versions change those stay with host updates (:func:`takes`).
+device, so nodes whose versions change those stay with host updates
+(``grape.passes.variants.device_switchable``).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from grape.cuda.nvrtc import Module, pack_args
 from grape.cuda.resource import Resource
 from grape.errors import CudaError, GrapeError
 
-if TYPE_CHECKING:  # the backend takes the passes' versions, and imports no pass
+if TYPE_CHECKING:  # for annotations; the rule it checks is imported where it is used
     from grape.passes.variants import NodeVersions
 
-__all__ = ["DeviceSwitch", "spans", "takes"]
+__all__ = ["DeviceSwitch", "spans"]
 
 SOURCE = r"""
 // cudaGraphKernelNodeUpdate of cuda_runtime_api.h: 40 bytes; field 1 the grid, 2 argument bytes.
@@ -94,17 +95,6 @@ def _module() -> Module:
     return Module(SOURCE, name="grape_switch.cu")
 
 
-def takes(versions: NodeVersions) -> bool:
-    """Whether a kernel on the GPU can give a node each of ``versions``: kernel versions kept as
-    rows (one function and argument layout), no conditional handle among the arguments (an
-    executable's handles are its own), and one block shape and shared memory size for all
-    (the device sets only arguments and grid)."""
-    if not versions.rows or versions.template.handles:
-        return False
-    dims = versions.arrays()[1]
-    return bool((dims[:, 3:] == dims[0, 3:]).all())
-
-
 class DeviceSwitch(Resource):
     """Nodes of one graph made device-updatable, every version of theirs on the device, and the
     kernel that gives them a shape's versions.
@@ -120,11 +110,17 @@ class DeviceSwitch(Resource):
         Raises
         ------
         GrapeError
-            A node is not in ``graph``, ``table`` does not fit ``versions``, or a version
-            number is out of range.
+            A node is not in ``graph`` or not switchable on the device
+            (``grape.passes.variants.device_switchable``), ``table`` does not fit
+            ``versions``, or a version number is out of range.
         CudaError
             The driver refused to make a node device-updatable.
         """
+        from grape.passes.variants import device_switchable
+
+        if odd := next((nv.node for nv in versions if not device_switchable(nv)), None):
+            raise GrapeError(f"expected nodes whose versions keep one function, argument layout "
+                             f"and block shape, found node {odd!r} changing more")
         table = np.asarray(table, dtype=np.int64)
         if table.ndim != 2 or table.shape[1] != len(versions):
             raise GrapeError(f"expected a table of (shapes, {len(versions)}) version numbers, "

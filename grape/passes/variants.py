@@ -43,7 +43,7 @@ from grape.passes.delta import (
 )
 from grape.passes.families import match
 
-__all__ = ["DIMS", "NodeVersions", "Variants", "check_in_place"]
+__all__ = ["DIMS", "NodeVersions", "Variants", "check_in_place", "device_switchable"]
 
 # A kernel version's launch dimensions, one row each: grid x, y, z, block x, y, z, shared bytes.
 DIMS = 7
@@ -247,6 +247,18 @@ class NodeVersions:
                 len(op.args) for op in self._ops[1:] if isinstance(op, Kernel))
         args, dims, targets = self.arrays()
         return (args.nbytes + dims.nbytes + targets.nbytes) * (len(self) - 1) // len(self)
+
+
+def device_switchable(versions: NodeVersions) -> bool:
+    """Whether a kernel on the GPU can give a node each of ``versions`` (CUDA's device-updatable
+    kernel nodes, ``grape.cuda.switch``): kernel versions kept as rows (one function and argument
+    layout), no conditional handle among the arguments (an executable's handles are its own),
+    and one block shape and shared memory size for all (the device sets only arguments and
+    grid). The simulator prices a switch by the same rule."""
+    if not versions.rows or versions.template.handles:
+        return False
+    dims = versions.arrays()[1]
+    return bool((dims[:, 3:] == dims[0, 3:]).all())
 
 
 def check_in_place(template: KernelGraph, changes: Mapping[str, Op]) -> None:

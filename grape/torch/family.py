@@ -33,13 +33,13 @@ import numpy as np
 import torch
 
 from grape.cuda.build import Executable, Graph, Update
-from grape.cuda.switch import DeviceSwitch, takes
+from grape.cuda.switch import DeviceSwitch
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
 from grape.passes.derive import Derivation, Sampled, derive_lengths, place_derived
 from grape.passes.families import match, same_ids
-from grape.passes.variants import Variants
+from grape.passes.variants import Variants, device_switchable
 from grape.torch.capture import capture, frozen_heap, pool_segments
 
 __all__ = ["Family", "capture_family", "environment", "load_family"]
@@ -180,14 +180,14 @@ class Family:
 
     def _on_device(self, name: str) -> int:
         """Give executable ``name`` a :class:`DeviceSwitch` for every node a kernel on the GPU
-        can switch (``takes``): its graph is built again from the template with those nodes
-        made device-updatable (the attribute must be there at instantiation) and instantiated
-        in place of the old executable, which held the template too. Returns the versions
-        put on the device."""
+        can switch (``device_switchable``): its graph is built again from the template with
+        those nodes made device-updatable (the attribute must be there at instantiation) and
+        instantiated in place of the old executable, which held the template too. Returns the
+        versions put on the device."""
         group, v = self.groups[name], self.variants[name]
         if (old := self._device.pop(name, None)) is not None:
             old.close()
-        chosen = [v.nodes[node] for node in v.nodes if takes(v.nodes[node])]
+        chosen = [v.nodes[node] for node in v.nodes if device_switchable(v.nodes[node])]
         shapes = list(v.shapes)
         table = np.zeros((len(shapes), len(chosen)), dtype=np.int64)
         for i, shape in enumerate(shapes):
