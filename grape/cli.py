@@ -166,6 +166,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="what if one executable served every shape, brought to each by one "
                           "cuGraphExecUpdate from the shape's graph before each launch (for a "
                           "saved family: price its updates that way)")
+    sim.add_argument("--update-device", action="store_true",
+                     help="for a saved family: price its updates as update=\"device\" makes "
+                          "them, the kernel nodes a kernel on the GPU can switch by one switch "
+                          "kernel before each launch, the others from the host")
     sim.add_argument("--placeholder-copies", type=_amount, metavar="BYTES",
                      help="what if BYTES of inputs were copied into the graph's placeholder "
                           "tensors before each graph launch (a plain capture's static inputs; "
@@ -348,8 +352,9 @@ def _simulate(args: argparse.Namespace) -> None:
         return _simulate_family(args)
     if _is_graph_file(args.trace):
         return _simulate_graph(args)
-    if args.sequence:
-        raise GrapeError(f"expected a saved graph family (*.family.json.gz) with --sequence, "
+    if args.sequence or args.update_device:
+        flag = "--sequence" if args.sequence else "--update-device"
+        raise GrapeError(f"expected a saved graph family (*.family.json.gz) with {flag}, "
                          f"found {args.trace}")
     graph_only = [flag for flag, given in (("--durations", args.durations),
                                            ("--while", args.while_counts),
@@ -437,6 +442,7 @@ def _simulate_ranks(args: argparse.Namespace) -> None:
         ("--graph-region", args.graph_region), ("--host-scale", args.host_scale),
         ("--launch-cost", args.launch_cost), ("--node-overhead", args.node_overhead),
         ("--update-nodes", args.update_nodes), ("--update-whole", args.update_whole),
+        ("--update-device", args.update_device),
         ("--placeholder-copies", args.placeholder_copies), ("--device-loop", args.device_loop),
         ("--chrome", args.chrome), ("--plot", args.plot), ("--sequence", args.sequence),
         ("--durations", args.durations)) if given]
@@ -521,20 +527,24 @@ def _simulate_family(args: argparse.Namespace) -> None:
                          f"{missing[0]!r} (it has {len(saved.shapes)})")
     graphs = {s: saved.graph(s) for s in dict.fromkeys(sequence)}
     durations, profile, costs = _graph_inputs(args)
+    if args.update_whole and args.update_device:
+        raise GrapeError("expected --update-whole or --update-device, found both")
     program, updated = family_program(graphs, sequence, durations, costs, _choices(args),
                                       whole=args.update_whole, name=args.trace.name,
-                                      variants=saved.variants)
+                                      variants=saved.variants, device=args.update_device)
     result = simulate(program, costs, record=args.chrome is not None)
     print(f"{args.trace}: {len(saved.variants)} executables, {len(saved.shapes)} shapes; "
           f"{len(sequence)} steps (kernel durations from {durations.source})")
     print(f"  per step, launch to sync       {result.per_iteration / 1000:10.3f} ms (median)")
-    print(f"  nodes updated per step         {sum(updated) / len(updated):10.1f} "
-          f"({'whole-graph updates' if args.update_whole else 'node by node'})")
+    way = ("whole-graph updates" if args.update_whole else
+           "a switch kernel on the device, the rest from the host" if args.update_device
+           else "node by node")
+    print(f"  nodes updated per step         {sum(updated) / len(updated):10.1f} ({way})")
     _graph_outputs(args, program, result, profile)
 
 
 def _refuse_trace_flags(args: argparse.Namespace, what: str, sequence: bool = False,
-                        update_whole: bool = False, launches: bool = False) -> None:
+                        family_updates: bool = False, launches: bool = False) -> None:
     """Kernel graphs and families: refuse the what-if flags that only a trace takes (and
     those of the others that this kind of file does not), and require --durations."""
     given = [flag for flag, on in (
@@ -543,7 +553,8 @@ def _refuse_trace_flags(args: argparse.Namespace, what: str, sequence: bool = Fa
         ("--host-scale", args.host_scale is not None),
         ("--launch-cost", args.launch_cost is not None),
         ("--update-nodes", args.update_nodes is not None),
-        ("--update-whole", update_whole and args.update_whole),
+        ("--update-whole", family_updates and args.update_whole),
+        ("--update-device", family_updates and args.update_device),
         ("--placeholder-copies", args.placeholder_copies is not None),
         ("--device-loop", args.device_loop), ("--plot", args.plot),
         ("--launches", launches and args.launches != 1)) if on]
@@ -624,7 +635,7 @@ def _simulate_graph(args: argparse.Namespace) -> None:
     from grape.sim.engine import simulate
     from grape.sim.graph import check_choices, program_from_graph
 
-    _refuse_trace_flags(args, "kernel graph", sequence=True, update_whole=True)
+    _refuse_trace_flags(args, "kernel graph", sequence=True, family_updates=True)
     graph = KernelGraph.load(args.trace)
     choices = _choices(args)
     check_choices(graph, choices, str(args.trace))

@@ -136,6 +136,16 @@ def test_grape_simulate_runs_a_saved_family_over_a_sequence(family, tmp_path, ca
     assert float(out.split("nodes updated per step")[1].split("(")[0]) == (0 + 1 + 4 + 5) / 4
     code = main(["simulate", str(path), "--durations", durations, "--update-whole"])
     assert code == 0 and "whole-graph updates" in capsys.readouterr().out
+    code = main(["simulate", str(path), "--durations", durations, "--update-device"])
+    out = capsys.readouterr().out
+    assert code == 0 and "a switch kernel on the device" in out
+    assert "approximated: a device switch costs" in out
+    assert main(["simulate", str(path), "--durations", durations, "--update-device",
+                 "--update-whole"]) != 0
+    assert "expected --update-whole or --update-device, found both" in capsys.readouterr().err
+    assert main(["simulate", durations, "--update-device"]) != 0
+    assert ("expected a saved graph family (*.family.json.gz) with --update-device"
+            in capsys.readouterr().err)
     assert main(["simulate", str(path), "--durations", durations, "--sequence", "9"]) != 0
     assert "expected shapes of the family in --sequence, found 9" in capsys.readouterr().err
     assert main(["simulate", str(path), "--durations", durations, "--graph"]) != 0

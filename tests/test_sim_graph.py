@@ -318,6 +318,23 @@ def test_a_family_pays_the_updates_its_transitions_need_and_each_shape_s_own_gpu
     assert host == [0, 2.0, 0, 0, 2.0]
     _, whole = family_program(graphs, sequence, table, costs, whole=True)
     assert whole == [0, 3, 0, 0, 3]
+    # On the device: the attention node (grid and argument change, block kept) is switched by
+    # one kernel before the launch, nothing is updated from the host.
+    costs = Costs(graph_node_overhead=0.0, set_params=2.0, switch_launch=3.0,
+                  switch_per_node=1.5)
+    program, on_device = family_program(graphs, sequence, table, costs, device=True)
+    assert on_device == updated
+    for it, changed in zip(program.iterations, on_device, strict=True):
+        assert not any(type(s).__name__ == "HostWork" for s in it)
+        switches = [s for s in it if type(s).__name__ == "Launch"]
+        if changed:
+            (switch,) = switches
+            assert switch.api == "grape_switch_versions" and switch.cost == 3.0
+            assert [w.dur for w in switch.work] == [1.5 * changed]
+        else:
+            assert switches == []
+    with pytest.raises(SimulationError, match="or a device switch, found both"):
+        family_program(graphs, sequence, table, costs, whole=True, device=True)
     with pytest.raises(SimulationError, match="found none for 256"):
         family_program(graphs, [64, 256], table, costs)
 

@@ -44,6 +44,12 @@ class Costs:
     while_per_iteration: float = 3.0  # GPU time a WHILE node adds per iteration
     set_params: float = 1.0  # host cost of updating one node of an executable
     exec_update_per_node: float = 0.05  # host cost of cuGraphExecUpdate, per node of the graph
+    # A family's device switch (grape.cuda.switch): the host's launch of the switch kernel, and
+    # its GPU time per node it updates. Not in device profiles yet: from one H200 run (GPT-2
+    # small, 84.6 nodes a step: 92 us more GPU time a step than host updates, the launch and
+    # the graph's wait included; benchmarks/README.md, run 15).
+    switch_launch: float = 4.0
+    switch_per_node: float = 1.08
     copy_call: float = 9.0  # host cost of issuing one device-to-device copy from PyTorch
     copy_latency: float = 6.7  # GPU time of a device-to-device copy of nothing
     copy_bandwidth: float = 4250.0  # GB/s of a device-to-device copy, bytes read plus written
@@ -60,7 +66,8 @@ class Costs:
         # Written so that NaN fails too (every comparison with NaN is false).
         for name in ("launch_latency", "kernel_gap", "graph_node_overhead", "graph_launch_fixed",
                      "graph_launch_per_node", "while_per_iteration", "set_params",
-                     "exec_update_per_node", "copy_call", "copy_latency",
+                     "exec_update_per_node", "switch_launch", "switch_per_node", "copy_call",
+                     "copy_latency",
                      "graph_copy_us_per_byte", "graph_memset_us_per_byte"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise GrapeError(f"expected a finite, non-negative {name}, found "

@@ -40,8 +40,8 @@ import networkx as nx
 
 from grape.errors import SimulationError, UnsupportedError
 from grape.ir import Conditional, ConditionalKind, Kernel, KernelGraph, Memcpy, Memset, Op
-from grape.passes.variants import Variants
-from grape.program import GpuWork, GraphLaunch, HostWork, Program, Sync
+from grape.passes.variants import Variants, device_switchable
+from grape.program import GpuWork, GraphLaunch, HostWork, Launch, Program, Sync
 from grape.records import GpuRecord
 from grape.sim.engine import Costs
 from grape.sim.ranks import collective_name
@@ -359,14 +359,17 @@ def program_from_graph(graph: KernelGraph, durations: Durations, costs: Costs,
 def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Hashable],
                    durations: Durations, costs: Costs, choices: Choices | None = None,
                    whole: bool = False, name: str = "graph family",
-                   variants: Mapping[str, Variants] | None = None
+                   variants: Mapping[str, Variants] | None = None, device: bool = False
                    ) -> tuple[Program, list[int]]:
     """A graph family run over ``sequence`` of shapes, from the shapes' own kernel graphs.
 
     Each executable holds one shape at a time. A step to a shape the executable does not hold
     first updates it on the host: one node update (``Costs.set_params``) per node whose version
     differs between the two shapes (``Variants.switch``, what ``grape.torch.family`` updates on
-    the GPU), or with ``whole``, one ``cuGraphExecUpdate`` priced per node of the graph; then
+    the GPU), or with ``whole``, one ``cuGraphExecUpdate`` priced per node of the graph, or
+    with ``device``, as ``update="device"`` does it: the nodes a kernel can switch
+    (``device_switchable``) by one switch kernel before the graph (``Costs.switch_launch`` on
+    the host, ``Costs.switch_per_node`` a node on the GPU), the others from the host; then
     the launch, at the GPU time of running the shape's own graph, and a sync. ``variants``:
     the family's executables (a saved family's, each starting out holding its template's
     shape, the first it lists); without them, shapes group by structure
@@ -376,9 +379,11 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
     Raises
     ------
     SimulationError
-        A shape in ``sequence`` that ``graphs`` (or ``variants``) lacks; what
-        :func:`run_graph` raises.
+        A shape in ``sequence`` that ``graphs`` (or ``variants``) lacks; ``whole`` and
+        ``device`` together; what :func:`run_graph` raises.
     """
+    if whole and device:
+        raise SimulationError("expected whole-graph updates or a device switch, found both")
     if missing := [s for s in sequence if s not in graphs]:
         raise SimulationError(f"expected a kernel graph for every shape of the sequence, found "
                               f"none for {missing[0]!r}")
@@ -391,28 +396,40 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
     # each executable starts out holding its template's shape
     holds = {key: next(s for s, versions in v.shapes.items() if not versions)
              for key, v in variants.items()}
+    on_device = {key: ({node for node, nv in v.nodes.items() if device_switchable(nv)}
+                       if device else set()) for key, v in variants.items()}
     iterations, updated = [], []
     for shape in sequence:
         key = key_of[shape]
         nodes = variants[key].template.dag.number_of_nodes()
+        switched = 0  # nodes the device switch updates
         if holds[key] == shape:
             changed = 0
         elif whole:
             changed = nodes
         else:
-            changed = len(variants[key].switch(holds[key], shape))
+            switch = variants[key].switch(holds[key], shape)
+            changed = len(switch)
+            switched = sum(node in on_device[key] for node, _ in switch)
         holds[key] = shape
         cost = (nodes * costs.exec_update_per_node if whole and changed
-                else changed * costs.set_params)
+                else (changed - switched) * costs.set_params)
         launch = GraphLaunch(cost=costs.graph_launch_fixed + costs.graph_launch_per_node * nodes,
                              nodes=nodes, gpu_time=runs[shape].gpu_time, stream=0,
                              graph=graphs[shape])
-        steps = (HostWork(cost), launch) if cost else (launch,)
-        iterations.append((*steps, Sync("cudaStreamSynchronize", 0.0)))
+        steps: tuple = (HostWork(cost),) if cost else ()
+        if switched:
+            steps += (Launch("grape_switch_versions", costs.switch_launch, (GpuWork(
+                "kernel", "grape_switch_versions", switched * costs.switch_per_node, 0),)),)
+        iterations.append((*steps, launch, Sync("cudaStreamSynchronize", 0.0)))
         updated.append(changed)
     program = Program(name, iterations)
     program.approximations.append("a graph launch's host cost is the device profile's replay "
                                   "cost; the sync after it costs nothing on the host")
+    if device:
+        program.approximations.append(
+            f"a device switch costs {costs.switch_per_node} us of GPU time a node it updates, "
+            f"whatever bytes it writes (one H200 run's figure, not the device profile's)")
     return program, updated
 
 
