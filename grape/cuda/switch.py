@@ -5,17 +5,18 @@ versions (``grape.passes.variants``). From the host that is one ``cuGraphExecKer
 a node: about 85 a step for GPT-2 small decode, about 130 us of host time on the H200's host.
 CUDA 12.4 added *device-updatable* kernel nodes, whose arguments and grid a kernel sets with
 ``cudaGraphKernelNodeUpdatesApply``; :class:`DeviceSwitch` keeps every version of such nodes
-on the device (argument bytes and grid, one row each) with a table of which row each shape
-takes, and switches all of them in one launch of ``grape_switch_versions``: one thread a node.
-The shape comes as an argument (a host loop) or from device memory (a device loop, whose
-position the GPU keeps; updates made by a kernel node take effect for the nodes after it in the
-same launch, WHILE bodies included).
+on the device (the argument bytes its versions differ in, and the grid: a row each) with a
+table of which row each shape takes, and switches all of them in one launch of
+``grape_switch_versions``: one thread a node. The shape comes as an argument (a host loop,
+``launch``) or from device memory (``kernel_args``, for a device loop whose position the GPU
+keeps: updates made by a kernel node take effect for the nodes after it in the same launch,
+WHILE bodies included, as the probe showed; no device loop uses it yet).
 
 What ``benchmarks/device_updates.py`` found on the H200 (driver 580): updates apply only to an
-executable already uploaded (``Executable`` uploads at instantiation; before that the call
-fails with an invalid value), and block dimensions and shared memory cannot change on the
-device, so nodes whose versions change those stay with host updates
-(``grape.passes.variants.device_switchable``).
+executable already uploaded (``Executable`` uploads at instantiation; without that, a switch
+launched before the executable and one at its head both failed with an invalid value), and
+block dimensions and shared memory cannot change on the device, so nodes whose versions change
+those stay with host updates (``grape.passes.variants.device_switchable``).
 """
 
 from __future__ import annotations
