@@ -7,10 +7,11 @@ CUDA 12.4 added *device-updatable* kernel nodes, whose arguments and grid a kern
 ``cudaGraphKernelNodeUpdatesApply``; :class:`DeviceSwitch` keeps every version of such nodes
 on the device (the argument bytes its versions differ in, and the grid: a row each) with a
 table of which row each shape takes, and switches all of them in one launch of
-``grape_switch_versions``: one thread a node. The shape comes as an argument (a host loop,
-``launch``) or from device memory (``kernel_args``, for a device loop whose position the GPU
-keeps: updates made by a kernel node take effect for the nodes after it in the same launch,
-WHILE bodies included, as the probe showed; no device loop uses it yet).
+``grape_switch_versions``: one thread a node. The shape comes as an argument (``launch``,
+from a host loop); the kernel also reads it from device memory where given one, for a device
+loop whose position the GPU keeps (updates made by a kernel node take effect for the nodes
+after it in the same launch, WHILE bodies included, as the probe showed; no device loop uses a
+switch yet).
 
 What ``benchmarks/device_updates.py`` found on the H200 (driver 580): updates apply only to an
 executable already uploaded (``Executable`` uploads at instantiation; without that, a switch
@@ -143,7 +144,8 @@ class DeviceSwitch(Resource):
              doing="copying a device switch's tables")
         self._func = _module().function("grape_switch_versions")
         self._blocks = max(1, -(-len(versions) // _BLOCK))
-        self._args, self._slots, self._shape = self._launch_args(0)
+        self._args, self._slots, self._shape = self._launch_args()
+        self._params = int(self._slots.ctypes.data)  # read once: .ctypes builds an object
 
     @staticmethod
     def _updatable(graph: Graph, node: str) -> int:
@@ -159,15 +161,15 @@ class DeviceSwitch(Resource):
                    doing=f"reading node {node!r}'s device handle")
         return int(got.deviceUpdatableKernelNode.devNode)
 
-    def _launch_args(self, shape_at: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The kernel's argument bytes, the parameter pointers into them, and a view of the
-        ``shape`` argument, written before each launch (the driver copies arguments when a
-        launch is queued)."""
+    def _launch_args(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The kernel's argument bytes (no ``shape_at``: the shape is an argument), the
+        parameter pointers into them, and a view of the ``shape`` and ``holds`` arguments,
+        written before each launch (the driver copies arguments when a launch is queued)."""
         a = self.address
         values = [a + self._at[k] for k in ("nodes", "starts", "sizes", "grid_varies",
                                              "offsets", "grids", "rows", "args")]
         packed = pack_args(self._func, [*values, np.int32(len(self.nodes)), np.int32(0),
-                                        np.int32(-1), shape_at, a + self._at["status"]])
+                                        np.int32(-1), 0, a + self._at["status"]])
         buf = np.frombuffer(bytearray(packed), dtype=np.uint8)
         layout = param_layout(self._func)
         slots = np.array([buf.ctypes.data + p.offset for p in layout], dtype=np.uint64)
@@ -184,16 +186,9 @@ class DeviceSwitch(Resource):
                              f"(holding {holds})")
         self._shape[0], self._shape[1] = shape, holds
         status = driver.cuLaunchKernel(self._func, self._blocks, 1, 1, _BLOCK, 1, 1, 0, stream,
-                                       int(self._slots.ctypes.data), 0)[0]
+                                       self._params, 0)[0]
         if status is not driver.CUresult.CUDA_SUCCESS:
             check_status(status, "launching a device switch")
-
-    def kernel_args(self, shape_at: int) -> tuple[driver.CUfunction, tuple[int, int, int],
-                                                  tuple[int, int, int], bytes]:
-        """Function, grid, block and argument bytes of a switch that reads the shape number
-        from device address ``shape_at`` (an int32): a node for a device loop's body."""
-        buf, _, _ = self._launch_args(shape_at)
-        return self._func, (self._blocks, 1, 1), (_BLOCK, 1, 1), buf.tobytes()
 
     def check(self) -> None:
         """Raise if some queued switch failed on the device (reads its status: synchronous)."""
