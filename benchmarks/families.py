@@ -328,6 +328,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         "naive_graph_bytes": naive_graph, "naive_pool_bytes": naive_pool,
         "family_graph_bytes": family_graph, "family_pool_bytes": family.pool_bytes,
         "family_graph_bytes_first_instantiation": family.graph_bytes,
+        "family_switch_bytes": family.switch_bytes,  # inside device_bytes_family
         "memory_ratio": naive_graph / family_graph,
         "pool_ratio": naive_pool / max(family.pool_bytes, 1),
         "naive_capture_s": naive_capture_s, "family_capture_s": family.capture_s,

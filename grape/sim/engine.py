@@ -46,8 +46,8 @@ class Costs:
     exec_update_per_node: float = 0.05  # host cost of cuGraphExecUpdate, per node of the graph
     # A family's device switch (grape.cuda.switch): the host's launch of the switch kernel, and
     # its GPU time per node it updates. Not in device profiles yet: from one H200 run (GPT-2
-    # small, 84.6 nodes a step: 92 us more GPU time a step than host updates, the launch and
-    # the graph's wait included; benchmarks/README.md, run 15).
+    # small, 84.6 nodes a step: a step 92 us longer than per-shape graphs' in the same process,
+    # the launch and the graph's wait included; benchmarks/README.md, run 15).
     switch_launch: float = 4.0
     switch_per_node: float = 1.08
     copy_call: float = 9.0  # host cost of issuing one device-to-device copy from PyTorch

@@ -99,6 +99,11 @@ class Family:
         return sum(g.executable.device_bytes for g in self.groups.values())
 
     @property
+    def switch_bytes(self) -> int:
+        """Device memory the device switches' tables hold (``update="device"``)."""
+        return sum(s.device_bytes for s in self._device.values())
+
+    @property
     def host_bytes(self) -> int:
         """Host bytes the shapes' versions keep beyond the templates, all executables (their
         argument rows are also what prepared updates point into)."""
