@@ -520,6 +520,8 @@ def _simulate_family(args: argparse.Namespace) -> None:
     from grape.sim.graph import family_program
 
     _refuse_trace_flags(args, "graph family", launches=True)
+    if args.update_whole and args.update_device:  # before reading anything
+        raise GrapeError("expected --update-whole or --update-device, found both")
     saved = load_family(args.trace)
     sequence = _sequence(args.sequence, list(saved.shapes))
     if missing := [shape for shape in sequence if shape not in saved.shapes]:
@@ -527,8 +529,6 @@ def _simulate_family(args: argparse.Namespace) -> None:
                          f"{missing[0]!r} (it has {len(saved.shapes)})")
     graphs = {s: saved.graph(s) for s in dict.fromkeys(sequence)}
     durations, profile, costs = _graph_inputs(args)
-    if args.update_whole and args.update_device:
-        raise GrapeError("expected --update-whole or --update-device, found both")
     program, updated = family_program(graphs, sequence, durations, costs, _choices(args),
                                       whole=args.update_whole, name=args.trace.name,
                                       variants=saved.variants, device=args.update_device)
