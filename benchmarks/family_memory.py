@@ -1,0 +1,157 @@
+"""Where a family's device bytes go (issue 15), GPT-2 small decode over KV lengths.
+
+``families.py`` measures ``device_bytes_family`` as the drop in free device memory over
+``capture_family``. On the H200 that drop held about 72 MB beyond the shared pool's growth
+(37.7 MB), the executables (1.7 MB) and the device switch's tables, in both update modes
+(runs 12 and 15). This finds where: every call of the family's phases (each shape's capture,
+each graph built and instantiated, each device switch made, the updates prepared) is wrapped
+and charged with the free memory it took outside PyTorch's allocator and the bytes PyTorch's
+allocator reserved during it; and, before any of it, the same for the process's first CUDA
+graph (one kernel: what the driver sets aside once a process uses graphs at all). Last, the
+blocks that the family's pool holds, largest first.
+
+Run on a GPU: ``python benchmarks/family_memory.py [--lengths 1:255] [--update device]
+[--out F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import grape.torch.family as family_module
+from grape.cuda.build import Graph
+from grape.cuda.switch import DeviceSwitch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from families import MAX_LEN, _device_bytes, _log, _range, _steps, gpt2_decode
+
+
+class _Ledger:
+    """Free device memory taken, outside and inside PyTorch's allocator, by each kind of call;
+    a call inside another is charged to the inner kind alone."""
+
+    def __init__(self) -> None:
+        self.outside: dict[str, int] = defaultdict(int)
+        self.reserved: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._inner: list[list[int]] = []  # per open call: what calls inside it took
+
+    @contextlib.contextmanager
+    def charge(self, kind: str):
+        torch.cuda.synchronize()
+        free, reserved = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+        self._inner.append([0, 0])
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize()
+            grown = torch.cuda.memory_reserved() - reserved
+            outside = (free - torch.cuda.mem_get_info()[0]) - grown
+            inner_outside, inner_grown = self._inner.pop()
+            self.outside[kind] += outside - inner_outside
+            self.reserved[kind] += grown - inner_grown
+            self.calls[kind] += 1
+            if self._inner:
+                self._inner[-1][0] += outside
+                self._inner[-1][1] += grown
+
+    def wrap(self, owner, name: str, kind: str) -> None:
+        inner = getattr(owner, name)
+
+        def charged(*args, **kwargs):
+            with self.charge(kind):
+                return inner(*args, **kwargs)
+        setattr(owner, name, charged)
+
+
+def _first_graph() -> dict[str, int]:
+    """Free memory a process's first CUDA graph takes, kept and after it is destroyed."""
+    before, _ = _device_bytes()
+    x = torch.zeros(1, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)
+    g.replay()
+    kept, _ = _device_bytes()
+    del g
+    after, _ = _device_bytes()
+    return {"first_graph_kept": before - kept, "first_graph_after_destroy": before - after}
+
+
+def _pool_blocks(limit: int = 12) -> list[dict[str, object]]:
+    """The largest active blocks in private pools (graphs' pools), with their segments."""
+    rows = []
+    for seg in torch.cuda.memory_snapshot():
+        if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0):
+            continue
+        for b in seg["blocks"]:
+            rows.append({"size": b["size"], "state": b["state"],
+                         "segment_bytes": seg["total_size"],
+                         "segment_type": seg["segment_type"]})
+    return sorted(rows, key=lambda r: -r["size"])[:limit]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="1:255", help="first:last[:stride] KV lengths")
+    parser.add_argument("--update", default="device", choices=("nodes", "device"))
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE")
+    args = parser.parse_args()
+    lengths = _range(args.lengths, "KV lengths", 1, MAX_LEN - 1)
+    order = sorted(lengths)
+    w = gpt2_decode(1, lengths)
+    _steps(w.step, order, sync_each=False)  # every length's eager work (and memory) once
+    first = _first_graph()
+    ledger = _Ledger()
+    ledger.wrap(family_module, "capture", "capture (each shape)")
+    ledger.wrap(Graph, "build", "Graph.build")
+    ledger.wrap(Graph, "instantiate", "Graph.instantiate")
+    ledger.wrap(DeviceSwitch, "__init__", "DeviceSwitch")
+    ledger.wrap(family_module.Family, "prepare_updates", "prepare_updates")
+    free0, reserved0 = _device_bytes()
+    family = family_module.capture_family(
+        w.step, sorted(lengths, reverse=True), params=w.params, update=args.update,
+        progress=lambda line: _log(f"  {line}"))
+    free1, reserved1 = _device_bytes()
+    # what no wrapped call took: capture_family's own work between them
+    ledger.outside["elsewhere"] = ((free0 - free1) - (reserved1 - reserved0)
+                                   - sum(ledger.outside.values()))
+    ledger.reserved["elsewhere"] = (reserved1 - reserved0) - sum(ledger.reserved.values())
+    ledger.calls["elsewhere"] = 0
+    family.run(order[0])
+    doc = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "command": " ".join(sys.argv), "shapes": len(lengths), "update": args.update,
+        **first,
+        "device_bytes_family": free0 - free1,  # as families.py measures it
+        "reserved_growth": reserved1 - reserved0, "family_pool_bytes": family.pool_bytes,
+        "switch_bytes": family.switch_bytes,
+        "outside_allocator": dict(ledger.outside), "reserved": dict(ledger.reserved),
+        "calls": dict(ledger.calls), "pool_blocks": _pool_blocks(),
+    }
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    mb = 1 / 2**20
+    print(f"first graph: {first['first_graph_kept'] * mb:.1f} MiB kept, "
+          f"{first['first_graph_after_destroy'] * mb:.1f} after destroy")
+    print(f"device_bytes_family {doc['device_bytes_family'] * mb:.1f} MiB, reserved growth "
+          f"{doc['reserved_growth'] * mb:.1f}, pool {family.pool_bytes * mb:.1f}, switch "
+          f"{family.switch_bytes * mb:.1f}")
+    print(f"{'phase':<24} {'calls':>6} {'outside MiB':>12} {'reserved MiB':>13}")
+    for kind in ledger.calls:
+        print(f"{kind:<24} {ledger.calls[kind]:>6} {ledger.outside[kind] * mb:>12.2f} "
+              f"{ledger.reserved[kind] * mb:>13.2f}")
+    print("largest blocks in private pools (MiB):",
+          [round(b["size"] * mb, 2) for b in doc["pool_blocks"]])
+    family.close()
+
+
+if __name__ == "__main__":
+    main()
