@@ -5,9 +5,10 @@ length 0.857 ms a step against 0.751 for PyTorch's graph of that length replayed
 14% slower with nothing switched. This captures one length, then launches, alternating in
 rounds: PyTorch's graph (``torch``), the driver's clone of PyTorch's raw graph instantiated here
 (``clone``: the same nodes, edges and attributes, instantiated by grape's flags), and the
-graph ``Graph.build`` makes from the IR (``grape``). It also lists what the IR does not carry:
-the raw graph's edge types (programmatic dependent launch shows as programmatic edges) and every
-launch attribute set on its kernel nodes.
+graph ``Graph.build`` makes from the IR (``grape``), and a family's executable whose template
+was captured at twice the length and brought to this one by node updates. It also lists the
+raw graph's edge types (programmatic dependent launch shows as programmatic edges) and every
+launch attribute set on its kernel nodes, and the same for grape's rebuild.
 
 Run on a GPU: ``python benchmarks/rebuilt_graph_speed.py [--length 128] [--out F]``.
 """
@@ -27,9 +28,10 @@ from cuda.bindings import driver
 
 from grape.cuda.build import Graph
 from grape.torch.capture import capture
+from grape.torch.family import capture_family
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from families import _steps, gpt2_decode
+from families import MAX_LEN, _steps, gpt2_decode
 
 
 def _ok(result):
@@ -86,7 +88,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, metavar="FILE")
     args = parser.parse_args()
     n = args.length
-    w = gpt2_decode(1, [n])
+    w = gpt2_decode(1, [n, min(2 * n, MAX_LEN - 1)])
     _steps(w.step, [n] * 3, sync_each=False)
     cap = capture(lambda: w.step(n), params=w.params, instantiate=True)
     raw = driver.CUgraph(cap.torch_graph.raw_cuda_graph())
@@ -95,9 +97,15 @@ def main() -> None:
     _ok(driver.cuGraphUpload(clone, stream))
     built = Graph.build(cap.ir)
     executable = built.instantiate(stream)
+    # and a family's executable at n: the template captured at a longer length, brought to n
+    longer = min(2 * n, MAX_LEN - 1)
+    w.step(longer)
+    family = capture_family(w.step, [longer, n], params=w.params)
+    family.run(n)
     ways = {"torch": cap.torch_graph.replay,
             "clone": lambda: _ok((*driver.cuGraphLaunch(clone, stream), None)),
-            "grape": lambda: executable.launch(stream)}
+            "grape": lambda: executable.launch(stream),
+            f"family_from_{longer}": lambda: family.run(n)}
     times: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(args.rounds):
         for name, launch in ways.items():

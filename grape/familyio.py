@@ -166,7 +166,7 @@ def graph_with(template: KernelGraph, ops: Mapping[str, Op],
             out.add_buffer(b)
     for node in nx.topological_sort(template.dag):
         out.add(node, ops.get(node, template.op(node)),
-                after=list(template.dag.predecessors(node)))
+                after=list(template.dag.predecessors(node)), kinds=template.kinds_into(node))
     return out
 
 

@@ -45,6 +45,7 @@ from grape.errors import (
 from grape.jsonio import dump_json, load_json
 
 __all__ = [
+    "EDGE_KINDS",
     "SCHEMA",
     "SCHEMA_VERSION",
     "Buffer",
@@ -268,11 +269,23 @@ OP_TYPES: dict[str, type] = {
 }
 
 
+# Dependencies weaker than "after the upstream node completes", kept on an edge as its
+# ``"kind"`` attribute (none: a full dependency). Both join kernels; a kernel launched with
+# programmatic dependent launch (PDL) is captured behind one. "programmatic": the downstream
+# kernel may start once every block upstream has triggered (``griddepcontrol.launch_dependents``)
+# or finished, and waits in its own code (``griddepcontrol.wait``) for the upstream's memory;
+# "launch_order": it may start once the upstream has started. Read from the edge's data
+# (``CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC`` with the kernel node's programmatic or
+# launch-order port), and built the same way: made full they stay correct but lose the overlap.
+EDGE_KINDS = ("programmatic", "launch_order")
+
+
 class KernelGraph:
     """A DAG of operations over a table of buffers.
 
     ``dag`` is a plain ``networkx.DiGraph``: use networkx's algorithms on it directly. Each node
-    holds its operation under the attribute ``"op"``.
+    holds its operation under the attribute ``"op"``; an edge weaker than a full dependency
+    holds its kind (:data:`EDGE_KINDS`) under ``"kind"``.
     """
 
     def __init__(self) -> None:
@@ -285,8 +298,10 @@ class KernelGraph:
         self.buffers[buffer.id] = buffer
         return buffer
 
-    def add(self, node: str, op: Op, after: Iterable[str] = ()) -> str:
-        """Add operation ``op`` as ``node``, depending on the nodes in ``after``."""
+    def add(self, node: str, op: Op, after: Iterable[str] = (),
+            kinds: Mapping[str, str] | None = None) -> str:
+        """Add operation ``op`` as ``node``, depending on the nodes in ``after``; ``kinds``
+        gives the dependencies that are weaker than full ones their kind (:data:`EDGE_KINDS`)."""
         if node in self.dag:
             raise GraphError(f"expected a new node id, found {node!r} already in the graph")
         self.dag.add_node(node, op=op)
@@ -294,8 +309,26 @@ class KernelGraph:
             if dep not in self.dag:
                 raise GraphError(f"node {node!r}: expected dependencies on existing nodes, "
                                  f"found {dep!r}")
-            self.dag.add_edge(dep, node)
+            self.add_edge(dep, node, (kinds or {}).get(dep))
         return node
+
+    def add_edge(self, before: str, after: str, kind: str | None = None) -> None:
+        """``after`` depends on ``before``: fully, or as ``kind`` says (:data:`EDGE_KINDS`)."""
+        if kind is not None and kind not in EDGE_KINDS:
+            raise GraphError(f"edge {before!r} -> {after!r}: expected a kind among "
+                             f"{', '.join(EDGE_KINDS)} or none, found {kind!r}")
+        if kind is None:
+            self.dag.add_edge(before, after)
+        else:
+            self.dag.add_edge(before, after, kind=kind)
+
+    def kinds_into(self, node: str) -> dict[str, str]:
+        """The dependencies of ``node`` weaker than full ones, each to its kind."""
+        return {u: k for u, _, k in self.dag.in_edges(node, data="kind") if k is not None}
+
+    def edges(self) -> set[tuple[str, str, str | None]]:
+        """Every edge with its kind (None: a full dependency)."""
+        return set(self.dag.edges(data="kind"))
 
     def op(self, node: str) -> Op:
         return self.dag.nodes[node]["op"]
@@ -316,7 +349,7 @@ class KernelGraph:
         return (
             self.buffers == other.buffers
             and dict(self.ops()) == dict(other.ops())
-            and set(self.dag.edges) == set(other.dag.edges)
+            and self.edges() == other.edges()
         )
 
     __hash__ = None  # mutable
@@ -538,7 +571,9 @@ def node_hashes(graph: KernelGraph, *, launch: bool = True) -> dict[Any, str]:
 def _fingerprint(graph: KernelGraph, buffers_from: KernelGraph, launch: bool,
                  node: Mapping[Any, str] | None = None) -> str:
     node = node if node is not None else _node_hashes(graph, buffers_from, launch)
-    edges = sorted((node[u], node[v]) for u, v in graph.dag.edges)
+    # An edge's kind counts where it has one (a graph of full dependencies hashes as before).
+    edges = sorted((node[u], node[v]) if k is None else (node[u], node[v], k)
+                   for u, v, k in graph.dag.edges(data="kind"))
     return _digest("grape-fingerprint-1", launch, sorted(node.values()), edges)
 
 

@@ -1,7 +1,8 @@
 """The kernel-graph IR's JSON form: every field spelled out, argument bytes in hex.
 
 A document is ``{"schema": "grape.ir", "version": 1, "buffers": [...], "nodes": [...],
-"edges": [[u, v], ...]}``; each node is its operation's fields plus ``id`` and ``kind``, and a
+"edges": [[u, v], ...]}`` (``[u, v, kind]`` for an edge weaker than a full dependency,
+``grape.ir.EDGE_KINDS``); each node is its operation's fields plus ``id`` and ``kind``, and a
 conditional node's bodies are nested ``{"nodes", "edges"}`` objects. Decoding checks the shape of
 every field and says which node and field is wrong.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 from grape.errors import GraphError, UnknownNodeKindError
 from grape.ir import (
+    EDGE_KINDS,
     OP_TYPES,
     SCHEMA,
     SCHEMA_VERSION,
@@ -91,7 +93,8 @@ def _encode(value: Any) -> Any:
 def _encode_body(graph: KernelGraph) -> dict[str, Any]:
     nodes = [{"id": n, "kind": op.kind, **_encode(op)} if op is not None else {"id": n}
              for n, op in graph.ops()]
-    return {"nodes": nodes, "edges": [[u, v] for u, v in graph.dag.edges]}
+    return {"nodes": nodes, "edges": [[u, v] if k is None else [u, v, k]
+                                      for u, v, k in graph.dag.edges(data="kind")]}
 
 
 def _decode_body(doc: Any, where: str, like: Decoded | None = None) -> KernelGraph:
@@ -114,10 +117,13 @@ def _decode_body(doc: Any, where: str, like: Decoded | None = None) -> KernelGra
             seen = None
         graph.add(raw["id"], _decode(op_type, body, at, seen))
     for edge in _field(doc, "edges", list, where):
-        if (not isinstance(edge, list) or len(edge) != 2
-                or any(n not in graph.dag for n in edge)):
+        if (not isinstance(edge, list) or len(edge) not in (2, 3)
+                or any(n not in graph.dag for n in edge[:2])):
             raise GraphError(f"{where}expected edges between listed nodes, found {edge!r:.80}")
-        graph.dag.add_edge(*edge)
+        if len(edge) == 3 and edge[2] not in EDGE_KINDS:
+            raise GraphError(f"{where}edge {edge[0]!r} -> {edge[1]!r}: expected a kind among "
+                             f"{', '.join(EDGE_KINDS)}, found {edge[2]!r:.40}")
+        graph.add_edge(*edge)
     return graph
 
 

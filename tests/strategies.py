@@ -7,6 +7,7 @@ import dataclasses
 from hypothesis import strategies as st
 
 from grape.ir import (
+    EDGE_KINDS,
     MAX_BLOCK,
     MAX_THREADS_PER_BLOCK,
     Buffer,
@@ -118,7 +119,11 @@ def graphs(draw, table: list[Buffer] | None = None, depth: int = 0,
     ids = draw(st.lists(names, unique=True, max_size=max_nodes))
     for i, node in enumerate(ids):
         deps = draw(st.lists(st.sampled_from(ids[:i]), unique=True, max_size=3)) if i else []
-        g.add(node, draw(ops(table, depth)), after=deps)
+        op = draw(ops(table, depth))
+        # a kernel behind a kernel may depend on it programmatically (PDL), as captured
+        kinds = {d: draw(st.sampled_from((None, *EDGE_KINDS))) for d in deps
+                 if isinstance(op, Kernel) and isinstance(g.op(d), Kernel)}
+        g.add(node, op, after=deps, kinds={d: k for d, k in kinds.items() if k})
     if depth == 0:
         _set_conditions(draw, g)
     return g

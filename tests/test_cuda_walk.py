@@ -59,3 +59,26 @@ def test_pointers_into_a_live_block_name_the_block_and_named_tensors_come_first(
                                       Pointer(8, Span("block@0x7f0000101000", 0x180)),
                                       Pointer(16, Span("param:w", 4)))
     assert buffers.used["block@0x7f0000100000"].role == BufferRole.INTERNAL
+
+
+def _edge(kind: int, from_port: int = 0, to_port: int = 0) -> driver.CUgraphEdgeData:
+    data = driver.CUgraphEdgeData()
+    data.type, data.from_port, data.to_port = kind, from_port, to_port
+    return data
+
+
+def test_edges_are_read_as_full_programmatic_or_launch_order_and_any_other_is_refused():
+    from grape.cuda.walk import _edge_kind
+
+    default = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_DEFAULT
+    pdl = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    assert _edge_kind(_edge(default), "a", "b") is None
+    # what PyTorch's captures on the H200 hold behind kernels launched with PDL: (1, 1, 0)
+    assert _edge_kind(_edge(pdl, driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC), "a",
+                      "b") == "programmatic"
+    assert _edge_kind(_edge(pdl, driver.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER), "a",
+                      "b") == "launch_order"
+    with pytest.raises(UnsupportedError, match="edge 'a' -> 'b': expected a full, programmatic "
+                                               "or launch-order dependency, found type 1 from "
+                                               "port 0 to port 0"):
+        _edge_kind(_edge(pdl), "a", "b")

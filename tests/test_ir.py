@@ -50,9 +50,9 @@ def _relabelled(g: KernelGraph, seed: int) -> KernelGraph:
         h.add_buffer(b)
     for n in nodes:
         h.dag.add_node(fresh[n], op=g.op(n))
-    edges = list(g.dag.edges)
+    edges = list(g.dag.edges(data=True))
     rng.shuffle(edges)
-    h.dag.add_edges_from((fresh[u], fresh[v]) for u, v in edges)
+    h.dag.add_edges_from((fresh[u], fresh[v], d) for u, v, d in edges)
     return h
 
 
@@ -175,7 +175,56 @@ def test_an_added_edge_changes_the_fingerprint(g, data):
     assert h.fingerprint() != g.fingerprint()
 
 
+@given(graphs(), st.data())
+def test_an_edge_made_programmatic_changes_the_fingerprint_and_equality(g, data):
+    full = [(u, v) for u, v, k in g.dag.edges(data="kind") if k is None]
+    assume(full)
+    u, v = data.draw(st.sampled_from(full))
+    h = KernelGraph.from_json(g.to_json())
+    h.dag.edges[u, v]["kind"] = "programmatic"
+    assert h != g
+    assert h.fingerprint() != g.fingerprint()
+    assert h.fingerprint(launch=False) != g.fingerprint(launch=False)  # executables differ too
+
+
 # --- examples ------------------------------------------------------------------------------------
+
+
+def _pdl_pair(kind: str | None) -> KernelGraph:
+    g = KernelGraph()
+    g.add("a", _kernel(function="a"))
+    g.add("b", _kernel(function="b"), after=["a"], kinds={"a": kind} if kind else None)
+    return g
+
+
+def test_edge_kinds_survive_json_and_the_ir_says_which_dependencies_are_weaker():
+    g = _pdl_pair("programmatic")
+    doc = g.to_json()
+    assert doc["edges"] == [["a", "b", "programmatic"]]
+    back = KernelGraph.from_json(doc)
+    assert back == g and back.kinds_into("b") == {"a": "programmatic"}
+    assert back != _pdl_pair(None) and back != _pdl_pair("launch_order")
+    assert _pdl_pair(None).to_json()["edges"] == [["a", "b"]]  # files without kinds unchanged
+
+
+def test_an_unknown_edge_kind_is_refused_in_the_ir_and_in_a_file():
+    with pytest.raises(GraphError, match="edge 'a' -> 'b': expected a kind among programmatic, "
+                                         "launch_order or none, found 'eventually'"):
+        _pdl_pair("eventually")
+    doc = _pdl_pair("programmatic").to_json()
+    doc["edges"][0][2] = "eventually"
+    with pytest.raises(GraphError, match="expected a kind among programmatic, launch_order, "
+                                         "found 'eventually'"):
+        KernelGraph.from_json(doc)
+
+
+def test_a_family_match_refuses_graphs_whose_edges_differ_only_in_kind():
+    from grape.passes.families import match, same_ids
+
+    assert not same_ids(_pdl_pair("programmatic"), _pdl_pair(None))
+    with pytest.raises(GraphError, match="different dependencies"):
+        match(_pdl_pair("programmatic"), _pdl_pair(None))
+    assert match(_pdl_pair("programmatic"), _pdl_pair("programmatic")) == {"a": "a", "b": "b"}
 
 
 def test_kernels_that_share_a_name_are_told_apart_by_function():

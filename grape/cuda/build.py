@@ -100,6 +100,11 @@ def version_updates(node: str, handle: Any, versions: NodeVersions) -> list[Upda
     return updates
 
 
+# An IR edge's kind (grape.ir.EDGE_KINDS) to the upstream kernel node's port it leaves from.
+_PORTS = {"programmatic": driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC,
+          "launch_order": driver.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER}
+
+
 class Graph(Resource):
     """A CUDA graph and the IR that describes it."""
 
@@ -137,8 +142,15 @@ class Graph(Resource):
                 handles[op.handle] = int(handle)
         nodes: dict[str, driver.CUgraphNode] = {}
         for node in nx.topological_sort(ir.dag):
-            deps = [nodes[d] for d in ir.dag.predecessors(node)]
+            weaker = ir.kinds_into(node)
+            deps = [nodes[d] for d in ir.dag.predecessors(node) if d not in weaker]
             nodes[node] = self._add(target, node, ir.op(node), deps, handles)
+            for d, kind in weaker.items():  # programmatic (PDL) edges, as captured
+                data = driver.CUgraphEdgeData()
+                data.type = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+                data.from_port = _PORTS[kind]
+                call(driver.cuGraphAddDependencies, target, [nodes[d]], [nodes[node]], [data], 1,
+                     doing=f"adding the {kind} dependency {d!r} -> {node!r}")
         return nodes
 
     def _address(self, span: Span) -> int:

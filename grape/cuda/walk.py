@@ -288,10 +288,30 @@ def _walk(graph: driver.CUgraph, walk: _Walk) -> KernelGraph:
         names[int(node)] = ir.add(f"n{i}", reader(node, walk))
     _, _, _, edges = call(driver.cuGraphGetEdges, graph, 0, doing="counting graph edges")
     if edges:
-        src, dst, _, _ = call(driver.cuGraphGetEdges, graph, edges, doing="listing graph edges")
-        ir.dag.add_edges_from((names[int(u)], names[int(v)]) for u, v in
-                              zip(src[:edges], dst[:edges], strict=True))
+        src, dst, data, _ = call(driver.cuGraphGetEdges, graph, edges,
+                                 doing="listing graph edges")
+        for u, v, d in zip(src[:edges], dst[:edges], data[:edges], strict=True):
+            ir.add_edge(names[int(u)], names[int(v)], _edge_kind(d, names[int(u)],
+                                                                  names[int(v)]))
     return ir
+
+
+_PORTS = {int(driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC): "programmatic",
+          int(driver.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER): "launch_order"}
+
+
+def _edge_kind(data: driver.CUgraphEdgeData, before: str, after: str) -> str | None:
+    """An edge's kind in the IR (``grape.ir.EDGE_KINDS``; None: a full dependency). One the IR
+    cannot say is refused: made full it would run, but not as captured."""
+    kind, port = int(data.type), int(data.from_port)
+    if kind == int(driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_DEFAULT) and port == 0:
+        return None
+    if (kind == int(driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
+            and port in _PORTS and int(data.to_port) == 0):
+        return _PORTS[port]
+    raise UnsupportedError(f"edge {before!r} -> {after!r}: expected a full, programmatic or "
+                           f"launch-order dependency, found type {kind} from port {port} to "
+                           f"port {int(data.to_port)}")
 
 
 def read_graph(graph: driver.CUgraph, buffers: BufferMap | None = None) -> KernelGraph:

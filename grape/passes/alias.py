@@ -81,5 +81,5 @@ def repoint(graph: KernelGraph, addresses: Mapping[str, int]
             raise GraphError(f"expected no conditional body to read a moved input, found node "
                              f"{node!r}")
         moved.dag.add_node(node, op=new)
-    moved.dag.add_edges_from(graph.dag.edges)
+    moved.dag.add_edges_from(graph.dag.edges(data=True))
     return moved, changed

@@ -64,7 +64,7 @@ def same_ids(template: KernelGraph, other: KernelGraph) -> bool:
         theirs = ops.get(node)
         if theirs is None or type(theirs["op"]) is not type(op) or isinstance(op, Conditional):
             return False
-    return set(a.edges) == set(b.edges)
+    return template.edges() == other.edges()
 
 
 def match(template: KernelGraph, other: KernelGraph) -> dict[str, str]:
@@ -92,8 +92,13 @@ def match(template: KernelGraph, other: KernelGraph) -> dict[str, str]:
                          f"edges)")
     pairs = dict(zip(canonical_order(template, mine), canonical_order(other, theirs),
                      strict=True))
-    for u, v in template.dag.edges:  # certain, not just likely: the mapping keeps every edge
+    # certain, not just likely: the mapping keeps every edge, and its kind
+    for u, v, kind in template.dag.edges(data="kind"):
         if not other.dag.has_edge(pairs[u], pairs[v]):
             raise GraphError(f"expected node {u!r} -> {v!r} to map onto an edge, found "
                              f"{pairs[u]!r} -> {pairs[v]!r} unconnected")
+        if other.dag.edges[pairs[u], pairs[v]].get("kind") != kind:
+            raise GraphError(f"expected node {u!r} -> {v!r} to map onto an edge of kind "
+                             f"{kind or 'full'}, found "
+                             f"{other.dag.edges[pairs[u], pairs[v]].get('kind') or 'full'}")
     return pairs

@@ -44,7 +44,8 @@ def while_loop_graph(body: KernelGraph, remaining: Buffer, max_iterations: int, 
                              f"found handles {[ref.handle for ref in k.handles]}")
     inner = KernelGraph()
     for node in nx.topological_sort(body.dag):
-        inner.add(node, body.op(node), after=body.dag.predecessors(node))
+        inner.add(node, body.op(node), after=body.dag.predecessors(node),
+                  kinds=body.kinds_into(node))
     sinks = [n for n in body.dag if body.dag.out_degree(n) == 0]
     inner.add("grape:step", step, after=sinks)
     outer = KernelGraph()
@@ -63,7 +64,8 @@ def while_loop_graph(body: KernelGraph, remaining: Buffer, max_iterations: int, 
     if prologue is not None:
         for node in nx.topological_sort(prologue.dag):
             outer.add(f"prologue:{node}", prologue.op(node),
-                      after=[f"prologue:{d}" for d in prologue.dag.predecessors(node)])
+                      after=[f"prologue:{d}" for d in prologue.dag.predecessors(node)],
+                      kinds={f"prologue:{d}": k for d, k in prologue.kinds_into(node).items()})
         first = [f"prologue:{n}" for n in prologue.dag if prologue.dag.out_degree(n) == 0]
     outer.add("grape:remaining", Memset(Span(remaining.id), max_iterations, 4, 1), after=first)
     outer.add("grape:start", start, after=["grape:remaining"])
