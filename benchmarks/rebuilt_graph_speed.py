@@ -31,7 +31,7 @@ from grape.torch.capture import capture
 from grape.torch.family import capture_family
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from families import MAX_LEN, _steps, gpt2_decode
+from families import MAX_LEN, _range, _steps, gpt2_decode
 
 
 def _ok(result):
@@ -85,10 +85,15 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128, help="KV length")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--launches", type=int, default=200)
+    parser.add_argument("--eager-lengths", default=None, metavar="FIRST:LAST",
+                        help="run the step eagerly over these KV lengths first, as "
+                             "device_switch_cost.py does (whose process ran graphs slower)")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE")
     args = parser.parse_args()
     n = args.length
     w = gpt2_decode(1, [n, min(2 * n, MAX_LEN - 1)])
+    if args.eager_lengths:
+        _steps(w.step, _range(args.eager_lengths, "KV lengths", 1, MAX_LEN - 1), False)
     _steps(w.step, [n] * 3, sync_each=False)
     cap = capture(lambda: w.step(n), params=w.params, instantiate=True)
     raw = driver.CUgraph(cap.torch_graph.raw_cuda_graph())
