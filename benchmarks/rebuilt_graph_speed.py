@@ -88,6 +88,9 @@ def main() -> None:
     parser.add_argument("--eager-lengths", default=None, metavar="FIRST:LAST",
                         help="run the step eagerly over these KV lengths first, as "
                              "device_switch_cost.py does (whose process ran graphs slower)")
+    parser.add_argument("--family-update", default="nodes", choices=("nodes", "device"),
+                        help="how the family's executable is switched (device: its nodes "
+                             "made device-updatable and a switch kernel loaded)")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE")
     args = parser.parse_args()
     n = args.length
@@ -105,7 +108,7 @@ def main() -> None:
     # and a family's executable at n: the template captured at a longer length, brought to n
     longer = min(2 * n, MAX_LEN - 1)
     w.step(longer)
-    family = capture_family(w.step, [longer, n], params=w.params)
+    family = capture_family(w.step, [longer, n], params=w.params, update=args.family_update)
     family.run(n)
     ways = {"torch": cap.torch_graph.replay,
             "clone": lambda: _ok((*driver.cuGraphLaunch(clone, stream), None)),
