@@ -12,9 +12,7 @@ ways taking turns over several rounds (medians reported):
   whether device-updatable nodes slow the graph itself;
 - ``switch_us`` (device way): the switch kernels alone over the same lengths, no executable,
   timed with CUDA events, per step, and the nodes they update per step;
-- ``graph_ms``: PyTorch's own graph of that one length, replayed, for reference;
-- ``device_switch_once_us``, ``device_once_step_ms``: the same with every node's updates
-  applied in one call (``DeviceSwitch(once=True)``).
+- ``graph_ms``: PyTorch's own graph of that one length, replayed, for reference.
 
 Run on a GPU: ``python benchmarks/device_switch_cost.py [--lengths 1:255] [--out F]``.
 Its first form, each way timed once, one after another (H200, 1..255,
@@ -40,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from families import MAX_LEN, _log, _range, _steps, gpt2_decode
 
 
-def _switches_alone(family, order: list[int], once: bool = False) -> tuple[float, float]:
+def _switches_alone(family, order: list[int]) -> tuple[float, float]:
     """The device switches alone over ``order`` (us a step, by CUDA events) and the nodes they
     update a step: the executables are left as the last switch leaves them, then brought back
     to the shapes they held, so the family runs on as before."""
@@ -56,7 +54,7 @@ def _switches_alone(family, order: list[int], once: bool = False) -> tuple[float
         if group.holds != shape:
             nodes += len(family.variants[name].switch(group.holds, shape))
             family._device[name].launch(family._row[shape], stream.cuda_stream,
-                                        family._row[group.holds], once=once)
+                                        family._row[group.holds])
             group.holds = shape
     end.record(stream)
     torch.cuda.synchronize()
@@ -102,20 +100,6 @@ def main() -> None:
         ways[f"{update}_step_ms"] = lambda f=family: _steps(f.run, order, sync_each=False)
         ways[f"{update}_same_ms"] = lambda f=family: _steps(f.run, repeat, sync_each=False)
     ways["device_switch_us"] = lambda: _switches_alone(families["device"], order)[0]
-    # every node's updates in one cudaGraphKernelNodeUpdatesApply (DeviceSwitch(once=True))
-    ways["device_switch_once_us"] = lambda: _switches_alone(families["device"], order,
-                                                            once=True)[0]
-
-    def once_step() -> float:
-        switches = families["device"]._device.values()
-        for switch in switches:
-            switch.once = True
-        try:
-            return _steps(families["device"].run, order, sync_each=False)
-        finally:
-            for switch in switches:
-                switch.once = False
-    ways["device_once_step_ms"] = once_step
     times: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(args.rounds):
         for name, way in ways.items():

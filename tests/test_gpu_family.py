@@ -80,25 +80,6 @@ def test_a_device_switch_takes_most_changed_kernel_nodes_and_reports_no_failure(
         assert len(switch.nodes) >= len(kernels) // 2, (len(switch.nodes), len(kernels))
 
 
-def test_a_switch_applied_in_one_call_computes_bitwise_what_each_lengths_graph_computes(
-        decode, family):
-    if family.update != "device":
-        pytest.skip("only families switched on the device have device switches")
-    _, step, out = decode
-    family.run(1)  # switches made where not yet
-    switches = list(family._device.values())
-    for switch in switches:
-        switch.once = True  # every node's updates in one cudaGraphKernelNodeUpdatesApply
-    try:
-        for n in [60, 1, 33, 59, 9, 58]:
-            assert same_as_graph(graph_of(step, n), family, n, out), f"KV length {n}"
-        for switch in switches:
-            switch.check()
-    finally:
-        for switch in switches:
-            switch.once = False
-
-
 def test_a_length_never_captured_runs_eagerly_with_a_warning(decode, family):
     _, step, out = decode
     step(20)

@@ -54,14 +54,20 @@ extern "C" __device__ __cudart_builtin__ int cudaGraphKernelNodeUpdatesApply(
 
 // Node j of n takes row r = rows[shape * n + j]: the bytes its versions differ in (sizes[j]
 // of them, from byte starts[j] of its arguments) at args + offsets[r], and, where its grid
-// varies (grid_varies[j]), the grid at grids[3 * r]. Writes node j's updates for shape s to u
-// and returns how many (none where its row is the one it holds: shape holds, where holds >= 0).
-__device__ int node_updates(NodeUpdate* u, int j, long long s, int holds,
+// varies (grid_varies[j]), the grid at grids[3 * r]. The shape is *shape_at where given (a
+// device loop's position), else shape; a node whose row is the one it holds (shape holds,
+// where holds >= 0) is left alone. The first failure's error code is kept in *status.
+extern "C" __global__ void grape_switch_versions(
         const unsigned long long* nodes, const unsigned* starts, const unsigned* sizes,
         const unsigned* grid_varies, const long long* offsets, const unsigned* grids,
-        const int* rows, const unsigned char* args, int n) {
+        const int* rows, const unsigned char* args, int n, int shape, int holds,
+        const int* shape_at, int* status) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    long long s = shape_at ? *shape_at : shape;
     long long r = rows[s * n + j];
-    if (holds >= 0 && rows[(long long)holds * n + j] == r) return 0;
+    if (holds >= 0 && rows[(long long)holds * n + j] == r) return;
+    NodeUpdate u[2];
     int k = 0;
     if (grid_varies[j]) {
         u[k].node = nodes[j]; u[k].field = 1;
@@ -75,58 +81,14 @@ __device__ int node_updates(NodeUpdate* u, int j, long long s, int holds,
         u[k].data.param.offset = starts[j]; u[k].data.param.size = sizes[j];
         k++;
     }
-    return k;
-}
-
-// One thread a node, each applying its own updates. The shape is *shape_at where given (a
-// device loop's position), else shape. The first failure's error code is kept in *status.
-extern "C" __global__ void grape_switch_versions(
-        const unsigned long long* nodes, const unsigned* starts, const unsigned* sizes,
-        const unsigned* grid_varies, const long long* offsets, const unsigned* grids,
-        const int* rows, const unsigned char* args, int n, int shape, int holds,
-        const int* shape_at, int* status) {
-    int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= n) return;
-    NodeUpdate u[2];
-    int k = node_updates(u, j, shape_at ? *shape_at : shape, holds, nodes, starts, sizes,
-                         grid_varies, offsets, grids, rows, args, n);
     if (k) {
         int e = cudaGraphKernelNodeUpdatesApply(u, k);
-        if (e) atomicCAS(status, 0, e);
-    }
-}
-
-// The same switch in one cudaGraphKernelNodeUpdatesApply: one block gathers every node's
-// updates into updates[] (room for 2 n), then one thread applies them all.
-extern "C" __global__ void grape_switch_versions_once(
-        const unsigned long long* nodes, const unsigned* starts, const unsigned* sizes,
-        const unsigned* grid_varies, const long long* offsets, const unsigned* grids,
-        const int* rows, const unsigned char* args, int n, int shape, int holds,
-        const int* shape_at, int* status, NodeUpdate* updates) {
-    __shared__ unsigned used;
-    if (threadIdx.x == 0) used = 0;
-    __syncthreads();
-    long long s = shape_at ? *shape_at : shape;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        NodeUpdate u[2];
-        int k = node_updates(u, j, s, holds, nodes, starts, sizes, grid_varies, offsets,
-                             grids, rows, args, n);
-        if (k) {
-            unsigned at = atomicAdd(&used, (unsigned)k);
-            for (int i = 0; i < k; i++) updates[at + i] = u[i];
-        }
-    }
-    __syncthreads();  // the block's writes to updates[] are visible to thread 0 after it
-    if (threadIdx.x == 0 && used) {
-        int e = cudaGraphKernelNodeUpdatesApply(updates, used);
         if (e) atomicCAS(status, 0, e);
     }
 }
 """
 
 _BLOCK = 128
-_ONCE_BLOCK = 256  # the one block of grape_switch_versions_once
-_UPDATE_BYTES = 40  # sizeof(cudaGraphKernelNodeUpdate)
 _ATTR = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_DEVICE_UPDATABLE_KERNEL_NODE
 
 
@@ -143,12 +105,9 @@ class DeviceSwitch(Resource):
     executable must be uploaded before :meth:`launch` is first queued.
     """
 
-    def __init__(self, graph: Graph, versions: Sequence[NodeVersions], table: np.ndarray,
-                 once: bool = False) -> None:
+    def __init__(self, graph: Graph, versions: Sequence[NodeVersions], table: np.ndarray) -> None:
         """``versions``: the nodes to switch; ``table``: (shapes, len(versions)) the version
-        each shape gives each of them (0: the template's). ``once``: :meth:`launch` applies
-        every node's updates in one call from one block rather than a call per node (both
-        kernels are there; ``launch`` can take either).
+        each shape gives each of them (0: the template's).
 
         Raises
         ------
@@ -183,13 +142,10 @@ class DeviceSwitch(Resource):
         self._own(self.address, driver.cuMemFree)
         call(driver.cuMemcpyHtoD, self.address, blob.ctypes.data, len(blob),
              doing="copying a device switch's tables")
-        self.once = once
-        blocks = max(1, -(-len(versions) // _BLOCK))
-        self._kernels = {
-            False: self._launch_args(_module().function("grape_switch_versions"), [],
-                                     (blocks, _BLOCK)),
-            True: self._launch_args(_module().function("grape_switch_versions_once"),
-                                    [self.address + self._at["updates"]], (1, _ONCE_BLOCK))}
+        self._func = _module().function("grape_switch_versions")
+        self._blocks = max(1, -(-len(versions) // _BLOCK))
+        self._args, self._slots, self._shape = self._launch_args()
+        self._params = int(self._slots.ctypes.data)  # read once: .ctypes builds an object
 
     @staticmethod
     def _updatable(graph: Graph, node: str) -> int:
@@ -205,39 +161,32 @@ class DeviceSwitch(Resource):
                    doing=f"reading node {node!r}'s device handle")
         return int(got.deviceUpdatableKernelNode.devNode)
 
-    def _launch_args(self, func: Any, extra: list[int],
-                     shape: tuple[int, int]) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray,
-                                                      int, tuple[int, int]]:
-        """``func``, its argument bytes (no ``shape_at``: the shape is an argument; ``extra``
-        after ``status``), the parameter pointers into them and their address (read once:
-        ``.ctypes`` builds an object), a view of the ``shape`` and ``holds`` arguments,
-        written before each launch (the driver copies arguments when a launch is queued), and
-        the launch's (blocks, threads)."""
+    def _launch_args(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The kernel's argument bytes (no ``shape_at``: the shape is an argument), the
+        parameter pointers into them, and a view of the ``shape`` and ``holds`` arguments,
+        written before each launch (the driver copies arguments when a launch is queued)."""
         a = self.address
         values = [a + self._at[k] for k in ("nodes", "starts", "sizes", "grid_varies",
                                              "offsets", "grids", "rows", "args")]
-        packed = pack_args(func, [*values, np.int32(len(self.nodes)), np.int32(0),
-                                  np.int32(-1), 0, a + self._at["status"], *extra])
+        packed = pack_args(self._func, [*values, np.int32(len(self.nodes)), np.int32(0),
+                                        np.int32(-1), 0, a + self._at["status"]])
         buf = np.frombuffer(bytearray(packed), dtype=np.uint8)
-        layout = param_layout(func)
+        layout = param_layout(self._func)
         slots = np.array([buf.ctypes.data + p.offset for p in layout], dtype=np.uint64)
         # the shape and the shape held: two int32 side by side, written before each launch
-        view = buf[layout[9].offset:layout[10].offset + 4].view(np.int32)
-        return func, buf, slots, view, int(slots.ctypes.data), shape
+        shape = buf[layout[9].offset:layout[10].offset + 4].view(np.int32)
+        return buf, slots, shape
 
-    def launch(self, shape: int, stream: Any = 0, holds: int = -1,
-               once: bool | None = None) -> None:
+    def launch(self, shape: int, stream: Any = 0, holds: int = -1) -> None:
         """Queue the switch to shape number ``shape`` (a row of the table) on ``stream``;
         ``holds``: the shape number the executable holds, whose nodes need no update (-1:
-        unknown, every node is written); ``once``: which kernel (None: the switch's own)."""
+        unknown, every node is written)."""
         if not 0 <= shape < self.shapes or not -1 <= holds < self.shapes:
             raise GrapeError(f"expected shape numbers below {self.shapes}, found {shape} "
                              f"(holding {holds})")
-        func, _, _, view, params, (blocks, threads) = self._kernels[
-            self.once if once is None else once]
-        view[0], view[1] = shape, holds
-        status = driver.cuLaunchKernel(func, blocks, 1, 1, threads, 1, 1, 0, stream, params,
-                                       0)[0]
+        self._shape[0], self._shape[1] = shape, holds
+        status = driver.cuLaunchKernel(self._func, self._blocks, 1, 1, _BLOCK, 1, 1, 0, stream,
+                                       self._params, 0)[0]
         if status is not driver.CUresult.CUDA_SUCCESS:
             check_status(status, "launching a device switch")
 
@@ -296,8 +245,6 @@ def _tables(versions: Sequence[NodeVersions], table: np.ndarray,
         "rows": (table + first[:-1][None, :]).astype(np.int32),
         "status": np.zeros(2, dtype=np.int32),
         "args": np.concatenate(arg_parts) if arg_parts else np.zeros(0, np.uint8),
-        # where grape_switch_versions_once gathers a switch's updates: two a node at most
-        "updates": np.zeros(2 * len(versions) * _UPDATE_BYTES, dtype=np.uint8),
     }
     where, chunks, cursor = {}, [], 0
     for name, part in parts.items():
