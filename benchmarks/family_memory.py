@@ -10,6 +10,10 @@ allocator reserved during it; and, before any of it, the same for the process's 
 graph (one kernel: what the driver sets aside once a process uses graphs at all). Last, the
 blocks that the family's pool holds, largest first.
 
+Found on the H200 (``results/families_warm_start_h200/family_memory_device_0a38ce3.json``): the
+first graph took 72 MiB, the family's own phases the pool (36 MiB) and the switches' tables;
+``families.py`` now takes that first graph before measuring anything.
+
 Run on a GPU: ``python benchmarks/family_memory.py [--lengths 1:255] [--update device]
 [--out F]``.
 """
