@@ -9,7 +9,11 @@ as the capture forked them, as far as the front end keeps up. Conditional nodes 
 bodies: a WHILE node its body as many times as it iterates plus ``Costs.while_per_iteration``
 each time, an IF node its body where taken, a SWITCH node the chosen branch. Those choices are
 data on the device, so the caller gives them (:class:`Choices`), and a conditional without one
-is an error, not a guess.
+is an error, not a guess. A programmatic edge (``grape.ir.EDGE_KINDS``: a kernel launched with
+programmatic dependent launch) is priced as a full dependency: how much of its kernel overlaps
+the one before depends on where each triggers and waits in its code, which no trace shows; on
+the H200 a GPT-2 step ran the same with its 12 programmatic edges made full
+(``benchmarks/README.md``, runs 16 and 17).
 
 Where this model stands: on grape's own executions recorded on the H200 (a GPT-2 decode step of
 342 nodes, and the same step in a WHILE node for 63 iterations; ``traces/h200_ir/twin_*``) the
