@@ -8,11 +8,13 @@ each graph built and instantiated, each device switch made, the updates prepared
 and charged with the free memory it took outside PyTorch's allocator and the bytes PyTorch's
 allocator reserved during it; and, before any of it, the same for the process's first CUDA
 graph (one kernel: what the driver sets aside once a process uses graphs at all). Last, the
-blocks that the family's pool holds, largest first.
+allocator segments made during the capture, by pool and stream (``new_segments``).
 
 Found on the H200 (``results/families_warm_start_h200/family_memory_device_0a38ce3.json``): the
 first graph took 72 MiB, the family's own phases the pool (36 MiB) and the switches' tables;
-``families.py`` now takes that first graph before measuring anything.
+``families.py`` now takes that first graph before measuring anything. The segment listing
+replaced a listing of private pools' blocks after that run, which found one 2 MiB block against
+the pool's 36 MiB: not yet run.
 
 Run on a GPU: ``python benchmarks/family_memory.py [--lengths 1:255] [--update device]
 [--out F]``.
@@ -89,17 +91,33 @@ def _first_graph() -> dict[str, int]:
     return {"first_graph_kept": before - kept, "first_graph_after_destroy": before - after}
 
 
-def _pool_blocks(limit: int = 12) -> list[dict[str, object]]:
-    """The largest active blocks in private pools (graphs' pools), with their segments."""
-    rows = []
-    for seg in torch.cuda.memory_snapshot():
-        if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0):
+def _segments() -> dict[int, dict[str, object]]:
+    """PyTorch's allocator segments by address: pool, stream, type, size, and bytes in use."""
+    return {seg["address"]: {"pool": str(tuple(seg.get("segment_pool_id", (0, 0)))),
+                             "stream": seg.get("stream", 0), "type": seg["segment_type"],
+                             "bytes": seg["total_size"], "in_use": seg["allocated_size"],
+                             "largest_block": max((b["size"] for b in seg["blocks"]),
+                                                  default=0)}
+            for seg in torch.cuda.memory_snapshot()}
+
+
+def _new_segments(before: dict[int, dict[str, object]]) -> list[dict[str, object]]:
+    """The segments made since ``before``, grouped by (pool, stream, type): how many, their
+    bytes, the bytes in use, the largest block. The first run found one 2 MiB block in
+    private pools against a 36 MiB growth of PyTorch's reserved memory: this says where the
+    rest sits (the default pool on the warm-up stream, or the graphs' pools)."""
+    groups: dict[tuple, dict[str, object]] = {}
+    for address, seg in _segments().items():
+        if address in before:
             continue
-        for b in seg["blocks"]:
-            rows.append({"size": b["size"], "state": b["state"],
-                         "segment_bytes": seg["total_size"],
-                         "segment_type": seg["segment_type"]})
-    return sorted(rows, key=lambda r: -r["size"])[:limit]
+        key = (seg["pool"], seg["stream"], seg["type"])
+        g = groups.setdefault(key, {"pool": key[0], "stream": key[1], "type": key[2],
+                                    "segments": 0, "bytes": 0, "in_use": 0, "largest_block": 0})
+        g["segments"] += 1
+        g["bytes"] += seg["bytes"]
+        g["in_use"] += seg["in_use"]
+        g["largest_block"] = max(g["largest_block"], seg["largest_block"])
+    return sorted(groups.values(), key=lambda g: -g["bytes"])
 
 
 def main() -> None:
@@ -120,6 +138,7 @@ def main() -> None:
     ledger.wrap(DeviceSwitch, "__init__", "DeviceSwitch")
     ledger.wrap(family_module.Family, "prepare_updates", "prepare_updates")
     free0, reserved0 = _device_bytes()
+    segments0 = _segments()
     family = family_module.capture_family(
         w.step, sorted(lengths, reverse=True), params=w.params, update=args.update,
         progress=lambda line: _log(f"  {line}"))
@@ -138,7 +157,7 @@ def main() -> None:
         "reserved_growth": reserved1 - reserved0, "family_pool_bytes": family.pool_bytes,
         "switch_bytes": family.switch_bytes,
         "outside_allocator": dict(ledger.outside), "reserved": dict(ledger.reserved),
-        "calls": dict(ledger.calls), "pool_blocks": _pool_blocks(),
+        "calls": dict(ledger.calls), "new_segments": _new_segments(segments0),
     }
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
@@ -152,8 +171,11 @@ def main() -> None:
     for kind in ledger.calls:
         print(f"{kind:<24} {ledger.calls[kind]:>6} {ledger.outside[kind] * mb:>12.2f} "
               f"{ledger.reserved[kind] * mb:>13.2f}")
-    print("largest blocks in private pools (MiB):",
-          [round(b["size"] * mb, 2) for b in doc["pool_blocks"]])
+    print("segments made during the capture: pool, stream, type, count, MiB, MiB in use, "
+          "largest block MiB")
+    for g in doc["new_segments"]:
+        print(f"  {g['pool']} {g['stream']:#x} {g['type']} {g['segments']} "
+              f"{g['bytes'] * mb:.1f} {g['in_use'] * mb:.1f} {g['largest_block'] * mb:.1f}")
     family.close()
 
 
