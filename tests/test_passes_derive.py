@@ -189,6 +189,19 @@ def test_loose_slots_are_what_two_captures_of_a_length_do_not_share():
     assert loose_slots(packed(5, 123), packed(5, 123)) == {}
 
 
+def test_a_node_that_ran_another_kernel_in_the_second_capture_has_no_loose_slots():
+    import dataclasses
+
+    from grape.passes.derive import loose_slots
+
+    again = packed(5, 456)
+    again.dag.nodes["k"]["op"] = dataclasses.replace(again.op("k"), function="k_other@0x2")
+    assert loose_slots(packed(5, 123), again) == {}  # not every word of it taken as leftover
+    again = packed(5, 456)
+    again.dag.nodes["k"]["op"] = dataclasses.replace(again.op("k"), grid=(2, 1, 1))
+    assert loose_slots(packed(5, 123), again) == {}
+
+
 def test_divider_multipliers_and_loose_slots_do_not_keep_a_length_from_deriving():
     import random
 
@@ -208,6 +221,33 @@ def test_divider_multipliers_and_loose_slots_do_not_keep_a_length_from_deriving(
     # A slot that is loose in one pair of captures but fitted elsewhere is no loose slot of
     # the other: a derivation given the wrong slots still refuses what does not fit.
     assert derive(samples, {"k": frozenset({0})}).uncovered(100)
+
+
+def test_a_second_capture_elsewhere_finds_the_leftovers_a_second_capture_here_repeats():
+    import random
+
+    # An unfilled word holding the host stack's leftover: the same in every capture of a
+    # length on one thread (the same calls ran before), another on another thread's stack.
+    junk = {n: random.Random(n).getrandbits(32) for n in range(1, 257)}
+
+    def here(n):
+        return packed(n, junk[n])
+
+    def elsewhere(n):
+        return packed(n, junk[n] ^ 0x5A5A5A5A)
+
+    lengths = range(10, 200)
+    same = derive_lengths(here, lengths, every=9, checks=1)
+    assert same.derived == []  # the leftovers look like numbers on no line
+    calls = []
+    got = derive_lengths(here, lengths, every=9, checks=1,
+                         again=lambda n: calls.append(n) or elsewhere(n))
+    assert calls == got.repeated == [10, 199]  # the second captures, and only those, elsewhere
+    assert got.refused == [] and len(got.derived) > len(lengths) // 2
+    for n in got.derived[::7]:
+        derived, captured = got.graphs[n].op("k").args, here(n).op("k").args
+        assert derived[:16] == captured[:16], n  # every number right; the leftover the template's
+        assert derived[16:] == here(got.derived_from[n]).op("k").args[16:]
 
 
 def test_lengths_are_derived_within_their_residue_class():

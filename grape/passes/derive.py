@@ -255,8 +255,13 @@ def loose_slots(graph: KernelGraph, again: KernelGraph) -> dict[str, Slots]:
     out: dict[str, Slots] = {}
     for node, op in graph.ops():
         other = again.op(pairs[node])
+        # A node that ran another kernel or launch in the second capture (a library may choose
+        # by its handle or workspace) tells nothing of what is loose: none of its slots is, so
+        # a derivation fits or refuses every number it has.
         if not isinstance(op, Kernel) or not isinstance(other, Kernel) \
-                or len(op.args) != len(other.args):
+                or len(op.args) != len(other.args) or op.function != other.function \
+                or (op.grid, op.block, op.shared_mem) != (other.grid, other.block,
+                                                            other.shared_mem):
             continue
         mine, theirs = {p.offset for p in op.pointers}, {p.offset for p in other.pointers}
         both = {o for p in mine & theirs for o in _slots(p, 8)}
@@ -746,7 +751,8 @@ def _spread(candidates: list[int], k: int) -> list[int]:
 
 def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int], *,
                    every: int = 8, checks: int = 1, period: int = 1,
-                   progress: Callable[[str], None] = lambda line: None) -> Sampled:
+                   progress: Callable[[str], None] = lambda line: None,
+                   again: Callable[[int], KernelGraph] | None = None) -> Sampled:
     """The graphs at ``lengths``, most derived rather than captured.
 
     ``capture(n)`` gives the graph at length ``n``. The lengths are split into their residue
@@ -762,7 +768,11 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     stretch covers. The smallest and largest sample of each topology are captured once more
     to find its loose slots (:func:`loose_slots`; a slot is loose only where it is loose at
     both, so a slot PyTorch fills at some lengths and not at others is fitted, and where it
-    holds no number, not derived).
+    holds no number, not derived). ``again(n)`` makes those second captures (default:
+    ``capture``): best from where the host's leftovers differ (``capture_family`` captures them
+    on another thread, ``grape.torch.capture.on_another_thread``), since a word PyTorch leaves
+    unfilled holds the same leftover in two captures on one thread, and only a second capture
+    that differs there finds it loose.
 
     What a held-out check cannot see, it cannot refuse: a number that leaves its line between
     two samples and returns to it (a kernel chosen for a few lengths only) is derived wrongly
@@ -799,7 +809,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                      prints=out.topologies)
 
     runs = [(c, run) for c in classes for run in runs_of(c) if len(run) >= MIN_SUPPORT]
-    loose = _loose_by_topology([run for _, run in runs], out, capture)
+    loose = _loose_by_topology([run for _, run in runs], out, again or capture)
     trusted: list[tuple[list[int], Derivation]] = []
     for c, run in runs:
         d = derive({n: out.graphs[n] for n in run}, loose(out.graphs[run[0]]))

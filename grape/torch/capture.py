@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import linecache
+import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from grape.ir import BufferRole, KernelGraph
 from grape.torch.control import graph
 
 __all__ = ["TorchCapture", "capture", "collector_paused", "frozen_heap", "live_blocks",
-           "pool_segments"]
+           "on_another_thread", "pool_segments"]
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 
@@ -99,6 +100,50 @@ def _failure(error: BaseException) -> str:
 # stream per capture left one behind for each of PyTorch's 32 pooled streams, 1.1 GB in all
 # under a 255-shape GPT-2 family (torch.cuda.memory._snapshot named setWorkspaceForHandle).
 _WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def on_another_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on a new thread, under this thread's autograd and autocast modes, CUDA
+    device and current stream, and its value or exception handed back here.
+
+    For captures that must see other host leftovers: PyTorch leaves some words of a kernel's
+    argument structs unfilled, and they carry what the launching thread's stack held there.
+    Two captures of one length on one thread often hold the same bytes in them (the same
+    calls ran before), so a second capture there does not show them to be leftovers; a new
+    thread's stack has its own history.
+    """
+    state = {"grad": torch.is_grad_enabled(),
+             "inference": torch.is_inference_mode_enabled(),
+             "autocast": (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))}
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        state["device"], state["stream"] = (torch.cuda.current_device(),
+                                            torch.cuda.current_stream())
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with contextlib.ExitStack() as stack:
+                if cuda:
+                    torch.cuda.set_device(state["device"])
+                    stack.enter_context(torch.cuda.stream(state["stream"]))
+                # a new thread starts with grad on, inference mode and autocast off
+                if state["inference"]:
+                    stack.enter_context(torch.inference_mode())
+                stack.enter_context(torch.set_grad_enabled(state["grad"]))
+                enabled, dtype = state["autocast"]
+                if enabled:
+                    stack.enter_context(torch.autocast("cuda", dtype=dtype))
+                out["value"] = fn()
+        except BaseException as e:  # raised again in the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name="grape-capture-elsewhere")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _warmup_stream() -> torch.cuda.Stream:

@@ -40,7 +40,7 @@ from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
 from grape.passes.derive import Derivation, Sampled, derive_lengths, place_derived
 from grape.passes.families import match, same_ids
 from grape.passes.variants import Variants, device_switchable
-from grape.torch.capture import capture, frozen_heap, pool_segments
+from grape.torch.capture import capture, frozen_heap, on_another_thread, pool_segments
 
 __all__ = ["Family", "capture_family", "environment", "load_family"]
 
@@ -320,8 +320,10 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     stretch captured and compared byte for byte, a stretch they refute captured whole, any
     length no trusted stretch covers captured, ``derive_period``: lengths derived only from
     lengths equal to them modulo it, for kernels chosen by a length's alignment; the smallest
-    and largest sample of each topology captured once more to find the argument bytes PyTorch
-    leaves unfilled). :attr:`Family.sampled` says which were which.
+    and largest sample of each topology captured once more, on another thread, to find the
+    argument bytes PyTorch leaves unfilled: they hold the launching thread's stack leftovers,
+    which two captures on one thread often share; not yet run on a GPU).
+    :attr:`Family.sampled` says which were which.
 
     ``warmup``: eager runs of ``step(shape)`` before each capture (lazy initialisation must not
     happen inside one); 0 where running the step changes state the caller keeps (a training
@@ -365,11 +367,18 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         blocks = cap.blocks
         return cap.ir
 
+    def captured_elsewhere(shape: Hashable) -> KernelGraph:
+        """``shape`` captured once more on another thread, to find the argument words that
+        hold the host's leftovers (``derive_lengths``' ``again``); not kept."""
+        return on_another_thread(lambda: capture(
+            lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
+            collect=False, warmup=warmup, blocks=blocks).ir)
+
     sampled = None
     if derive_every is not None:
         sampled = derive_lengths(captured, shapes, every=derive_every, checks=checks,
-                                 period=derive_period,
-                                 progress=progress)
+                                 period=derive_period, progress=progress,
+                                 again=captured_elsewhere)
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
     variants: dict[str, Variants] = {}
