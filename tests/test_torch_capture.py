@@ -173,3 +173,18 @@ def test_a_family_without_a_cuda_device_is_one_clear_error(monkeypatch):
         family.capture_family(lambda shape: None, [2, 1])
     with pytest.raises(GrapeError, match="expected a CUDA device for load_family"):
         family.load_family(lambda shape: None, "any.family.json.gz")
+
+
+def test_work_on_another_thread_keeps_the_callers_modes_and_raises_its_errors_here():
+    import threading
+
+    here = threading.current_thread()
+    with torch.no_grad():
+        grad, thread = capture.on_another_thread(
+            lambda: (torch.is_grad_enabled(), threading.current_thread()))
+    assert grad is False and thread is not here  # another stack, the same autograd mode
+    with torch.inference_mode():
+        assert capture.on_another_thread(torch.is_inference_mode_enabled) is True
+    assert capture.on_another_thread(torch.is_grad_enabled) is True
+    with pytest.raises(ZeroDivisionError):
+        capture.on_another_thread(lambda: 1 / 0)
