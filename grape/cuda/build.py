@@ -19,7 +19,7 @@ from grape.cuda.check import call, check_status, observing
 from grape.cuda.context import current_context, memory_info, synchronize
 from grape.cuda.functions import resolve
 from grape.cuda.resource import Resource
-from grape.cuda.walk import ATTRIBUTES, resolve_event
+from grape.cuda.walk import ATTRIBUTES, read_graph, resolve_event
 from grape.errors import GrapeError, UnsupportedError
 from grape.ir import (
     Conditional,
@@ -36,6 +36,7 @@ from grape.ir import (
 )
 
 if TYPE_CHECKING:  # the backend builds what the passes describe; it never runs them
+    from grape.cuda.buffers import BufferMap
     from grape.passes.variants import NodeVersions
 
 __all__ = ["Executable", "Graph", "Update", "kernel_params", "version_updates"]
@@ -118,6 +119,14 @@ class Graph(Resource):
         self.nodes: dict[str, driver.CUgraphNode] = {}  # IR node -> its node, for graphs built here
         self._ctx = current_context()
         self._own(handle, driver.cuGraphDestroy if owned else None)
+
+    @classmethod
+    def borrowed(cls, handle: int, buffers: BufferMap | None = None) -> Graph:
+        """A graph someone else made and owns (PyTorch's ``raw_cuda_graph()``, an integer
+        ``cudaGraph_t``), read into the IR (``grape.cuda.walk.read_graph``) and never destroyed
+        here."""
+        raw = driver.CUgraph(handle)
+        return cls(read_graph(raw, buffers), raw, owned=False)
 
     @classmethod
     def build(cls, ir: KernelGraph) -> Graph:

@@ -19,11 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cuda.bindings import driver
 
 from grape.cuda.buffers import BufferMap
 from grape.cuda.build import Graph
-from grape.cuda.walk import read_graph
 from grape.errors import CaptureError
 from grape.ir import BufferRole, KernelGraph
 from grape.torch.control import graph
@@ -353,6 +351,5 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     pool_bytes = torch.cuda.memory_reserved() - reserved
     _name(buffers, f"{tag}output", ((str(i), t) for i, t in enumerate(_tensors(outputs))),
           BufferRole.OUTPUT)
-    raw = driver.CUgraph(g.raw_cuda_graph())
-    return TorchCapture(Graph(read_graph(raw, buffers), raw, owned=False), g, outputs,
-                        pool_bytes, blocks)
+    return TorchCapture(Graph.borrowed(g.raw_cuda_graph(), buffers), g, outputs, pool_bytes,
+                        blocks)

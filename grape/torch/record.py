@@ -66,11 +66,12 @@ def _driver() -> str:
 
 
 def _libraries() -> dict[str, str]:
-    import cuda.bindings
+    from importlib.metadata import version  # the distribution's: only grape.cuda imports it
+
     import transformers
 
     return {"grape": grape.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "cuda-bindings": cuda.bindings.__version__,
+            "transformers": transformers.__version__, "cuda-bindings": version("cuda-bindings"),
             "cuda": str(torch.version.cuda)}
 
 
