@@ -46,10 +46,11 @@ class Costs:
     exec_update_per_node: float = 0.05  # host cost of cuGraphExecUpdate, per node of the graph
     # A family's device switch (grape.cuda.switch): the host's launch of the switch kernel, and
     # its GPU time per node it updates. Not in device profiles yet: from one H200 run (GPT-2
-    # small, 84.6 nodes a step: a step 92 us longer than per-shape graphs' in the same process,
-    # the launch and the graph's wait included; benchmarks/README.md, run 15).
+    # small over KV 1..255, 83.6 nodes a step: the switch kernels alone 30.6 us a step by CUDA
+    # events, back to back, the ways measured in turns; benchmarks/README.md, runs 16 and 17;
+    # run 15's 92 us a step compared against per-shape graphs' first pass).
     switch_launch: float = 4.0
-    switch_per_node: float = 1.08
+    switch_per_node: float = 0.366
     copy_call: float = 9.0  # host cost of issuing one device-to-device copy from PyTorch
     copy_latency: float = 6.7  # GPU time of a device-to-device copy of nothing
     copy_bandwidth: float = 4250.0  # GB/s of a device-to-device copy, bytes read plus written

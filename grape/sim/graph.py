@@ -433,7 +433,8 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
     if device:
         program.approximations.append(
             f"a device switch costs {costs.switch_per_node} us of GPU time a node it updates, "
-            f"whatever bytes it writes (one H200 run's figure, not the device profile's)")
+            f"whatever bytes it writes (one H200 run's figure, not the device profile's); the "
+            f"1-3% an executable of device-updatable nodes ran slower there is not priced")
     return program, updated
 
 
