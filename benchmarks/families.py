@@ -86,20 +86,22 @@ def _device_bytes() -> tuple[int, int]:
     return free, torch.cuda.memory_reserved()
 
 
-def first_graph_bytes() -> int:
-    """Device memory the driver sets aside for a process's first CUDA graph (one kernel),
-    taken here so that no way measured after it is charged with it: 72 MiB on the H200
-    (``family_memory.py``), 70 of it kept after the graph is destroyed, which runs 12 to 15
-    counted in the family (measured first in its process) and in the shared-pool baseline
-    (alone in a fresh one) but not in private-pool graphs (after the family)."""
+def first_graph_bytes() -> tuple[int, int]:
+    """Device memory the driver sets aside for a process's first CUDA graph (one kernel), while
+    the graph lives and after it is destroyed; taken first in each process so that no way
+    measured after it is charged with it: 72 MiB on the H200, 70 kept (``family_memory.py``).
+    Runs 12 to 15 charged it to the family, measured first in its process; the shared-pool
+    baseline measured the same to the byte with it taken first (run 16: its executables fill
+    what the driver set aside)."""
     before, _ = _device_bytes()
     x = torch.zeros(1, device="cuda")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         x.add_(1)
     g.replay()
+    kept, _ = _device_bytes()
     del g, x
-    return before - _device_bytes()[0]
+    return before - kept, before - _device_bytes()[0]
 
 
 def _steps(run, lengths, sync_each: bool) -> float:
@@ -271,7 +273,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
 
     # The family first, in a process that has destroyed no executable yet: the driver hands
     # what destroyed executables held to the next ones, which hides their memory.
-    first_graph = first_graph_bytes()
+    first_graph = first_graph_bytes()[1]
     free_before_family, _ = _device_bytes()
     reserved_a = torch.cuda.memory_reserved()
     allocated_a = torch.cuda.memory_allocated()
@@ -423,7 +425,7 @@ def shared_pool_baseline(w: Workload) -> dict[str, object]:
     free device memory's drop across capturing them all, in this (fresh) process."""
     order = sorted(w.shapes)
     _steps(w.step, order, sync_each=False)  # every length's eager memory cached, as in measure
-    first_graph = first_graph_bytes()  # as in measure: no way is charged with it
+    first_graph = first_graph_bytes()[1]  # as in measure: no way is charged with it
     side = torch.cuda.Stream()
     free0, reserved0 = _device_bytes()
     t = time.perf_counter()

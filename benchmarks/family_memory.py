@@ -36,7 +36,7 @@ from grape.cuda.build import Graph
 from grape.cuda.switch import DeviceSwitch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from families import MAX_LEN, _device_bytes, _log, _range, _steps, gpt2_decode
+from families import MAX_LEN, _device_bytes, _log, _range, _steps, first_graph_bytes, gpt2_decode
 
 
 class _Ledger:
@@ -75,20 +75,6 @@ class _Ledger:
             with self.charge(kind):
                 return inner(*args, **kwargs)
         setattr(owner, name, charged)
-
-
-def _first_graph() -> dict[str, int]:
-    """Free memory a process's first CUDA graph takes, kept and after it is destroyed."""
-    before, _ = _device_bytes()
-    x = torch.zeros(1, device="cuda")
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        x.add_(1)
-    g.replay()
-    kept, _ = _device_bytes()
-    del g
-    after, _ = _device_bytes()
-    return {"first_graph_kept": before - kept, "first_graph_after_destroy": before - after}
 
 
 def _segments() -> dict[int, dict[str, object]]:
@@ -130,7 +116,8 @@ def main() -> None:
     order = sorted(lengths)
     w = gpt2_decode(1, lengths)
     _steps(w.step, order, sync_each=False)  # every length's eager work (and memory) once
-    first = _first_graph()
+    kept, destroyed = first_graph_bytes()
+    first = {"first_graph_kept": kept, "first_graph_after_destroy": destroyed}
     ledger = _Ledger()
     ledger.wrap(family_module, "capture", "capture (each shape)")
     ledger.wrap(Graph, "build", "Graph.build")
