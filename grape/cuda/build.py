@@ -19,7 +19,7 @@ from grape.cuda.check import call, check_status, observing
 from grape.cuda.context import current_context, memory_info, synchronize
 from grape.cuda.functions import resolve
 from grape.cuda.resource import Resource
-from grape.cuda.walk import ATTRIBUTES, read_graph, resolve_event
+from grape.cuda.walk import ATTRIBUTES, EDGE_PORTS, read_graph, resolve_event
 from grape.errors import GrapeError, UnsupportedError
 from grape.ir import (
     Conditional,
@@ -101,11 +101,6 @@ def version_updates(node: str, handle: Any, versions: NodeVersions) -> list[Upda
     return updates
 
 
-# An IR edge's kind (grape.ir.EDGE_KINDS) to the upstream kernel node's port it leaves from.
-_PORTS = {"programmatic": driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC,
-          "launch_order": driver.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER}
-
-
 class Graph(Resource):
     """A CUDA graph and the IR that describes it."""
 
@@ -157,7 +152,7 @@ class Graph(Resource):
             for d, kind in weaker.items():  # programmatic (PDL) edges, as captured
                 data = driver.CUgraphEdgeData()
                 data.type = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
-                data.from_port = _PORTS[kind]
+                data.from_port = EDGE_PORTS[kind]
                 call(driver.cuGraphAddDependencies, target, [nodes[d]], [nodes[node]], [data], 1,
                      doing=f"adding the {kind} dependency {d!r} -> {node!r}")
         return nodes

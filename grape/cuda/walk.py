@@ -33,8 +33,8 @@ from grape.ir import (
     Op,
 )
 
-__all__ = ["ATTRIBUTES", "CreatedConditional", "created_params", "event_id", "read_graph",
-           "remember_conditional", "resolve_event"]
+__all__ = ["ATTRIBUTES", "EDGE_PORTS", "CreatedConditional", "created_params", "event_id",
+           "read_graph", "remember_conditional", "resolve_event"]
 
 T = driver.CUgraphNodeType
 A = driver.CUkernelNodeAttrID
@@ -296,8 +296,10 @@ def _walk(graph: driver.CUgraph, walk: _Walk) -> KernelGraph:
     return ir
 
 
-_PORTS = {int(driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC): "programmatic",
-          int(driver.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER): "launch_order"}
+# An IR edge's kind (grape.ir.EDGE_KINDS) and the upstream kernel node's port it leaves from.
+EDGE_PORTS = {"programmatic": driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC,
+              "launch_order": driver.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER}
+_KINDS = {int(port): kind for kind, port in EDGE_PORTS.items()}
 
 
 def _edge_kind(data: driver.CUgraphEdgeData, before: str, after: str) -> str | None:
@@ -307,8 +309,8 @@ def _edge_kind(data: driver.CUgraphEdgeData, before: str, after: str) -> str | N
     if kind == int(driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_DEFAULT) and port == 0:
         return None
     if (kind == int(driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
-            and port in _PORTS and int(data.to_port) == 0):
-        return _PORTS[port]
+            and port in _KINDS and int(data.to_port) == 0):
+        return _KINDS[port]
     raise UnsupportedError(f"edge {before!r} -> {after!r}: expected a full, programmatic or "
                            f"launch-order dependency, found type {kind} from port {port} to "
                            f"port {int(data.to_port)}")
