@@ -82,3 +82,32 @@ def test_edges_are_read_as_full_programmatic_or_launch_order_and_any_other_is_re
                                                "or launch-order dependency, found type 1 from "
                                                "port 0 to port 0"):
         _edge_kind(_edge(pdl), "a", "b")
+
+
+def test_a_build_adds_full_dependencies_with_the_node_and_programmatic_ones_with_their_port(
+        monkeypatch):
+    # The driver stood in for: each call logged, each node a number.
+    import grape.cuda.build as build
+    from grape.ir import Empty, KernelGraph
+
+    calls = []
+
+    def fake(fn, *args, doing):
+        calls.append((fn.__name__, args))
+        return len(calls)
+    monkeypatch.setattr(build, "call", fake)
+    monkeypatch.setattr(build, "current_context", lambda: 0)
+    ir = KernelGraph()
+    ir.add("a", Empty())
+    ir.add("b", Empty())
+    ir.add("c", Empty(), after=["a", "b"], kinds={"b": "programmatic"})
+    graph = build.Graph.build(ir)
+    assert [args[1] for name, args in calls if name == "cuGraphAddEmptyNode"] == [
+        [], [], [graph.nodes["a"]]]  # c waits fully for a only
+    (target, before, after, data, count), = [args for name, args in calls
+                                            if name == "cuGraphAddDependencies"]
+    assert (target, before, after, count) == (graph.handle, [graph.nodes["b"]],
+                                              [graph.nodes["c"]], 1)
+    assert int(data[0].type) == int(
+        driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
+    assert int(data[0].from_port) == int(driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC)
