@@ -64,7 +64,7 @@ PROCESS_SPREAD = (
     "at 1259-1276 us per iteration, against 1106 and 1116 here. Why an executable runs slow "
     "in one process and not in another is not known, and not modelled; it is not grape's: "
     "PyTorch's own graph of a GPT-2 step ran 0.858 ms in a process holding two families and "
-    "0.750-0.753 in four others, grape's rebuild of it within 0.3% of PyTorch's each time "
+    "0.749-0.753 in five others, grape's rebuild of it within 0.4% of PyTorch's each time "
     "(benchmarks/README.md, runs 16 and 17)")
 
 
