@@ -139,9 +139,11 @@ def graph_summary(g: KernelGraph, path: str | Path) -> Summary:
         roles.setdefault(b.role.value, []).append(b.size)
     generations = list(nx.topological_generations(g.dag))
     functions = {k.function for _, k in g.kernels()}
+    edge_kinds = Counter(k for _, _, k in g.dag.edges(data="kind") if k is not None)
     data = {
         "file": str(path), "kind": "graph", "nodes": dict(kinds),
-        "edges": g.dag.number_of_edges(), "depth": len(generations),
+        "edges": g.dag.number_of_edges(), "edge_kinds": dict(edge_kinds),
+        "depth": len(generations),
         "width": max((len(gen) for gen in generations), default=0),
         "distinct_functions": len(functions),
         "buffers": {role: {"count": len(sizes), "bytes": sum(sizes)}
@@ -153,7 +155,9 @@ def graph_summary(g: KernelGraph, path: str | Path) -> Summary:
                         for role, v in data["buffers"].items())
     text = "\n".join([
         str(path),
-        f"  grape kernel graph: {len(g)} nodes ({nodes or 'none'}), {data['edges']} edges",
+        f"  grape kernel graph: {len(g)} nodes ({nodes or 'none'}), {data['edges']} edges"
+        + (" (" + ", ".join(f"{n} {kind.replace('_', '-')}" for kind, n in
+                            edge_kinds.most_common()) + ")" if edge_kinds else ""),
         f"  depth {data['depth']}, widest generation {data['width']}, "
         f"{len(functions)} distinct kernel functions",
         f"  buffers: {buffers or 'none'}",

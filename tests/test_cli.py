@@ -74,6 +74,11 @@ def test_info_on_a_graph_file(capsys, tmp_path):
     assert "grape kernel graph: 2 nodes (1 kernel, 1 empty), 1 edges" in out
     assert "buffers: 1 input (1,024 bytes)" in out
     assert f"fingerprint: {g.fingerprint()}" in out
+    g.add("c", Kernel("f", "k", (1, 1, 1), (32, 1, 1)), after=["a"],
+          kinds={"a": "programmatic"})
+    g.save(tmp_path / "g.json")
+    code, out, _ = run(capsys, "info", tmp_path / "g.json")
+    assert "grape kernel graph: 3 nodes (2 kernel, 1 empty), 2 edges (1 programmatic)" in out
 
 
 def test_info_on_a_saved_family(capsys):
