@@ -359,10 +359,13 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     # family then moves to another process tensor by tensor (capture's ``blocks``).
     blocks: list[tuple[int, int]] | bool = True
 
+    def taken(shape: Hashable) -> Any:
+        return capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
+                       collect=False, warmup=warmup, blocks=blocks)
+
     def captured(shape: Hashable) -> KernelGraph:
         nonlocal blocks
-        cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
-                      collect=False, warmup=warmup, blocks=blocks)
+        cap = taken(shape)
         torch_graphs[shape] = cap.torch_graph
         blocks = cap.blocks
         return cap.ir
@@ -370,9 +373,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     def captured_elsewhere(shape: Hashable) -> KernelGraph:
         """``shape`` captured once more on another thread, to find the argument words that
         hold the host's leftovers (``derive_lengths``' ``again``); not kept."""
-        return on_another_thread(lambda: capture(
-            lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
-            collect=False, warmup=warmup, blocks=blocks).ir)
+        return on_another_thread(lambda: taken(shape).ir)
 
     sampled = None
     if derive_every is not None:
