@@ -33,6 +33,9 @@ static tensor. Measured:
   counted for or against the graphs; and each process has made one CUDA graph of one kernel
   first (``device_bytes_first_graph``: what the driver sets aside once a process uses graphs,
   72 MiB on the H200, which runs up to 15 charged to the family and the shared-pool baseline).
+  Each way warms up and captures on one side stream, on which one eager step ran before the
+  way was measured (``device_bytes_stream_state*``: cuBLAS's workspaces for that stream, 33 MiB
+  on the H200, which runs up to 17 charged once to the family and twice to the baselines).
   Per-shape graphs' first pass over the lengths (``step_ms_naive_first_pass``: each graph's
   first launch uploads it; the family's executables are uploaded when instantiated) is timed
   apart from their second (``step_ms_naive``).
@@ -64,6 +67,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from grape.cuda.build import Graph
 from grape.errors import GrapeError
 from grape.torch.cache import PrefixCache
+from grape.torch.capture import capture_stream
 from grape.torch.family import capture_family, load_family
 from grape.torch.workloads import _gpt2, _wav2vec2
 
@@ -102,6 +106,21 @@ def first_graph_bytes() -> tuple[int, int]:
     kept, _ = _device_bytes()
     del g, x
     return before - kept, before - _device_bytes()[0]
+
+
+def stream_state_bytes(step: Callable[[int], None], n: int, stream: torch.cuda.Stream) -> int:
+    """Device bytes that libraries keep for a stream once a step has run on it (cuBLAS: a
+    workspace for each handle and stream, 32 MiB and 1 MiB on the H200), made before a way is
+    measured and reported apart (``device_bytes_stream_state``): every way warms up and
+    captures on one side stream and needs this once, whatever it captures. Runs up to 17
+    charged it to the family (33 of its 36 MiB of pool growth: ``family_memory.py``'s segment
+    listing, 90646dc) and twice to the baselines (warm-up and capture on two streams)."""
+    before, _ = _device_bytes()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(n)
+    torch.cuda.current_stream().wait_stream(stream)
+    return before - _device_bytes()[0]
 
 
 def _steps(run, lengths, sync_each: bool) -> float:
@@ -274,6 +293,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     # The family first, in a process that has destroyed no executable yet: the driver hands
     # what destroyed executables held to the next ones, which hides their memory.
     first_graph = first_graph_bytes()[1]
+    family_stream_state = stream_state_bytes(step, order[-1], capture_stream())
     free_before_family, _ = _device_bytes()
     reserved_a = torch.cuda.memory_reserved()
     allocated_a = torch.cuda.memory_allocated()
@@ -306,7 +326,8 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     mid = lengths[len(lengths) // 2]
     neighbours = _changed(family, mid, lengths[len(lengths) // 2 + 1])
 
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # warm-up and capture, as the family's capture_stream()
+    naive_stream_state = stream_state_bytes(step, order[-1], side)
     free0, reserved0 = _device_bytes()
     t = time.perf_counter()
     naive: dict[int, torch.cuda.CUDAGraph] = {}
@@ -316,7 +337,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
             step(n)  # warm-up outside capture, as torch.cuda.graph's users do
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, stream=side):
             step(n)
         naive[n] = g
         if (i + 1) % 100 == 0:
@@ -354,6 +375,9 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         "device_bytes_family": family_device_bytes,
         # the driver's for the process's first graph, taken before any way here is measured
         "device_bytes_first_graph": first_graph,
+        # libraries' state for each way's one side stream, made before it was measured
+        "device_bytes_stream_state": family_stream_state,
+        "device_bytes_stream_state_naive_private": naive_stream_state,
         "family_pool_bytes_allocated": family_allocated,
         "device_bytes_naive_private": free0 - free1,
         "naive_graph_bytes": naive_graph, "naive_pool_bytes": naive_pool,
@@ -426,7 +450,8 @@ def shared_pool_baseline(w: Workload) -> dict[str, object]:
     order = sorted(w.shapes)
     _steps(w.step, order, sync_each=False)  # every length's eager memory cached, as in measure
     first_graph = first_graph_bytes()[1]  # as in measure: no way is charged with it
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # warm-up and capture, as in measure
+    stream_state = stream_state_bytes(w.step, order[-1], side)
     free0, reserved0 = _device_bytes()
     t = time.perf_counter()
     graphs, pool = [], None
@@ -436,7 +461,7 @@ def shared_pool_baseline(w: Workload) -> dict[str, object]:
             w.step(n)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
+        with torch.cuda.graph(g, pool=pool, stream=side):
             w.step(n)
         pool = g.pool() if pool is None else pool
         graphs.append(g)
@@ -446,6 +471,7 @@ def shared_pool_baseline(w: Workload) -> dict[str, object]:
     free1, reserved1 = _device_bytes()
     return {"device_bytes_naive_shared_pool": free0 - free1,
             "device_bytes_first_graph_shared_pool_process": first_graph,
+            "device_bytes_stream_state_shared_pool": stream_state,
             "naive_shared_pool_bytes": reserved1 - reserved0,
             "naive_shared_capture_s": capture_s}
 
@@ -604,8 +630,8 @@ def main() -> None:
     keys = ("shapes", "topologies", "eager_step_ms", "first_pass_step_ms", "steady_step_ms",
             "step_ms_naive", "update_fraction_of_synced_step", "capture_s_per_shape_naive",
             "capture_s_per_shape_family", "device_bytes_family", "device_bytes_naive_private",
-            "device_bytes_naive_shared_pool", "memory_ratio_shared_pool", "warm_start_s",
-            "warm_start_bitwise")
+            "device_bytes_naive_shared_pool", "memory_ratio_shared_pool",
+            "device_bytes_stream_state", "warm_start_s", "warm_start_bitwise")
     for r in results:
         same = statistics.mean(r["bitwise_identical"].values())
         print(r["workload"], " ".join(f"{k}={r[k]:.4g}" if isinstance(r.get(k), float) else

@@ -16,11 +16,11 @@ def test_every_capture_warms_up_on_one_stream_per_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda: made.append(object()) or made[-1])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
     monkeypatch.setattr(capture, "_WARMUP_STREAMS", {})
-    first = capture._warmup_stream()
-    assert all(capture._warmup_stream() is first for _ in range(300))
+    first = capture.capture_stream()
+    assert all(capture.capture_stream() is first for _ in range(300))
     device[0] = 1
-    second = capture._warmup_stream()
-    assert second is not first and capture._warmup_stream() is second
+    second = capture.capture_stream()
+    assert second is not first and capture.capture_stream() is second
     assert len(made) == 2
 
 

@@ -147,7 +147,10 @@ def on_another_thread(fn: Callable[[], Any]) -> Any:
     return out["value"]
 
 
-def _warmup_stream() -> torch.cuda.Stream:
+def capture_stream() -> torch.cuda.Stream:
+    """The side stream every grape capture on the current device warms up and captures on:
+    one per device, so that cuBLAS's per-stream workspace is made once (benchmarks make it
+    before measuring a family's memory, as they do for the baselines' streams)."""
     device = torch.cuda.current_device()
     if device not in _WARMUP_STREAMS:
         _WARMUP_STREAMS[device] = torch.cuda.Stream()
@@ -306,7 +309,7 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     _name(buffers, "param:", (params or {}).items(), BufferRole.PARAMETER)
     _name(buffers, f"{tag}input", ((str(i), t) for i, t in enumerate(_tensors(args))),
           BufferRole.INPUT)
-    side = _warmup_stream()
+    side = capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # lazy initialisation (cuBLAS handles, autotuning) stays out
         for _ in range(warmup):
