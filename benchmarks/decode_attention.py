@@ -34,6 +34,8 @@ from typing import Any
 # issue shape), and the Llama shape (hidden 2048, 32 heads, 8 key heads) at batch 8 and 1.
 SHAPES = [(32, 12, 12, 64), (8, 32, 8, 64), (1, 32, 8, 64)]
 USED = [128, 512, 1088, 4096]
+SPLITS = (2, 4, 8)  # FlashAttention's num_splits tried beside its own choice
+PAGE = 256  # tokens a block, for the paged ways (FlashAttention's paged keys need 256k)
 
 
 def _per_call_us(fn, calls: int = 20, replays: int = 10) -> float:
@@ -56,6 +58,17 @@ def _per_call_us(fn, calls: int = 20, replays: int = 10) -> float:
     return 1000 * start.elapsed_time(end) / (calls * replays)
 
 
+def _paged(q, cu_q, paged, cache: int, total, splits: int):
+    """FlashAttention over paged keys (``paged``: keys, values, whole rows' starts, block
+    table), ``total`` keys of each row from its start, ``num_splits=splits``."""
+    import torch
+
+    kp, vp, whole, pages = paged
+    return lambda: torch.ops.aten._flash_attention_forward(
+        q, kp, vp, cu_q, whole, 1, cache, 0.0, False, False, seqused_k=total,
+        block_table=pages, num_splits=splits)[0]
+
+
 def measure(rows: int, hq: int, hk: int, dim: int, cache: int) -> list[dict[str, Any]]:
     import torch
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -73,6 +86,16 @@ def measure(rows: int, hq: int, hk: int, dim: int, cache: int) -> list[dict[str,
     starts = torch.arange(rows + 1, **i32) * cache
     starts[:-1] += pad
     group = hq // hk
+    paged = None
+    if cache % PAGE == 0:
+        # Paged (a block table over the same cache, PAGE tokens a block): FlashAttention splits
+        # the keys across blocks only with paged keys, it seems. Keys counted from each row's
+        # start, padding included (timing only: the error is against the unpadded reference).
+        pages = (torch.arange(rows, **i32)[:, None] * (cache // PAGE)
+                 + torch.arange(cache // PAGE, **i32))
+        paged = (keys.view(rows * cache // PAGE, PAGE, hk, dim),
+                 values.view(rows * cache // PAGE, PAGE, hk, dim),
+                 torch.arange(rows + 1, **i32) * cache, pages)
     rows_out = []
     for used_len in USED:
         used = (used_len - pad).clamp(min=1).to(torch.int32)
@@ -85,6 +108,15 @@ def measure(rows: int, hq: int, hk: int, dim: int, cache: int) -> list[dict[str,
         # (Defaults bind this length's tensors: the calls run within the iteration anyway.)
         ways = {"flash_varlen": lambda used=used: torch.ops.aten._flash_attention_forward(
             q, k, v, cu_q, starts, 1, cache, 0.0, False, False, seqused_k=used)[0]}
+        for splits in SPLITS:  # split-KV: more blocks per row when rows x heads are few
+            ways[f"flash_varlen_s{splits}"] = (
+                lambda used=used, splits=splits: torch.ops.aten._flash_attention_forward(
+                    q, k, v, cu_q, starts, 1, cache, 0.0, False, False, seqused_k=used,
+                    num_splits=splits)[0])
+        if paged is not None:
+            total = (used + pad).to(torch.int32)
+            for splits in (0, *SPLITS):
+                ways[f"flash_paged_s{splits}"] = _paged(q, cu_q, paged, cache, total, splits)
         if group == 1:
             ways["efficient_varlen"] = lambda used=used: efficient(
                 q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, cu_q, starts, 1, cache,
@@ -101,8 +133,11 @@ def measure(rows: int, hq: int, hk: int, dim: int, cache: int) -> list[dict[str,
         row: dict[str, Any] = {"rows": rows, "query_heads": hq, "key_heads": hk, "dim": dim,
                                "cache": cache, "used": used_len}
         for name, fn in ways.items():
-            error = float((fn().float() - reference).abs().max())
-            row[name] = {"us": _per_call_us(fn), "max_abs_error": error}
+            try:
+                error = float((fn().float() - reference).abs().max())
+                row[name] = {"us": _per_call_us(fn), "max_abs_error": error}
+            except RuntimeError as e:  # a kernel refusing these arguments: say so, go on
+                row[name] = {"us": float("nan"), "refused": str(e).splitlines()[0][:200]}
         rows_out.append(row)
         print("  " + ", ".join(f"{n} {row[n]['us']:.1f}" for n in ways) + f" us ({rows} rows, "
               f"{hq}/{hk} heads, used {used_len})", file=sys.stderr, flush=True)
@@ -117,7 +152,7 @@ def main() -> None:
     import torch
 
     results = [r for shape in SHAPES for r in measure(*shape, args.cache)]
-    names = ["flash_varlen", "efficient_varlen", "sdpa_masked_used", "sdpa_masked_cache"]
+    names = list(dict.fromkeys(n for r in results for n in r if isinstance(r[n], dict)))
     print(f"{'rows':>4} {'heads':>6} {'used':>5} " + " ".join(f"{n:>18}" for n in names))
     for r in results:
         cells = [f"{r[n]['us']:>18.1f}" if n in r else f"{'-':>18}" for n in names]
