@@ -39,25 +39,39 @@ def _read(blob: np.ndarray, at: dict[str, int], name: str, dtype: str, count: in
 
 def test_spans_cover_the_bytes_that_differ_in_whole_words():
     nv = _versions("a", 40, [{13: 1}, {21: 2}], [1, 1, 1])
-    assert spans(nv) == (8, 16, False)  # bytes 13..21 -> words 8..24
+    assert spans(nv) == ([(8, 16)], False)  # bytes 13..21 -> words 8..24
     still = _versions("b", 12, [], [3])
-    assert spans(still) == (0, 0, False)
+    assert spans(still) == ([], False)
     grid_only = _versions("c", 12, [{}], [3, 4])
-    assert spans(grid_only) == (0, 0, True)
+    assert spans(grid_only) == ([], True)
     tail = _versions("d", 12, [{11: 9}], [1, 1])
-    assert spans(tail) == (8, 4, False)  # widened to the word, never past the arguments
+    assert spans(tail) == ([(8, 4)], False)  # widened to the word, never past the arguments
+
+
+def test_words_far_apart_are_spans_of_their_own_and_near_ones_one_span():
+    # A pointer near a structure's start and a word near its end: two spans, not the bytes
+    # between (GPT-2 small's tables shrank 7.4x); words a gap word apart stay one span.
+    far = _versions("far", 64, [{0: 1, 60: 2}], [1, 1])
+    assert spans(far) == ([(0, 8), (56, 8)], False)
+    near = _versions("near", 64, [{0: 1, 20: 2}], [1, 1])
+    assert spans(near) == ([(0, 24)], False)
 
 
 def test_each_shape_s_row_holds_its_version_s_bytes_and_grid():
     a = _versions("a", 40, [{13: 1}, {21: 2}], [1, 2, 3])
-    b = _versions("b", 16, [{0: 7, 15: 8}], [5, 5])
-    table = np.array([[0, 0], [1, 0], [2, 1], [1, 1]])
+    b = _versions("b", 64, [{0: 7, 63: 8}, {60: 9}], [5, 5, 5])
+    table = np.array([[0, 0], [1, 0], [2, 1], [1, 2]])
     blob, at = _tables([a, b], table, [0xA, 0xB])
     assert all(v % 8 == 0 for v in at.values())
     n, shapes = 2, len(table)
     assert _read(blob, at, "nodes", "<u8", n).tolist() == [0xA, 0xB]
-    starts = _read(blob, at, "starts", "<u4", n)
-    sizes = _read(blob, at, "sizes", "<u4", n)
+    first = _read(blob, at, "first", "<u4", n + 1).tolist()
+    assert first == [0, 1, 3]  # a: one span; b: its first word and its last
+    spans_ = first[-1]
+    start = _read(blob, at, "start", "<u4", spans_).tolist()
+    size = _read(blob, at, "size", "<u4", spans_).tolist()
+    held = _read(blob, at, "at", "<u4", spans_).tolist()
+    assert list(zip(start, size, strict=True)) == [(8, 16), (0, 8), (56, 8)]
     assert _read(blob, at, "grid_varies", "<u4", n).tolist() == [1, 0]
     rows = _read(blob, at, "rows", "<i4", shapes * n).reshape(shapes, n)
     offsets = _read(blob, at, "offsets", "<i8", len(a) + len(b))
@@ -67,10 +81,13 @@ def test_each_shape_s_row_holds_its_version_s_bytes_and_grid():
             version = table[s, j]
             r = rows[s, j]
             op = nv.op(version)
-            lo, size = int(starts[j]), int(sizes[j])
-            got = blob[at["args"] + offsets[r]:at["args"] + offsets[r] + size].tobytes()
-            assert got == op.args[lo:lo + size], (s, j)
+            for i in range(first[j], first[j + 1]):
+                lo = at["args"] + offsets[r] + held[i]
+                got = blob[lo:lo + size[i]].tobytes()
+                assert got == op.args[start[i]:start[i] + size[i]], (s, j, i)
             assert tuple(grids[r]) == op.grid, (s, j)
+    # only the words that differ are held: b's rows are 16 bytes, not 64
+    assert len(blob[at["args"]:]) <= (len(a) * 16 + len(b) * 16) + 8
 
 
 def test_a_node_whose_block_shape_changes_stays_on_the_host():
