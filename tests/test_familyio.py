@@ -140,6 +140,11 @@ def test_grape_simulate_runs_a_saved_family_over_a_sequence(family, tmp_path, ca
     out = capsys.readouterr().out
     assert code == 0 and "a switch kernel on the device" in out
     assert "approximated: a device switch costs" in out
+    # the switch's tables, counted by the plan the CUDA backend copies to the device
+    from grape.passes.switch_plan import plan
+
+    tables = sum(plan(v).device_bytes() for v in saved.variants.values())
+    assert f"device switch tables           {tables / 2**20:10.3f} MiB" in out
     assert main(["simulate", str(path), "--durations", durations, "--update-device",
                  "--update-whole"]) != 0
     assert "expected --update-whole or --update-device, found both" in capsys.readouterr().err

@@ -7,11 +7,12 @@ CUDA 12.4 added *device-updatable* kernel nodes, whose arguments and grid a kern
 ``cudaGraphKernelNodeUpdatesApply``; :class:`DeviceSwitch` keeps every version of such nodes
 on the device (the argument bytes its versions differ in, and the grid: a row each) with a
 table of which row each shape takes, and switches all of them in one launch of
-``grape_switch_versions``: one thread a node. The shape comes as an argument (``launch``,
-from a host loop); the kernel also reads it from device memory where given one, for a device
-loop whose position the GPU keeps (updates made by a kernel node take effect for the nodes
-after it in the same launch, WHILE bodies included, as the probe showed; no device loop uses a
-switch yet).
+``grape_switch_versions``: one thread a node. What the tables hold, and their layout, is
+decided without a GPU (``grape.passes.switch_plan``), so the simulator counts the same bytes.
+The shape comes as an argument (``launch``, from a host loop); the kernel also reads it from
+device memory where given one, for a device loop whose position the GPU keeps (updates made
+by a kernel node take effect for the nodes after it in the same launch, WHILE bodies included,
+as the probe showed; no device loop uses a switch yet).
 
 What ``benchmarks/device_updates.py`` found on the H200 (driver 580): updates apply only to an
 executable already uploaded (``Executable`` uploads at instantiation; without that, a switch
@@ -36,11 +37,12 @@ from grape.cuda.functions import param_layout
 from grape.cuda.nvrtc import Module, pack_args
 from grape.cuda.resource import Resource
 from grape.errors import CudaError, GrapeError
+from grape.passes.switch_plan import tables
 
 if TYPE_CHECKING:  # for annotations; the rule it checks is imported where it is used
     from grape.passes.variants import NodeVersions
 
-__all__ = ["DeviceSwitch", "spans"]
+__all__ = ["DeviceSwitch"]
 
 SOURCE = r"""
 // cudaGraphKernelNodeUpdate of cuda_runtime_api.h: 40 bytes; field 1 the grid, 2 argument bytes.
@@ -141,7 +143,7 @@ class DeviceSwitch(Resource):
         self.nodes = frozenset(nv.node for nv in versions)  # the nodes it switches
         self.shapes = len(table)
         handles = [self._updatable(graph, nv.node) for nv in versions]
-        blob, self._at = _tables(versions, table, handles)
+        blob, self._at = tables(versions, table, handles)
         self._size = max(len(blob), 8)
         self.device_bytes = self._size  # the tables, all the device memory a switch holds
         self.address = int(call(driver.cuMemAlloc, self._size,
@@ -204,80 +206,3 @@ class DeviceSwitch(Resource):
         if code:
             raise CudaError(f"expected the GPU to switch {len(self.nodes)} nodes' versions, "
                             f"found cudaGraphKernelNodeUpdatesApply failing with error {code}")
-
-
-# Two runs of differing words closer than this many bytes are written as one span: a span
-# costs the kernel one more update of 40 bytes, a gap word 8 bytes of table a version.
-_GAP = 16
-
-
-def spans(versions: NodeVersions) -> tuple[list[tuple[int, int]], bool]:
-    """The argument bytes ``versions`` differ in, as (first byte, count) spans of whole 8-byte
-    words within the arguments (none where no byte differs), and whether the grid differs:
-    what a switch writes. One span a node stored up to 1,480 bytes a version for GPT-2 small,
-    where a pointer near a structure's start and a leftover word near its end both change:
-    28 MB of tables for 1,023 lengths (run 20), against 7.4 times less in spans of the words
-    that differ (the committed 240..255 captures, this CPU)."""
-    args, dims, _ = versions.arrays()
-    grid = bool((dims[:, :3] != dims[:1, :3]).any())
-    words = np.unique(np.flatnonzero((args != args[:1]).any(axis=0)) // 8) * 8
-    out: list[list[int]] = []
-    for w in words.tolist():
-        if out and w - out[-1][1] <= _GAP:
-            out[-1][1] = w + 8
-        else:
-            out.append([w, w + 8])
-    return [(lo, min(hi, args.shape[1]) - lo) for lo, hi in out], grid
-
-
-def _tables(versions: Sequence[NodeVersions], table: np.ndarray,
-            handles: list[int]) -> tuple[np.ndarray, dict[str, int]]:
-    """Every table the kernel reads, in one blob (each part 8-byte aligned), and each part's
-    byte offset in it. A node's rows keep only the bytes its versions differ in (``spans``),
-    its spans side by side."""
-    first_row = np.cumsum([0] + [len(nv) for nv in versions])  # each node's first global row
-    offsets = np.zeros(int(first_row[-1]), dtype=np.int64)
-    arg_parts, grids, grid_varies, cursor = [], [], [], 0
-    first, start, size, at = [0], [], [], []
-    for j, nv in enumerate(versions):
-        args, dims, _ = nv.arrays()
-        runs, grid = spans(nv)
-        grid_varies.append(grid)
-        width = 0
-        for lo, count in runs:
-            start.append(lo)
-            size.append(count)
-            at.append(width)
-            width += -(-count // 8) * 8
-        first.append(len(start))
-        block = np.zeros((len(nv), width), dtype=np.uint8)
-        for (lo, count), where in zip(runs, at[first[-2]:], strict=True):
-            block[:, where:where + count] = args[:, lo:lo + count]
-        offsets[first_row[j]:first_row[j + 1]] = (cursor
-                                                  + np.arange(len(nv), dtype=np.int64) * width)
-        cursor += block.size
-        arg_parts.append(block.ravel())
-        grids.append(dims[:, :3].astype(np.uint32))
-    parts = {
-        "nodes": np.array(handles, dtype=np.uint64),
-        "first": np.array(first, dtype=np.uint32),
-        "start": np.array(start, dtype=np.uint32),
-        "size": np.array(size, dtype=np.uint32),
-        "at": np.array(at, dtype=np.uint32),
-        "grid_varies": np.array(grid_varies, dtype=np.uint32),
-        "offsets": offsets,
-        "grids": np.concatenate(grids) if grids else np.zeros((0, 3), np.uint32),
-        "rows": (table + first_row[:-1][None, :]).astype(np.int32),
-        "status": np.zeros(2, dtype=np.int32),
-        "args": np.concatenate(arg_parts) if arg_parts else np.zeros(0, np.uint8),
-    }
-    where, chunks, cursor = {}, [], 0
-    for name, part in parts.items():
-        raw = np.ascontiguousarray(part).view(np.uint8).ravel()
-        where[name] = cursor
-        chunks.append(raw)
-        pad = -len(raw) % 8
-        if pad:
-            chunks.append(np.zeros(pad, dtype=np.uint8))
-        cursor += len(raw) + pad
-    return np.concatenate(chunks) if chunks else np.zeros(8, np.uint8), where

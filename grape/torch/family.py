@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from grape.cuda.build import Executable, Graph, Update
@@ -39,7 +38,8 @@ from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
 from grape.passes.derive import Derivation, Sampled, derive_lengths, place_derived
 from grape.passes.families import match, same_ids
-from grape.passes.variants import Variants, device_switchable
+from grape.passes.switch_plan import plan as switch_plan
+from grape.passes.variants import Variants
 from grape.torch.capture import capture, frozen_heap, on_another_thread, pool_segments
 
 __all__ = ["Family", "capture_family", "environment", "load_family"]
@@ -192,16 +192,11 @@ class Family:
         group, v = self.groups[name], self.variants[name]
         if (old := self._device.pop(name, None)) is not None:
             old.close()
-        chosen = [v.nodes[node] for node in v.nodes if device_switchable(v.nodes[node])]
-        shapes = list(v.shapes)
-        table = np.zeros((len(shapes), len(chosen)), dtype=np.int64)
-        for i, shape in enumerate(shapes):
-            taken = v.shapes[shape]
-            table[i] = [taken.get(nv.node, 0) for nv in chosen]
-            self._row[shape] = i
+        made = switch_plan(v)
+        self._row.update((shape, i) for i, shape in enumerate(made.shapes))
         graph = Graph.build(group.template)
         try:
-            switch = DeviceSwitch(graph, chosen, table)
+            switch = DeviceSwitch(graph, made.versions, made.table)
             executable = graph.instantiate()
         except BaseException:
             graph.close()
@@ -216,7 +211,7 @@ class Family:
             del self._versions[key]
         self._prepared = {k: u for k, u in self._prepared.items()
                           if self.group_of.get(k[1]) != name}
-        return sum(len(nv) for nv in chosen)
+        return sum(len(nv) for nv in made.versions)
 
     def _node(self, name: str, node: str) -> list[Update]:
         """Node ``node``'s versions in executable ``name`` as prepared calls, by version:

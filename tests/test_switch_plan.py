@@ -1,16 +1,16 @@
-"""The tables a device switch (grape.cuda.switch) copies to the GPU, built on the CPU: each
-shape's row of each node must hold the bytes its version differs in and its grid, and a node
-whose versions change their block shape stays with host updates."""
+"""The tables a device switch (grape.cuda.switch) copies to the GPU, built on the CPU
+(grape.passes.switch_plan): each shape's row of each node must hold the bytes its version
+differs in and its grid, and a node whose versions change their block shape stays with host
+updates."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
-
-from grape.cuda.switch import _tables, spans
 from grape.ir import Kernel, Param
+from grape.passes.switch_plan import plan, spans
+from grape.passes.switch_plan import tables as _tables
 from grape.passes.variants import NodeVersions, device_switchable
 
 
@@ -99,6 +99,7 @@ def test_a_node_whose_block_shape_changes_stays_on_the_host():
 
 
 def test_a_switch_refuses_a_node_whose_block_shape_changes_before_touching_the_driver():
+    pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
     from grape.cuda.switch import DeviceSwitch
     from grape.errors import GrapeError
 
@@ -106,3 +107,34 @@ def test_a_switch_refuses_a_node_whose_block_shape_changes_before_touching_the_d
     nv.add(_kernel(1, bytes(8), block=64))
     with pytest.raises(GrapeError, match="node 'k' changing more"):
         DeviceSwitch(None, [nv], np.zeros((1, 1), dtype=np.int64))
+
+
+def test_the_plan_of_a_captured_family_gives_each_shape_its_own_versions():
+    # GPT-2 small decode over KV 240..255, captured on the H200: the executable's switchable
+    # nodes, and for every shape the version of each that the shape's own graph has.
+    from grape.passes.variants import Variants
+    from tests.h200_captures import captures
+
+    got = captures()
+    v = Variants(got.graphs[got.lengths[0]])
+    v.shapes[got.lengths[0]] = {}
+    for n in got.lengths[1:]:
+        v.add_graph(n, got.graphs[n])
+    made = plan(v)
+    assert made.shapes == list(v.shapes) and len(made.versions) > 40
+    assert all(device_switchable(nv) for nv in made.versions)
+    for i, shape in enumerate(made.shapes):
+        ops = v.ops(shape)
+        for j, nv in enumerate(made.versions):
+            assert nv.op(int(made.table[i, j])) == ops.get(nv.node, v.template.op(nv.node))
+    # the bytes a DeviceSwitch would copy, and far fewer than a span a node from the first
+    # differing byte to the last (what the tables held before run 21)
+    blob, _ = _tables(made.versions, made.table, [0] * len(made.versions))
+    assert made.device_bytes() == len(blob)
+    whole = 0
+    for nv in made.versions:
+        args = nv.arrays()[0]
+        differ = np.flatnonzero((args != args[:1]).any(axis=0))
+        if len(differ):
+            whole += len(nv) * (int(differ[-1]) // 8 - int(differ[0]) // 8 + 1) * 8
+    assert len(blob) < whole / 3
