@@ -239,3 +239,54 @@ def test_running_ahead_gives_the_times_an_event_per_kernel_gives(monkeypatch, se
     ahead = run()
     monkeypatch.setattr(simpy.Environment, "peek", lambda env: env.now)
     assert run() == ahead
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_straight_run_queued_at_once_gives_the_times_step_by_step_gives(monkeypatch, seed):
+    # Without a timeline or recording, the host queues an iteration's opening run of host
+    # work and launches in one go where the launch queue holds it all (_straight); step by
+    # step (the run made empty) must give the same times, stalls and ends.
+    import random
+
+    import grape.sim.engine as engine
+
+    rng = random.Random(1000 + seed)
+    program = _random_program(rng, rng.choice([1, 2, 3]))
+    costs = dataclasses.replace(COSTS, queue_depth=rng.choice([2, 5, 1024]))
+
+    def run():
+        r = simulate(program, costs)
+        return r.iteration_times, r.end, r.gpu_busy, r.host_stall, r.synchronised
+
+    queued = [0]
+    original = engine._Machine.submit_all
+
+    def counting(self, run, at):
+        queued[0] += run.launches
+        original(self, run, at)
+
+    monkeypatch.setattr(engine._Machine, "submit_all", counting)
+    at_once = run()
+    # the queue holds any of these runs: every opening run with launches went at once
+    opening = sum(engine._straight(steps).launches for steps in program.iterations)
+    monkeypatch.setattr(engine, "_straight", lambda steps: engine._Run({}, 0, 0.0, 0))
+    assert run() == at_once
+    if costs.queue_depth == 1024:
+        assert queued[0] == opening
+
+
+def test_a_straight_run_adds_its_host_times_in_another_order_only(monkeypatch):
+    # Queued at once, a run's launch times are the iteration's start plus offsets summed from
+    # zero, step by step they are summed from the start: equal but for rounding.
+    import grape.sim.engine as engine
+
+    step = (HostWork(4.3), Launch("cudaLaunchKernel", 5.1, (_k(2.7), _k(0.9, 1))))
+    program = Program("p", [step * 300 + (Sync("sync", 0.1),)] * 5)
+
+    def run():
+        r = simulate(program, COSTS)
+        return [*r.iteration_times, r.end, r.gpu_busy, r.host_stall]
+
+    at_once = run()
+    monkeypatch.setattr(engine, "_straight", lambda steps: engine._Run({}, 0, 0.0, 0))
+    assert run() == pytest.approx(at_once, rel=1e-12, abs=1e-9)

@@ -21,6 +21,7 @@ from array import array
 from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import simpy
@@ -347,6 +348,23 @@ class _Machine:
             stream.wake.succeed()
             stream.wake = None
 
+    def submit_all(self, run: _Run, at: float) -> None:
+        """Queue a straight run of kernel launches (``_straight``), issued from host time
+        ``at`` on, all before any stream runs (the caller has checked that the queue holds
+        them all): each stream's items made by one ``map`` over the run's columns."""
+        base = at + self.latency
+        for sid, (names, durs, offsets, kinds) in run.by_stream.items():
+            stream = self.streams.get(sid) or self.stream(sid)
+            stream.submitted += len(names)
+            stream.items.extend(map(_new_item, repeat(_Item), zip(
+                names, durs, [base + o for o in offsets], repeat(None), kinds,
+                repeat(self.correlation), repeat(()))))
+            if stream.wake is not None:  # the stream sits idle: wake it
+                stream.wake.succeed()
+                stream.wake = None
+        self.pending += run.launches
+        self.outstanding += run.launches
+
     def wait(self, sid: int, on: int) -> None:
         """Stream ``sid`` waits for the work queued on ``on`` so far (no driver slot: an event
         wait is not a launch)."""
@@ -375,6 +393,42 @@ def _recorded(item: _Item, sid: int, start: float, end: float) -> list[GpuRecord
     return ops
 
 
+class _Run(NamedTuple):
+    """An iteration's opening run of host work and kernel launches (``_straight``)."""
+
+    by_stream: dict[int, tuple[list[str], list[float], list[float], list[str]]]  # columns:
+    # each launch's name, duration, host time issued (from the run's start), kind
+    launches: int
+    took: float  # host time the run takes
+    steps: int  # steps of the iteration it spans
+
+
+def _straight(steps: tuple) -> _Run:
+    """The longest opening run of ``steps`` that is host work and kernel launches only. A
+    program repeats one iteration's tuple many times, so this is worked out once per distinct
+    tuple, and the host queues such a run in one go (``_Machine.submit_all``) wherever the
+    launch queue cannot fill during it."""
+    by_stream: dict[int, tuple[list[str], list[float], list[float], list[str]]] = {}
+    t, count, launches = 0.0, 0, 0
+    for step in steps:
+        kind = type(step)
+        if kind is HostWork:
+            t += step.dur
+        elif kind is Launch:
+            t += step.cost
+            for w in step.work:
+                names, durs, offsets, kinds = by_stream.setdefault(w.stream, ([], [], [], []))
+                names.append(w.name)
+                durs.append(w.dur)
+                offsets.append(t)
+                kinds.append(w.kind)
+                launches += 1
+        else:
+            break
+        count += 1
+    return _Run(by_stream, launches, t, count)
+
+
 def _host(m: _Machine, program: Program, times: list[float],
           calls: list[HostCall] | None, windows: list[tuple[float, float]]
           ) -> Generator[Any, Any, None]:
@@ -394,9 +448,20 @@ def _host(m: _Machine, program: Program, times: list[float],
         calls.append(HostCall(name, "runtime", start, end - start, 1, m.correlation))
 
     submit = m.submit
+    # Straight runs, per distinct iteration tuple (the Program holds them, so ids are stable);
+    # only without a timeline or recording, which want every step's own interval and call.
+    straight: dict[int, _Run] | None = {} if timeline is None and calls is None else None
     for steps in program.iterations:
-        began, synced = clock, False
-        for step in steps:
+        began, synced, rest = clock, False, steps
+        if straight is not None:
+            run = straight.get(id(steps))
+            if run is None:
+                run = straight[id(steps)] = _straight(steps)
+            if run.steps and m.pending + run.launches <= depth:  # the queue holds them all
+                m.submit_all(run, clock)
+                clock += run.took
+                rest = steps[run.steps:]  # the rest step by step (a sync, most often)
+        for step in rest:
             t = clock
             kind = type(step)  # exact types: Program's steps are final dataclasses
             if kind is HostWork:
