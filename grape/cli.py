@@ -541,13 +541,11 @@ def _simulate_family(args: argparse.Namespace) -> None:
            else "node by node")
     print(f"  nodes updated per step         {sum(updated) / len(updated):10.1f} ({way})")
     if args.update_device:  # the tables each executable's switch keeps on the device
-        from grape.passes.switch_plan import plan
+        from grape.passes.switch_plan import totals
 
-        plans = [plan(v) for v in saved.variants.values()]
-        mib = sum(p.device_bytes() for p in plans) / 2**20
-        print(f"  device switch tables           {mib:10.3f} MiB "
-              f"({sum(len(p.versions) for p in plans)} nodes switched, "
-              f"{sum(len(nv) for p in plans for nv in p.versions)} versions)")
+        nodes, versions, tables = totals(saved.variants.values())
+        print(f"  device switch tables           {tables / 2**20:10.3f} MiB "
+              f"({nodes} nodes switched, {versions} versions)")
     _graph_outputs(args, program, result, profile)
 
 

@@ -13,6 +13,7 @@ import networkx as nx
 from grape.errors import ProfileError
 from grape.familyio import SavedFamily
 from grape.ir import KernelGraph
+from grape.passes.switch_plan import totals
 from grape.profile import CONSTANTS, DeviceProfile
 from grape.trace import SIMULATED, Trace
 
@@ -172,6 +173,7 @@ def family_summary(f: SavedFamily, path: str | Path) -> Summary:
     changed = sorted(f.changed(s) for s in f.shapes)
     executables = {key: {"nodes": len(v.template), "shapes": len(v.shapes)}
                    for key, v in f.variants.items()}
+    switched, versions, tables = totals(f.variants.values())
     buffers = {b.id: b for g in f.templates.values() for b in g.buffers.values()}
     scratch = sum(buffers[b].size for b in f.scratch if b in buffers)
     shapes = list(f.shapes)
@@ -183,6 +185,7 @@ def family_summary(f: SavedFamily, path: str | Path) -> Summary:
         "changed_nodes_per_shape": {"min": changed[0], "median": statistics.median(changed),
                                     "max": changed[-1]} if changed else None,
         "scratch_buffers": len(f.scratch), "scratch_bytes": scratch,
+        "device_switch": {"nodes": switched, "versions": versions, "table_bytes": tables},
         "environment": dict(f.environment),
     }
     env = f.environment
@@ -195,6 +198,8 @@ def family_summary(f: SavedFamily, path: str | Path) -> Summary:
         + (f"{changed[0]} to {changed[-1]}, median {statistics.median(changed):g}"
            if changed else "none"),
         f"  scratch moved whole on a warm start: {len(f.scratch)} buffers, {scratch:,} bytes",
+        f"  with update=\"device\": {switched} nodes switched on the GPU ({versions} versions), "
+        f"tables of {tables:,} bytes",
         f"  captured on {env.get('gpu', '?')}, driver {env.get('driver', '?')}, torch "
         f"{env.get('torch', '?')}, grape {env.get('grape', '?')}",
     ]

@@ -88,10 +88,24 @@ def test_info_on_a_saved_family(capsys):
     assert ("grape graph family: 16 shapes (240..255), 2 executables (292 nodes for 2 shapes, "
             "316 nodes for 14 shapes)") in out
     assert "captured on NVIDIA H200, driver 13000, torch 2.11.0+cu130" in out
+    text = out
     code, out, _ = run(capsys, "info", "--json", family)
     data = json.loads(out)
     assert data["kind"] == "family" and data["shapes"] == 16
     assert data["changed_nodes_per_shape"]["max"] >= data["changed_nodes_per_shape"]["median"]
+    # what update="device" would put on the GPU: every node with versions a kernel can switch
+    from grape.familyio import load_family
+    from grape.passes.variants import device_switchable
+
+    saved = load_family(family)
+    switchable = [nv for v in saved.variants.values() for nv in v.nodes.values()
+                  if device_switchable(nv)]
+    switch = data["device_switch"]
+    assert switch["nodes"] == len(switchable) > 0
+    assert switch["versions"] == sum(map(len, switchable))
+    assert (f'with update="device": {switch["nodes"]} nodes switched on the GPU '
+            f'({switch["versions"]} versions), tables of {switch["table_bytes"]:,} bytes') in text
+    assert 0 < switch["table_bytes"] < switch["versions"] * 1480
 
 
 @pytest.mark.parametrize("content, message", [

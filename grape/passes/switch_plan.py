@@ -9,14 +9,14 @@ bytes; the simulator counts them (a family's device memory) from the same functi
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from grape.passes.variants import NodeVersions, Variants, device_switchable
 
-__all__ = ["SwitchPlan", "plan", "spans", "tables"]
+__all__ = ["SwitchPlan", "plan", "spans", "tables", "totals"]
 
 # Two runs of differing words closer than this many bytes are written as one span: a span
 # costs the kernel one more update of 40 bytes, a gap word 8 bytes of table a version.
@@ -46,6 +46,15 @@ def plan(v: Variants) -> SwitchPlan:
         taken = v.shapes[shape]
         table[i] = [taken.get(nv.node, 0) for nv in chosen]
     return SwitchPlan(chosen, shapes, table)
+
+
+def totals(variants: Iterable[Variants]) -> tuple[int, int, int]:
+    """Over a family's executables: the nodes device switches take over, their versions, and
+    the switches' tables in device bytes (what ``update="device"`` adds to a family)."""
+    plans = [plan(v) for v in variants]
+    return (sum(len(p.versions) for p in plans),
+            sum(len(nv) for p in plans for nv in p.versions),
+            sum(p.device_bytes() for p in plans))
 
 
 def spans(versions: NodeVersions) -> tuple[list[tuple[int, int]], bool]:
