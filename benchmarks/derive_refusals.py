@@ -18,8 +18,6 @@ import json
 import os
 import sys
 
-import numpy as np
-
 from grape.passes.derive import _flatten
 
 
@@ -63,28 +61,20 @@ def main() -> None:
           f"{sum(bool(v) for v in sampled.checked.values())} of {len(sampled.checked)} "
           f"held-out checks differed, in {len(rows)} numbers; host words made loose: "
           f"{sampled.host_words}")
-    # What kept lengths from any derivation: per derivation, the numbers whose stretches
-    # leave some length between its samples (in its class) underived, with those stretches.
+    # What kept lengths from any derivation, trusted or refused: per derivation, the numbers
+    # whose stretches leave lengths between its samples (in its class) underived.
     gaps = collections.Counter()
-    shown = 0
     for d in sampled.derivations:
-        inside = np.asarray([n for n in lengths if d.lengths[0] < n < d.lengths[-1]
-                             and (n - d.lengths[0]) % args.period == 0], dtype=np.int64)
-        if not len(inside):
-            continue
-        for key, segments in d.fits.items():
-            ok = d._column(key, inside)[1]
-            if ok.all():
-                continue
-            op = d.template.op(key[0]) if not key[0].startswith("buffer:") else None
-            kernel = getattr(op, "name", getattr(op, "kind", key[0]))[:50]
-            gaps[(kernel, key[1])] += int((~ok).sum())
-            if shown < 30:
-                shown += 1
-                print(f"  uncovered {int((~ok).sum())} of {len(inside)} in {d.lengths[0]}.."
-                      f"{d.lengths[-1]}: {key[1]} of {kernel}: " + "; ".join(
-                          f"{g.first}..{g.last} {g.intercept}+{g.slope}n ({g.support})"
-                          for g in segments))
+        inside = [n for n in lengths if d.lengths[0] < n < d.lengths[-1]
+                  and (n - d.lengths[0]) % args.period == 0]
+        gaps.update(d.holding_back(inside))
+        for (node, number), count in d.holding_back(inside, by_node=True).most_common(3):
+            kernel = node if node.startswith("buffer:") else getattr(
+                d.template.op(node), "name", node)
+            print(f"  uncovered {count} of {len(inside)} in {d.lengths[0]}..{d.lengths[-1]}: "
+                  f"{number} of {kernel[:50]}: " + "; ".join(
+                      f"{g.first}..{g.last} {g.intercept}+{g.slope}n ({g.support})"
+                      for g in d.fits[node, number]))
     print(f"numbers leaving lengths underived (kernel, number: lengths): {gaps.most_common(25)}")
     print(f"cuts: {collections.Counter(why for _, _, why in sampled.cuts).most_common(10)}")
     for r in rows[:40]:

@@ -432,3 +432,38 @@ def test_derived_lengths_placed_at_once_take_the_versions_placed_one_by_one():
     with pytest.raises(UnsupportedError):
         place_derived(many, d, [last + 1], first, pairs)
     assert last + 1 not in many.shapes
+
+
+def laid_out(n: int) -> KernelGraph:
+    """A step whose temporary sits where the allocator put it: its offset in the graphs' pool
+    grows with the length and jumps every 40 lengths (a block's rounded size crossing a
+    boundary), as GPT-2 small's did on the H200."""
+    g = KernelGraph()
+    g.add_buffer(Buffer("pool", 1 << 20, BufferRole.INTERNAL, address=0x100000))
+    jumps = n // 40
+    offset = 512 * jumps * (jumps + 3) + 16 * n  # jumps of other sizes: no line through them
+    args = (0x100000 + offset).to_bytes(8, "little") + n.to_bytes(4, "little") + bytes(4)
+    g.add("n0", Kernel("ew@0x2", "ew", grid=(1, 1, 1), block=(128, 1, 1), args=args,
+                       params=(Param(0, 8), Param(8, 4), Param(12, 4)),
+                       pointers=(Pointer(0, Span("pool", offset)),)))
+    return g
+
+
+def test_what_holds_lengths_back_is_named():
+    # Samples 32 lengths apart leave each 40-length stretch of the pointer's line one or two
+    # samples: nothing between them derives, and the pointer is named as the reason.
+    lines = []
+    got = derive_lengths(_recorder(laid_out)[0], range(1, 257), every=32, checks=1,
+                         progress=lines.append)
+    assert got.derived == []
+    # the pointer, as its offset in the pool (p0) and as the argument word holding it (w0)
+    top = got.held_back.most_common()
+    assert {key for key, _ in top[:2]} == {("ew", "p0"), ("ew", "w0")} and top[0][1] > 0
+    assert f"most held back by {top[0][0][1]} of ew ({top[0][1]} lengths" in lines[-1]
+    # by node rather than kernel, for a kernel that runs at several nodes
+    d = got.derivations[0]
+    inside = range(d.lengths[0] + 1, d.lengths[-1])
+    assert set(d.holding_back(inside, by_node=True)) == {("n0", "p0"), ("n0", "w0")}
+    # Sampled densely enough, the same steps derive and nothing is held back
+    dense = derive_lengths(_recorder(laid_out)[0], range(1, 257), every=8, checks=1)
+    assert len(dense.derived) > 100
