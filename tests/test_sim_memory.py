@@ -36,6 +36,22 @@ def test_small_and_large_requests_use_their_own_segments():
         pool.free((5, 0))
 
 
+def test_a_large_block_splits_only_where_more_than_1_mib_is_left():
+    # PyTorch's should_split: a large block gives a request all of itself where 1 MiB or less
+    # would be left (a small one splits down to 512 bytes).
+    pool = Pool()
+    pool.malloc(19 * MB + MB // 2)  # a 20 MiB segment; half a MiB left: not split
+    assert pool.allocated == 20 * MB and pool.free_blocks == []
+    second = pool.malloc(3 * MB)  # another segment, split: 17 MiB stay free
+    assert second == (1, 0) and pool.free_blocks == [(1, 3 * MB, 17 * MB)]
+    pool.malloc(16 * MB)  # 1 MiB would be left: the whole block
+    assert pool.free_blocks == [] and pool.allocated == 40 * MB
+    small = Pool()
+    small.malloc(MB)
+    small.malloc(MB - 512)  # the 2 MiB segment's other half, 512 bytes left: split
+    assert small.free_blocks == [(0, 2 * MB - 512, 512)] and small.allocated == 2 * MB - 512
+
+
 def _shape(length: int) -> list[tuple[str, int, int]]:
     """A decode step's allocations: activations that grow with the KV length, all freed."""
     sizes = [length * 64 * 1024, 4 * MB, length * 2 * 1024]

@@ -3,10 +3,11 @@
 :class:`Pool` follows the CUDA caching allocator's rules closely enough to predict what graph
 capture costs: request sizes round up to 512 bytes; requests up to 1 MiB come from 2 MiB
 segments, larger ones under 10 MiB from 20 MiB segments, and anything bigger from a segment of
-its own rounded up to 2 MiB; a free block is reused best-fit and split, and freed neighbours
-coalesce. A graph captured into a private pool keeps that pool's segments for as long as the
-graph lives, which is why per-shape graphs multiply memory and one shared pool, captured
-largest first, does not.
+its own rounded up to 2 MiB; a free block is reused best-fit and split (a large one only where
+more than 1 MiB is left, as ``should_split`` in PyTorch's ``CUDACachingAllocator.cpp``), and
+freed neighbours coalesce. A graph captured into a private pool keeps that pool's segments for
+as long as the graph lives, which is why per-shape graphs multiply memory and one shared pool,
+captured largest first, does not.
 """
 
 from __future__ import annotations
@@ -91,13 +92,16 @@ class Pool:
             self._free.insert(i, (fsize, seg, 0))
         self._free.pop(i)
         block = self._blocks[(seg, off)]
-        if fsize > size:  # split: the rest stays free
+        # Split where the allocator does (should_split): a small block when at least a
+        # minimum block is left, a large one only when more than 1 MiB is; otherwise the
+        # request takes the whole block.
+        if (fsize - size >= MIN_BLOCK) if small else (fsize - size > SMALL_REQUEST):
             rest = _Block(seg, off + size, fsize - size)
             self._blocks[(seg, rest.offset)] = rest
             bisect.insort(self._free, (rest.size, seg, rest.offset))
             block.size = size
         block.free = False
-        self.allocated += size
+        self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return seg, off
 
