@@ -290,3 +290,16 @@ def test_a_straight_run_adds_its_host_times_in_another_order_only(monkeypatch):
     at_once = run()
     monkeypatch.setattr(engine, "_straight", lambda steps: engine._Run({}, 0, 0.0, 0))
     assert run() == pytest.approx(at_once, rel=1e-12, abs=1e-9)
+
+
+def test_iterations_made_one_at_a_time_are_not_taken_for_each_other():
+    # Straight runs are kept per iteration tuple by id; iterations from a generator are freed
+    # as they go, and a later tuple may take a freed one's id: each must keep its own run.
+    def iteration(i: int) -> tuple:
+        return ((HostWork(1.0), Launch("cudaLaunchKernel", 2.0, (_k(float(i + 1)),))) * 3
+                + (Sync("sync", 0.0),))
+
+    made = simulate(Program("p", (iteration(i) for i in range(50))), COSTS)
+    kept = simulate(Program("p", [iteration(i) for i in range(50)]), COSTS)
+    assert made.iteration_times == kept.iteration_times and made.end == kept.end
+    assert len(set(kept.iteration_times)) > 1  # the iterations differ

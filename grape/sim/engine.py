@@ -448,15 +448,18 @@ def _host(m: _Machine, program: Program, times: list[float],
         calls.append(HostCall(name, "runtime", start, end - start, 1, m.correlation))
 
     submit = m.submit
-    # Straight runs, per distinct iteration tuple (the Program holds them, so ids are stable);
+    # Straight runs, per distinct iteration tuple, keyed by id (hashing a long tuple costs a
+    # pass over it) and holding the tuple, so that no id is another's while the run lasts;
     # only without a timeline or recording, which want every step's own interval and call.
-    straight: dict[int, _Run] | None = {} if timeline is None and calls is None else None
+    straight: dict[int, tuple[tuple, _Run]] | None = (
+        {} if timeline is None and calls is None else None)
     for steps in program.iterations:
         began, synced, rest = clock, False, steps
         if straight is not None:
-            run = straight.get(id(steps))
-            if run is None:
-                run = straight[id(steps)] = _straight(steps)
+            held = straight.get(id(steps))
+            if held is None:
+                held = straight[id(steps)] = (steps, _straight(steps))
+            run = held[1]
             if run.steps and m.pending + run.launches <= depth:  # the queue holds them all
                 m.submit_all(run, clock)
                 clock += run.took
