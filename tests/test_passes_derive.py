@@ -467,3 +467,22 @@ def test_what_holds_lengths_back_is_named():
     # Sampled densely enough, the same steps derive and nothing is held back
     dense = derive_lengths(_recorder(laid_out)[0], range(1, 257), every=8, checks=1)
     assert len(dense.derived) > 100
+
+
+def test_without_checks_a_regular_staircase_derives_wrongly_and_a_warning_says_so():
+    def regular(n: int) -> KernelGraph:  # a pointer jumping 4096 bytes every 40 lengths
+        g = KernelGraph()
+        g.add_buffer(Buffer("pool", 1 << 20, BufferRole.INTERNAL, address=0x100000))
+        offset = 4096 * (n // 40) + 16 * n
+        args = (0x100000 + offset).to_bytes(8, "little") + bytes(8)
+        g.add("n0", Kernel("ew@0x2", "ew", grid=(1, 1, 1), block=(128, 1, 1), args=args,
+                           params=(Param(0, 8), Param(8, 8)),
+                           pointers=(Pointer(0, Span("pool", offset)),)))
+        return g
+
+    # Sampled every 32, one sample a step: the samples 65..161 lie on one line
+    with pytest.warns(UserWarning, match="checks=0: no derived stretch is checked"):
+        blind = derive_lengths(_recorder(regular)[0], range(1, 257), every=32, checks=0)
+    assert blind.derived and all(blind.graphs[n] != regular(n) for n in blind.derived)
+    checked = derive_lengths(_recorder(regular)[0], range(1, 257), every=32, checks=1)
+    assert checked.refused and all(checked.graphs[n] == regular(n) for n in checked.derived)
