@@ -13,7 +13,10 @@ length, in a CUDA graph of 20 calls (us per call):
   heads for queries and keys only);
 - ``sdpa_masked_used``: SDPA over exactly the used length, masked for left padding: what a
   per-shape graph at that length runs (a lower bound for a bucket that ends there);
-- ``sdpa_masked_cache``: SDPA over the whole cache, masked: what the padded loop runs.
+- ``sdpa_masked_cache``: SDPA over the whole cache, masked: what the padded loop runs;
+- where PyTorch's FlashAttention takes them (2.13; not 2.11, which the H200 machine has):
+  ``flash_varlen_s{2,4,8}`` with ``num_splits`` and ``flash_paged_s{0,2,4,8}`` over the cache
+  as 256-token pages (timing only: padding counted as keys).
 
 Each kernel's largest difference from an fp32 reference over the used keys is recorded beside
 its time.
@@ -58,6 +61,15 @@ def _per_call_us(fn, calls: int = 20, replays: int = 10) -> float:
     return 1000 * start.elapsed_time(end) / (calls * replays)
 
 
+def _takes_splits() -> bool:
+    """Whether this PyTorch's FlashAttention forward takes ``num_splits`` and ``block_table``
+    (2.13 does; 2.11, on the H200 machine, refused both: ``decode_attention_splits_5af24e7``)."""
+    import torch
+
+    names = {a.name for a in torch.ops.aten._flash_attention_forward.default._schema.arguments}
+    return {"num_splits", "block_table"} <= names
+
+
 def _paged(q, cu_q, paged, cache: int, total, splits: int):
     """FlashAttention over paged keys (``paged``: keys, values, whole rows' starts, block
     table), ``total`` keys of each row from its start, ``num_splits=splits``."""
@@ -87,7 +99,7 @@ def measure(rows: int, hq: int, hk: int, dim: int, cache: int) -> list[dict[str,
     starts[:-1] += pad
     group = hq // hk
     paged = None
-    if cache % PAGE == 0:
+    if cache % PAGE == 0 and _takes_splits():
         # Paged (a block table over the same cache, PAGE tokens a block): FlashAttention splits
         # the keys across blocks only with paged keys, it seems. Keys counted from each row's
         # start, padding included (timing only: the error is against the unpadded reference).
@@ -108,7 +120,7 @@ def measure(rows: int, hq: int, hk: int, dim: int, cache: int) -> list[dict[str,
         # (Defaults bind this length's tensors: the calls run within the iteration anyway.)
         ways = {"flash_varlen": lambda used=used: torch.ops.aten._flash_attention_forward(
             q, k, v, cu_q, starts, 1, cache, 0.0, False, False, seqused_k=used)[0]}
-        for splits in SPLITS:  # split-KV: more blocks per row when rows x heads are few
+        for splits in SPLITS if _takes_splits() else ():  # split-KV, where PyTorch has it
             ways[f"flash_varlen_s{splits}"] = (
                 lambda used=used, splits=splits: torch.ops.aten._flash_attention_forward(
                     q, k, v, cu_q, starts, 1, cache, 0.0, False, False, seqused_k=used,
