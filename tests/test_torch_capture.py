@@ -15,7 +15,7 @@ def test_every_capture_warms_up_on_one_stream_per_device(monkeypatch):
     made, device = [], [0]
     monkeypatch.setattr(torch.cuda, "Stream", lambda: made.append(object()) or made[-1])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
-    monkeypatch.setattr(capture, "_WARMUP_STREAMS", {})
+    monkeypatch.setattr(capture, "_CAPTURE_STREAMS", {})
     first = capture.capture_stream()
     assert all(capture.capture_stream() is first for _ in range(300))
     device[0] = 1

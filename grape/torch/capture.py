@@ -93,11 +93,12 @@ def _failure(error: BaseException) -> str:
             f"{_culprit(first)}")
 
 
-# One side stream per device for every capture's warm-up. cuBLAS keeps a workspace for each
-# (handle, stream) it has run on until the process ends (32 MiB and 1 MiB on the H200): a new
-# stream per capture left one behind for each of PyTorch's 32 pooled streams, 1.1 GB in all
-# under a 255-shape GPT-2 family (torch.cuda.memory._snapshot named setWorkspaceForHandle).
-_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+# One side stream per device for every capture's warm-up and capture. cuBLAS keeps a workspace
+# for each (handle, stream) it has run on until the process ends (32 MiB and 1 MiB on the
+# H200): a new stream per capture left one behind for each of PyTorch's 32 pooled streams,
+# 1.1 GB in all under a 255-shape GPT-2 family (torch.cuda.memory._snapshot named
+# setWorkspaceForHandle).
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def on_another_thread(fn: Callable[[], Any]) -> Any:
@@ -154,9 +155,9 @@ def capture_stream() -> torch.cuda.Stream:
     one per device, so that cuBLAS's per-stream workspace is made once (benchmarks make it
     before measuring a family's memory, as they do for the baselines' streams)."""
     device = torch.cuda.current_device()
-    if device not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[device] = torch.cuda.Stream()
-    return _WARMUP_STREAMS[device]
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream()
+    return _CAPTURE_STREAMS[device]
 
 
 # A capture's memory layout should repeat, so that a family's shapes place their temporaries
