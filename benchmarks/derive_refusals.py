@@ -67,12 +67,14 @@ def main() -> None:
     for d in sampled.derivations:
         inside = [n for n in lengths if d.lengths[0] < n < d.lengths[-1]
                   and (n - d.lengths[0]) % args.period == 0]
-        gaps.update(d.holding_back(inside))
-        for (node, number), count in d.holding_back(inside, by_node=True).most_common(3):
-            kernel = node if node.startswith("buffer:") else getattr(
-                d.template.op(node), "name", node)
+        held = d.holding_back(inside, by_node=True)
+        kernel = {node: node if node.startswith("buffer:") else getattr(
+            d.template.op(node), "name", node) for node, _ in held}
+        for (node, number), count in held.items():
+            gaps[kernel[node], number] += count
+        for (node, number), count in held.most_common(3):
             print(f"  uncovered {count} of {len(inside)} in {d.lengths[0]}..{d.lengths[-1]}: "
-                  f"{number} of {kernel[:50]}: " + "; ".join(
+                  f"{number} of {kernel[node][:50]}: " + "; ".join(
                       f"{g.first}..{g.last} {g.intercept}+{g.slope}n ({g.support})"
                       for g in d.fits[node, number]))
     print(f"numbers leaving lengths underived (kernel, number: lengths): {gaps.most_common(25)}")

@@ -338,12 +338,7 @@ class Derivation:
     def covered(self, lengths: Iterable[int]) -> list[int]:
         """The lengths among ``lengths`` that are derivable (:meth:`covers`), found a number
         at a time for all of them."""
-        lengths = list(lengths)
-        at = np.asarray(lengths, dtype=np.int64)
-        ok = np.ones(len(lengths), dtype=bool)
-        for key in self.fits:
-            ok &= self._column(key, at)[1]
-        return [n for n, good in zip(lengths, ok.tolist(), strict=True) if good]
+        return self.coverage(lengths)[0]
 
     def holding_back(self, lengths: Iterable[int], by_node: bool = False
                      ) -> Counter[tuple[str, str]]:
@@ -352,14 +347,23 @@ class Derivation:
         where fewer lengths derived than hoped. On GPT-2 small sampled one length in 32 of a
         class: pointers into the graphs' pool, whose stretches between the allocator's
         changes of layout held too few samples."""
-        at = np.asarray(list(lengths), dtype=np.int64)
-        out: Counter[tuple[str, str]] = Counter()
+        return self.coverage(lengths, by_node)[1]
+
+    def coverage(self, lengths: Iterable[int], by_node: bool = False
+                 ) -> tuple[list[int], Counter[tuple[str, str]]]:
+        """:meth:`covered` and :meth:`holding_back` together, each number's column computed
+        once."""
+        lengths = list(lengths)
+        at = np.asarray(lengths, dtype=np.int64)
+        ok = np.ones(len(lengths), dtype=bool)
+        held: Counter[tuple[str, str]] = Counter()
         for where, what in self.fits:
-            missing = int((~self._column((where, what), at)[1]).sum())
-            if missing:
+            mine = self._column((where, what), at)[1]
+            ok &= mine
+            if missing := int((~mine).sum()):
                 op = None if by_node or where.startswith("buffer:") else self.template.op(where)
-                out[getattr(op, "name", where), what] += missing
-        return out
+                held[getattr(op, "name", where), what] += missing
+        return [n for n, good in zip(lengths, ok.tolist(), strict=True) if good], held
 
     def uncovered(self, length: int) -> list[tuple[str, str]]:
         """The numbers that cannot be derived at ``length`` (none: it is derivable)."""
@@ -861,10 +865,10 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     # back the lengths inside it that it does not.
     covering = []
     for c, d in trusted:
-        inside = [n for n in c if d.lengths[0] <= n <= d.lengths[-1] and n not in out.graphs]
-        covered = set(d.covered(inside))
-        covering.append((d, covered))
-        out.held_back.update(d.holding_back(n for n in inside if n not in covered))
+        covered, held = d.coverage(n for n in c if d.lengths[0] <= n <= d.lengths[-1]
+                                   and n not in out.graphs)
+        covering.append((d, set(covered)))
+        out.held_back.update(held)
     for n in want:
         if n in out.graphs:
             continue
