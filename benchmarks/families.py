@@ -412,6 +412,10 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         "derive_every": derive_every,
         "derive_period": derive_period if derive_every is not None else None,
     }
+    if family.places is not None:  # captures moved to the first one's places
+        result.update(captures_at_first_places=family.places.moved,
+                      captures_not_moved=len(family.places.refused),
+                      first_not_moved=(family.places.refused or [None])[0])
     if family.sampled is not None:  # lengths captured, derived, checked, refused
         result.update(captured_lengths=len(family.sampled.captured),
                       derived_lengths=len(family.sampled.derived),

@@ -38,9 +38,16 @@ from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
 from grape.passes.derive import Derivation, Sampled, derive_lengths, place_derived
 from grape.passes.families import match, same_ids
+from grape.passes.places import History, to_reference
 from grape.passes.switch_plan import plan as switch_plan
 from grape.passes.variants import Variants
-from grape.torch.capture import capture, frozen_heap, on_another_thread, pool_segments
+from grape.torch.capture import (
+    capture,
+    frozen_heap,
+    on_another_thread,
+    pool_segments,
+    with_history,
+)
 
 __all__ = ["Family", "capture_family", "environment", "load_family"]
 
@@ -52,6 +59,42 @@ class _Group:
     graph: Graph
     executable: Executable
     holds: Hashable  # the shape whose parameters the executable holds now
+
+
+@dataclass
+class _Places:
+    """Every capture's temporaries at the places the first capture gave them
+    (``grape.passes.places``): its history and memory are the reference."""
+
+    reference: tuple[History, list[Buffer]] | None = None
+    moved: int = 0  # captures moved
+    pointers: int = 0  # pointer words moved, all captures
+    refused: list[str] = field(default_factory=list)  # why the others were not moved
+
+    def __call__(self, ir: KernelGraph, history: History | None) -> KernelGraph:
+        if history is None:
+            self.refused.append("the process records the allocator's history itself")
+            return ir
+        if self.reference is None:
+            self.reference = (history, [b for b in ir.buffers.values()
+                                        if b.role is BufferRole.INTERNAL])
+            return ir
+        try:
+            got = to_reference(ir, history, *self.reference)
+        except UnsupportedError as e:
+            self.refused.append(str(e))
+            return ir
+        self.moved += 1
+        self.pointers += got.moved
+        return got.graph
+
+    def summary(self) -> str:
+        line = (f"temporaries at the first capture's places in {self.moved} of "
+                f"{self.moved + len(self.refused)} later captures ({self.pointers} pointers "
+                f"moved)")
+        if self.refused:
+            line += f"; the first not moved: {self.refused[0]}"
+        return line
 
 
 @dataclass
@@ -82,6 +125,9 @@ class Family:
     _row: dict[Hashable, int] = field(default_factory=dict)
     _changed: dict[tuple[Hashable, Hashable], int] = field(default_factory=dict)
     sampled: Sampled | None = None  # with derive_every: which lengths were captured, derived
+    # same_places: the captures whose temporaries moved to the first capture's places, and why
+    # the others did not
+    places: _Places | None = None
     # load_family: shapes captured in this process rather than moved from the file, and why
     # the first few did not move (relocation's refusal, naming the node)
     captured_here: int = 0
@@ -297,7 +343,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                    progress: Callable[[str], None] = lambda line: None,
                    update: str = "nodes", derive_every: int | None = None,
                    checks: int = 1, derive_period: int = 1, warmup: int = 1,
-                   prepare: bool = True) -> Family:
+                   prepare: bool = True, same_places: bool = True) -> Family:
     """Capture ``step(shape)`` for each shape (largest first) into one family.
 
     ``update`` says how an executable is brought to a shape: ``"nodes"`` updates the nodes
@@ -323,6 +369,13 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     ``warmup``: eager runs of ``step(shape)`` before each capture (lazy initialisation must not
     happen inside one); 0 where running the step changes state the caller keeps (a training
     step) and it has already run once.
+
+    ``same_places``: move every capture's temporaries (its blocks in the graphs' pool) to the
+    places the first capture gave them (``grape.passes.places``), where the two captures make
+    the same allocations in the same order and no block outgrows the first's: their pointers
+    then stop moving with the shape, so fewer nodes change between shapes and derivation can
+    fit them. A capture that cannot move keeps the allocator's places (why, in
+    :attr:`Family.places`). The first capture should be the largest shape.
 
     ``prepare``: make every node update a switch between shapes can need now
     (:meth:`Family.prepare_updates`, counted in ``capture_s``), not on first use: on a
@@ -354,21 +407,29 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     # family then moves to another process tensor by tensor (capture's ``blocks``).
     blocks: list[tuple[int, int]] | bool = True
 
-    def taken(shape: Hashable) -> Any:
-        return capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
-                       collect=False, warmup=warmup, blocks=blocks)
+    places = _Places() if same_places else None
+
+    def taken(shape: Hashable) -> tuple[Any, KernelGraph]:
+        def once() -> Any:
+            return capture(lambda s=shape: step(s), params=params, pool=pool,
+                           instantiate=False, collect=False, warmup=warmup, blocks=blocks)
+        if places is None:
+            cap = once()
+            return cap, cap.ir
+        cap, history = with_history(once, pool)
+        return cap, places(cap.ir, history)
 
     def captured(shape: Hashable) -> KernelGraph:
         nonlocal blocks
-        cap = taken(shape)
+        cap, ir = taken(shape)
         torch_graphs[shape] = cap.torch_graph
         blocks = cap.blocks
-        return cap.ir
+        return ir
 
     def captured_elsewhere(shape: Hashable) -> KernelGraph:
         """``shape`` captured once more on another thread, to find the argument words that
         hold the host's leftovers (``derive_lengths``' ``again``); not kept."""
-        return on_another_thread(lambda: taken(shape).ir)
+        return on_another_thread(lambda: taken(shape)[1])
 
     sampled = None
     if derive_every is not None:
@@ -454,7 +515,9 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     family = Family(step, groups, group_of, variants, torch.cuda.memory_reserved() - reserved,
                     0.0, keep, graphs=graphs, update=update, sampled=sampled,
                     scratch=scratch_of([g.template for g in groups.values()],
-                                       pool_segments(pool, idle=True)))
+                                       pool_segments(pool, idle=True)), places=places)
+    if places is not None:
+        progress(places.summary())
     if prepare:
         progress(f"prepared {family.prepare_updates()} node updates")
     return family

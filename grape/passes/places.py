@@ -1,0 +1,317 @@
+"""A capture's temporaries moved to the places a reference capture gave them.
+
+A decode step captured at KV length ``n`` allocates its temporaries in the graphs' pool at
+places the caching allocator picks by best fit, and the sizes grow with ``n``, so a block's
+place moves with the length: the pointers into the pool are no affine function of the length,
+and a family's derivation (``grape.passes.derive``) derived nothing from one length in 32
+(benchmarks/README.md, runs 18 to 21). Measured on the H200 (``benchmarks/pool_layout.py``,
+GPT-2 small decode, 128 lengths in 1..1023): every length makes the largest length's 340
+allocations and frees in the same order, 257 of them at other places.
+
+So grape moves them. Given the allocator's history of a capture (:class:`History`: each block
+it made in the pool, when it was made and freed) and that of a *reference* capture of the same
+step (the family's first, its largest shape), :func:`to_reference` rewrites every pointer into
+a block of the capture to the same offset in the reference's block of the same rank in the
+sequence. That is memory-safe under two conditions, both checked: the two captures make the
+same allocations and frees in the same order (so the same blocks are alive together), and no
+block is larger than the reference's (so blocks alive together, disjoint in the reference's
+layout, stay disjoint). Lengths derived between two moved samples keep the second condition
+where a block's size is monotone in the length between them (rounding to the allocator's 512
+bytes keeps an affine size monotone).
+
+Which block a pointer means is not in the graph: the allocator reuses a place many times in
+one capture. It is found from time. The nodes are in the order the capture made them, the
+history in the order the allocator acted, and both follow the host's program order, so each
+node was launched at some point ``t`` of the history, never earlier than the node before it;
+a pointer of the node means the block that contains it and is alive at ``t``. Each node's
+``t`` is bounded from both sides (the earliest consistent with the nodes before it, the latest
+with those after), and a pointer is moved only where every block it could mean over that range
+moves it to one place; otherwise the capture is refused. A word no block alive at ``t`` holds
+is left as it is: a pointer into memory the capture did not allocate, or what PyTorch leaves
+in argument slots it never fills (``grape.passes.relocate`` says why those look like pointers),
+which no kernel reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from grape.errors import UnsupportedError
+from grape.ir import (
+    Buffer,
+    Conditional,
+    Kernel,
+    KernelGraph,
+    Memcpy,
+    Memory,
+    Memset,
+    Op,
+    Pointer,
+    Span,
+)
+
+__all__ = ["History", "Moved", "to_reference"]
+
+
+@dataclass(frozen=True)
+class History:
+    """The blocks one capture allocated in its pool, in the order it made them: ``address``,
+    ``size``, and when each was made and freed, as positions in the sequence of the
+    allocator's acts (``made[i]`` < ``freed[i]``; a block the capture never freed is freed at
+    ``len(acts)``). ``acts`` is that sequence, ("alloc" | "free", block number): two
+    captures that lay out the same program have equal ``acts``."""
+
+    address: tuple[int, ...]
+    size: tuple[int, ...]
+    made: tuple[int, ...]
+    freed: tuple[int, ...]
+    acts: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def of_trace(cls, trace: Iterable[Mapping], segments: Sequence[tuple[int, int]]) -> History:
+        """From the allocator's trace (``torch.cuda.memory._snapshot()["device_traces"]``
+        entries, recorded over the capture), keeping the blocks within ``segments`` (the
+        pool's, as (address, size)): an allocation is ``alloc``, and its block is free to
+        reuse at ``free_completed``."""
+        spans = sorted(segments)
+        starts = np.array([a for a, _ in spans], dtype=np.uint64)
+
+        def in_pool(address: int) -> bool:
+            i = int(np.searchsorted(starts, np.uint64(address), side="right")) - 1
+            return i >= 0 and address < spans[i][0] + spans[i][1]
+
+        address, size, made, freed, acts = [], [], [], [], []
+        live: dict[int, int] = {}  # address -> block number
+        for e in trace:
+            action = e["action"]
+            if action == "alloc" and in_pool(e["addr"]):
+                live[e["addr"]] = len(address)
+                acts.append(("alloc", len(address)))
+                made.append(len(acts) - 1)
+                freed.append(-1)
+                address.append(e["addr"])
+                size.append(e["size"])
+            elif action == "free_completed" and e["addr"] in live:
+                i = live.pop(e["addr"])
+                acts.append(("free", i))
+                freed[i] = len(acts) - 1
+        freed = [f if f >= 0 else len(acts) for f in freed]
+        return cls(tuple(address), tuple(size), tuple(made), tuple(freed), tuple(acts))
+
+    def __len__(self) -> int:
+        return len(self.address)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A capture moved to its reference's places: the graph, and how many pointer words it
+    left as they were (held by no block alive when their node ran)."""
+
+    graph: KernelGraph
+    moved: int
+    left: int
+
+
+def _parting(history: History, reference: History) -> str | None:
+    """Why ``history``'s blocks cannot take ``reference``'s places, or None."""
+    if history.acts != reference.acts:
+        k = next((k for k, (a, b) in enumerate(zip(history.acts, reference.acts, strict=False))
+                  if a != b), min(len(history.acts), len(reference.acts)))
+        return (f"expected the reference capture's {len(reference.acts)} allocator acts in "
+                f"its order, found {len(history.acts)} parting from them at act {k}")
+    larger = next((i for i, (a, b) in enumerate(zip(history.size, reference.size, strict=True))
+                   if a > b), None)
+    if larger is not None:
+        return (f"expected no block larger than the reference's, found block {larger} of "
+                f"{history.size[larger]} bytes against {reference.size[larger]}")
+    return None
+
+
+def _addresses(graph: KernelGraph, op: Op) -> list[tuple[int, int]]:
+    """``op``'s device addresses, as (which, address): a kernel's pointer words by their
+    index in ``op.pointers``, a copy's source (-1) and destination (-2), a memset's (-2)."""
+    if isinstance(op, Kernel):
+        return [(j, int.from_bytes(op.args[p.offset:p.offset + 8], "little"))
+                for j, p in enumerate(op.pointers)]
+    spans = [(-1, op.src), (-2, op.dst)] if isinstance(op, Memcpy) else (
+        [(-2, op.dst)] if isinstance(op, Memset) else [])
+    out = []
+    for which, span in spans:
+        buffer = graph.buffers.get(span.buffer)
+        if buffer is not None and buffer.memory is Memory.DEVICE and buffer.address is not None:
+            out.append((which, buffer.address + span.offset))
+    return out
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The blocks that hold one address at some point of a capture, in the order made: their
+    lives (points ``first[j]`` to ``last[j]``) are disjoint, since live blocks never overlap."""
+
+    blocks: list[int]
+    first: list[int]
+    last: list[int]
+
+    def next(self, t: int) -> int | None:
+        """The first point from ``t`` on at which a block holds the address."""
+        j = bisect.bisect_left(self.last, t)
+        return max(t, self.first[j]) if j < len(self.blocks) else None
+
+    def during(self, lo: int, hi: int) -> list[int]:
+        """The blocks alive at some point from ``lo`` to ``hi``."""
+        return self.blocks[bisect.bisect_left(self.last, lo):bisect.bisect_right(self.first, hi)]
+
+    def previous(self, t: int) -> int | None:
+        """The last point up to ``t`` at which a block holds the address."""
+        j = bisect.bisect_right(self.first, t) - 1
+        return min(t, self.last[j]) if j >= 0 else None
+
+
+def _most_held(held: list[_Held], acts: int) -> list[int]:
+    """The points at which most of a node's addresses are held by a live block (they agree
+    on none: some are words PyTorch left unfilled)."""
+    score = np.zeros(acts + 2, dtype=np.int32)
+    for h in held:
+        np.add.at(score, h.first, 1)
+        np.add.at(score, np.array(h.last) + 1, -1)
+    score = np.cumsum(score)[:acts + 1]
+    return np.flatnonzero(score == score.max()).tolist()
+
+
+def _settle(held: list[_Held], t: int, step: str) -> int | None:
+    """The nearest point from ``t`` on (``step`` "next") or back (``"previous"``) at which
+    every address of ``held`` is held; None where there is none."""
+    while True:
+        points = [getattr(h, step)(t) for h in held]
+        if None in points:
+            return None
+        moved = max(points) if step == "next" else min(points)
+        if moved == t:
+            return t
+        t = moved
+
+
+def _launch_windows(held: list[list[_Held]], acts: int) -> tuple[list[int], list[int]]:
+    """Each node's earliest and latest launch point ``t`` (0 .. ``acts``: acts done before
+    it), nondecreasing over the nodes: where all the addresses of ``held[k]`` (node ``k``'s)
+    are held by live blocks, or, for a node where that is nowhere, most are (module)."""
+    some: dict[int, list[int]] = {}  # the nodes whose addresses agree on no point
+    lo, t = [], 0
+    for k, h in enumerate(held):
+        found = _settle(h, t, "next")
+        if found is None:
+            some[k] = _most_held(h, acts)
+            found = next((p for p in some[k] if p >= t), None)
+            if found is None:
+                raise UnsupportedError("expected the capture's nodes to follow its allocator's "
+                                       "history, found a node that no later point of it fits")
+        lo.append(t := found)
+    hi, t = [0] * len(held), acts
+    for k in range(len(held) - 1, -1, -1):
+        # never None: the node's earliest point is feasible and no later than the next one's
+        # latest
+        hi[k] = t = (max(p for p in some[k] if p <= t) if k in some
+                     else _settle(held[k], t, "previous"))
+    return lo, hi
+
+
+def to_reference(graph: KernelGraph, history: History, reference: History,
+                 buffers: Iterable[Buffer]) -> Moved:
+    """``graph`` (captured with ``history``) with every pointer into one of its blocks moved
+    to the same offset in the block of the same number in ``reference`` (see the module).
+    ``buffers``: the IR's buffers for the reference's memory (its pool's segments, as the
+    reference capture's graph names them), which moved pointers then point into.
+
+    Raises
+    ------
+    UnsupportedError
+        The two histories differ in their acts or a block outgrows the reference's, a pointer
+        could mean blocks that move it to different places, a moved pointer lands in none of
+        ``buffers``, or the graph has conditional nodes (their bodies are not moved).
+    """
+    if (why := _parting(history, reference)) is not None:
+        raise UnsupportedError(why)
+    if any(isinstance(op, Conditional) for _, op in graph.ops()):
+        raise UnsupportedError("expected kernels, copies and memsets to move to the "
+                               "reference's places, found a conditional node")
+    start = np.array(history.address, dtype=np.uint64)
+    end = start + np.array(history.size, dtype=np.uint64)
+    alive = [(m + 1, f) for m, f in zip(history.made, history.freed, strict=True)]
+    holders: dict[int, _Held | None] = {}
+
+    def holding(address: int) -> _Held | None:
+        if address not in holders:
+            a = np.uint64(address)
+            blocks = np.flatnonzero((start <= a) & (a < end)).tolist()
+            holders[address] = _Held(blocks, [alive[i][0] for i in blocks],
+                                     [alive[i][1] for i in blocks]) if blocks else None
+        return holders[address]
+
+    nodes = list(graph.dag)  # in the order the capture made them (the walk's)
+    found = [[(which, address, holding(address))
+              for which, address in _addresses(graph, graph.op(node))] for node in nodes]
+    lo, hi = _launch_windows([[h for *_, h in words if h is not None] for words in found],
+                             len(history.acts))
+    targets = sorted((b.address, b.address + b.size, b) for b in buffers
+                     if b.address is not None and b.memory is Memory.DEVICE)
+    ops: dict[str, Op] = {}
+    used: dict[str, Buffer] = {}
+    moved = left = 0
+    for k, node in enumerate(nodes):
+        new: dict[int, Span] = {}
+        for which, address, held in found[k]:
+            # the blocks its launch could see: alive somewhere between its earliest and latest
+            seen = [] if held is None else held.during(lo[k], hi[k])
+            if not seen:
+                left += held is not None
+                continue
+            there = {reference.address[i] + address - history.address[i] for i in seen}
+            if len(there) != 1:
+                raise UnsupportedError(
+                    f"expected each pointer to mean one block, found node {node!r}'s pointer "
+                    f"{address:#x} meaning blocks {seen} that lie apart in the reference")
+            (to,) = there
+            buffer = next((b for s, e, b in targets if s <= to < e), None)
+            if buffer is None:
+                raise UnsupportedError(f"expected the reference's memory to hold every moved "
+                                       f"pointer, found {to:#x} (node {node!r}) in none of "
+                                       f"its buffers")
+            used[buffer.id] = buffer
+            new[which] = Span(buffer.id, to - buffer.address)
+            moved += 1
+        if new:
+            ops[node] = _with_spans(graph.op(node), new, used)
+    return Moved(_graph_with(graph, ops, used.values()), moved, left)
+
+
+def _with_spans(op: Op, new: Mapping[int, Span], buffers: Mapping[str, Buffer]) -> Op:
+    if isinstance(op, Kernel):
+        args, pointers = bytearray(op.args), list(op.pointers)
+        for j, span in new.items():
+            p = pointers[j]
+            address = buffers[span.buffer].address + span.offset
+            args[p.offset:p.offset + 8] = address.to_bytes(8, "little")
+            pointers[j] = Pointer(p.offset, span)
+        return dataclasses.replace(op, args=bytes(args), pointers=tuple(pointers))
+    if isinstance(op, Memcpy):
+        return dataclasses.replace(op, src=new.get(-1, op.src), dst=new.get(-2, op.dst))
+    return dataclasses.replace(op, dst=new.get(-2, op.dst))
+
+
+def _graph_with(graph: KernelGraph, ops: Mapping[str, Op], buffers: Iterable[Buffer]
+                ) -> KernelGraph:
+    """``graph`` with ``ops`` in place of its nodes' (same ids, edges and node order: the
+    capture's, which a later move reads) and ``buffers`` added to its table."""
+    out = KernelGraph()
+    for b in (*graph.buffers.values(), *buffers):
+        if b.id not in out.buffers:
+            out.add_buffer(b)
+    for node in graph.dag:  # a capture makes a node after those it depends on
+        out.add(node, ops.get(node, graph.op(node)), after=list(graph.dag.predecessors(node)),
+                kinds=graph.kinds_into(node))
+    return out

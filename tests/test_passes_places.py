@@ -1,0 +1,204 @@
+"""A capture's temporaries moved to a reference capture's places (grape.passes.places).
+
+The captures here are made up but laid out as PyTorch lays them out: ``grape.sim.memory.Pool``
+placed all 340 of GPT-2 small decode's blocks where PyTorch did at 128 KV lengths on the H200
+(benchmarks/results/families_warm_start_h200/pool_layout_ac0ebfb.json)."""
+
+from __future__ import annotations
+
+import pytest
+
+from grape.errors import UnsupportedError
+from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Memcpy, Pointer, Span
+from grape.passes.derive import derive
+from grape.passes.places import History, to_reference
+from grape.sim.memory import Pool
+
+SEGMENT = 1 << 30  # where the made-up segments lie apart
+BASE = 0x7F00_0000_0000
+CACHE = 0x10_0000_0000
+
+
+def _rounded(size: int) -> int:
+    return -(-size // 512) * 512
+
+
+class Capture:
+    """One made-up capture: the allocator's trace and the graph, built as a step runs."""
+
+    def __init__(self) -> None:
+        self.pool = Pool()
+        self.trace: list[dict] = []
+        self.graph = KernelGraph()
+        self.graph.add_buffer(Buffer("cache", 1 << 24, BufferRole.INTERNAL, address=CACHE))
+        self.last: str | None = None
+
+    def malloc(self, size: int) -> int:
+        segments = len(self.pool.segments)
+        seg, offset = self.pool.malloc(size)
+        if len(self.pool.segments) > segments:
+            base = BASE + seg * SEGMENT
+            self.graph.add_buffer(Buffer(f"alloc@{base:#x}", self.pool.segments[seg],
+                                         BufferRole.INTERNAL, address=base))
+            self.trace.append({"action": "segment_alloc", "addr": base,
+                               "size": self.pool.segments[seg]})
+        address = BASE + seg * SEGMENT + offset
+        self.trace.append({"action": "alloc", "addr": address, "size": _rounded(size)})
+        self._handles = getattr(self, "_handles", {})
+        self._handles[address] = (seg, offset)
+        return address
+
+    def free(self, address: int) -> None:
+        self.pool.free(self._handles.pop(address))
+        self.trace += [{"action": "free_requested", "addr": address},
+                       {"action": "free_completed", "addr": address}]
+
+    def span(self, address: int) -> Span:
+        buffer = next(b for b in self.graph.buffers.values()
+                      if b.address <= address < b.address + b.size)
+        return Span(buffer.id, address - buffer.address)
+
+    def kernel(self, name: str, *addresses: int, number: int = 0) -> str:
+        args = b"".join(a.to_bytes(8, "little") for a in addresses) + number.to_bytes(4, "little")
+        pointers = tuple(Pointer(8 * i, self.span(a)) for i, a in enumerate(addresses))
+        node = f"n{len(self.graph)}"
+        self.graph.add(node, Kernel(f"{name}@0x1", name, (1, 1, 1), (128, 1, 1), args=args,
+                                    pointers=pointers), after=[self.last] if self.last else [])
+        self.last = node
+        return node
+
+    def copy(self, src: int, dst: int, size: int) -> None:
+        node = f"n{len(self.graph)}"
+        self.graph.add(node, Memcpy(self.span(src), self.span(dst), size),
+                       after=[self.last] if self.last else [])
+        self.last = node
+
+    def history(self) -> History:
+        segments = [(e["addr"], e["size"]) for e in self.trace if e["action"] == "segment_alloc"]
+        return History.of_trace(self.trace, segments)
+
+
+def decode(n: int, layers: int = 3) -> Capture:
+    """A decode step at KV length ``n`` whose temporaries' sizes are not multiples of the
+    allocator's 512 bytes, so that their places step with the length: each layer's scores
+    (1000 n bytes), a small vector, the scores freed, a context vector (300 n + 100 bytes)
+    taking the freed place or another."""
+    c = Capture()
+    for _ in range(layers):
+        scores = c.malloc(1000 * n)
+        small = c.malloc(256)
+        c.kernel("scores", CACHE, scores, number=n)
+        c.kernel("reduce", scores + 8 * n, small, number=n)
+        c.free(scores)
+        context = c.malloc(300 * n + 100)
+        c.kernel("context", small, context, number=n)
+        c.copy(context, CACHE + 64 * n, 64)
+        c.free(small)
+        c.free(context)
+    return c
+
+
+LENGTHS = range(8, 513, 8)
+
+
+def moved(n: int, reference: Capture) -> KernelGraph:
+    c = decode(n)
+    return to_reference(c.graph, c.history(), reference.history(),
+                        reference.graph.buffers.values()).graph
+
+
+def test_places_that_step_with_the_length_derive_nothing_and_moved_derive_everything():
+    raw = derive({n: decode(n).graph for n in LENGTHS[::4]})
+    inside = [n for n in LENGTHS if n not in LENGTHS[::4] and n < LENGTHS[::4][-1]]
+    assert not any(raw.covers(n) for n in inside)  # the context's place steps with 300 n
+    largest = decode(max(LENGTHS))
+    d = derive({n: moved(n, largest) for n in LENGTHS[::4]})
+    assert all(d.covers(n) for n in inside)
+    for n in inside:
+        assert d.check(n, moved(n, largest)) == [], n
+
+
+def test_a_moved_capture_reads_and_writes_where_the_reference_does():
+    largest, small = decode(512), decode(40)
+    got = to_reference(small.graph, small.history(), largest.history(),
+                       largest.graph.buffers.values())
+    # every pointer into a temporary moved, 6 a layer (the scores twice, the small vector
+    # twice, the context once and the copy's source); the cache's pointers stay
+    assert (got.moved, got.left) == (3 * 6, 0)
+    for node in ("n0", "n1", "n2"):
+        ours, theirs = got.graph.op(node), largest.graph.op(node)
+        assert [p.target.buffer for p in ours.pointers] == [p.target.buffer
+                                                            for p in theirs.pointers]
+    # the scores' block starts where the largest's did; the reduce reads 8 n into it
+    scores = largest.graph.op("n0").args[8:16]
+    assert got.graph.op("n0").args[8:16] == scores
+    assert (int.from_bytes(got.graph.op("n1").args[:8], "little")
+            == int.from_bytes(scores, "little") + 8 * 40)
+    assert got.graph.op("n3").src == largest.graph.op("n3").src
+    assert got.graph.op("n3").dst == small.graph.op("n3").dst  # the cache: not a temporary
+    assert list(got.graph.dag) == list(small.graph.dag)
+    assert got.graph.edges() == small.graph.edges()
+
+
+def test_histories_that_part_or_outgrow_the_reference_are_refused():
+    reference = decode(64)
+    fewer = decode(64, layers=2)
+    with pytest.raises(UnsupportedError, match="expected the reference capture's 18 allocator "
+                                               "acts in its order, found 12 parting from them "
+                                               "at act 12"):
+        to_reference(fewer.graph, fewer.history(), reference.history(),
+                     reference.graph.buffers.values())
+    larger = decode(72)
+    with pytest.raises(UnsupportedError, match="expected no block larger than the "
+                                               "reference's, found block 0 of 72192 bytes "
+                                               "against 64000"):
+        to_reference(larger.graph, larger.history(), reference.history(),
+                     reference.graph.buffers.values())
+
+
+def _reuse(reference: bool) -> Capture:
+    """Two blocks one after the other, the second at the first's place; in the reference the
+    second lies after a third block instead. A first kernel points at the shared place and
+    nothing pins when it ran."""
+    c = Capture()
+    first = c.malloc(4096)
+    c.free(first)
+    if reference:
+        c.pool.malloc(4096)  # an allocation outside the history's acts shifts the second
+    second = c.malloc(4096)
+    c.kernel("a", first)
+    c.kernel("b", second)
+    c.free(second)
+    return c
+
+
+def test_a_pointer_that_could_mean_two_blocks_placed_apart_is_refused():
+    c, reference = _reuse(False), _reuse(True)
+    with pytest.raises(UnsupportedError, match="expected each pointer to mean one block, "
+                                               "found node 'n0'"):
+        to_reference(c.graph, c.history(), reference.history(),
+                     reference.graph.buffers.values())
+
+
+def test_a_word_no_live_block_holds_is_left_and_counted():
+    c = Capture()
+    gone = c.malloc(4096)
+    spacer = c.malloc(4096)
+    c.free(gone)
+    live = c.malloc(8192)  # after the spacer: the freed place is too small
+    c.kernel("k", live, live + 64)
+    c.kernel("k", live, gone)  # the second word: a leftover pointing at the freed block
+    c.free(live)
+    c.free(spacer)
+    got = to_reference(c.graph, c.history(), c.history(), c.graph.buffers.values())
+    assert (got.moved, got.left) == (3, 1)
+    assert got.graph.op("n1").args == c.graph.op("n1").args  # itself: nothing moves
+
+
+def test_history_reads_the_pool_blocks_of_a_trace():
+    c = decode(16, layers=1)
+    outside = [{"action": "alloc", "addr": 0x1000, "size": 512}]  # a block of another pool
+    h = History.of_trace(outside + c.trace, [(BASE, 2 << 20)])
+    assert len(h) == 3 and h.made == (0, 1, 3) and h.freed == (2, 4, 5)
+    assert h.acts == (("alloc", 0), ("alloc", 1), ("free", 0), ("alloc", 2), ("free", 1),
+                      ("free", 2))
