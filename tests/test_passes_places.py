@@ -85,6 +85,7 @@ def decode(n: int, layers: int = 3) -> Capture:
     taking the freed place or another."""
     c = Capture()
     for _ in range(layers):
+        c.kernel("norm", CACHE, number=n)  # a node that uses no temporary
         scores = c.malloc(1000 * n)
         small = c.malloc(256)
         c.kernel("scores", CACHE, scores, number=n)
@@ -125,17 +126,18 @@ def test_a_moved_capture_reads_and_writes_where_the_reference_does():
     # every pointer into a temporary moved, 6 a layer (the scores twice, the small vector
     # twice, the context once and the copy's source); the cache's pointers stay
     assert (got.moved, got.left) == (3 * 6, 0)
-    for node in ("n0", "n1", "n2"):
+    for node in ("n1", "n2", "n3"):
         ours, theirs = got.graph.op(node), largest.graph.op(node)
         assert [p.target.buffer for p in ours.pointers] == [p.target.buffer
                                                             for p in theirs.pointers]
     # the scores' block starts where the largest's did; the reduce reads 8 n into it
-    scores = largest.graph.op("n0").args[8:16]
-    assert got.graph.op("n0").args[8:16] == scores
-    assert (int.from_bytes(got.graph.op("n1").args[:8], "little")
+    scores = largest.graph.op("n1").args[8:16]
+    assert got.graph.op("n1").args[8:16] == scores
+    assert (int.from_bytes(got.graph.op("n2").args[:8], "little")
             == int.from_bytes(scores, "little") + 8 * 40)
-    assert got.graph.op("n3").src == largest.graph.op("n3").src
-    assert got.graph.op("n3").dst == small.graph.op("n3").dst  # the cache: not a temporary
+    assert got.graph.op("n4").src == largest.graph.op("n4").src
+    assert got.graph.op("n4").dst == small.graph.op("n4").dst  # the cache: not a temporary
+    assert got.graph.op("n0") == small.graph.op("n0")
     assert list(got.graph.dag) == list(small.graph.dag)
     assert got.graph.edges() == small.graph.edges()
 

@@ -186,6 +186,8 @@ def _most_held(held: list[_Held], acts: int) -> list[int]:
 def _settle(held: list[_Held], t: int, step: str) -> int | None:
     """The nearest point from ``t`` on (``step`` "next") or back (``"previous"``) at which
     every address of ``held`` is held; None where there is none."""
+    if not held:  # a node that uses no block: any point
+        return t
     while True:
         points = [getattr(h, step)(t) for h in held]
         if None in points:
