@@ -412,8 +412,9 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         "derive_every": derive_every,
         "derive_period": derive_period if derive_every is not None else None,
     }
-    if family.places is not None:  # captures moved to the first one's places
-        result.update(captures_at_first_places=family.places.moved,
+    if family.places is not None:  # captures moved to a reference capture's places
+        result.update(captures_at_reference_places=family.places.moved,
+                      place_references=len(family.places.references),
                       captures_not_moved=len(family.places.refused),
                       first_not_moved=(family.places.refused or [None])[0])
     if family.sampled is not None:  # lengths captured, derived, checked, refused

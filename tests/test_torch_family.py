@@ -229,3 +229,30 @@ def test_a_shape_added_to_a_device_family_gets_a_new_switch_that_knows_it(device
     assert new is switches[1] and new.table[fam._row["d"]][new.order.index("k1")] == 3
     # the new executable holds the template: the switch goes from a's row to d's
     assert log == [("switch", fam._row["d"], fam._row["a"]), "launch"]
+
+
+def test_each_kind_of_capture_moves_to_the_places_of_the_first_of_its_kind():
+    """Captures of two kernel paths (their allocator acts differ) each take the places of the
+    first capture of their own path; the first of each stays as captured."""
+    from grape.torch.family import _Places
+    from tests.test_passes_places import decode
+
+    places = _Places()
+    first, other = decode(64), decode(64, layers=2)
+    assert places(first.graph, first.history()) is first.graph
+    assert places(other.graph, other.history()) is other.graph
+    smaller = decode(40)
+    moved = places(smaller.graph, smaller.history())
+    assert moved.op("n1").args[8:16] == first.graph.op("n1").args[8:16]
+    smaller2 = decode(40, layers=2)
+    moved2 = places(smaller2.graph, smaller2.history())
+    assert moved2.op("n1").args[8:16] == other.graph.op("n1").args[8:16]
+    larger = decode(72)  # outgrows its reference: kept as captured, and why
+    assert places(larger.graph, larger.history()) is larger.graph
+    assert (places.moved, len(places.references)) == (2, 2)
+    assert places.refused == ["expected no block larger than the reference's, found block 0 "
+                              "of 72192 bytes against 64000"]
+    assert places(first.graph, None) is first.graph  # no history: as captured, and why
+    assert places.refused[-1] == "the process records the allocator's history itself"
+    assert places.summary().startswith("temporaries moved to a reference capture's places in "
+                                       "2 of 4 captures (2 references, ")

@@ -63,10 +63,13 @@ class _Group:
 
 @dataclass
 class _Places:
-    """Every capture's temporaries at the places the first capture gave them
-    (``grape.passes.places``): its history and memory are the reference."""
+    """Every capture's temporaries at the places the first capture that made the same
+    allocations in the same order gave them (``grape.passes.places``): captures of another
+    kernel path (GPT-2 small's attention at KV lengths 7 mod 8 on the H200) allocate
+    differently, and the first of each, in a family's largest-first order its largest, is
+    their reference."""
 
-    reference: tuple[History, list[Buffer]] | None = None
+    references: dict[tuple, tuple[History, list[Buffer]]] = field(default_factory=dict)
     moved: int = 0  # captures moved
     pointers: int = 0  # pointer words moved, all captures
     refused: list[str] = field(default_factory=list)  # why the others were not moved
@@ -75,12 +78,13 @@ class _Places:
         if history is None:
             self.refused.append("the process records the allocator's history itself")
             return ir
-        if self.reference is None:
-            self.reference = (history, [b for b in ir.buffers.values()
-                                        if b.role is BufferRole.INTERNAL])
+        reference = self.references.get(history.acts)
+        if reference is None:
+            self.references[history.acts] = (history, [b for b in ir.buffers.values()
+                                                       if b.role is BufferRole.INTERNAL])
             return ir
         try:
-            got = to_reference(ir, history, *self.reference)
+            got = to_reference(ir, history, *reference)
         except UnsupportedError as e:
             self.refused.append(str(e))
             return ir
@@ -89,9 +93,9 @@ class _Places:
         return got.graph
 
     def summary(self) -> str:
-        line = (f"temporaries at the first capture's places in {self.moved} of "
-                f"{self.moved + len(self.refused)} later captures ({self.pointers} pointers "
-                f"moved)")
+        line = (f"temporaries moved to a reference capture's places in {self.moved} of "
+                f"{self.moved + len(self.refused)} captures ({len(self.references)} references, "
+                f"{self.pointers} pointers moved)")
         if self.refused:
             line += f"; the first not moved: {self.refused[0]}"
         return line
@@ -125,8 +129,8 @@ class Family:
     _row: dict[Hashable, int] = field(default_factory=dict)
     _changed: dict[tuple[Hashable, Hashable], int] = field(default_factory=dict)
     sampled: Sampled | None = None  # with derive_every: which lengths were captured, derived
-    # same_places: the captures whose temporaries moved to the first capture's places, and why
-    # the others did not
+    # same_places: the captures whose temporaries moved to a reference capture's places, and
+    # why the others did not
     places: _Places | None = None
     # load_family: shapes captured in this process rather than moved from the file, and why
     # the first few did not move (relocation's refusal, naming the node)
@@ -371,11 +375,12 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     step) and it has already run once.
 
     ``same_places``: move every capture's temporaries (its blocks in the graphs' pool) to the
-    places the first capture gave them (``grape.passes.places``), where the two captures make
-    the same allocations in the same order and no block outgrows the first's: their pointers
-    then stop moving with the shape, so fewer nodes change between shapes and derivation can
-    fit them. A capture that cannot move keeps the allocator's places (why, in
-    :attr:`Family.places`). The first capture should be the largest shape.
+    places the first capture that made the same allocations in the same order gave them
+    (``grape.passes.places``), where no block outgrows that reference's: their pointers then
+    stop moving with the shape, so fewer nodes change between shapes and derivation can fit
+    them. A capture that cannot move keeps the allocator's places (why, in
+    :attr:`Family.places`). Shapes given largest first make each reference the largest of its
+    kind.
 
     ``prepare``: make every node update a switch between shapes can need now
     (:meth:`Family.prepare_updates`, counted in ``capture_s``), not on first use: on a
