@@ -11,7 +11,7 @@ import pytest
 from grape.errors import UnsupportedError
 from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Memcpy, Pointer, Span
 from grape.passes.derive import derive
-from grape.passes.places import History, to_reference
+from grape.passes.places import History, Mark, to_reference
 from grape.sim.memory import Pool
 
 SEGMENT = 1 << 30  # where the made-up segments lie apart
@@ -204,3 +204,57 @@ def test_history_reads_the_pool_blocks_of_a_trace():
     assert len(h) == 3 and h.made == (0, 1, 3) and h.freed == (2, 4, 5)
     assert h.acts == (("alloc", 0), ("alloc", 1), ("free", 0), ("alloc", 2), ("free", 1),
                       ("free", 2))
+
+
+def _two_ops(reference: bool) -> tuple[Capture, list[Mark]]:
+    """Two operations, each writing a block it allocates, the first's freed before the second
+    allocates, so that the second takes the first's place; the reference puts it elsewhere."""
+    c, marks = Capture(), []
+    x = c.malloc(4096)
+    c.kernel("a", x)
+    marks.append(Mark(len(c.graph), ((x, 4096),)))
+    c.free(x)
+    if reference:
+        c.pool.malloc(4096)  # outside the history's acts: the next block lies past it
+    y = c.malloc(4096)
+    c.kernel("b", y)
+    marks.append(Mark(len(c.graph), ((y, 4096),)))
+    c.free(y)
+    return c, marks
+
+
+def test_the_operations_that_made_the_nodes_tell_which_block_a_reused_place_meant():
+    (c, marks), (reference, _) = _two_ops(False), _two_ops(True)
+    args = (c.graph, c.history(), reference.history(), reference.graph.buffers.values())
+    with pytest.raises(UnsupportedError, match="found node 'n0''s pointer"):
+        to_reference(*args)  # from the blocks' lives alone, 'a' could have run after 'b'
+    got = to_reference(*args, marks=marks)
+    assert got.graph.op("n0").args == reference.graph.op("n0").args
+    assert got.graph.op("n1").args == reference.graph.op("n1").args
+    assert got.moved == 2
+
+
+def test_marks_whose_outputs_the_history_lacks_bound_nothing():
+    c, marks = _two_ops(False)
+    reference, _ = _two_ops(True)
+    views = [Mark(m.nodes, ((0x1234, 8),)) for m in marks]  # no allocation there
+    with pytest.raises(UnsupportedError, match="found node 'n0''s pointer"):
+        to_reference(c.graph, c.history(), reference.history(),
+                     reference.graph.buffers.values(), marks=views)
+
+
+def test_a_last_kernel_that_ran_before_its_operation_allocated_is_refused_not_left():
+    """The bound an operation's first output sets is wrong where its last kernel used a
+    temporary freed before the output was allocated: refused (leaving the pointer would part
+    it from where the temporary goes)."""
+    c = Capture()
+    temporary, kept = c.malloc(4096), c.malloc(4096)
+    c.kernel("k", temporary, kept)
+    c.free(temporary)
+    output = c.malloc(8192)  # past the kept block: the temporary's place is too small
+    marks = [Mark(1, ((output, 8192),))]
+    args = (c.graph, c.history(), c.history(), c.graph.buffers.values())
+    with pytest.raises(UnsupportedError, match="expected the capture's nodes to follow its "
+                                               "allocator's history"):
+        to_reference(*args, marks=marks)
+    assert to_reference(*args).moved == 2  # from the blocks' lives alone: both moved

@@ -14,7 +14,7 @@ from grape.cuda.context import current_context
 from grape.cuda.walk import read_graph
 from grape.errors import CaptureError
 
-__all__ = ["abandon_capture", "capture"]
+__all__ = ["abandon_capture", "capture", "captured_nodes"]
 
 
 def capture(issue: Callable[[Any], None], buffers: BufferMap | None = None,
@@ -66,3 +66,16 @@ def abandon_capture(stream: int) -> bool:
     if graph is not None and int(graph):
         call(driver.cuGraphDestroy, graph, doing="destroying an abandoned capture's graph")
     return True
+
+
+_ACTIVE = driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+
+def captured_nodes(stream: int) -> int:
+    """How many nodes the graph ``stream`` is capturing into holds so far (its top level; 0
+    where the stream is not capturing): marks a capture's operations by the nodes they made."""
+    status, _, graph, *_ = call(driver.cuStreamGetCaptureInfo, stream,
+                                doing="reading the stream's capture")
+    if status != _ACTIVE:
+        return 0
+    return call(driver.cuGraphGetNodes, graph, 0, doing="counting graph nodes")[1]

@@ -23,13 +23,17 @@ Which block a pointer means is not in the graph: the allocator reuses a place ma
 one capture. It is found from time. The nodes are in the order the capture made them, the
 history in the order the allocator acted, and both follow the host's program order, so each
 node was launched at some point ``t`` of the history, never earlier than the node before it;
-a pointer of the node means the block that contains it and is alive at ``t``. Each node's
-``t`` is bounded from both sides (the earliest consistent with the nodes before it, the latest
-with those after), and a pointer is moved only where every block it could mean over that range
-moves it to one place; otherwise the capture is refused. A word no block alive at ``t`` holds
-is left as it is: a pointer into memory the capture did not allocate, or what PyTorch leaves
-in argument slots it never fills (``grape.passes.relocate`` says why those look like pointers),
-which no kernel reads.
+a pointer of the node means the block that contains it and is alive at ``t``. The blocks'
+lives alone bound a node's ``t`` weakly (a kernel that reads one place the step reuses layer
+after layer could have run in any layer), so the capture also notes its operations as they
+run (:class:`Mark`: the nodes each made, the storage each returned): an operation's kernels run
+between the outputs of the operations around it, its last kernel after its own first output.
+Each node's ``t`` is bounded from both sides (the earliest consistent with the nodes before
+it, the latest with those after), and a pointer is moved only where every block it could mean
+over that range moves it to one place; otherwise the capture is refused. A word no block alive
+at ``t`` holds is left as it is: a pointer into memory the capture did not allocate, or what
+PyTorch leaves in argument slots it never fills (``grape.passes.relocate`` says why those look
+like pointers), which no kernel reads.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from grape.ir import (
     Span,
 )
 
-__all__ = ["History", "Moved", "to_reference"]
+__all__ = ["History", "Mark", "Moved", "to_reference"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,63 @@ class History:
 
     def __len__(self) -> int:
         return len(self.address)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One operation of a capture, seen as it ran: how many nodes the graph held once it had
+    run, and the storage it returned that none of its inputs held, as (address, bytes)."""
+
+    nodes: int
+    outputs: tuple[tuple[int, int], ...] = ()
+
+
+def _bounds(history: History, marks: Sequence[Mark], nodes: int
+            ) -> tuple[list[int], list[int], list[int]]:
+    """Each node's first possible launch point by the weaker bound and by the stronger, and
+    its last, from the operations that made the
+    nodes (the host runs operations in order): an operation's kernels run after the
+    operations before it allocated their outputs and before the operations after it allocate
+    theirs, and its last kernel after it allocated its first output (an operation allocates
+    what it returns before the kernel that writes it; a temporary it frees may lie where an
+    output then goes, so its earlier kernels get only the weaker bound). An operation's
+    outputs are found in the history as the first allocations at their addresses, from where
+    the operations before it ended, of at least their size; one whose outputs are not found (a
+    view, an in-place operation) bounds nothing."""
+    acts = len(history.acts)
+    allocs: dict[int, list[int]] = {}  # address -> the acts allocating there, in order
+    for k, (action, i) in enumerate(history.acts):
+        if action == "alloc":
+            allocs.setdefault(history.address[i], []).append(k)
+    spans: list[tuple[int, int] | None] = []
+    cursor = 0
+    for m in marks:
+        found = []
+        for address, size in m.outputs:
+            at = allocs.get(address, [])
+            j = bisect.bisect_left(at, cursor)
+            if j < len(at) and history.size[history.acts[at[j]][1]] >= size:
+                found.append(at[j])
+        spans.append((min(found), max(found)) if found else None)
+        cursor = max(found) + 1 if found else cursor
+    after = [0] * (len(marks) + 1)  # per operation: past the outputs of those before it
+    for j, span in enumerate(spans):
+        after[j + 1] = span[1] + 1 if span is not None else after[j]
+    before = [acts] * (len(marks) + 1)  # per operation: the first output of those after it
+    for j in range(len(marks) - 1, -1, -1):
+        before[j] = spans[j + 1][0] if j + 1 < len(spans) and spans[j + 1] is not None else (
+            before[j + 1])
+    weak, lower, upper = [0] * nodes, [0] * nodes, [acts] * nodes
+    first = 0  # the first node of operation j
+    for j in range(len(marks) + 1):
+        last = min(marks[j].nodes, nodes) if j < len(marks) else nodes
+        for i in range(first, last):
+            weak[i] = lower[i] = after[j]
+            upper[i] = before[j]
+        if j < len(marks) and spans[j] is not None and last > first:
+            lower[last - 1] = max(lower[last - 1], spans[j][0] + 1)
+        first = max(first, last)
+    return weak, lower, upper
 
 
 @dataclass(frozen=True)
@@ -198,36 +259,41 @@ def _settle(held: list[_Held], t: int, step: str) -> int | None:
         t = moved
 
 
-def _launch_windows(held: list[list[_Held]], acts: int) -> tuple[list[int], list[int]]:
+def _launch_windows(held: list[list[_Held]], acts: int, lower: Sequence[int],
+                    upper: Sequence[int]) -> tuple[list[int], list[int]]:
     """Each node's earliest and latest launch point ``t`` (0 .. ``acts``: acts done before
-    it), nondecreasing over the nodes: where all the addresses of ``held[k]`` (node ``k``'s)
-    are held by live blocks, or, for a node where that is nowhere, most are (module)."""
+    it), nondecreasing over the nodes and within ``lower[k]`` .. ``upper[k]``: where all the
+    addresses of ``held[k]`` (node ``k``'s) are held by live blocks, or, for a node where
+    that is nowhere, most are (module)."""
     some: dict[int, list[int]] = {}  # the nodes whose addresses agree on no point
     lo, t = [], 0
     for k, h in enumerate(held):
+        t = max(t, lower[k])
         found = _settle(h, t, "next")
-        if found is None:
-            some[k] = _most_held(h, acts)
-            found = next((p for p in some[k] if p >= t), None)
-            if found is None:
+        if found is None or found > upper[k]:
+            some[k] = [p for p in _most_held(h, acts) if t <= p <= upper[k]]
+            if not some[k]:
                 raise UnsupportedError("expected the capture's nodes to follow its allocator's "
                                        "history, found a node that no later point of it fits")
+            found = some[k][0]
         lo.append(t := found)
     hi, t = [0] * len(held), acts
     for k in range(len(held) - 1, -1, -1):
-        # never None: the node's earliest point is feasible and no later than the next one's
-        # latest
+        t = min(t, upper[k])
+        # never None: the node's earliest point is feasible and no later than t
         hi[k] = t = (max(p for p in some[k] if p <= t) if k in some
                      else _settle(held[k], t, "previous"))
     return lo, hi
 
 
 def to_reference(graph: KernelGraph, history: History, reference: History,
-                 buffers: Iterable[Buffer]) -> Moved:
+                 buffers: Iterable[Buffer], marks: Sequence[Mark] | None = None) -> Moved:
     """``graph`` (captured with ``history``) with every pointer into one of its blocks moved
     to the same offset in the block of the same number in ``reference`` (see the module).
     ``buffers``: the IR's buffers for the reference's memory (its pool's segments, as the
-    reference capture's graph names them), which moved pointers then point into.
+    reference capture's graph names them), which moved pointers then point into. ``marks``:
+    the capture's operations as they ran (:class:`Mark`), which bound when each node ran;
+    without them only the blocks' lives do, and a place the capture reused refuses more.
 
     Raises
     ------
@@ -257,8 +323,10 @@ def to_reference(graph: KernelGraph, history: History, reference: History,
     nodes = list(graph.dag)  # in the order the capture made them (the walk's)
     found = [[(which, address, holding(address))
               for which, address in _addresses(graph, graph.op(node))] for node in nodes]
+    weak, lower, upper = (_bounds(history, marks, len(nodes)) if marks else
+                          ([0] * len(nodes), [0] * len(nodes), [len(history.acts)] * len(nodes)))
     lo, hi = _launch_windows([[h for *_, h in words if h is not None] for words in found],
-                             len(history.acts))
+                             len(history.acts), lower, upper)
     targets = sorted((b.address, b.address + b.size, b) for b in buffers
                      if b.address is not None and b.memory is Memory.DEVICE)
     ops: dict[str, Op] = {}
@@ -270,6 +338,12 @@ def to_reference(graph: KernelGraph, history: History, reference: History,
             # the blocks its launch could see: alive somewhere between its earliest and latest
             seen = [] if held is None else held.during(lo[k], hi[k])
             if not seen:
+                if held is not None and lower[k] > weak[k] and held.during(weak[k],
+                                                                           lower[k] - 1):
+                    # alive before the bound its operation's outputs set: that bound was wrong
+                    raise UnsupportedError(
+                        f"expected node {node!r} to run after its operation allocated its "
+                        f"first output, found its pointer {address:#x} held only before")
                 left += held is not None
                 continue
             there = {reference.address[i] + address - history.address[i] for i in seen}

@@ -19,12 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from grape.cuda.buffers import BufferMap
 from grape.cuda.build import Graph
+from grape.cuda.capture import captured_nodes
 from grape.errors import CaptureError
 from grape.ir import BufferRole, KernelGraph
-from grape.passes.places import History
+from grape.passes.places import History, Mark
 from grape.torch.control import graph
 
 __all__ = ["TorchCapture", "capture", "collector_paused", "frozen_heap", "live_blocks",
@@ -40,6 +43,7 @@ class TorchCapture:
     outputs: Any
     pool_bytes: int  # device memory PyTorch reserved for the capture's pool
     blocks: list[tuple[int, int]] = field(default_factory=list)  # live blocks named (capture)
+    marks: list[Mark] = field(default_factory=list)  # its operations as they ran (marks=True)
 
     @property
     def ir(self) -> KernelGraph:
@@ -278,6 +282,32 @@ def live_blocks(pool: Any = None) -> list[tuple[int, int]]:
     return found
 
 
+class _Marks(TorchDispatchMode):
+    """Each operation of a capture as it ran (``grape.passes.places.Mark``): the nodes the
+    graph held after it and the storage it returned that none of its inputs held. A few
+    microseconds an operation on the host; what a family moving its captures' temporaries
+    needs to tell which block a reused place meant."""
+
+    def __init__(self, stream: int) -> None:
+        super().__init__()
+        self.stream = stream
+        self.marks: list[Mark] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        held = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.is_cuda}
+        new: dict[int, int] = {}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in held and storage.data_ptr():
+                    new[storage.data_ptr()] = storage.nbytes()
+        self.marks.append(Mark(captured_nodes(self.stream), tuple(new.items())))
+        return out
+
+
 def with_history(fn: Callable[[], Any], pool: Any) -> tuple[Any, History | None]:
     """``fn()``, and the caching allocator's acts in graph pool ``pool`` while it ran
     (``grape.passes.places.History``), recorded with the allocator's own history (no stack
@@ -302,7 +332,8 @@ def with_history(fn: Callable[[], Any], pool: Any) -> tuple[Any, History | None]
 def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tensor] | None = None,
             pool: Any = None, warmup: int = 1, instantiate: bool = True,
             collect: bool = True, staging: Any = None, tag: str = "",
-            blocks: Iterable[tuple[int, int]] | bool = False) -> TorchCapture:
+            blocks: Iterable[tuple[int, int]] | bool = False, marks: bool = False
+            ) -> TorchCapture:
     """Capture ``fn(*args)`` into a CUDA graph and read it into the IR.
 
     Tensors in ``args`` become input placeholders, ``params`` (for instance
@@ -322,7 +353,8 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     buffers of their own rather than parts of their allocator segments, for graphs saved and
     moved to another process: the caller's state (a cache, a static output) is then matched
     tensor by tensor there, where the allocator laid the same tensors out differently within
-    its segments.
+    its segments. ``marks``: note each operation as it runs (``TorchCapture.marks``), for
+    ``grape.passes.places``.
 
     Raises
     ------
@@ -353,6 +385,7 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         buffers.block(address, size)
     reserved = torch.cuda.memory_reserved()
     g = torch.cuda.CUDAGraph(keep_graph=True)
+    noted = _Marks(side.cuda_stream) if marks else None
     failure = None
     try:
         # Captured on the stream it warmed up on: cuBLAS allocates a workspace for each
@@ -362,7 +395,7 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         # members' own loose words), a family reloaded in the process that saved it moves
         # every shape (tests/test_gpu_family.py); which of the two it needed was not told apart.
         with collector_paused(), graph(g, pool=pool, stream=side), \
-                (staging or contextlib.nullcontext()):
+                (staging or contextlib.nullcontext()), (noted or contextlib.nullcontext()):
             outputs = fn(*args)  # graph() remembers the pool, for IF nodes in ``fn``
     except Exception as e:
         failure = _failure(e)
@@ -380,4 +413,4 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     _name(buffers, f"{tag}output", ((str(i), t) for i, t in enumerate(_tensors(outputs))),
           BufferRole.OUTPUT)
     return TorchCapture(Graph.borrowed(g.raw_cuda_graph(), buffers), g, outputs, pool_bytes,
-                        blocks)
+                        blocks, noted.marks if noted is not None else [])

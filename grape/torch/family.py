@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
 from grape.passes.derive import Derivation, Sampled, derive_lengths, place_derived
 from grape.passes.families import match, same_ids
-from grape.passes.places import History, to_reference
+from grape.passes.places import History, Mark, to_reference
 from grape.passes.switch_plan import plan as switch_plan
 from grape.passes.variants import Variants
 from grape.torch.capture import (
@@ -74,7 +74,8 @@ class _Places:
     pointers: int = 0  # pointer words moved, all captures
     refused: list[str] = field(default_factory=list)  # why the others were not moved
 
-    def __call__(self, ir: KernelGraph, history: History | None) -> KernelGraph:
+    def __call__(self, ir: KernelGraph, history: History | None,
+                 marks: Sequence[Mark] = ()) -> KernelGraph:
         if history is None:
             self.refused.append("the process records the allocator's history itself")
             return ir
@@ -84,7 +85,7 @@ class _Places:
                                                        if b.role is BufferRole.INTERNAL])
             return ir
         try:
-            got = to_reference(ir, history, *reference)
+            got = to_reference(ir, history, *reference, marks=marks)
         except UnsupportedError as e:
             self.refused.append(str(e))
             return ir
@@ -417,12 +418,13 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     def taken(shape: Hashable) -> tuple[Any, KernelGraph]:
         def once() -> Any:
             return capture(lambda s=shape: step(s), params=params, pool=pool,
-                           instantiate=False, collect=False, warmup=warmup, blocks=blocks)
+                           instantiate=False, collect=False, warmup=warmup, blocks=blocks,
+                           marks=places is not None)
         if places is None:
             cap = once()
             return cap, cap.ir
         cap, history = with_history(once, pool)
-        return cap, places(cap.ir, history)
+        return cap, places(cap.ir, history, cap.marks)
 
     def captured(shape: Hashable) -> KernelGraph:
         nonlocal blocks
