@@ -11,7 +11,7 @@ import pytest
 from grape.errors import UnsupportedError
 from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Memcpy, Pointer, Span
 from grape.passes.derive import derive
-from grape.passes.places import History, Mark, to_reference
+from grape.passes.places import MARKER_BYTES, History, Mark, to_reference
 from grape.sim.memory import Pool
 
 SEGMENT = 1 << 30  # where the made-up segments lie apart
@@ -32,8 +32,17 @@ class Capture:
         self.graph = KernelGraph()
         self.graph.add_buffer(Buffer("cache", 1 << 24, BufferRole.INTERNAL, address=CACHE))
         self.last: str | None = None
+        self.marks: list[Mark] = []
 
-    def malloc(self, size: int) -> int:
+    def mark(self) -> None:
+        """Where an operation starts, as grape.torch.capture marks it: a marker allocated and
+        freed at once."""
+        marker = self.malloc(MARKER_BYTES, record=False)
+        self.trace.append({"action": "alloc", "addr": marker, "size": MARKER_BYTES})
+        self.marks.append(Mark(len(self.graph), marker))
+        self.free(marker)
+
+    def malloc(self, size: int, record: bool = True) -> int:
         segments = len(self.pool.segments)
         seg, offset = self.pool.malloc(size)
         if len(self.pool.segments) > segments:
@@ -43,7 +52,8 @@ class Capture:
             self.trace.append({"action": "segment_alloc", "addr": base,
                                "size": self.pool.segments[seg]})
         address = BASE + seg * SEGMENT + offset
-        self.trace.append({"action": "alloc", "addr": address, "size": _rounded(size)})
+        if record:
+            self.trace.append({"action": "alloc", "addr": address, "size": _rounded(size)})
         self._handles = getattr(self, "_handles", {})
         self._handles[address] = (seg, offset)
         return address
@@ -75,7 +85,7 @@ class Capture:
 
     def history(self) -> History:
         segments = [(e["addr"], e["size"]) for e in self.trace if e["action"] == "segment_alloc"]
-        return History.of_trace(self.trace, segments)
+        return History.of_trace(self.trace, segments, [m.marker for m in self.marks])
 
 
 def decode(n: int, layers: int = 3) -> Capture:
@@ -206,55 +216,42 @@ def test_history_reads_the_pool_blocks_of_a_trace():
                       ("free", 2))
 
 
-def _two_ops(reference: bool) -> tuple[Capture, list[Mark]]:
+def _two_ops(reference: bool) -> Capture:
     """Two operations, each writing a block it allocates, the first's freed before the second
-    allocates, so that the second takes the first's place; the reference puts it elsewhere."""
-    c, marks = Capture(), []
+    allocates, so that the second takes the first's place; the reference puts it elsewhere.
+    Each operation starts with a mark."""
+    c = Capture()
+    c.mark()
     x = c.malloc(4096)
     c.kernel("a", x)
-    marks.append(Mark(len(c.graph), ((x, 4096),)))
     c.free(x)
+    c.mark()
     if reference:
         c.pool.malloc(4096)  # outside the history's acts: the next block lies past it
     y = c.malloc(4096)
     c.kernel("b", y)
-    marks.append(Mark(len(c.graph), ((y, 4096),)))
     c.free(y)
-    return c, marks
+    return c
 
 
-def test_the_operations_that_made_the_nodes_tell_which_block_a_reused_place_meant():
-    (c, marks), (reference, _) = _two_ops(False), _two_ops(True)
+def test_where_operations_started_tells_which_block_a_reused_place_meant():
+    c, reference = _two_ops(False), _two_ops(True)
     args = (c.graph, c.history(), reference.history(), reference.graph.buffers.values())
     with pytest.raises(UnsupportedError, match="found node 'n0''s pointer"):
         to_reference(*args)  # from the blocks' lives alone, 'a' could have run after 'b'
-    got = to_reference(*args, marks=marks)
+    got = to_reference(*args, marks=c.marks)
     assert got.graph.op("n0").args == reference.graph.op("n0").args
     assert got.graph.op("n1").args == reference.graph.op("n1").args
     assert got.moved == 2
 
 
-def test_marks_whose_outputs_the_history_lacks_bound_nothing():
-    c, marks = _two_ops(False)
-    reference, _ = _two_ops(True)
-    views = [Mark(m.nodes, ((0x1234, 8),)) for m in marks]  # no allocation there
-    with pytest.raises(UnsupportedError, match="found node 'n0''s pointer"):
-        to_reference(c.graph, c.history(), reference.history(),
-                     reference.graph.buffers.values(), marks=views)
-
-
-def test_a_last_kernel_that_ran_before_its_operation_allocated_is_refused_not_left():
-    """The bound an operation's first output sets is wrong where its last kernel used a
-    temporary freed before the output was allocated: refused (leaving the pointer would part
-    it from where the temporary goes)."""
-    c = Capture()
-    temporary, kept = c.malloc(4096), c.malloc(4096)
-    c.kernel("k", temporary, kept)
-    c.free(temporary)
-    output = c.malloc(8192)  # past the kept block: the temporary's place is too small
-    marks = [Mark(1, ((output, 8192),))]
-    args = (c.graph, c.history(), c.history(), c.graph.buffers.values())
-    with pytest.raises(UnsupportedError, match="expected the capture's nodes to follow its "
-                                               "allocator's history"):
-        to_reference(*args, marks=marks)
-    assert to_reference(*args).moved == 2  # from the blocks' lives alone: both moved
+def test_markers_are_no_blocks_and_a_history_lacking_them_is_refused():
+    c = _two_ops(False)
+    h = c.history()
+    assert h.marks == (0, 2) and len(h) == 2  # each mark before its operation's two acts
+    assert h.acts == (("alloc", 0), ("free", 0), ("alloc", 1), ("free", 1))
+    bare = History.of_trace(c.trace, [(BASE, 2 << 20)])  # markers not named: blocks too
+    assert len(bare) == 4 and bare.marks == ()
+    with pytest.raises(UnsupportedError, match="expected the capture's 2 markers in its "
+                                               "allocator's history, found 0"):
+        to_reference(c.graph, bare, bare, c.graph.buffers.values(), marks=c.marks)

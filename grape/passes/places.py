@@ -25,15 +25,15 @@ history in the order the allocator acted, and both follow the host's program ord
 node was launched at some point ``t`` of the history, never earlier than the node before it;
 a pointer of the node means the block that contains it and is alive at ``t``. The blocks'
 lives alone bound a node's ``t`` weakly (a kernel that reads one place the step reuses layer
-after layer could have run in any layer), so the capture also notes its operations as they
-run (:class:`Mark`: the nodes each made, the storage each returned): an operation's kernels run
-between the outputs of the operations around it, its last kernel after its own first output.
-Each node's ``t`` is bounded from both sides (the earliest consistent with the nodes before
-it, the latest with those after), and a pointer is moved only where every block it could mean
-over that range moves it to one place; otherwise the capture is refused. A word no block alive
-at ``t`` holds is left as it is: a pointer into memory the capture did not allocate, or what
-PyTorch leaves in argument slots it never fills (``grape.passes.relocate`` says why those look
-like pointers), which no kernel reads.
+after layer could have run in any layer), so the capture also marks where each operation
+started (:class:`Mark`: the graph's node count then, and a marker the allocator's history
+records), and a node made between two marks ran between them. Each node's ``t`` is bounded
+from both sides (the earliest consistent with the nodes before it, the latest with those
+after), and a pointer is moved only where every block it could mean over that range moves it
+to one place; otherwise the capture is refused. A word no block alive at ``t`` holds is left
+as it is: a pointer into memory the capture did not allocate, or what PyTorch leaves in
+argument slots it never fills (``grape.passes.relocate`` says why those look like pointers),
+which no kernel reads.
 """
 
 from __future__ import annotations
@@ -75,13 +75,17 @@ class History:
     made: tuple[int, ...]
     freed: tuple[int, ...]
     acts: tuple[tuple[str, int], ...]
+    marks: tuple[int, ...] = ()  # per marker found: the acts before it
 
     @classmethod
-    def of_trace(cls, trace: Iterable[Mapping], segments: Sequence[tuple[int, int]]) -> History:
+    def of_trace(cls, trace: Iterable[Mapping], segments: Sequence[tuple[int, int]],
+                 markers: Sequence[int] = ()) -> History:
         """From the allocator's trace (``torch.cuda.memory._snapshot()["device_traces"]``
         entries, recorded over the capture), keeping the blocks within ``segments`` (the
         pool's, as (address, size)): an allocation is ``alloc``, and its block is free to
-        reuse at ``free_completed``."""
+        reuse at ``free_completed``. ``markers``: the addresses of the capture's markers
+        (:class:`Mark`), in order, which are no blocks of its own: where each lies among the
+        acts is kept instead."""
         spans = sorted(segments)
         starts = np.array([a for a, _ in spans], dtype=np.uint64)
 
@@ -89,11 +93,18 @@ class History:
             i = int(np.searchsorted(starts, np.uint64(address), side="right")) - 1
             return i >= 0 and address < spans[i][0] + spans[i][1]
 
-        address, size, made, freed, acts = [], [], [], [], []
+        address, size, made, freed, acts, marks = [], [], [], [], [], []
         live: dict[int, int] = {}  # address -> block number
+        marker: int | None = None  # the address of a marker allocated and not yet freed
         for e in trace:
             action = e["action"]
-            if action == "alloc" and in_pool(e["addr"]):
+            if (action == "alloc" and len(marks) < len(markers) and e["addr"] == markers[
+                    len(marks)] and e["size"] in (MARKER_BYTES, _rounded(MARKER_BYTES))):
+                marks.append(len(acts))
+                marker = e["addr"]
+            elif action == "free_completed" and e["addr"] == marker:
+                marker = None
+            elif action == "alloc" and in_pool(e["addr"]):
                 live[e["addr"]] = len(address)
                 acts.append(("alloc", len(address)))
                 made.append(len(acts) - 1)
@@ -105,67 +116,42 @@ class History:
                 acts.append(("free", i))
                 freed[i] = len(acts) - 1
         freed = [f if f >= 0 else len(acts) for f in freed]
-        return cls(tuple(address), tuple(size), tuple(made), tuple(freed), tuple(acts))
+        return cls(tuple(address), tuple(size), tuple(made), tuple(freed), tuple(acts),
+                   tuple(marks))
 
     def __len__(self) -> int:
         return len(self.address)
 
 
+MARKER_BYTES = 509  # a size no tensor of these steps has: markers are told from blocks by it
+
+
+def _rounded(size: int) -> int:
+    return -(-size // 512) * 512  # the caching allocator's smallest block
+
+
 @dataclass(frozen=True)
 class Mark:
-    """One operation of a capture, seen as it ran: how many nodes the graph held once it had
-    run, and the storage it returned that none of its inputs held, as (address, bytes)."""
+    """The start of one operation of a capture: how many nodes the graph held then, and the
+    address of a marker, ``MARKER_BYTES`` allocated and freed at once, which puts the moment
+    in the allocator's history."""
 
     nodes: int
-    outputs: tuple[tuple[int, int], ...] = ()
+    marker: int
 
 
-def _bounds(history: History, marks: Sequence[Mark], nodes: int
-            ) -> tuple[list[int], list[int], list[int]]:
-    """Each node's first possible launch point by the weaker bound and by the stronger, and
-    its last, from the operations that made the
-    nodes (the host runs operations in order): an operation's kernels run after the
-    operations before it allocated their outputs and before the operations after it allocate
-    theirs, and its last kernel after it allocated its first output (an operation allocates
-    what it returns before the kernel that writes it; a temporary it frees may lie where an
-    output then goes, so its earlier kernels get only the weaker bound). An operation's
-    outputs are found in the history as the first allocations at their addresses, from where
-    the operations before it ended, of at least their size; one whose outputs are not found (a
-    view, an in-place operation) bounds nothing."""
-    acts = len(history.acts)
-    allocs: dict[int, list[int]] = {}  # address -> the acts allocating there, in order
-    for k, (action, i) in enumerate(history.acts):
-        if action == "alloc":
-            allocs.setdefault(history.address[i], []).append(k)
-    spans: list[tuple[int, int] | None] = []
-    cursor = 0
-    for m in marks:
-        found = []
-        for address, size in m.outputs:
-            at = allocs.get(address, [])
-            j = bisect.bisect_left(at, cursor)
-            if j < len(at) and history.size[history.acts[at[j]][1]] >= size:
-                found.append(at[j])
-        spans.append((min(found), max(found)) if found else None)
-        cursor = max(found) + 1 if found else cursor
-    after = [0] * (len(marks) + 1)  # per operation: past the outputs of those before it
-    for j, span in enumerate(spans):
-        after[j + 1] = span[1] + 1 if span is not None else after[j]
-    before = [acts] * (len(marks) + 1)  # per operation: the first output of those after it
-    for j in range(len(marks) - 1, -1, -1):
-        before[j] = spans[j + 1][0] if j + 1 < len(spans) and spans[j + 1] is not None else (
-            before[j + 1])
-    weak, lower, upper = [0] * nodes, [0] * nodes, [acts] * nodes
-    first = 0  # the first node of operation j
-    for j in range(len(marks) + 1):
-        last = min(marks[j].nodes, nodes) if j < len(marks) else nodes
-        for i in range(first, last):
-            weak[i] = lower[i] = after[j]
-            upper[i] = before[j]
-        if j < len(marks) and spans[j] is not None and last > first:
-            lower[last - 1] = max(lower[last - 1], spans[j][0] + 1)
-        first = max(first, last)
-    return weak, lower, upper
+def _bounds(history: History, marks: Sequence[Mark], nodes: int) -> tuple[list[int], list[int]]:
+    """Each node's first and last possible launch point: a node made between two marks ran
+    between them."""
+    acts, at = len(history.acts), history.marks
+    lower, upper = [0] * nodes, [acts] * nodes
+    j = -1
+    for i in range(nodes):
+        while j + 1 < len(at) and marks[j + 1].nodes <= i:
+            j += 1
+        lower[i] = at[j] if j >= 0 else 0
+        upper[i] = at[j + 1] if j + 1 < len(at) else acts
+    return lower, upper
 
 
 @dataclass(frozen=True)
@@ -292,15 +278,17 @@ def to_reference(graph: KernelGraph, history: History, reference: History,
     to the same offset in the block of the same number in ``reference`` (see the module).
     ``buffers``: the IR's buffers for the reference's memory (its pool's segments, as the
     reference capture's graph names them), which moved pointers then point into. ``marks``:
-    the capture's operations as they ran (:class:`Mark`), which bound when each node ran;
-    without them only the blocks' lives do, and a place the capture reused refuses more.
+    where the capture's operations started (:class:`Mark`, found in ``history`` by their
+    markers), which bound when each node ran; without them only the blocks' lives do, and a
+    place the capture reused refuses more.
 
     Raises
     ------
     UnsupportedError
         The two histories differ in their acts or a block outgrows the reference's, a pointer
         could mean blocks that move it to different places, a moved pointer lands in none of
-        ``buffers``, or the graph has conditional nodes (their bodies are not moved).
+        ``buffers``, the history lacks some of ``marks``' markers, or the graph has
+        conditional nodes (their bodies are not moved).
     """
     if (why := _parting(history, reference)) is not None:
         raise UnsupportedError(why)
@@ -323,8 +311,11 @@ def to_reference(graph: KernelGraph, history: History, reference: History,
     nodes = list(graph.dag)  # in the order the capture made them (the walk's)
     found = [[(which, address, holding(address))
               for which, address in _addresses(graph, graph.op(node))] for node in nodes]
-    weak, lower, upper = (_bounds(history, marks, len(nodes)) if marks else
-                          ([0] * len(nodes), [0] * len(nodes), [len(history.acts)] * len(nodes)))
+    if marks and len(history.marks) != len(marks):
+        raise UnsupportedError(f"expected the capture's {len(marks)} markers in its "
+                               f"allocator's history, found {len(history.marks)}")
+    lower, upper = (_bounds(history, marks, len(nodes)) if marks else
+                    ([0] * len(nodes), [len(history.acts)] * len(nodes)))
     lo, hi = _launch_windows([[h for *_, h in words if h is not None] for words in found],
                              len(history.acts), lower, upper)
     targets = sorted((b.address, b.address + b.size, b) for b in buffers
@@ -338,12 +329,6 @@ def to_reference(graph: KernelGraph, history: History, reference: History,
             # the blocks its launch could see: alive somewhere between its earliest and latest
             seen = [] if held is None else held.during(lo[k], hi[k])
             if not seen:
-                if held is not None and lower[k] > weak[k] and held.during(weak[k],
-                                                                           lower[k] - 1):
-                    # alive before the bound its operation's outputs set: that bound was wrong
-                    raise UnsupportedError(
-                        f"expected node {node!r} to run after its operation allocated its "
-                        f"first output, found its pointer {address:#x} held only before")
                 left += held is not None
                 continue
             there = {reference.address[i] + address - history.address[i] for i in seen}

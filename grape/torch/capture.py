@@ -20,14 +20,13 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from grape.cuda.buffers import BufferMap
 from grape.cuda.build import Graph
 from grape.cuda.capture import captured_nodes
 from grape.errors import CaptureError
 from grape.ir import BufferRole, KernelGraph
-from grape.passes.places import History, Mark
+from grape.passes.places import MARKER_BYTES, History, Mark
 from grape.torch.control import graph
 
 __all__ = ["TorchCapture", "capture", "collector_paused", "frozen_heap", "live_blocks",
@@ -43,7 +42,7 @@ class TorchCapture:
     outputs: Any
     pool_bytes: int  # device memory PyTorch reserved for the capture's pool
     blocks: list[tuple[int, int]] = field(default_factory=list)  # live blocks named (capture)
-    marks: list[Mark] = field(default_factory=list)  # its operations as they ran (marks=True)
+    marks: list[Mark] = field(default_factory=list)  # where its operations started (marks=True)
 
     @property
     def ir(self) -> KernelGraph:
@@ -283,37 +282,32 @@ def live_blocks(pool: Any = None) -> list[tuple[int, int]]:
 
 
 class _Marks(TorchDispatchMode):
-    """Each operation of a capture as it ran (``grape.passes.places.Mark``): the nodes the
-    graph held after it and the storage it returned that none of its inputs held. A few
-    microseconds an operation on the host; what a family moving its captures' temporaries
-    needs to tell which block a reused place meant."""
+    """Where each operation of a capture starts (``grape.passes.places.Mark``): the graph's
+    node count, and a marker of ``MARKER_BYTES`` allocated and freed at once, so that the
+    allocator's history holds the moment. A few microseconds an operation on the host; what
+    a family moving its captures' temporaries needs to tell which block a reused place
+    meant. The marker takes a free small block and gives it back, where it merges as it was."""
 
-    def __init__(self, stream: int) -> None:
+    def __init__(self, stream: int, device: torch.device) -> None:
         super().__init__()
-        self.stream = stream
+        self.stream, self.device = stream, device
         self.marks: list[Mark] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        held = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor) and t.is_cuda}
-        new: dict[int, int] = {}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in held and storage.data_ptr():
-                    new[storage.data_ptr()] = storage.nbytes()
-        self.marks.append(Mark(captured_nodes(self.stream), tuple(new.items())))
-        return out
+        marker = torch.empty(MARKER_BYTES, dtype=torch.uint8, device=self.device)
+        self.marks.append(Mark(captured_nodes(self.stream), marker.data_ptr()))
+        del marker
+        return func(*args, **(kwargs or {}))
 
 
-def with_history(fn: Callable[[], Any], pool: Any) -> tuple[Any, History | None]:
+def with_history(fn: Callable[[], Any], pool: Any,
+                 markers: Callable[[Any], Iterable[int]] = lambda out: ()
+                 ) -> tuple[Any, History | None]:
     """``fn()``, and the caching allocator's acts in graph pool ``pool`` while it ran
     (``grape.passes.places.History``), recorded with the allocator's own history (no stack
-    traces: 1 to 3 ms a GPT-2 capture's snapshot). None where the process records that
-    history itself (``torch.cuda.memory._record_memory_history``): recording here would clear
-    it."""
+    traces: 1 to 3 ms a GPT-2 capture's snapshot). ``markers(fn())``: the addresses of the
+    markers it made (``History.of_trace``). None where the process records that history
+    itself (``torch.cuda.memory._record_memory_history``): recording here would clear it."""
     on = getattr(torch._C, "_cuda_isHistoryEnabled", None)
     if on is not None and on():
         return fn(), None
@@ -326,7 +320,8 @@ def with_history(fn: Callable[[], Any], pool: Any) -> tuple[Any, History | None]
     device = torch.cuda.current_device()
     segments = [(s["address"], s["total_size"]) for s in snapshot["segments"]
                 if s["device"] == device and tuple(s["segment_pool_id"]) == tuple(pool)]
-    return out, History.of_trace(snapshot["device_traces"][device], segments)
+    return out, History.of_trace(snapshot["device_traces"][device], segments,
+                                 list(markers(out)))
 
 
 def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tensor] | None = None,
@@ -353,7 +348,7 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     buffers of their own rather than parts of their allocator segments, for graphs saved and
     moved to another process: the caller's state (a cache, a static output) is then matched
     tensor by tensor there, where the allocator laid the same tensors out differently within
-    its segments. ``marks``: note each operation as it runs (``TorchCapture.marks``), for
+    its segments. ``marks``: mark where each operation starts (``TorchCapture.marks``), for
     ``grape.passes.places``.
 
     Raises
@@ -385,7 +380,7 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         buffers.block(address, size)
     reserved = torch.cuda.memory_reserved()
     g = torch.cuda.CUDAGraph(keep_graph=True)
-    noted = _Marks(side.cuda_stream) if marks else None
+    noted = _Marks(side.cuda_stream, side.device) if marks else None
     failure = None
     try:
         # Captured on the stream it warmed up on: cuBLAS allocates a workspace for each

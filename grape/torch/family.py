@@ -423,7 +423,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         if places is None:
             cap = once()
             return cap, cap.ir
-        cap, history = with_history(once, pool)
+        cap, history = with_history(once, pool, lambda cap: (m.marker for m in cap.marks))
         return cap, places(cap.ir, history, cap.marks)
 
     def captured(shape: Hashable) -> KernelGraph:
