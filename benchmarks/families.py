@@ -280,7 +280,7 @@ def wav2vec2_audio(lengths: list[int]) -> Workload:
 
 def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
             derive_every: int | None = None, save_to: Path | None = None,
-            derive_period: int = 1) -> dict[str, object]:
+            derive_period: int = 1, same_places: bool = False) -> dict[str, object]:
     if update == "graph":
         w = replace(w, name=f"{w.name} (whole-graph updates)", slug=f"{w.slug}_whole")
     elif update == "device":
@@ -299,7 +299,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     allocated_a = torch.cuda.memory_allocated()
     family = capture_family(step, sorted(lengths, reverse=True),
                             params=w.params, update=update, derive_every=derive_every,
-                            derive_period=derive_period,
+                            derive_period=derive_period, same_places=same_places,
                             progress=lambda line: _log(f"  {label} family: {line}"))
     _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
     family_device_bytes = free_before_family - _device_bytes()[0]
@@ -411,6 +411,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         "reserved_after_family": reserved2,
         "derive_every": derive_every,
         "derive_period": derive_period if derive_every is not None else None,
+        "same_places": same_places,
     }
     if family.places is not None:  # captures moved to a reference capture's places
         result.update(captures_at_reference_places=family.places.moved,
@@ -564,6 +565,9 @@ def main() -> None:
     parser.add_argument("--derive-period", type=int, default=1, metavar="P",
                         help="with --derive-every: derive a length only from lengths equal "
                              "to it modulo P (kernels chosen by a length's alignment)")
+    parser.add_argument("--same-places", action="store_true",
+                        help="move every capture's temporaries to the places of the first "
+                             "capture that allocated alike (grape.passes.places)")
     parser.add_argument("--append", action="store_true",
                         help="keep the entries of other workloads already in --out")
     parser.add_argument("--no-fresh", action="store_true",
@@ -616,7 +620,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as saved:
             results.append(measure(w, args.traces, args.update, args.derive_every,
                                    None if args.no_fresh else Path(saved),
-                                   args.derive_period))
+                                   args.derive_period, args.same_places))
             write()
             if not args.no_fresh:
                 results[-1].update(_in_fresh_process("shared_pool", workload_args, [],

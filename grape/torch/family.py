@@ -348,7 +348,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                    progress: Callable[[str], None] = lambda line: None,
                    update: str = "nodes", derive_every: int | None = None,
                    checks: int = 1, derive_period: int = 1, warmup: int = 1,
-                   prepare: bool = True, same_places: bool = True) -> Family:
+                   prepare: bool = True, same_places: bool = False) -> Family:
     """Capture ``step(shape)`` for each shape (largest first) into one family.
 
     ``update`` says how an executable is brought to a shape: ``"nodes"`` updates the nodes
@@ -381,7 +381,8 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     stop moving with the shape, so fewer nodes change between shapes and derivation can fit
     them. A capture that cannot move keeps the allocator's places (why, in
     :attr:`Family.places`). Shapes given largest first make each reference the largest of its
-    kind.
+    kind. Off by default: on the H200 it doubled a GPT-2 shape's capture (the history and the
+    marks) and changed no fewer nodes between neighbouring lengths (benchmarks/README.md).
 
     ``prepare``: make every node update a switch between shapes can need now
     (:meth:`Family.prepare_updates`, counted in ``capture_s``), not on first use: on a
