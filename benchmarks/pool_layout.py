@@ -20,7 +20,9 @@ allocator's history recorded around the capture, and for the lengths together th
 - ``misplaced_by_replay``: per length, the allocations that ``grape.sim.memory.Pool``,
   replaying that length's mallocs and frees, puts elsewhere than PyTorch did.
 
-Written after the session's device time ran out: not yet run on a GPU.
+On the H200 (``results/families_warm_start_h200/pool_layout_ac0ebfb.json``, lengths 1..1017
+step 8): the same sequence of 340 allocations at every length, every size affine in its class,
+257 allocations placed elsewhere than at the largest length, and none misplaced by the replay.
 ``python benchmarks/pool_layout.py [--lengths 1:1023:8] [--period 8] [--out F]``
 """
 

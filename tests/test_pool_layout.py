@@ -1,5 +1,5 @@
-"""The analysis of benchmarks/pool_layout.py (its GPU part not yet run): allocator histories
-made up here, in torch.cuda.memory._snapshot()'s trace format."""
+"""The analysis of benchmarks/pool_layout.py: allocator histories made up here, in
+torch.cuda.memory._snapshot()'s trace format."""
 
 from __future__ import annotations
 
