@@ -10,7 +10,8 @@ allocations and frees in the same order, 257 of them at other places.
 
 So grape moves them. Given the allocator's history of a capture (:class:`History`: each block
 it made in the pool, when it was made and freed) and that of a *reference* capture of the same
-step (the family's first, its largest shape), :func:`to_reference` rewrites every pointer into
+step (in a family, the first capture that allocated alike: the largest shape of its kind),
+:func:`to_reference` rewrites every pointer into
 a block of the capture to the same offset in the reference's block of the same rank in the
 sequence. That is memory-safe under two conditions, both checked: the two captures make the
 same allocations and frees in the same order (so the same blocks are alive together), and no
@@ -318,8 +319,16 @@ def to_reference(graph: KernelGraph, history: History, reference: History,
                     ([0] * len(nodes), [len(history.acts)] * len(nodes)))
     lo, hi = _launch_windows([[h for *_, h in words if h is not None] for words in found],
                              len(history.acts), lower, upper)
-    targets = sorted((b.address, b.address + b.size, b) for b in buffers
-                     if b.address is not None and b.memory is Memory.DEVICE)
+    targets = sorted(((b.address, b.address + b.size, b) for b in buffers
+                      if b.address is not None and b.memory is Memory.DEVICE),
+                     key=lambda t: t[0])
+    starts = [s for s, _, _ in targets]
+
+    def target(address: int) -> Buffer | None:
+        """The buffer of ``buffers`` holding ``address`` (they do not overlap)."""
+        j = bisect.bisect_right(starts, address) - 1
+        return targets[j][2] if j >= 0 and address < targets[j][1] else None
+
     ops: dict[str, Op] = {}
     used: dict[str, Buffer] = {}
     moved = left = 0
@@ -337,7 +346,7 @@ def to_reference(graph: KernelGraph, history: History, reference: History,
                     f"expected each pointer to mean one block, found node {node!r}'s pointer "
                     f"{address:#x} meaning blocks {seen} that lie apart in the reference")
             (to,) = there
-            buffer = next((b for s, e, b in targets if s <= to < e), None)
+            buffer = target(to)
             if buffer is None:
                 raise UnsupportedError(f"expected the reference's memory to hold every moved "
                                        f"pointer, found {to:#x} (node {node!r}) in none of "

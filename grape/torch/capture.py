@@ -284,9 +284,11 @@ def live_blocks(pool: Any = None) -> list[tuple[int, int]]:
 class _Marks(TorchDispatchMode):
     """Where each operation of a capture starts (``grape.passes.places.Mark``): the graph's
     node count, and a marker of ``MARKER_BYTES`` allocated and freed at once, so that the
-    allocator's history holds the moment. A few microseconds an operation on the host; what
-    a family moving its captures' temporaries needs to tell which block a reused place
-    meant. The marker takes a free small block and gives it back, where it merges as it was."""
+    allocator's history holds the moment: what a family moving its captures' temporaries
+    needs to tell which block a reused place meant. The marker takes a free small block and
+    gives it back, where it merges as it was. Its host cost was not measured apart (an
+    earlier form, noting each operation's outputs, and the history together doubled a GPT-2
+    shape's capture on the H200: benchmarks/README.md, run 24)."""
 
     def __init__(self, stream: int, device: torch.device) -> None:
         super().__init__()
@@ -305,7 +307,7 @@ def with_history(fn: Callable[[], Any], pool: Any,
                  ) -> tuple[Any, History | None]:
     """``fn()``, and the caching allocator's acts in graph pool ``pool`` while it ran
     (``grape.passes.places.History``), recorded with the allocator's own history (no stack
-    traces: 1 to 3 ms a GPT-2 capture's snapshot). ``markers(fn())``: the addresses of the
+    traces) and read from one snapshot. ``markers(fn())``: the addresses of the
     markers it made (``History.of_trace``). None where the process records that history
     itself (``torch.cuda.memory._record_memory_history``): recording here would clear it."""
     on = getattr(torch._C, "_cuda_isHistoryEnabled", None)

@@ -378,11 +378,11 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     ``same_places``: move every capture's temporaries (its blocks in the graphs' pool) to the
     places the first capture that made the same allocations in the same order gave them
     (``grape.passes.places``), where no block outgrows that reference's: their pointers then
-    stop moving with the shape, so fewer nodes change between shapes and derivation can fit
-    them. A capture that cannot move keeps the allocator's places (why, in
-    :attr:`Family.places`). Shapes given largest first make each reference the largest of its
-    kind. Off by default: on the H200 it doubled a GPT-2 shape's capture (the history and the
-    marks) and changed no fewer nodes between neighbouring lengths (benchmarks/README.md).
+    stop moving with the shape, which derivation needs to fit them. A capture that cannot move
+    keeps the allocator's places (why, in :attr:`Family.places`). Shapes given largest first
+    make each reference the largest of its kind. Off by default: on the H200 it doubled a
+    GPT-2 shape's capture, and neighbouring lengths changed no fewer nodes (the nodes whose
+    pointers move change sizes anyway; benchmarks/README.md, runs 22 to 24).
 
     ``prepare``: make every node update a switch between shapes can need now
     (:meth:`Family.prepare_updates`, counted in ``capture_s``), not on first use: on a
