@@ -6,7 +6,11 @@ placed all 340 of GPT-2 small decode's blocks where PyTorch did at 128 KV length
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from grape.errors import UnsupportedError
 from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Memcpy, Pointer, Span
@@ -255,3 +259,75 @@ def test_markers_are_no_blocks_and_a_history_lacking_them_is_refused():
     with pytest.raises(UnsupportedError, match="expected the capture's 2 markers in its "
                                                "allocator's history, found 0"):
         to_reference(c.graph, bare, bare, c.graph.buffers.values(), marks=c.marks)
+
+
+# Random programs: either a move is refused, or every pointer lands where its own block lies in
+# the reference. The generator knows which block each pointer meant; the pass does not.
+
+
+def _program(rng: random.Random, operations: int) -> list[dict]:
+    """Operations as a step runs them: each allocates outputs and temporaries (sizes affine
+    in the length), launches kernels that point into live blocks (at offsets affine in the
+    length) or, now and then, hold a freed block's address (a word PyTorch left unfilled),
+    frees its temporaries, and drops some earlier blocks."""
+    program, live, made = [], [], 0
+    for _ in range(operations):
+        outputs = [(made + i, rng.randrange(1, 40) * 100, rng.randrange(0, 8) * 64)
+                   for i in range(rng.randrange(0, 3))]
+        made += len(outputs)
+        temps = [(made + i, rng.randrange(1, 40) * 100, rng.randrange(0, 8) * 64)
+                 for i in range(rng.randrange(0, 2))]
+        made += len(temps)
+        usable = live + [b for b, *_ in outputs + temps]
+        kernels = [[(rng.choice(usable), rng.randrange(0, 4) * 8) for _ in range(
+            rng.randrange(1, 4))] for _ in range(rng.randrange(1, 3))] if usable else []
+        dropped = rng.sample(live, k=min(len(live), rng.randrange(0, 3)))
+        program.append({"outputs": outputs, "temps": temps, "kernels": kernels,
+                        "drop": dropped, "stale": rng.random() < 0.2})
+        live = [b for b in live if b not in dropped] + [b for b, *_ in outputs]
+    return program
+
+
+def _run(program: list[dict], n: int) -> tuple[Capture, dict[tuple[str, int], tuple[int, int]]]:
+    """The program at length ``n``: its capture, and what each kernel's pointer meant
+    (node, index) -> (block, offset); stale words are left out."""
+    c, address, meant, gone = Capture(), {}, {}, []
+    for op in program:
+        c.mark()
+        for block, base, slope in op["outputs"] + op["temps"]:
+            address[block] = c.malloc(base + slope * n)
+        for pointers in op["kernels"]:
+            node = f"n{len(c.graph)}"
+            words = [address[b] + off * (n // 8) for b, off in pointers]
+            for j, (b, off) in enumerate(pointers):
+                meant[node, j] = (b, off * (n // 8))
+            if op["stale"] and gone:
+                words.append(gone[-1])  # a freed block's address, no pointer of the kernel's
+            c.kernel("k", *words)
+        for block, *_ in op["temps"]:
+            c.free(address[block])
+            gone.append(address[block])
+        for block in op["drop"]:
+            c.free(address[block])
+            gone.append(address[block])
+    return c, meant
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(2, 12), st.integers(8, 63))
+def test_a_move_is_refused_or_puts_every_pointer_where_its_block_lies(seed, operations, n):
+    program = _program(random.Random(seed), operations)
+    small, meant = _run(program, n)
+    large, _ = _run(program, 64)
+    try:
+        got = to_reference(small.graph, small.history(), large.history(),
+                           large.graph.buffers.values(), marks=small.marks)
+    except UnsupportedError:
+        return  # refusing is always safe
+    there = {}  # block -> its address in the large run
+    for e in large.trace:
+        if e["action"] == "alloc" and e["size"] != MARKER_BYTES:
+            there.setdefault(len(there), e["addr"])
+    for (node, j), (block, offset) in meant.items():
+        word = int.from_bytes(got.graph.op(node).args[8 * j:8 * j + 8], "little")
+        assert word == there[block] + offset, (node, j)

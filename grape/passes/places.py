@@ -220,15 +220,15 @@ class _Held:
         return min(t, self.last[j]) if j >= 0 else None
 
 
-def _most_held(held: list[_Held], acts: int) -> list[int]:
-    """The points at which most of a node's addresses are held by a live block (they agree
-    on none: some are words PyTorch left unfilled)."""
-    score = np.zeros(acts + 2, dtype=np.int32)
+def _most_held(held: list[_Held], lo: int, hi: int) -> list[int]:
+    """The points from ``lo`` to ``hi`` at which most of a node's addresses are held by a
+    live block (they agree on none: some are words PyTorch left unfilled)."""
+    score = np.zeros(hi + 2, dtype=np.int32)
     for h in held:
-        np.add.at(score, h.first, 1)
-        np.add.at(score, np.array(h.last) + 1, -1)
-    score = np.cumsum(score)[:acts + 1]
-    return np.flatnonzero(score == score.max()).tolist()
+        np.add.at(score, np.minimum(h.first, hi + 1), 1)
+        np.add.at(score, np.minimum(np.array(h.last) + 1, hi + 1), -1)
+    score = np.cumsum(score)[lo:hi + 1]
+    return (lo + np.flatnonzero(score == score.max())).tolist()
 
 
 def _settle(held: list[_Held], t: int, step: str) -> int | None:
@@ -258,10 +258,10 @@ def _launch_windows(held: list[list[_Held]], acts: int, lower: Sequence[int],
         t = max(t, lower[k])
         found = _settle(h, t, "next")
         if found is None or found > upper[k]:
-            some[k] = [p for p in _most_held(h, acts) if t <= p <= upper[k]]
-            if not some[k]:
+            if t > upper[k]:
                 raise UnsupportedError("expected the capture's nodes to follow its allocator's "
                                        "history, found a node that no later point of it fits")
+            some[k] = _most_held(h, t, upper[k])
             found = some[k][0]
         lo.append(t := found)
     hi, t = [0] * len(held), acts
