@@ -8,8 +8,9 @@ records: a pool whose layout is the largest length's at every length (a planned 
 needs every length to make the same allocations in the same order; or the allocator's
 placement predicted by replaying its rules (``grape.sim.memory.Pool``), which needs a replay
 that puts each block where PyTorch did. GPT-2 small's decode step is captured at each length
-into a private pool of its own (``torch.cuda.graph``, as plain per-shape graphs), with the
-allocator's history recorded around the capture, and for the lengths together this reports:
+into a private pool of its own (as plain per-shape graphs; through ``grape.torch.capture``
+since the run below, to mark its operations), with the allocator's history recorded around the
+capture, and for the lengths together this reports:
 
 - ``same_sequence``: whether every length makes the allocations and frees of the largest, in
   its order (and where the first that does not parts from it);
@@ -18,11 +19,16 @@ allocator's history recorded around the capture, and for the lengths together th
 - ``moved``: allocations whose place (segment, offset) differs from the largest length's, and
   at how many lengths;
 - ``misplaced_by_replay``: per length, the allocations that ``grape.sim.memory.Pool``,
-  replaying that length's mallocs and frees, puts elsewhere than PyTorch did.
+  replaying that length's mallocs and frees, puts elsewhere than PyTorch did;
+- ``places``: how many captures ``grape.passes.places`` moved to the places of the first
+  (largest) capture that allocated alike, and why it refused the others (each capture marks
+  where its operations start, as ``capture_family(same_places=True)``'s do).
 
 On the H200 (``results/families_warm_start_h200/pool_layout_ac0ebfb.json``, lengths 1..1017
 step 8): the same sequence of 340 allocations at every length, every size affine in its class,
-257 allocations placed elsewhere than at the largest length, and none misplaced by the replay.
+257 allocations placed elsewhere than at the largest length, and none misplaced by the replay
+(that run captured through ``torch.cuda.graph``, before ``places`` was reported; the
+captures through ``grape.torch.capture`` with marks have not run on a GPU).
 ``python benchmarks/pool_layout.py [--lengths 1:1023:8] [--period 8] [--out F]``
 """
 
@@ -36,33 +42,24 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from grape.passes.places import History
 from grape.sim.memory import Pool
 
 Event = tuple[str, int, int]  # ("alloc" | "free", block's place, size): see events()
 
 
-def events(trace: Sequence[Mapping[str, Any]]) -> tuple[list[Event], list[tuple[int, int]]]:
+def events(trace: Sequence[Mapping[str, Any]], markers: Sequence[int] = ()
+           ) -> tuple[list[Event], list[tuple[int, int]]]:
     """One capture's allocator history as ("alloc", i, size) and ("free", i, 0), ``i``
     numbering allocations in order, and each allocation's place: (the segment it lies in,
-    segments numbered as the capture made them, its offset there). A block is reusable once
-    its free completes, so frees are taken at ``free_completed``."""
-    segments: list[tuple[int, int]] = []  # (address, size) in order made
-    out: list[Event] = []
-    places: list[tuple[int, int]] = []
-    live: dict[int, int] = {}  # address -> allocation number
-    for e in trace:
-        action = e["action"]
-        if action == "segment_alloc":
-            segments.append((e["addr"], e["size"]))
-        elif action == "alloc":
-            seg = next((i for i, (a, s) in enumerate(segments) if a <= e["addr"] < a + s), None)
-            if seg is None:  # a block of a segment made before the capture: not the pool's
-                continue
-            live[e["addr"]] = len(places)
-            out.append(("alloc", len(places), e["size"]))
-            places.append((seg, e["addr"] - segments[seg][0]))
-        elif action == "free_completed" and e["addr"] in live:
-            out.append(("free", live.pop(e["addr"]), 0))
+    segments numbered as the capture made them, its offset there). Blocks of segments made
+    before the capture are not the pool's; a block is reusable once its free completes;
+    ``markers`` (``grape.passes.places.Mark``) are no blocks: ``History.of_trace`` says so."""
+    segments = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
+    h = History.of_trace(trace, segments, markers)
+    out: list[Event] = [(a, i, h.size[i] if a == "alloc" else 0) for a, i in h.acts]
+    places = [next((j, address - a) for j, (a, size) in enumerate(segments)
+                   if a <= address < a + size) for address in h.address]
     return out, places
 
 
@@ -86,9 +83,11 @@ def replayed(sequence: list[Event]) -> list[tuple[int, int]]:
     return places
 
 
-def report(traces: Mapping[int, Sequence[Mapping[str, Any]]], period: int = 8) -> dict:
-    """What the module says, from each length's allocator history."""
-    got = {n: events(t) for n, t in traces.items()}
+def report(traces: Mapping[int, Sequence[Mapping[str, Any]]], period: int = 8,
+           markers: Mapping[int, Sequence[int]] | None = None) -> dict:
+    """What the module says, from each length's allocator history (and its capture's
+    markers, which are no blocks)."""
+    got = {n: events(t, (markers or {}).get(n, ())) for n, t in traces.items()}
     largest = max(got)
     shape = [(a, i) for a, i, _ in got[largest][0]]
     parted = {n: next((k for k, (x, y) in enumerate(zip(shape, [(a, i) for a, i, _ in seq],
@@ -120,8 +119,18 @@ def report(traces: Mapping[int, Sequence[Mapping[str, Any]]], period: int = 8) -
     }
 
 
+def _history(trace: Sequence[Mapping[str, Any]], markers: Sequence[int]) -> History:
+    segments = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
+    return History.of_trace(trace, segments, markers)
+
+
 def main() -> None:
     import torch
+
+    from grape.errors import UnsupportedError
+    from grape.ir import BufferRole
+    from grape.passes.places import to_reference
+    from grape.torch.capture import capture, capture_stream
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from families import MAX_LEN, _range, gpt2_decode
@@ -133,8 +142,11 @@ def main() -> None:
     args = parser.parse_args()
     lengths = _range(args.lengths, "KV lengths", 1, MAX_LEN - 1)
     w = gpt2_decode(1, lengths)
-    side = torch.cuda.Stream()
-    traces, graphs = {}, []
+    side = capture_stream()
+    traces, markers, graphs = {}, {}, []
+    references: dict[tuple, tuple] = {}  # acts -> (history, buffers) of its first capture
+    moved: dict[int, int] = {}  # length -> pointers moved to its reference's places
+    refused: dict[int, str] = {}
     for n in sorted(lengths, reverse=True):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -143,22 +155,39 @@ def main() -> None:
         torch.cuda.synchronize()
         torch.cuda.memory._record_memory_history(context=None, stacks="python",
                                                  clear_history=True)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=side):
-            w.step(n)
+        cap = capture(lambda n=n: w.step(n), params=w.params, warmup=0, instantiate=False,
+                      collect=False, pool=torch.cuda.graph_pool_handle(), marks=True)
         traces[n] = [dict(e) for e in torch.cuda.memory._snapshot()["device_traces"][
             torch.cuda.current_device()]]
         torch.cuda.memory._record_memory_history(enabled=None)
-        graphs.append(g)  # kept: a graph's pool lives as long as the graph
-    got = report(traces, args.period)
+        markers[n] = [m.marker for m in cap.marks]
+        history = _history(traces[n], markers[n])
+        if history.acts not in references:
+            references[history.acts] = (history, [b for b in cap.ir.buffers.values()
+                                                  if b.role is BufferRole.INTERNAL])
+        else:
+            try:
+                moved[n] = to_reference(cap.ir, history, *references[history.acts],
+                                        marks=cap.marks).moved
+            except UnsupportedError as e:
+                refused[n] = str(e)
+        graphs.append(cap.torch_graph)  # kept: a graph's pool lives as long as the graph
+    got = report(traces, args.period, markers)
+    got["places"] = {"references": len(references), "moved": len(moved),
+                     "pointers_moved": sum(moved.values()), "refused": len(refused),
+                     "why": {str(n): why for n, why in sorted(refused.items())}}
     got.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
                command=" ".join(sys.argv))
-    print(json.dumps({k: v for k, v in got.items() if k not in ("moved", "parted")}))
+    print(json.dumps({k: v for k, v in got.items() if k not in ("moved", "parted", "places")}))
     print(f"{len(lengths)} lengths, {got['allocations_at_largest']} allocations at the "
           f"largest; same sequence at every length: {got['same_sequence']}; sizes not affine "
           f"in their class: {len(got['not_affine'])}; allocations placed elsewhere than at "
           f"the largest: {len(got['moved'])}; misplaced by the replay, most at one length: "
           f"{max(got['misplaced_by_replay'].values(), default=0)}")
+    print(f"moved to a reference's places (grape.passes.places, {len(references)} "
+          f"references): {len(moved)} captures, {sum(moved.values())} pointers; refused "
+          f"{len(refused)}" + (f", the first: {next(iter(refused.values()))}" if refused
+                              else ""))
     if args.out:
         args.out.write_text(json.dumps(got, indent=1) + "\n")
 
