@@ -5,8 +5,10 @@ places the caching allocator picks by best fit, and the sizes grow with ``n``, s
 place moves with the length: the pointers into the pool are no affine function of the length,
 and a family's derivation (``grape.passes.derive``) derived nothing from one length in 32
 (benchmarks/README.md, runs 18 to 21). Measured on the H200 (``benchmarks/pool_layout.py``,
-GPT-2 small decode, 128 lengths in 1..1023): every length makes the largest length's 340
-allocations and frees in the same order, 257 of them at other places.
+GPT-2 small decode, 128 KV lengths 1..1017, all 1 modulo 8): every length makes the largest
+length's 340 allocations and frees in the same order, 257 of them at other places (lengths 7
+modulo 8 take another attention path and allocate otherwise: a family takes a reference for
+each way of allocating).
 
 So grape moves them. Given the allocator's history of a capture (:class:`History`: each block
 it made in the pool, when it was made and freed) and that of a *reference* capture of the same
