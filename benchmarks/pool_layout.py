@@ -49,6 +49,11 @@ from grape.sim.memory import Pool
 Event = tuple[str, int, int]  # ("alloc" | "free", block's place, size): see events()
 
 
+def _segments(trace: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
+    """The segments a capture made, (address, size), in the order made."""
+    return [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
+
+
 def events(trace: Sequence[Mapping[str, Any]], markers: Sequence[int] = ()
            ) -> tuple[list[Event], list[tuple[int, int]]]:
     """One capture's allocator history as ("alloc", i, size) and ("free", i, 0), ``i``
@@ -56,7 +61,7 @@ def events(trace: Sequence[Mapping[str, Any]], markers: Sequence[int] = ()
     segments numbered as the capture made them, its offset there). Blocks of segments made
     before the capture are not the pool's; a block is reusable once its free completes;
     ``markers`` (``grape.passes.places.Mark``) are no blocks: ``History.of_trace`` says so."""
-    segments = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
+    segments = _segments(trace)
     h = History.of_trace(trace, segments, markers)
     out: list[Event] = [(a, i, h.size[i] if a == "alloc" else 0) for a, i in h.acts]
     places = [next((j, address - a) for j, (a, size) in enumerate(segments)
@@ -121,8 +126,7 @@ def report(traces: Mapping[int, Sequence[Mapping[str, Any]]], period: int = 8,
 
 
 def _history(trace: Sequence[Mapping[str, Any]], markers: Sequence[int]) -> History:
-    segments = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
-    return History.of_trace(trace, segments, markers)
+    return History.of_trace(trace, _segments(trace), markers)
 
 
 def main() -> None:
