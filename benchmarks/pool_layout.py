@@ -22,7 +22,8 @@ capture, and for the lengths together this reports:
   replaying that length's mallocs and frees, puts elsewhere than PyTorch did;
 - ``places``: how many captures ``grape.passes.places`` moved to the places of the first
   (largest) capture that allocated alike, and why it refused the others (each capture marks
-  where its operations start, as ``capture_family(same_places=True)``'s do).
+  where its operations start and records its history, ``capture(marks=True)``, as
+  ``capture_family(same_places=True)``'s do).
 
 On the H200 (``results/families_warm_start_h200/pool_layout_ac0ebfb.json``, lengths 1..1017
 step 8, so all 1 modulo 8; lengths 7 modulo 8 allocate otherwise, run 22 found): the same
@@ -38,10 +39,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
 
 from grape.passes.places import History
 from grape.sim.memory import Pool
@@ -49,23 +49,13 @@ from grape.sim.memory import Pool
 Event = tuple[str, int, int]  # ("alloc" | "free", block's place, size): see events()
 
 
-def _segments(trace: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
-    """The segments a capture made, (address, size), in the order made."""
-    return [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"]
-
-
-def events(trace: Sequence[Mapping[str, Any]], markers: Sequence[int] = ()
-           ) -> tuple[list[Event], list[tuple[int, int]]]:
+def events(history: History) -> tuple[list[Event], list[tuple[int, int]]]:
     """One capture's allocator history as ("alloc", i, size) and ("free", i, 0), ``i``
     numbering allocations in order, and each allocation's place: (the segment it lies in,
-    segments numbered as the capture made them, its offset there). Blocks of segments made
-    before the capture are not the pool's; a block is reusable once its free completes;
-    ``markers`` (``grape.passes.places.Mark``) are no blocks: ``History.of_trace`` says so."""
-    segments = _segments(trace)
-    h = History.of_trace(trace, segments, markers)
-    out: list[Event] = [(a, i, h.size[i] if a == "alloc" else 0) for a, i in h.acts]
-    places = [next((j, address - a) for j, (a, size) in enumerate(segments)
-                   if a <= address < a + size) for address in h.address]
+    segments numbered as the capture made them, its offset there)."""
+    out: list[Event] = [(a, i, history.size[i] if a == "alloc" else 0) for a, i in history.acts]
+    places = [next((j, address - a) for j, (a, size) in enumerate(history.segments)
+                   if a <= address < a + size) for address in history.address]
     return out, places
 
 
@@ -89,11 +79,9 @@ def replayed(sequence: list[Event]) -> list[tuple[int, int]]:
     return places
 
 
-def report(traces: Mapping[int, Sequence[Mapping[str, Any]]], period: int = 8,
-           markers: Mapping[int, Sequence[int]] | None = None) -> dict:
-    """What the module says, from each length's allocator history (and its capture's
-    markers, which are no blocks)."""
-    got = {n: events(t, (markers or {}).get(n, ())) for n, t in traces.items()}
+def report(histories: Mapping[int, History], period: int = 8) -> dict:
+    """What the module says, from each length's allocator history."""
+    got = {n: events(h) for n, h in histories.items()}
     largest = max(got)
     shape = [(a, i) for a, i, _ in got[largest][0]]
     parted = {n: next((k for k, (x, y) in enumerate(zip(shape, [(a, i) for a, i, _ in seq],
@@ -125,10 +113,6 @@ def report(traces: Mapping[int, Sequence[Mapping[str, Any]]], period: int = 8,
     }
 
 
-def _history(trace: Sequence[Mapping[str, Any]], markers: Sequence[int]) -> History:
-    return History.of_trace(trace, _segments(trace), markers)
-
-
 def main() -> None:
     import torch
 
@@ -150,7 +134,7 @@ def main() -> None:
     lengths = _range(args.lengths, "KV lengths", 1, MAX_LEN - 1)
     w = gpt2_decode(1, lengths)
     side = capture_stream()
-    traces, markers, graphs = {}, {}, []
+    histories, graphs = {}, []
     references: dict[tuple, tuple] = {}  # acts -> (history, buffers) of its first capture
     moved: dict[int, int] = {}  # length -> pointers moved to its reference's places
     refused: dict[int, str] = {}
@@ -160,15 +144,12 @@ def main() -> None:
             w.step(n)  # warm-up outside capture, on the capture's stream
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        torch.cuda.memory._record_memory_history(context=None, stacks="python",
-                                                 clear_history=True)
         cap = capture(lambda n=n: w.step(n), params=w.params, warmup=0, instantiate=False,
                       collect=False, pool=torch.cuda.graph_pool_handle(), marks=True)
-        traces[n] = [dict(e) for e in torch.cuda.memory._snapshot()["device_traces"][
-            torch.cuda.current_device()]]
-        torch.cuda.memory._record_memory_history(enabled=None)
-        markers[n] = [m.marker for m in cap.marks]
-        history = _history(traces[n], markers[n])
+        if cap.history is None:
+            raise SystemExit("expected to record the allocator's history, found the process "
+                             "recording it already")
+        histories[n] = history = cap.history
         if history.acts not in references:
             references[history.acts] = (history, [b for b in cap.ir.buffers.values()
                                                   if b.role is BufferRole.INTERNAL])
@@ -179,7 +160,7 @@ def main() -> None:
             except UnsupportedError as e:
                 refused[n] = str(e)
         graphs.append(cap.torch_graph)  # kept: a graph's pool lives as long as the graph
-    got = report(traces, args.period, markers)
+    got = report(histories, args.period)
     got["places"] = {"references": len(references), "moved": len(moved),
                      "pointers_moved": sum(moved.values()), "refused": len(refused),
                      "why": {str(n): why for n, why in sorted(refused.items())}}

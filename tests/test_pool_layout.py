@@ -1,10 +1,12 @@
 """The analysis of benchmarks/pool_layout.py: allocator histories made up here, in
-torch.cuda.memory._snapshot()'s trace format."""
+torch.cuda.memory._snapshot()'s trace format, read by grape.passes.places.History."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+from grape.passes.places import History
 
 _SPEC = importlib.util.spec_from_file_location(
     "pool_layout", Path(__file__).resolve().parent.parent / "benchmarks" / "pool_layout.py")
@@ -31,7 +33,8 @@ def _trace(n: int, *, past: bool = False) -> list[dict]:
 
 
 def test_a_layout_that_moves_with_the_length_and_a_replay_that_reproduces_it():
-    got = pool_layout.report({n: _trace(n) for n in (8, 16, 24, 32)}, period=8)
+    got = pool_layout.report({n: History.of_trace(_trace(n)) for n in (8, 16, 24, 32)},
+                             period=8)
     assert got["same_sequence"] and got["parted"] == {}
     assert got["allocations_at_largest"] == 3
     assert got["not_affine"] == []  # 512 n, and 512
@@ -43,7 +46,7 @@ def test_what_a_replay_misplaces_and_a_sequence_that_parts_are_counted():
     traces = {n: _trace(n) for n in (8, 16, 24)}
     traces[16] = _trace(16, past=True)
     traces[24] = traces[24][:-1]  # one allocation fewer: the sequence parts at its end
-    got = pool_layout.report(traces, period=8)
+    got = pool_layout.report({n: History.of_trace(t) for n, t in traces.items()}, period=8)
     assert got["misplaced_by_replay"]["16"] == 1 and got["misplaced_by_replay"]["8"] == 0
     assert got["misplaced_by_replay"]["24"] == 0
     assert not got["same_sequence"]

@@ -154,7 +154,6 @@ def test_a_family_captures_under_a_frozen_heap_and_unfreezes_it_even_when_captur
         raise Stop
 
     monkeypatch.setattr(family, "capture", fake_capture)
-    monkeypatch.setattr(family, "with_history", lambda fn, pool, marks: (fn(), None))  # no GPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)

@@ -79,17 +79,24 @@ class History:
     freed: tuple[int, ...]
     acts: tuple[tuple[str, int], ...]
     marks: tuple[int, ...] = ()  # per marker found: the acts before it
+    # the pool's segments, (address, size): those the capture made, in the order made, then
+    # the others it was given
+    segments: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def of_trace(cls, trace: Iterable[Mapping], segments: Sequence[tuple[int, int]],
+    def of_trace(cls, trace: Sequence[Mapping], segments: Sequence[tuple[int, int]] = (),
                  markers: Sequence[int] = ()) -> History:
         """From the allocator's trace (``torch.cuda.memory._snapshot()["device_traces"]``
-        entries, recorded over the capture), keeping the blocks within ``segments`` (the
-        pool's, as (address, size)): an allocation is ``alloc``, and its block is free to
-        reuse at ``free_completed``. ``markers``: the addresses of the capture's markers
+        entries, recorded over the capture), keeping the blocks within the pool: ``segments``
+        (its segments, as (address, size)), or where none are given, the segments the trace
+        shows made. An allocation is ``alloc``, and its block is free to reuse at
+        ``free_completed``. ``markers``: the addresses of the capture's markers
         (:class:`Mark`), in order, which are no blocks of its own: where each lies among the
         acts is kept instead."""
-        spans = sorted(segments)
+        made_here = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"
+                     and (not segments or (e["addr"], e["size"]) in segments)]
+        pool = made_here + sorted(set(segments) - set(made_here))
+        spans = sorted(pool)
         starts = np.array([a for a, _ in spans], dtype=np.uint64)
 
         def in_pool(address: int) -> bool:
@@ -120,7 +127,7 @@ class History:
                 freed[i] = len(acts) - 1
         freed = [f if f >= 0 else len(acts) for f in freed]
         return cls(tuple(address), tuple(size), tuple(made), tuple(freed), tuple(acts),
-                   tuple(marks))
+                   tuple(marks), tuple(pool))
 
     def __len__(self) -> int:
         return len(self.address)

@@ -30,7 +30,7 @@ from grape.passes.places import MARKER_BYTES, History, Mark
 from grape.torch.control import graph
 
 __all__ = ["TorchCapture", "capture", "collector_paused", "frozen_heap", "live_blocks",
-           "on_another_thread", "pool_segments", "with_history"]
+           "on_another_thread", "pool_segments"]
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 
@@ -43,6 +43,9 @@ class TorchCapture:
     pool_bytes: int  # device memory PyTorch reserved for the capture's pool
     blocks: list[tuple[int, int]] = field(default_factory=list)  # live blocks named (capture)
     marks: list[Mark] = field(default_factory=list)  # where its operations started (marks=True)
+    # marks=True: the allocator's acts in the graph's pool during the capture (None where the
+    # process records the allocator's history itself)
+    history: History | None = None
 
     @property
     def ir(self) -> KernelGraph:
@@ -302,28 +305,28 @@ class _Marks(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def with_history(fn: Callable[[], Any], pool: Any,
-                 markers: Callable[[Any], Iterable[int]] = lambda out: ()
-                 ) -> tuple[Any, History | None]:
-    """``fn()``, and the caching allocator's acts in graph pool ``pool`` while it ran
-    (``grape.passes.places.History``), recorded with the allocator's own history (no stack
-    traces) and read from one snapshot. ``markers(fn())``: the addresses of the
-    markers it made (``History.of_trace``). None where the process records that history
-    itself (``torch.cuda.memory._record_memory_history``): recording here would clear it."""
+@contextlib.contextmanager
+def _history(found: list, pool: Any) -> Iterator[None]:
+    """Record the caching allocator's history while the block runs and append, on leaving,
+    its trace and graph pool ``pool``'s segments (which ``capture`` reads, with its markers,
+    into a ``grape.passes.places.History``), or None where the process records that history
+    itself (``torch.cuda.memory._record_memory_history``: recording here would clear it; told
+    where this PyTorch says, ``torch._C._cuda_isHistoryEnabled``)."""
     on = getattr(torch._C, "_cuda_isHistoryEnabled", None)
     if on is not None and on():
-        return fn(), None
+        found.append(None)
+        yield
+        return
     torch.cuda.memory._record_memory_history(context=None, stacks="python", clear_history=True)
     try:
-        out = fn()
+        yield
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     device = torch.cuda.current_device()
-    segments = [(s["address"], s["total_size"]) for s in snapshot["segments"]
-                if s["device"] == device and tuple(s["segment_pool_id"]) == tuple(pool)]
-    return out, History.of_trace(snapshot["device_traces"][device], segments,
-                                 list(markers(out)))
+    found.append((snapshot["device_traces"][device],
+                  [(s["address"], s["total_size"]) for s in snapshot["segments"]
+                   if s["device"] == device and tuple(s["segment_pool_id"]) == tuple(pool)]))
 
 
 def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tensor] | None = None,
@@ -350,7 +353,8 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     buffers of their own rather than parts of their allocator segments, for graphs saved and
     moved to another process: the caller's state (a cache, a static output) is then matched
     tensor by tensor there, where the allocator laid the same tensors out differently within
-    its segments. ``marks``: mark where each operation starts (``TorchCapture.marks``), for
+    its segments. ``marks``: mark where each operation starts (``TorchCapture.marks``) and
+    record the allocator's acts in the graph's pool during the capture (``.history``), for
     ``grape.passes.places``.
 
     Raises
@@ -383,6 +387,9 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     reserved = torch.cuda.memory_reserved()
     g = torch.cuda.CUDAGraph(keep_graph=True)
     noted = _Marks(side.cuda_stream, side.device) if marks else None
+    recorded: list = []  # with marks: the allocator's history of the capture (_history)
+    if noted is not None and pool is None:
+        pool = torch.cuda.graph_pool_handle()  # named here, to find its blocks in the history
     failure = None
     try:
         # Captured on the stream it warmed up on: cuBLAS allocates a workspace for each
@@ -391,7 +398,8 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         # same shape made 1251 (H200). Since this (and, in the same commit, relocation keeping
         # members' own loose words), a family reloaded in the process that saved it moves
         # every shape (tests/test_gpu_family.py); which of the two it needed was not told apart.
-        with collector_paused(), graph(g, pool=pool, stream=side), \
+        with (_history(recorded, pool) if noted else contextlib.nullcontext()), \
+                collector_paused(), graph(g, pool=pool, stream=side), \
                 (staging or contextlib.nullcontext()), (noted or contextlib.nullcontext()):
             outputs = fn(*args)  # graph() remembers the pool, for IF nodes in ``fn``
     except Exception as e:
@@ -409,5 +417,9 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     pool_bytes = torch.cuda.memory_reserved() - reserved
     _name(buffers, f"{tag}output", ((str(i), t) for i, t in enumerate(_tensors(outputs))),
           BufferRole.OUTPUT)
+    history = None
+    if recorded and recorded[0] is not None:
+        trace, segments = recorded[0]
+        history = History.of_trace(trace, segments, [m.marker for m in noted.marks])
     return TorchCapture(Graph.borrowed(g.raw_cuda_graph(), buffers), g, outputs, pool_bytes,
-                        blocks, noted.marks if noted is not None else [])
+                        blocks, noted.marks if noted is not None else [], history)

@@ -41,13 +41,7 @@ from grape.passes.families import match, same_ids
 from grape.passes.places import History, Mark, to_reference
 from grape.passes.switch_plan import plan as switch_plan
 from grape.passes.variants import Variants
-from grape.torch.capture import (
-    capture,
-    frozen_heap,
-    on_another_thread,
-    pool_segments,
-    with_history,
-)
+from grape.torch.capture import capture, frozen_heap, on_another_thread, pool_segments
 
 __all__ = ["Family", "capture_family", "environment", "load_family"]
 
@@ -417,15 +411,9 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     places = _Places() if same_places else None
 
     def taken(shape: Hashable) -> tuple[Any, KernelGraph]:
-        def once() -> Any:
-            return capture(lambda s=shape: step(s), params=params, pool=pool,
-                           instantiate=False, collect=False, warmup=warmup, blocks=blocks,
-                           marks=places is not None)
-        if places is None:
-            cap = once()
-            return cap, cap.ir
-        cap, history = with_history(once, pool, lambda cap: (m.marker for m in cap.marks))
-        return cap, places(cap.ir, history, cap.marks)
+        cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
+                      collect=False, warmup=warmup, blocks=blocks, marks=places is not None)
+        return cap, cap.ir if places is None else places(cap.ir, cap.history, cap.marks)
 
     def captured(shape: Hashable) -> KernelGraph:
         nonlocal blocks
