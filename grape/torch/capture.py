@@ -398,9 +398,11 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         # same shape made 1251 (H200). Since this (and, in the same commit, relocation keeping
         # members' own loose words), a family reloaded in the process that saved it moves
         # every shape (tests/test_gpu_family.py); which of the two it needed was not told apart.
-        with (_history(recorded, pool) if noted else contextlib.nullcontext()), \
+        marking = noted is not None
+        with (_history(recorded, pool) if marking else contextlib.nullcontext()), \
                 collector_paused(), graph(g, pool=pool, stream=side), \
-                (staging or contextlib.nullcontext()), (noted or contextlib.nullcontext()):
+                (staging or contextlib.nullcontext()), \
+                (noted if marking else contextlib.nullcontext()):
             outputs = fn(*args)  # graph() remembers the pool, for IF nodes in ``fn``
     except Exception as e:
         failure = _failure(e)
