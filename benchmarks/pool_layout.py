@@ -31,12 +31,14 @@ sequence of 340 allocations at every length, every size affine in its class,
 257 allocations placed elsewhere than at the largest length, and none misplaced by the replay
 (that run captured through ``torch.cuda.graph``, before ``places`` was reported; the
 captures through ``grape.torch.capture`` with marks have not run on a GPU).
-``python benchmarks/pool_layout.py [--lengths 1:1023:7] [--period 8] [--out F]``
+``python benchmarks/pool_layout.py [--lengths 1:1023:7] [--period 8] [--out F] [--histories H]``
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gzip
 import json
 import sys
 from collections.abc import Mapping
@@ -130,6 +132,9 @@ def main() -> None:
                              "every residue modulo 8)")
     parser.add_argument("--period", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None, metavar="FILE")
+    parser.add_argument("--histories", type=Path, default=None, metavar="FILE.json.gz",
+                        help="also write every length's allocator history (its acts, blocks "
+                             "and segments), for checking grape.sim.memory.Pool on the CPU")
     args = parser.parse_args()
     lengths = _range(args.lengths, "KV lengths", 1, MAX_LEN - 1)
     w = gpt2_decode(1, lengths)
@@ -178,6 +183,11 @@ def main() -> None:
                               else ""))
     if args.out:
         args.out.write_text(json.dumps(got, indent=1) + "\n")
+    if args.histories:
+        with gzip.open(args.histories, "wt") as f:
+            json.dump({"device": got["device"], "torch": got["torch"], "command": got["command"],
+                       "histories": {str(n): dataclasses.asdict(h)
+                                     for n, h in sorted(histories.items())}}, f)
 
 
 if __name__ == "__main__":
