@@ -5,7 +5,10 @@ and ARCH as in ``benchmarks/generate.py`` and MODE ``default``, ``max-autotune-n
 (what ``grape.generate(compile=True)`` uses) or ``max-autotune-aten`` (the latter with GEMMs
 from cuBLAS only). Greedy, batch 1, a 32-token prompt, 128 new tokens; the median of five
 calls after the capturing one, for the compiled loop and for grape's loop over eager kernels;
-``agreement``: the fraction of new tokens the two ways share. Prints one JSON line and appends
+``agreement``: the fraction of new tokens the two ways share; ``pdl``: whether Inductor's Triton
+kernels (not its GEMM templates) were launched with programmatic dependent launch
+(``TORCHINDUCTOR_ENABLE_PDL=1`` in the environment), which a captured graph keeps as
+programmatic edges. Prints one JSON line and appends
 it to ``$OUT/compile_modes.jsonl`` (``/tmp`` without ``OUT``).
 
 Run on a GPU, once per configuration:
@@ -21,6 +24,7 @@ import sys
 import time
 
 import torch
+import torch._inductor.config as inductor
 
 sys.path.insert(0, os.path.dirname(__file__))
 from generate import SIZES, build
@@ -48,8 +52,6 @@ def main() -> None:
     ids = torch.randint(0, 1000, (1, 32), device="cuda")
     options = {} if mode == "default" else {"mode": mode}
     if mode == "max-autotune-aten":
-        import torch._inductor.config as inductor
-
         inductor.max_autotune_gemm_backends = "ATEN"
         options = {"mode": "max-autotune-no-cudagraphs"}
     # The model's compiled forward, made here with the mode asked for, where grape would make
@@ -63,7 +65,8 @@ def main() -> None:
     graphed = api.last_stats().graphed
     eager = grape.generate(model, ids, max_new_tokens=NEW)
     eager_ms = _ms_per_token(lambda: grape.generate(model, ids, max_new_tokens=NEW))
-    row = dict(size=size, mode=mode, compiled_ms_per_token=round(compiled_ms, 4),
+    row = dict(size=size, mode=mode, pdl=bool(inductor.triton.enable_pdl),
+               compiled_ms_per_token=round(compiled_ms, 4),
                eager_ms_per_token=round(eager_ms, 4), capture_s=round(capture_s, 1),
                graphed=graphed,
                agreement=float((compiled[:, 32:] == eager[:, 32:]).float().mean()))
