@@ -48,17 +48,13 @@ from pathlib import Path
 from grape.passes.places import History
 from grape.sim.memory import Pool
 
-Event = tuple[str, int, int]  # ("alloc" | "free", block's place, size): see events()
+Event = tuple[str, int, int]  # ("malloc" | "free", block number, size): History.requests()
 
 
 def events(history: History) -> tuple[list[Event], list[tuple[int, int]]]:
-    """One capture's allocator history as ("alloc", i, size) and ("free", i, 0), ``i``
-    numbering allocations in order, and each allocation's place: (the segment it lies in,
-    segments numbered as the capture made them, its offset there)."""
-    out: list[Event] = [(a, i, history.size[i] if a == "alloc" else 0) for a, i in history.acts]
-    places = [next((j, address - a) for j, (a, size) in enumerate(history.segments)
-                   if a <= address < a + size) for address in history.address]
-    return out, places
+    """One capture's allocator history as ``Pool.run`` takes it, and each allocation's place:
+    (the segment it lies in, segments numbered as the capture made them, its offset there)."""
+    return history.requests(), history.placed()
 
 
 def _affine(points: list[tuple[int, int]]) -> bool:
@@ -67,18 +63,6 @@ def _affine(points: list[tuple[int, int]]) -> bool:
     (x0, y0), (x1, y1) = points[0], points[1]
     slope = Fraction(y1 - y0, x1 - x0)
     return all(y0 + slope * (x - x0) == y for x, y in points[2:])
-
-
-def replayed(sequence: list[Event]) -> list[tuple[int, int]]:
-    """Where ``grape.sim.memory.Pool`` puts each allocation of ``sequence``."""
-    pool, handles, places = Pool(), {}, []
-    for action, i, size in sequence:
-        if action == "alloc":
-            handles[i] = pool.malloc(size)
-            places.append(handles[i])
-        else:
-            pool.free(handles.pop(i))
-    return places
 
 
 def report(histories: Mapping[int, History], period: int = 8) -> dict:
@@ -96,14 +80,14 @@ def report(histories: Mapping[int, History], period: int = 8) -> dict:
     for n in alike:
         seq, places = got[n]
         for action, i, size in seq:
-            if action == "alloc":
+            if action == "malloc":
                 sizes.setdefault(i, {}).setdefault(n % period, []).append((n, size))
         for i, place in enumerate(places):
             if place != got[largest][1][i]:
                 moved[i] = moved.get(i, 0) + 1
     not_affine = sorted(i for i, classes in sizes.items()
                         if not all(_affine(sorted(p)) for p in classes.values()))
-    misplaced = {n: sum(a != b for a, b in zip(replayed(seq), places, strict=True))
+    misplaced = {n: sum(a != b for a, b in zip(Pool().placements(seq), places, strict=True))
                  for n, (seq, places) in got.items()}
     return {
         "lengths": sorted(got), "allocations_at_largest": len(got[largest][1]),

@@ -6,7 +6,7 @@ import pytest
 
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Memcpy, Param, Pointer, Span
-from grape.passes.derive import derive, derive_lengths
+from grape.passes.derive import Quotient, derive, derive_lengths
 
 ROW = 128  # bytes of cache per position
 
@@ -42,13 +42,34 @@ def test_a_length_never_captured_is_derived_byte_for_byte():
 
 def test_a_length_between_two_stretches_is_not_guessed():
     d = derive({n: step(n) for n in SAMPLED})
-    # The grid steps from 1 to 2 somewhere between the captured 57 and 65: not derivable.
-    assert not d.covers(60) and d.uncovered(60) == [("attn", "grid0")]
-    with pytest.raises(UnsupportedError, match="derivable at length 60, found 1 that are not "
+    # The grid steps from 1 to 2 somewhere between the captured 57 and 65. As a rounded-up
+    # quotient of the length's slot, ceil(n / d), the samples leave d anywhere in 63..64: 60
+    # takes one block either way, 64 one or two.
+    assert d.quotients == {("attn", "grid0"): (Quotient("a8", 63, 64),)}
+    assert d.covers(60) and d.check(60, step(60)) == []
+    assert not d.covers(64) and d.uncovered(64) == [("attn", "grid0")]
+    with pytest.raises(UnsupportedError, match="derivable at length 64, found 1 that are not "
                                                "\\(first: grid0 of 'attn'; captured lengths "
                                                "1..249\\): capture it"):
-        d.graph_at(60)
+        d.graph_at(64)
     assert not d.covers(256)  # past the last captured length: no extrapolation
+
+
+def test_a_grid_that_steps_between_samples_is_derived_as_a_quotient_of_its_element_count():
+    # One sample in 32 lengths: two samples on each step of ceil(n / 64), which no stretch of
+    # its own trusts; as ceil(n / d) with d in 57..64 it derives wherever that range agrees.
+    sparse = range(1, 257, 32)
+    d = derive({n: step(n) for n in sparse})
+    assert d.quotients == {("attn", "grid0"): (Quotient("a8", 57, 64),)}
+    derived = [n for n in range(1, 226) if n not in sparse and d.covers(n)]
+    assert len(derived) > 150
+    assert all(d.graph_at(n) == step(n) for n in derived)
+    assert not any(d.covers(n) for n in (58, 64, 120, 128))  # where 57..64 disagree
+    # A grid that is no such quotient at some sample finds none: the length squared
+    assert derive({n: step(n, square=True) for n in sparse}).quotients == {}
+    got = derive_lengths(_recorder(step)[0], range(1, 257), every=32, checks=1)
+    assert len(got.derived) > 150 and not got.refused
+    assert all(got.graphs[n] == step(n) for n in got.derived)
 
 
 def test_a_number_that_is_not_affine_in_the_length_is_refused():

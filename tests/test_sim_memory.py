@@ -1,9 +1,18 @@
 from __future__ import annotations
 
+import bisect
+import gzip
+import json
+from pathlib import Path
+
 import pytest
 
 from grape.errors import GrapeError
+from grape.passes.places import History
 from grape.sim.memory import MB, Pool, family_memory, round_size, segment_size
+
+RECORDED = (Path(__file__).resolve().parent.parent / "traces" / "h200_pool"
+            / "gpt2_small_decode_b1_pool_histories.json.gz")
 
 
 def test_rounding_and_segments_follow_the_caching_allocator():
@@ -76,3 +85,41 @@ def test_smallest_first_can_cost_more_than_largest_first():
                                 largest_first=False)
     first_large = family_memory(shapes, [1] * 3, 0, shared_pool=True, shared_executable=True)
     assert first_large.pool_bytes <= first_small.pool_bytes
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict[int, History]:
+    with gzip.open(RECORDED, "rt") as f:
+        data = json.load(f)
+    return {int(n): History.of_json(h) for n, h in data["histories"].items()}
+
+
+def test_the_pool_places_every_block_where_pytorch_did_on_the_h200(recorded):
+    # GPT-2 small's decode step captured at 147 KV lengths (1..1023, every 7th, so every
+    # residue modulo 8 and both of the step's attention paths), each into a private pool, with
+    # the caching allocator's history recorded around the capture (benchmarks/pool_layout.py).
+    assert len(recorded) == 147 and {len(h.acts) for h in recorded.values()} == {656, 680}
+    blocks = 0
+    for n, history in recorded.items():
+        assert Pool().placements(history.requests()) == history.placed(), n
+        blocks += len(history)
+    assert blocks > 45_000
+
+
+def test_a_pool_that_never_coalesces_misplaces_the_recorded_blocks(recorded, monkeypatch):
+    # The comparison above can fail: with freed neighbours left apart, the same replays put
+    # blocks elsewhere.
+    def no_coalescing(self, handle):
+        block = self._blocks[handle]
+        block.free = True
+        self.allocated -= block.size
+        bisect.insort(self._free, (block.size, block.segment, block.offset))
+
+    monkeypatch.setattr(Pool, "free", no_coalescing)
+    wrong = [n for n, h in recorded.items() if Pool().placements(h.requests()) != h.placed()]
+    assert len(wrong) == len(recorded)
+
+
+def test_a_replay_refuses_a_free_of_what_was_never_allocated():
+    with pytest.raises(GrapeError, match="never allocated or freed already"):
+        Pool().placements([("malloc", 0, 512), ("free", 1, 0)])

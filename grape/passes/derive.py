@@ -38,6 +38,16 @@ lengths 240..254: of 248 varying words on no line, 199 were the first kind and 4
   and shift, three 32-bit slots): the multiplier and shift are no affine function of the
   length, but are the divisor's, so where three slots are such a triple at every sample the
   last two are computed from the first (which is fitted) rather than fitted.
+
+A grid dimension is most often the kernel's element count divided by the work of a block,
+rounded up: a staircase in the length whose steps samples far apart cannot follow (PyTorch's
+``arange`` of ``n + 1`` positions runs ``ceil((n + 1) / 64)`` blocks, which at one sample in
+32 lengths of a residue class leaves two samples a step: on the H200 it held back 144 of GPT-2
+small's 255 lengths once the pool's pointers had moved). So where a grid dimension equals
+``ceil(x / d)`` at every sample, ``x`` one of the node's argument numbers that varies and ``d``
+a constant, it is also derived as that quotient where its own stretches do not reach
+(:class:`Quotient`). The samples bound ``d`` to an interval, not a value; a length whose
+quotient differs anywhere in that interval is not derived.
 """
 
 from __future__ import annotations
@@ -67,7 +77,7 @@ from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span, fin
 from grape.passes.families import match
 from grape.passes.variants import NodeVersions, Variants
 
-__all__ = ["Derivation", "Graphs", "Sampled", "Segment", "derive", "derive_lengths",
+__all__ = ["Derivation", "Graphs", "Quotient", "Sampled", "Segment", "derive", "derive_lengths",
            "loose_at_both", "loose_slots", "place_derived"]
 
 MIN_SUPPORT = 3  # captured lengths on a stretch's line before it is trusted
@@ -107,6 +117,65 @@ def _segments(points: list[tuple[int, int]]) -> list[Segment]:
             j += 1
         out.append(Segment(x0, points[j][0], slope, y0 - slope * x0, j - i + 1))
         i = j + 1
+    return out
+
+
+@dataclass(frozen=True)
+class Quotient:
+    """A number that is ``ceil(x / d)`` at every sample: ``x`` the same node's number
+    ``source``, ``d`` any integer from ``low`` to ``high`` (what the samples leave open)."""
+
+    source: str
+    low: int
+    high: int
+
+    def at(self, x: int) -> int | None:
+        """The quotient at ``x``, where every divisor left open gives the same one."""
+        if x <= 0:
+            return None
+        most, least = -(-x // self.low), -(-x // self.high)
+        return most if most == least else None
+
+
+def _quotient(source: str, points: Sequence[tuple[int, int]]) -> Quotient | None:
+    """The divisors ``d`` for which ``ceil(x / d) == g`` at every (x, g) of ``points``, as a
+    :class:`Quotient`; None where there are none, or where ``g`` never exceeds 1 (then any
+    large ``d`` does, and nothing bounds it)."""
+    low, high = 1, None
+    for x, g in points:
+        if x <= 0 or g <= 0:
+            return None
+        low = max(low, -(-x // g))  # x / d <= g
+        if g > 1:  # x / d > g - 1: d below x / (g - 1)
+            bound = -(-x // (g - 1)) - 1
+            high = bound if high is None else min(high, bound)
+        if high is not None and low > high:
+            return None
+    return None if high is None else Quotient(source, low, high)
+
+
+def _quotients(series: Mapping[tuple[str, str], list[tuple[int, int]]],
+               fits: Mapping[tuple[str, str], list[Segment]]
+               ) -> dict[tuple[str, str], tuple[Quotient, ...]]:
+    """For each fitted grid dimension, the node's varying argument numbers it is a rounded-up
+    quotient of at every sample (module docstring)."""
+    numbers: dict[str, list[str]] = {}
+    for where, what in fits:
+        if what.startswith("a"):
+            numbers.setdefault(where, []).append(what)
+    out = {}
+    for (where, what), _ in fits.items():
+        if not what.startswith("grid"):
+            continue
+        grid = series[(where, what)]
+        found = []
+        for source in numbers.get(where, ()):
+            points = [(x, g) for (_, x), (_, g) in zip(series[(where, source)], grid,
+                                                          strict=True)]
+            if (q := _quotient(source, points)) is not None:
+                found.append(q)
+        if found:
+            out[(where, what)] = tuple(found)
     return out
 
 
@@ -285,15 +354,29 @@ class Derivation:
     loose: dict[str, Slots] = field(default_factory=dict)  # template node -> loose slots
     dividers: dict[str, Slots] = field(default_factory=dict)  # node -> multipliers' slots
     bits: dict[tuple[str, str], int] = field(default_factory=dict)  # a number's width
+    # grid dimensions that are rounded-up quotients of an argument number at every sample
+    quotients: dict[tuple[str, str], tuple[Quotient, ...]] = field(default_factory=dict)
 
     def _value(self, key: tuple[str, str], length: int) -> int | None:
         for seg in self.fits[key]:
             if seg.first <= length <= seg.last:
                 value = seg.at(length) if seg.support >= MIN_SUPPORT else None
                 if value is None or not 0 <= value < 1 << self.bits.get(key, 64):
-                    return None
+                    break
                 return value
-        return None
+        return self._quotient(key, length) if key in self.quotients else None
+
+    def _quotient(self, key: tuple[str, str], length: int) -> int | None:
+        """``key`` at ``length`` as the quotient of another number: where every quotient it
+        is at the samples whose source is derivable there gives one value (a number whose
+        own stretches do not reach ``length``)."""
+        values = set()
+        for q in self.quotients[key]:
+            x = self._value((key[0], q.source), length)
+            if x is not None:
+                values.add(q.at(x))
+        value = values.pop() if len(values) == 1 else None
+        return value if value is not None and value < 1 << self.bits.get(key, 64) else None
 
     def _column(self, key: tuple[str, str], lengths: np.ndarray
                 ) -> tuple[list[int] | np.ndarray, np.ndarray]:
@@ -328,6 +411,10 @@ class Derivation:
                     if value is not None:
                         wide[i] = value
                         ok[i] = True
+        if key in self.quotients and not ok.all():
+            for i in np.flatnonzero(~ok).tolist():
+                if (value := self._quotient(key, int(lengths[i]))) is not None:
+                    out[i], ok[i] = value, True
         if not wide:
             return out, ok
         values = out.tolist()
@@ -566,7 +653,8 @@ def derive(samples: Mapping[int, KernelGraph],
             fits[key] = _segments(points)
             if not key[0].startswith("buffer:"):
                 bits[key] = _bits(key[1], template.op(key[0]))
-    return Derivation(template, lengths, fits, loose, dividers, bits)
+    return Derivation(template, lengths, fits, loose, dividers, bits,
+                      _quotients(series, fits))
 
 
 def place_derived(variants: Variants, d: Derivation, lengths: Sequence[int], base: Hashable,

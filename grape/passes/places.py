@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from grape.errors import UnsupportedError
+from grape.errors import GrapeError, UnsupportedError
 from grape.ir import (
     Buffer,
     Conditional,
@@ -128,6 +128,39 @@ class History:
         freed = [f if f >= 0 else len(acts) for f in freed]
         return cls(tuple(address), tuple(size), tuple(made), tuple(freed), tuple(acts),
                    tuple(marks), tuple(pool))
+
+    @classmethod
+    def of_json(cls, data: Mapping) -> History:
+        """From ``dataclasses.asdict`` of a history once written as JSON (lists for tuples)."""
+        try:
+            return cls(tuple(data["address"]), tuple(data["size"]), tuple(data["made"]),
+                       tuple(data["freed"]), tuple((a, i) for a, i in data["acts"]),
+                       tuple(data.get("marks", ())),
+                       tuple((a, n) for a, n in data.get("segments", ())))
+        except (KeyError, TypeError, ValueError) as e:
+            raise GrapeError(f"expected an allocator history (address, size, made, freed, "
+                             f"acts), found {e!r} in {sorted(data)[:8]}") from None
+
+    def requests(self) -> list[tuple[str, int, int]]:
+        """The acts as ``grape.sim.memory.Pool.run`` takes them: ("malloc", block, size) and
+        ("free", block, 0)."""
+        return [("malloc", i, self.size[i]) if a == "alloc" else ("free", i, 0)
+                for a, i in self.acts]
+
+    def placed(self) -> list[tuple[int, int]]:
+        """Where each block lay: (its segment, numbered as in ``segments``, its offset)."""
+        starts = [a for a, _ in self.segments]
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        spans = [starts[j] for j in order]
+        out = []
+        for address in self.address:
+            k = bisect.bisect_right(spans, address) - 1
+            j = order[k] if k >= 0 else None
+            if j is None or address >= starts[j] + self.segments[j][1]:
+                raise GrapeError(f"expected every block inside one of the history's "
+                                 f"{len(starts)} segments, found one at {address:#x}")
+            out.append((j, address - starts[j]))
+        return out
 
     def __len__(self) -> int:
         return len(self.address)

@@ -127,15 +127,26 @@ class Pool:
 
     def run(self, events: Iterable[tuple[str, int, int]]) -> Pool:
         """Replay ("malloc", id, size) and ("free", id, 0) events; returns self."""
+        self.placements(events)
+        return self
+
+    def placements(self, events: Iterable[tuple[str, int, int]]) -> list[tuple[int, int]]:
+        """Replay ("malloc", id, size) and ("free", id, 0) events: where each malloc was
+        placed, (segment, offset), in the order they came."""
         live: dict[int, tuple[int, int]] = {}
+        placed = []
         for op, ident, size in events:
             if op == "malloc":
                 live[ident] = self.malloc(size)
+                placed.append(live[ident])
             elif op == "free":
+                if ident not in live:
+                    raise GrapeError(f"expected a free of a live allocation, found one of "
+                                     f"{ident!r}, never allocated or freed already")
                 self.free(live.pop(ident))
             else:
                 raise GrapeError(f"expected malloc or free events, found {op!r}")
-        return self
+        return placed
 
 
 def executable_bytes(nodes: Sequence[int], bytes_per_node: float) -> int:
