@@ -72,6 +72,24 @@ def test_a_grid_that_steps_between_samples_is_derived_as_a_quotient_of_its_eleme
     assert all(got.graphs[n] == step(n) for n in got.derived)
 
 
+def test_a_size_padded_to_a_multiple_is_derived_as_a_scaled_quotient():
+    # A row of the mask padded to 256 positions, in bytes (512 per 256 begun), beside the
+    # length: a staircase with steps 256 lengths wide, sampled every 128.
+    def padded(n: int) -> KernelGraph:
+        g = KernelGraph()
+        g.add_buffer(Buffer("mask", 1 << 20, BufferRole.INTERNAL, address=0x10000))
+        args = n.to_bytes(4, "little") + (512 * -(-n // 256)).to_bytes(4, "little")
+        g.add("where", Kernel("where@0x3", "where", grid=(1, 1, 1), block=(128, 1, 1),
+                              args=args, params=(Param(0, 4), Param(4, 4))))
+        return g
+
+    d = derive({n: padded(n) for n in [*range(1, 1024, 128), 1023]})
+    assert d.quotients[("where", "a4")] == (Quotient("a0", 256, 256, scale=512),)
+    got = derive_lengths(_recorder(padded)[0], range(1, 1024), every=128, checks=1)
+    assert len(got.derived) > 900 and not got.refused
+    assert all(got.graphs[n] == padded(n) for n in got.derived)
+
+
 def test_a_number_that_is_not_affine_in_the_length_is_refused():
     d = derive({n: step(n, square=True) for n in SAMPLED})
     assert not any(d.covers(n) for n in (9, 100, 200))

@@ -43,17 +43,20 @@ A grid dimension is most often the kernel's element count divided by the work of
 rounded up: a staircase in the length whose steps samples far apart cannot follow (PyTorch's
 ``arange`` of ``n + 1`` positions runs ``ceil((n + 1) / 64)`` blocks, which at one sample in
 32 lengths of a residue class leaves two samples a step: on the H200 it held back 144 of GPT-2
-small's 255 lengths once the pool's pointers had moved). So where a grid dimension equals
-``ceil(x / d)`` at every sample, ``x`` one of the node's argument numbers that varies and ``d``
-a constant, it is also derived as that quotient where its own stretches do not reach
-(:class:`Quotient`). The samples bound ``d`` to an interval, not a value; a length whose
-quotient differs anywhere in that interval is not derived.
+small's 255 lengths once the pool's pointers had moved); sizes and strides padded to a
+multiple are the same staircase, scaled. So where a grid dimension or an argument number
+equals ``c * ceil(x / d)`` at every sample, ``x`` another of the node's argument numbers that
+varies, ``c`` 1 or the greatest common divisor of the number's samples and ``d`` a constant, it
+is also derived so where its own stretches do not reach (:class:`Quotient`). The samples bound
+``d`` to an interval, not a value: a length where the interval, or two such forms, give two
+values is not derived.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from collections import Counter
 from collections.abc import (
@@ -122,28 +125,31 @@ def _segments(points: list[tuple[int, int]]) -> list[Segment]:
 
 @dataclass(frozen=True)
 class Quotient:
-    """A number that is ``ceil(x / d)`` at every sample: ``x`` the same node's number
+    """A number that is ``scale * ceil(x / d)`` at every sample: ``x`` the same node's number
     ``source``, ``d`` any integer from ``low`` to ``high`` (what the samples leave open)."""
 
     source: str
     low: int
     high: int
+    scale: int = 1
 
     def at(self, x: int) -> int | None:
-        """The quotient at ``x``, where every divisor left open gives the same one."""
+        """The number at ``x``, where every divisor left open gives the same one."""
         if x <= 0:
             return None
         most, least = -(-x // self.low), -(-x // self.high)
-        return most if most == least else None
+        return self.scale * most if most == least else None
 
 
-def _quotient(source: str, points: Sequence[tuple[int, int]]) -> Quotient | None:
-    """The divisors ``d`` for which ``ceil(x / d) == g`` at every (x, g) of ``points``, as a
-    :class:`Quotient`; None where there are none, or where ``g`` never exceeds 1 (then any
-    large ``d`` does, and nothing bounds it)."""
+def _quotient(source: str, points: Sequence[tuple[int, int]], scale: int = 1
+              ) -> Quotient | None:
+    """The divisors ``d`` for which ``scale * ceil(x / d) == v`` at every (x, v) of
+    ``points``, as a :class:`Quotient`; None where there are none, or where ``v`` never
+    exceeds ``scale`` (then any large ``d`` does, and nothing bounds it)."""
     low, high = 1, None
-    for x, g in points:
-        if x <= 0 or g <= 0:
+    for x, v in points:
+        g, rest = divmod(v, scale)
+        if x <= 0 or g <= 0 or rest:
             return None
         low = max(low, -(-x // g))  # x / d <= g
         if g > 1:  # x / d > g - 1: d below x / (g - 1)
@@ -151,29 +157,34 @@ def _quotient(source: str, points: Sequence[tuple[int, int]]) -> Quotient | None
             high = bound if high is None else min(high, bound)
         if high is not None and low > high:
             return None
-    return None if high is None else Quotient(source, low, high)
+    return None if high is None else Quotient(source, low, high, scale)
 
 
 def _quotients(series: Mapping[tuple[str, str], list[tuple[int, int]]],
                fits: Mapping[tuple[str, str], list[Segment]]
                ) -> dict[tuple[str, str], tuple[Quotient, ...]]:
-    """For each fitted grid dimension, the node's varying argument numbers it is a rounded-up
-    quotient of at every sample (module docstring)."""
+    """For each fitted grid dimension or argument number, the node's other varying argument
+    numbers it is a rounded-up quotient of at every sample, as ``ceil(x / d)`` or as the
+    values' greatest common divisor times that (a size or stride padded to a multiple: a
+    ``where`` over GPT-2's attention mask read 512 bytes per 256 positions begun on the H200);
+    module docstring."""
     numbers: dict[str, list[str]] = {}
     for where, what in fits:
         if what.startswith("a"):
             numbers.setdefault(where, []).append(what)
     out = {}
     for (where, what), _ in fits.items():
-        if not what.startswith("grid"):
+        if not what.startswith(("grid", "a")):
             continue
-        grid = series[(where, what)]
+        values = series[(where, what)]
+        scales = sorted({1, math.gcd(*(v for _, v in values))} - {0})
         found = []
         for source in numbers.get(where, ()):
-            points = [(x, g) for (_, x), (_, g) in zip(series[(where, source)], grid,
+            if source == what:
+                continue
+            points = [(x, v) for (_, x), (_, v) in zip(series[(where, source)], values,
                                                           strict=True)]
-            if (q := _quotient(source, points)) is not None:
-                found.append(q)
+            found += [q for scale in scales if (q := _quotient(source, points, scale))]
         if found:
             out[(where, what)] = tuple(found)
     return out
@@ -358,21 +369,29 @@ class Derivation:
     quotients: dict[tuple[str, str], tuple[Quotient, ...]] = field(default_factory=dict)
 
     def _value(self, key: tuple[str, str], length: int) -> int | None:
+        value = self._fitted(key, length)
+        if value is None and key in self.quotients:
+            return self._quotient(key, length)
+        return value
+
+    def _fitted(self, key: tuple[str, str], length: int) -> int | None:
+        """``key`` at ``length`` from its own trusted stretch, if one holds it."""
         for seg in self.fits[key]:
             if seg.first <= length <= seg.last:
                 value = seg.at(length) if seg.support >= MIN_SUPPORT else None
                 if value is None or not 0 <= value < 1 << self.bits.get(key, 64):
-                    break
+                    return None
                 return value
-        return self._quotient(key, length) if key in self.quotients else None
+        return None
 
     def _quotient(self, key: tuple[str, str], length: int) -> int | None:
         """``key`` at ``length`` as the quotient of another number: where every quotient it
-        is at the samples whose source is derivable there gives one value (a number whose
-        own stretches do not reach ``length``)."""
+        is at the samples whose source its own stretches derive there gives one value (for a
+        number whose own stretches do not reach ``length``; sources from stretches only, so
+        that two numbers that are each other's quotients do not chase each other)."""
         values = set()
         for q in self.quotients[key]:
-            x = self._value((key[0], q.source), length)
+            x = self._fitted((key[0], q.source), length)
             if x is not None:
                 values.add(q.at(x))
         value = values.pop() if len(values) == 1 else None
