@@ -86,6 +86,23 @@ def test_a_size_padded_to_a_multiple_is_derived_as_a_scaled_quotient():
     d = derive({n: padded(n) for n in [*range(1, 1024, 128), 1023]})
     assert d.quotients[("where", "a4")] == (Quotient("a0", 256, 256, scale=512),)
     got = derive_lengths(_recorder(padded)[0], range(1, 1024), every=128, checks=1)
+    assert len(got.derived) > 900 and not got.refused and not got.steps
+    assert all(got.graphs[n] == padded(n) for n in got.derived)
+    # Sampled once a step (every 256), the samples 1, 257, 513 and 769 lie on a line, which a
+    # held-out length between them refutes and the quotient reproduces: the stretch derives.
+    d = derive({n: padded(n) for n in (1, 257, 513, 769, 1023)})
+    assert d._fitted(("where", "a4"), 300) == 510 + 2 * 300  # the line, not 1024
+    assert d.graph_at(300) != padded(300)
+    other = padded(300)
+    other.dag.nodes["where"]["op"] = Kernel(
+        "where@0x3", "where", grid=(1, 1, 1), block=(128, 1, 1),
+        args=(300).to_bytes(4, "little") + (1536).to_bytes(4, "little"),
+        params=(Param(0, 4), Param(4, 4)))
+    assert d.prefer_quotients(300, other) == []  # neither the line's nor the quotient's
+    assert d.prefer_quotients(300, padded(300)) == [("where", "a4")]
+    assert d.graph_at(300) == padded(300)
+    got = derive_lengths(_recorder(padded)[0], range(1, 1024), every=256, checks=1)
+    assert got.steps and {(node, what) for _, node, what in got.steps} == {("where", "a4")}
     assert len(got.derived) > 900 and not got.refused
     assert all(got.graphs[n] == padded(n) for n in got.derived)
 

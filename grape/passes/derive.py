@@ -49,7 +49,10 @@ equals ``c * ceil(x / d)`` at every sample, ``x`` another of the node's argument
 varies, ``c`` 1 or the greatest common divisor of the number's samples and ``d`` a constant, it
 is also derived so where its own stretches do not reach (:class:`Quotient`). The samples bound
 ``d`` to an interval, not a value: a length where the interval, or two such forms, give two
-values is not derived.
+values is not derived. Samples one a step of a staircase lie on a line, which is fitted first;
+a held-out length between them that the line misses and the quotient hits makes the number its
+quotient's from then on (:meth:`Derivation.prefer_quotients`; on the H200, GPT-2's mask row at
+one length in 32 of a class over 1..1023, whose line refuted every stretch).
 """
 
 from __future__ import annotations
@@ -365,10 +368,15 @@ class Derivation:
     loose: dict[str, Slots] = field(default_factory=dict)  # template node -> loose slots
     dividers: dict[str, Slots] = field(default_factory=dict)  # node -> multipliers' slots
     bits: dict[tuple[str, str], int] = field(default_factory=dict)  # a number's width
-    # grid dimensions that are rounded-up quotients of an argument number at every sample
+    # numbers that are rounded-up quotients of another of their node's at every sample
     quotients: dict[tuple[str, str], tuple[Quotient, ...]] = field(default_factory=dict)
+    # of those, the ones a held-out capture showed to step as their quotient does where a
+    # stretch's line through the samples did not (:meth:`prefer_quotients`)
+    steps: set[tuple[str, str]] = field(default_factory=set)
 
     def _value(self, key: tuple[str, str], length: int) -> int | None:
+        if key in self.steps:
+            return self._quotient(key, length)
         value = self._fitted(key, length)
         if value is None and key in self.quotients:
             return self._quotient(key, length)
@@ -405,6 +413,8 @@ class Derivation:
         out = np.zeros(len(lengths), dtype=np.int64)
         ok = np.zeros(len(lengths), dtype=bool)
         done = np.zeros(len(lengths), dtype=bool)  # the first stretch holding a length decides
+        if key in self.steps:
+            done[:] = True  # its stretches are wrong between samples: the quotient alone
         top = 1 << self.bits.get(key, 64)
         wide: dict[int, int] = {}  # lengths whose value needs Python's integers
         for seg in self.fits[key]:
@@ -440,6 +450,20 @@ class Derivation:
         for i, value in wide.items():
             values[i] = value
         return values, ok
+
+    def prefer_quotients(self, length: int, captured: KernelGraph) -> list[tuple[str, str]]:
+        """At a held-out ``length``, the numbers whose stretch derived another value than
+        ``captured`` holds and one of whose quotients derives that value: from now on derived
+        as the quotient alone (what they are returned). Samples one a step of a staircase lie
+        on a line (module docstring), and only a length between them tells the two apart."""
+        switched = []
+        for node, what, derived, value in self.differences(length, captured):
+            key = (node, what)
+            if (derived is not None and key in self.quotients and key not in self.steps
+                    and self._quotient(key, length) == value):
+                self.steps.add(key)
+                switched.append(key)
+        return switched
 
     def covered(self, lengths: Iterable[int]) -> list[int]:
         """The lengths among ``lengths`` that are derivable (:meth:`covers`), found a number
@@ -803,6 +827,9 @@ class Sampled:
     # Inside trusted derivations' stretches, the lengths each number left underived
     # (``Derivation.holding_back``): what to read where few lengths derived.
     held_back: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # Numbers a held-out check found stepping as their quotient does, not along the line
+    # through the samples (held-out length, node, number): ``Derivation.prefer_quotients``.
+    steps: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | None = None,
@@ -954,8 +981,9 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         out.derivations.append(d)
         inside = d.covered(n for n in c if d.lengths[0] < n < d.lengths[-1]
                            and n not in out.graphs)
-        refuted = False
-        for n in _spread(inside, checks):
+        held_out = _spread(inside, checks)
+        stepped = False
+        for n in held_out:
             captured = take(n)
             out.checked[n] = d.check(n, captured)
             if out.checked[n] and (words := _host_words(d, n, captured)):
@@ -963,7 +991,14 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                     d.loose[node] = d.loose.get(node, frozenset()) | {offset, offset + 4}
                     out.host_words.append((n, node, offset))
                 out.checked[n] = d.check(n, captured)
-            refuted = refuted or bool(out.checked[n])
+            if out.checked[n] and (keys := d.prefer_quotients(n, captured)):
+                out.steps += [(n, *key) for key in keys]
+                stepped = True
+                out.checked[n] = d.check(n, captured)
+        if stepped:  # the checks before the switch judged the lines
+            for n in held_out:
+                out.checked[n] = d.check(n, out.graphs[n])
+        refuted = any(out.checked[n] for n in held_out)
         if refuted:
             out.refused.append((d.lengths[0], d.lengths[-1]))
         else:
@@ -996,9 +1031,11 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         (kernel, number), count = out.held_back.most_common(1)[0]
         held = (f"; most held back by {number} of {kernel[:48]} ({count} lengths inside "
                 f"trusted stretches left underived)")
+    stepping = f", {len(out.steps)} numbers found stepping" if out.steps else ""
     progress(f"{len(want)} lengths: {len(out.captured)} captured "
              f"(and {len(out.repeated)} again for loose slots), {len(out.derived)} derived, "
-             f"{len(out.refused)} stretches refused by a check, {len(out.cuts)} changes{held}")
+             f"{len(out.refused)} stretches refused by a check{stepping}, "
+             f"{len(out.cuts)} changes{held}")
     return out
 
 
