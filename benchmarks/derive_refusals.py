@@ -7,11 +7,11 @@ for every held-out check that differed, prints each number that differed (node, 
 derived and captured value) and what the derivation knew of it (fitted or not, its template
 value), then a count by kernel and number. Full lines go to ``--out`` (JSON).
 
-``--same-places``: the family's captures moved to a reference capture's places, as
-``capture_family(same_places=True)`` moves them.
+``--same-places`` / ``--no-same-places``: the family's captures moved to a reference capture's
+places or not (default: ``capture_family``'s, on where deriving).
 
 ``python benchmarks/derive_refusals.py [--lengths 1:255] [--every 2] [--period 8]
-[--same-places] [--out F]``
+[--[no-]same-places] [--out F]``
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="1:255")
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--period", type=int, default=8)
-    parser.add_argument("--same-places", action="store_true")
+    parser.add_argument("--same-places", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     first, last = (int(x) for x in args.lengths.split(":"))

@@ -280,7 +280,7 @@ def wav2vec2_audio(lengths: list[int]) -> Workload:
 
 def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
             derive_every: int | None = None, save_to: Path | None = None,
-            derive_period: int = 1, same_places: bool = False) -> dict[str, object]:
+            derive_period: int = 1, same_places: bool | None = None) -> dict[str, object]:
     if update == "graph":
         w = replace(w, name=f"{w.name} (whole-graph updates)", slug=f"{w.slug}_whole")
     elif update == "device":
@@ -411,7 +411,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         "reserved_after_family": reserved2,
         "derive_every": derive_every,
         "derive_period": derive_period if derive_every is not None else None,
-        "same_places": same_places,
+        "same_places": family.places is not None,
     }
     if family.places is not None:  # captures moved to a reference capture's places
         result.update(captures_at_reference_places=family.places.moved,
@@ -566,9 +566,10 @@ def main() -> None:
     parser.add_argument("--derive-period", type=int, default=1, metavar="P",
                         help="with --derive-every: derive a length only from lengths equal "
                              "to it modulo P (kernels chosen by a length's alignment)")
-    parser.add_argument("--same-places", action="store_true",
+    parser.add_argument("--same-places", action=argparse.BooleanOptionalAction, default=None,
                         help="move every capture's temporaries to the places of the first "
-                             "capture that allocated alike (grape.passes.places)")
+                             "capture that allocated alike (grape.passes.places); default: "
+                             "with --derive-every only, as capture_family does")
     parser.add_argument("--append", action="store_true",
                         help="keep the entries of other workloads already in --out")
     parser.add_argument("--no-fresh", action="store_true",

@@ -342,7 +342,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                    progress: Callable[[str], None] = lambda line: None,
                    update: str = "nodes", derive_every: int | None = None,
                    checks: int = 1, derive_period: int = 1, warmup: int = 1,
-                   prepare: bool = True, same_places: bool = False) -> Family:
+                   prepare: bool = True, same_places: bool | None = None) -> Family:
     """Capture ``step(shape)`` for each shape (largest first) into one family.
 
     ``update`` says how an executable is brought to a shape: ``"nodes"`` updates the nodes
@@ -374,9 +374,13 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     (``grape.passes.places``), where no block outgrows that reference's: their pointers then
     stop moving with the shape, which derivation needs to fit them. A capture that cannot move
     keeps the allocator's places (why, in :attr:`Family.places`). Shapes given largest first
-    make each reference the largest of its kind. Off by default: on the H200 it doubled a
-    GPT-2 shape's capture, and neighbouring lengths changed no fewer nodes (the nodes whose
-    pointers move change sizes anyway; benchmarks/README.md, runs 22 to 24).
+    make each reference the largest of its kind. None (the default): on where
+    ``derive_every`` is given, off otherwise. On the H200 (GPT-2 small decode, benchmarks/
+    README.md, runs 25 to 30) it moved every capture, and with it one length in 16 derived 191
+    of 255 lengths where none derived without it; each capture it moves costs about twice a
+    capture's host time (the allocator's history and a mark before every operation), and it
+    changes no fewer nodes between neighbouring lengths, so without derivation it buys
+    nothing.
 
     ``prepare``: make every node update a switch between shapes can need now
     (:meth:`Family.prepare_updates`, counted in ``capture_s``), not on first use: on a
@@ -408,6 +412,8 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     # family then moves to another process tensor by tensor (capture's ``blocks``).
     blocks: list[tuple[int, int]] | bool = True
 
+    if same_places is None:
+        same_places = derive_every is not None
     places = _Places() if same_places else None
 
     def taken(shape: Hashable) -> tuple[Any, KernelGraph]:
