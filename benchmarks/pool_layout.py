@@ -29,8 +29,11 @@ On the H200 (``results/families_warm_start_h200/pool_layout_ac0ebfb.json``, leng
 step 8, so all 1 modulo 8; lengths 7 modulo 8 allocate otherwise, run 22 found): the same
 sequence of 340 allocations at every length, every size affine in its class,
 257 allocations placed elsewhere than at the largest length, and none misplaced by the replay
-(that run captured through ``torch.cuda.graph``, before ``places`` was reported; the
-captures through ``grape.torch.capture`` with marks have not run on a GPU).
+(that run captured through ``torch.cuda.graph``, before ``places`` was reported). Through
+``grape.torch.capture`` with marks (``pool_layout_72ad2ff.json``, lengths 1..1023 step 7,
+every residue): two ways of allocating (328 allocations at the largest), sizes affine, none
+misplaced by the replay, and ``places`` moved 145 of 145 captures to the two references'
+places, refusing none; its histories are ``traces/h200_pool/``.
 ``python benchmarks/pool_layout.py [--lengths 1:1023:7] [--period 8] [--out F] [--histories H]``
 """
 
