@@ -8,7 +8,8 @@ and a family's derivation (``grape.passes.derive``) derived nothing from one len
 GPT-2 small decode, 128 KV lengths 1..1017, all 1 modulo 8): every length makes the largest
 length's 340 allocations and frees in the same order, 257 of them at other places (lengths 7
 modulo 8 take another attention path and allocate otherwise: a family takes a reference for
-each way of allocating).
+each way of allocating). With marks (below), every capture of 147 lengths over every residue
+moved to the places of its way's reference, none refused (``pool_layout_72ad2ff.json``).
 
 So grape moves them. Given the allocator's history of a capture (:class:`History`: each block
 it made in the pool, when it was made and freed) and that of a *reference* capture of the same
