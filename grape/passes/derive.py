@@ -49,10 +49,12 @@ equals ``c * ceil(x / d)`` at every sample, ``x`` another of the node's argument
 varies, ``c`` 1 or the greatest common divisor of the number's samples and ``d`` a constant, it
 is also derived so where its own stretches do not reach (:class:`Quotient`). The samples bound
 ``d`` to an interval, not a value: a length where the interval, or two such forms, give two
-values is not derived. Samples one a step of a staircase lie on a line, which is fitted first;
-a held-out length between them that the line misses and the quotient hits makes the number its
-quotient's from then on (:meth:`Derivation.prefer_quotients`; on the H200, GPT-2's mask row at
-one length in 32 of a class over 1..1023, whose line refuted every stretch).
+values is not derived. A number that has such a form is derived by it alone, not by its
+stretches: the form holds at every sample, where a stretch is a line through three or more
+neighbouring ones, and samples that fall one a step, or in step with the staircase's period,
+lie on lines that miss the lengths between them (on the H200, GPT-2's mask row at one length in
+32 of a class over 1..1023 made a line the held-out checks refused everywhere; a property test
+found lines of three samples that no check refused).
 """
 
 from __future__ import annotations
@@ -368,19 +370,14 @@ class Derivation:
     loose: dict[str, Slots] = field(default_factory=dict)  # template node -> loose slots
     dividers: dict[str, Slots] = field(default_factory=dict)  # node -> multipliers' slots
     bits: dict[tuple[str, str], int] = field(default_factory=dict)  # a number's width
-    # numbers that are rounded-up quotients of another of their node's at every sample
+    # numbers that are rounded-up quotients of another of their node's at every sample: those
+    # are derived so alone (module docstring)
     quotients: dict[tuple[str, str], tuple[Quotient, ...]] = field(default_factory=dict)
-    # of those, the ones a held-out capture showed to step as their quotient does where a
-    # stretch's line through the samples did not (:meth:`prefer_quotients`)
-    steps: set[tuple[str, str]] = field(default_factory=set)
 
     def _value(self, key: tuple[str, str], length: int) -> int | None:
-        if key in self.steps:
+        if key in self.quotients:
             return self._quotient(key, length)
-        value = self._fitted(key, length)
-        if value is None and key in self.quotients:
-            return self._quotient(key, length)
-        return value
+        return self._fitted(key, length)
 
     def _fitted(self, key: tuple[str, str], length: int) -> int | None:
         """``key`` at ``length`` from its own trusted stretch, if one holds it."""
@@ -394,9 +391,10 @@ class Derivation:
 
     def _quotient(self, key: tuple[str, str], length: int) -> int | None:
         """``key`` at ``length`` as the quotient of another number: where every quotient it
-        is at the samples whose source its own stretches derive there gives one value (for a
-        number whose own stretches do not reach ``length``; sources from stretches only, so
-        that two numbers that are each other's quotients do not chase each other)."""
+        is at the samples gives one value there (one that leaves it open, its divisor's
+        interval giving two, gives none), each source derived by its own stretches, so that
+        two numbers that are each other's quotients do not chase each other; a quotient whose
+        source is not derivable there is left out."""
         values = set()
         for q in self.quotients[key]:
             x = self._fitted((key[0], q.source), length)
@@ -409,12 +407,16 @@ class Derivation:
                 ) -> tuple[list[int] | np.ndarray, np.ndarray]:
         """``key``'s number at each of ``lengths`` (int64), as :meth:`_value` gives it one at a
         time, and where it is derivable (a mask; elsewhere the value means nothing). A stretch
-        whose line is in integers small enough is computed in numpy at once."""
+        whose line is in integers small enough is computed in numpy at once; quotients, few,
+        one length at a time."""
         out = np.zeros(len(lengths), dtype=np.int64)
         ok = np.zeros(len(lengths), dtype=bool)
+        if key in self.quotients:
+            for i, length in enumerate(lengths.tolist()):
+                if (value := self._quotient(key, length)) is not None:
+                    out[i], ok[i] = value, True
+            return out, ok
         done = np.zeros(len(lengths), dtype=bool)  # the first stretch holding a length decides
-        if key in self.steps:
-            done[:] = True  # its stretches are wrong between samples: the quotient alone
         top = 1 << self.bits.get(key, 64)
         wide: dict[int, int] = {}  # lengths whose value needs Python's integers
         for seg in self.fits[key]:
@@ -436,34 +438,16 @@ class Derivation:
                 ok[inside] = valid
             else:
                 for i in np.flatnonzero(inside).tolist():
-                    value = self._value(key, int(lengths[i]))
+                    value = self._fitted(key, int(lengths[i]))
                     if value is not None:
                         wide[i] = value
                         ok[i] = True
-        if key in self.quotients and not ok.all():
-            for i in np.flatnonzero(~ok).tolist():
-                if (value := self._quotient(key, int(lengths[i]))) is not None:
-                    out[i], ok[i] = value, True
         if not wide:
             return out, ok
         values = out.tolist()
         for i, value in wide.items():
             values[i] = value
         return values, ok
-
-    def prefer_quotients(self, length: int, captured: KernelGraph) -> list[tuple[str, str]]:
-        """At a held-out ``length``, the numbers whose stretch derived another value than
-        ``captured`` holds and one of whose quotients derives that value: from now on derived
-        as the quotient alone (what they are returned). Samples one a step of a staircase lie
-        on a line (module docstring), and only a length between them tells the two apart."""
-        switched = []
-        for node, what, derived, value in self.differences(length, captured):
-            key = (node, what)
-            if (derived is not None and key in self.quotients and key not in self.steps
-                    and self._quotient(key, length) == value):
-                self.steps.add(key)
-                switched.append(key)
-        return switched
 
     def covered(self, lengths: Iterable[int]) -> list[int]:
         """The lengths among ``lengths`` that are derivable (:meth:`covers`), found a number
@@ -827,9 +811,6 @@ class Sampled:
     # Inside trusted derivations' stretches, the lengths each number left underived
     # (``Derivation.holding_back``): what to read where few lengths derived.
     held_back: Counter[tuple[str, str]] = field(default_factory=Counter)
-    # Numbers a held-out check found stepping as their quotient does, not along the line
-    # through the samples (held-out length, node, number): ``Derivation.prefer_quotients``.
-    steps: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | None = None,
@@ -981,9 +962,8 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         out.derivations.append(d)
         inside = d.covered(n for n in c if d.lengths[0] < n < d.lengths[-1]
                            and n not in out.graphs)
-        held_out = _spread(inside, checks)
-        stepped = False
-        for n in held_out:
+        refuted = False
+        for n in _spread(inside, checks):
             captured = take(n)
             out.checked[n] = d.check(n, captured)
             if out.checked[n] and (words := _host_words(d, n, captured)):
@@ -991,14 +971,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                     d.loose[node] = d.loose.get(node, frozenset()) | {offset, offset + 4}
                     out.host_words.append((n, node, offset))
                 out.checked[n] = d.check(n, captured)
-            if out.checked[n] and (keys := d.prefer_quotients(n, captured)):
-                out.steps += [(n, *key) for key in keys]
-                stepped = True
-                out.checked[n] = d.check(n, captured)
-        if stepped:  # the checks before the switch judged the lines
-            for n in held_out:
-                out.checked[n] = d.check(n, out.graphs[n])
-        refuted = any(out.checked[n] for n in held_out)
+            refuted = refuted or bool(out.checked[n])
         if refuted:
             out.refused.append((d.lengths[0], d.lengths[-1]))
         else:
@@ -1031,11 +1004,9 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         (kernel, number), count = out.held_back.most_common(1)[0]
         held = (f"; most held back by {number} of {kernel[:48]} ({count} lengths inside "
                 f"trusted stretches left underived)")
-    stepping = f", {len(out.steps)} numbers found stepping" if out.steps else ""
     progress(f"{len(want)} lengths: {len(out.captured)} captured "
              f"(and {len(out.repeated)} again for loose slots), {len(out.derived)} derived, "
-             f"{len(out.refused)} stretches refused by a check{stepping}, "
-             f"{len(out.cuts)} changes{held}")
+             f"{len(out.refused)} stretches refused by a check, {len(out.cuts)} changes{held}")
     return out
 
 
