@@ -49,12 +49,13 @@ equals ``c * ceil(x / d)`` at every sample, ``x`` another of the node's argument
 varies, ``c`` 1 or the greatest common divisor of the number's samples and ``d`` a constant, it
 is also derived so where its own stretches do not reach (:class:`Quotient`). The samples bound
 ``d`` to an interval, not a value: a length where the interval, or two such forms, give two
-values is not derived. A number that has such a form is derived by it alone, not by its
-stretches: the form holds at every sample, where a stretch is a line through three or more
-neighbouring ones, and samples that fall one a step, or in step with the staircase's period,
-lie on lines that miss the lengths between them (on the H200, GPT-2's mask row at one length in
-32 of a class over 1..1023 made a line the held-out checks refused everywhere; a property test
-found lines of three samples that no check refused).
+values is not derived. Nor is a length where a number's form and its stretch give two: both
+explain the samples, and which is right only a capture there could say. Samples that fall one
+a step of a staircase, or in step with its period, lie on lines that miss the lengths between
+them (on the H200, GPT-2's mask row at one length in 32 of a class over 1..1023 made such a
+line, which the held-out checks refused everywhere; a property test found lines of three
+samples that no check refused); and a line's samples can fit a staircase they happen to fall
+on the steps of.
 """
 
 from __future__ import annotations
@@ -370,14 +371,18 @@ class Derivation:
     loose: dict[str, Slots] = field(default_factory=dict)  # template node -> loose slots
     dividers: dict[str, Slots] = field(default_factory=dict)  # node -> multipliers' slots
     bits: dict[tuple[str, str], int] = field(default_factory=dict)  # a number's width
-    # numbers that are rounded-up quotients of another of their node's at every sample: those
-    # are derived so alone (module docstring)
+    # numbers that are rounded-up quotients of another of their node's at every sample
+    # (module docstring)
     quotients: dict[tuple[str, str], tuple[Quotient, ...]] = field(default_factory=dict)
 
     def _value(self, key: tuple[str, str], length: int) -> int | None:
-        if key in self.quotients:
-            return self._quotient(key, length)
-        return self._fitted(key, length)
+        fitted = self._fitted(key, length)
+        if key not in self.quotients:
+            return fitted
+        value, undecided = self._quotient(key, length)
+        if undecided or (value is not None and fitted is not None and value != fitted):
+            return None  # the samples allow two values here
+        return fitted if value is None else value
 
     def _fitted(self, key: tuple[str, str], length: int) -> int | None:
         """``key`` at ``length`` from its own trusted stretch, if one holds it."""
@@ -389,19 +394,23 @@ class Derivation:
                 return value
         return None
 
-    def _quotient(self, key: tuple[str, str], length: int) -> int | None:
-        """``key`` at ``length`` as the quotient of another number: where every quotient it
-        is at the samples gives one value there (one that leaves it open, its divisor's
-        interval giving two, gives none), each source derived by its own stretches, so that
-        two numbers that are each other's quotients do not chase each other; a quotient whose
-        source is not derivable there is left out."""
+    def _quotient(self, key: tuple[str, str], length: int) -> tuple[int | None, bool]:
+        """``key`` at ``length`` by its quotient forms, and whether they leave it undecided: a
+        divisor's interval that gives two values there, or two forms that give two. Each
+        source is derived by its own stretches (two numbers that are each other's quotients
+        do not chase each other); a form whose source is not derivable there says nothing, and
+        where none can, the value is None and not undecided."""
         values = set()
         for q in self.quotients[key]:
             x = self._fitted((key[0], q.source), length)
             if x is not None:
                 values.add(q.at(x))
+        if not values:
+            return None, False
         value = values.pop() if len(values) == 1 else None
-        return value if value is not None and value < 1 << self.bits.get(key, 64) else None
+        if value is None or value >= 1 << self.bits.get(key, 64):
+            return None, True
+        return value, False
 
     def _column(self, key: tuple[str, str], lengths: np.ndarray
                 ) -> tuple[list[int] | np.ndarray, np.ndarray]:
@@ -413,7 +422,7 @@ class Derivation:
         ok = np.zeros(len(lengths), dtype=bool)
         if key in self.quotients:
             for i, length in enumerate(lengths.tolist()):
-                if (value := self._quotient(key, length)) is not None:
+                if (value := self._value(key, length)) is not None:
                     out[i], ok[i] = value, True
             return out, ok
         done = np.zeros(len(lengths), dtype=bool)  # the first stretch holding a length decides
