@@ -23,8 +23,12 @@ GRAPHS = sorted(TRACES.rglob(f"*{IR_SUFFIX}"))
 TWINS = sorted((TRACES / "h200_ir").glob("twin_*.kineto.json.gz"))
 # Saved graph families (grape.familyio), kept for the CPU benchmarks of a family's host work.
 FAMILIES = sorted(TRACES.rglob(f"*{FAMILY_SUFFIX}"))
+# The caching allocator's histories around captures (benchmarks/pool_layout.py), which
+# tests/test_sim_memory.py replays through grape.sim.memory.Pool.
+HISTORIES = sorted(TRACES.rglob("*.histories.json.gz"))
 ALL = sorted(p for p in TRACES.rglob("*.json.gz")
-             if p not in RAW and p not in GRAPHS and p not in TWINS and p not in FAMILIES)
+             if p not in RAW and p not in GRAPHS and p not in TWINS and p not in FAMILIES
+             and p not in HISTORIES)
 # Kernels per iteration, by trace: a GPT-2 family trace steps through lengths, across the
 # topology change at KV 512; the other traces repeat one step.
 KERNELS = {"gpt2_small_family_b1": {292, 316}, "gpt2_small_family_b5": {292, 316},
@@ -66,6 +70,17 @@ def test_every_committed_family_loads_and_validate_skips_it(path):
     said: list[str] = []
     assert validate([path], load_profile(DEFAULT_PROFILE), said.append) == []
     assert said == [f"skipped {path}: a saved graph family, not a recorded run"]
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.name)
+def test_every_committed_allocator_history_reads(path):
+    from grape.passes.places import History
+
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    assert data["device"] == "NVIDIA H200" and data["command"].startswith("benchmarks/")
+    histories = [History.of_json(h) for h in data["histories"].values()]
+    assert histories and all(len(h) and len(h.placed()) == len(h) for h in histories)
 
 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
