@@ -378,11 +378,12 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     keeps the allocator's places (why, in :attr:`Family.places`). Shapes given largest first
     make each reference the largest of its kind. None (the default): on where
     ``derive_every`` is given, off otherwise. On the H200 (GPT-2 small decode, benchmarks/
-    README.md, runs 25 to 30) it moved every capture, and with it one length in 16 derived 191
-    of 255 lengths where none derived without it; each capture it moves costs about twice a
-    capture's host time (the allocator's history and a mark before every operation), and it
-    changes no fewer nodes between neighbouring lengths, so without derivation it buys
-    nothing.
+    README.md, runs 25 to 30) it moved every capture, and with it (and grids taken as
+    quotients) one length in 16 derived 191 of 255 lengths, where without it earlier runs
+    derived none at one in 32 and 0 to 88 in different processes at one in 2; each capture it
+    moves costs about twice a capture's host time (the allocator's history and a mark before
+    every operation), and it changes no fewer nodes between neighbouring lengths, so without
+    derivation it buys nothing.
 
     ``prepare``: make every node update a switch between shapes can need now
     (:meth:`Family.prepare_updates`, counted in ``capture_s``), not on first use: on a
