@@ -425,7 +425,9 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
                       host_words_made_loose=len(family.sampled.host_words),
                       held_out_checks_failed=sum(bool(d) for d in
                                                  family.sampled.checked.values()),
-                      stretches_refused=len(family.sampled.refused))
+                      stretches_refused=len(family.sampled.refused),
+                      # which of the lengths checked bitwise were derived, not captured
+                      bitwise_lengths_derived=sorted(set(sample) & set(family.sampled.derived)))
     if trace_dir is not None:
         window = order[len(order) // 2:len(order) // 2 + 32]
         counters = {k: float(result[k]) for k in (
