@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
 import numpy as np
 
 from grape.errors import GrapeError, UnsupportedError
@@ -157,17 +156,8 @@ class _Members(Mapping):
 def graph_with(template: KernelGraph, ops: Mapping[str, Op],
                buffers: Iterable[Buffer] = ()) -> KernelGraph:
     """``template`` with some nodes' operations replaced: same ids, edges and buffers (and
-    ``buffers`` added, for the replacements to point into)."""
-    out = KernelGraph()
-    for b in template.buffers.values():
-        out.add_buffer(b)
-    for b in buffers:
-        if b.id not in out.buffers:
-            out.add_buffer(b)
-    for node in nx.topological_sort(template.dag):
-        out.add(node, ops.get(node, template.op(node)),
-                after=list(template.dag.predecessors(node)), kinds=template.kinds_into(node))
-    return out
+    ``buffers`` added, for the replacements to point into): ``KernelGraph.with_ops``."""
+    return template.with_ops(ops, buffers)
 
 
 def _shape_to_json(shape: Hashable) -> Any:

@@ -322,6 +322,23 @@ class KernelGraph:
         else:
             self.dag.add_edge(before, after, kind=kind)
 
+    def with_ops(self, ops: Mapping[str, Op], buffers: Iterable[Buffer] = ()) -> KernelGraph:
+        """This graph with some nodes' operations replaced by ``ops``: the same ids, node
+        order, edges and buffers, with ``buffers`` added for the replacements to point into.
+        The DAG is copied (its node attributes too: this graph's are left alone), not rebuilt
+        node by node, which families and moves do once a shape."""
+        if unknown := ops.keys() - self.dag.nodes:
+            raise GraphError(f"expected operations for nodes of the graph, found "
+                             f"{sorted(unknown)[:3]} not among its {len(self.dag)} nodes")
+        out = KernelGraph()
+        out.buffers = dict(self.buffers)
+        for b in buffers:
+            out.buffers.setdefault(b.id, b)
+        out.dag = self.dag.copy()
+        for node, op in ops.items():
+            out.dag.nodes[node]["op"] = op
+        return out
+
     def kinds_into(self, node: str) -> dict[str, str]:
         """The dependencies of ``node`` weaker than full ones, each to its kind."""
         return {u: k for u, _, k in self.dag.in_edges(node, data="kind") if k is not None}

@@ -416,3 +416,20 @@ def test_truncated_graph_file(tmp_path):
     with pytest.raises(GraphError, match=r"cut.json: expected JSON, found 'unterminated string.*' "
                                          r"at line 1 column 38; the file looks truncated"):
         KernelGraph.load(path)
+
+
+def test_with_ops_replaces_some_nodes_and_keeps_the_rest_of_the_graph():
+    g = KernelGraph()
+    g.add_buffer(Buffer("a", 256, BufferRole.INTERNAL))
+    g.add("n0", _kernel(name="first"))
+    g.add("n1", _kernel(name="second"), after=["n0"], kinds={"n0": "programmatic"})
+    g.add("n2", _kernel(name="third"), after=["n0", "n1"])
+    extra = Buffer("b", 512, BufferRole.INTERNAL)
+    out = g.with_ops({"n1": _kernel(name="replaced")}, [extra, g.buffers["a"]])
+    assert out.op("n1").name == "replaced" and g.op("n1").name == "second"  # g untouched
+    assert [n for n, _ in out.ops()] == ["n0", "n1", "n2"]  # the node order kept
+    assert out.edges() == g.edges() and out.kinds_into("n1") == {"n0": "programmatic"}
+    assert out.buffers == {"a": g.buffers["a"], "b": extra} and set(g.buffers) == {"a"}
+    assert g.with_ops({"n1": out.op("n1")}).with_ops({"n1": g.op("n1")}) == g
+    with pytest.raises(GraphError, match=r"found \['n9'\] not among its 3 nodes"):
+        g.with_ops({"n9": _kernel()})

@@ -399,7 +399,8 @@ def to_reference(graph: KernelGraph, history: History, reference: History,
             moved += 1
         if new:
             ops[node] = _with_spans(graph.op(node), new, used)
-    return Moved(_graph_with(graph, ops, used.values()), moved, left)
+    # same ids, edges and node order (the capture's, which a later move reads)
+    return Moved(graph.with_ops(ops, used.values()), moved, left)
 
 
 def _with_spans(op: Op, new: Mapping[int, Span], buffers: Mapping[str, Buffer]) -> Op:
@@ -416,15 +417,3 @@ def _with_spans(op: Op, new: Mapping[int, Span], buffers: Mapping[str, Buffer]) 
     return dataclasses.replace(op, dst=new.get(-2, op.dst))
 
 
-def _graph_with(graph: KernelGraph, ops: Mapping[str, Op], buffers: Iterable[Buffer]
-                ) -> KernelGraph:
-    """``graph`` with ``ops`` in place of its nodes' (same ids, edges and node order: the
-    capture's, which a later move reads) and ``buffers`` added to its table."""
-    out = KernelGraph()
-    for b in (*graph.buffers.values(), *buffers):
-        if b.id not in out.buffers:
-            out.add_buffer(b)
-    for node in graph.dag:  # a capture makes a node after those it depends on
-        out.add(node, ops.get(node, graph.op(node)), after=list(graph.dag.predecessors(node)),
-                kinds=graph.kinds_into(node))
-    return out
