@@ -78,10 +78,13 @@ def main() -> None:
         for (node, number), count in held.items():
             gaps[kernel[node], number] += count
         for (node, number), count in held.most_common(3):
+            forms = d.quotients.get((node, number), ())
             print(f"  uncovered {count} of {len(inside)} in {d.lengths[0]}..{d.lengths[-1]}: "
                   f"{number} of {kernel[node][:50]}: " + "; ".join(
                       f"{g.first}..{g.last} {g.intercept}+{g.slope}n ({g.support})"
-                      for g in d.fits[node, number]))
+                      for g in d.fits[node, number])
+                  + "; as quotients: " + (", ".join(
+                      f"{q.scale}*ceil({q.source}/{q.low}..{q.high})" for q in forms) or "none"))
     print(f"numbers leaving lengths underived (kernel, number: lengths): {gaps.most_common(25)}")
     print(f"cuts: {collections.Counter(why for _, _, why in sampled.cuts).most_common(10)}")
     for r in rows[:40]:
