@@ -186,8 +186,8 @@ def _quotients(series: Mapping[tuple[str, str], list[tuple[int, int]]],
         scales = sorted({1, math.gcd(*(v for _, v in values))} - {0})
         found = []
         for source in numbers.get(where, ()):
-            if source == what:
-                continue
+            if source == what or series[(where, source)] == values:
+                continue  # itself, or a number equal to it at every sample: nothing to add
             points = [(x, v) for (_, x), (_, v) in zip(series[(where, source)], values,
                                                           strict=True)]
             found += [q for scale in scales if (q := _quotient(source, points, scale))]
