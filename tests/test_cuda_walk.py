@@ -61,6 +61,34 @@ def test_pointers_into_a_live_block_name_the_block_and_named_tensors_come_first(
     assert buffers.used["block@0x7f0000100000"].role == BufferRole.INTERNAL
 
 
+def test_a_remembered_lookup_gives_way_to_a_range_named_after_it_and_non_device_words_stay_out(
+        monkeypatch):
+    from types import SimpleNamespace
+
+    import grape.cuda.buffers as buffers_module
+    from grape.ir import BufferRole, Pointer, Span
+
+    asked = []
+
+    def address_range(address):  # the driver's answer for memory it does not know
+        asked.append(address)
+        return driver.CUresult.CUDA_ERROR_NOT_FOUND, 0, 0
+
+    monkeypatch.setattr(buffers_module, "driver", SimpleNamespace(
+        cuMemGetAddressRange=address_range, CUresult=driver.CUresult))
+    buffers = buffers_module.BufferMap()
+    buffers.block(0x7F0000100000, 0x1000)
+    # The second word is no device memory: the driver says so once, and the same word in
+    # the next kernel's arguments is not asked about again.
+    args = b"".join(a.to_bytes(8, "little") for a in (0x7F0000100010, 0x10000))
+    assert buffers.pointers(args) == (Pointer(0, Span("block@0x7f0000100000", 0x10)),)
+    assert buffers.pointers(args) == (Pointer(0, Span("block@0x7f0000100000", 0x10)),)
+    buffers.name("input0", 0x7F0000100000, 0x100, BufferRole.INPUT)
+    assert buffers.pointers(args) == (Pointer(0, Span("input0", 0x10)),)
+    assert set(buffers.used) == {"block@0x7f0000100000", "input0"}
+    assert asked == [0x10000]
+
+
 def _edge(kind: int, from_port: int = 0, to_port: int = 0) -> driver.CUgraphEdgeData:
     data = driver.CUgraphEdgeData()
     data.type, data.from_port, data.to_port = kind, from_port, to_port

@@ -52,9 +52,10 @@ class BufferMap:
         self._blocks = _Ranges()
         self._allocations = _Ranges()
         self._not_device: set[int] = set()
-        # address -> (start, buffer): kernels pass the same pointers again and again (weights,
-        # workspaces), and a training step's walk looked up a quarter of a million of them
-        self._hits: dict[int, tuple[int, Buffer]] = {}
+        # address -> its span: kernels pass the same pointers again and again (weights,
+        # workspaces), and a training step's walk looked up a quarter of a million of them.
+        # Spans are immutable, so one serves every pointer to the address.
+        self._hits: dict[int, Span] = {}
         self.used: dict[str, Buffer] = {}
 
     def name(self, buffer_id: str, address: int, size: int, role: BufferRole,
@@ -74,24 +75,25 @@ class BufferMap:
 
     def span(self, address: int) -> Span | None:
         """The buffer and offset ``address`` falls in, or None if it is not device memory."""
-        hit = self._hits.get(address)
-        if hit is None:
-            hit = (self._named.find(address) or self._blocks.find(address)
-                   or self._allocations.find(address))
-        if hit is None and address not in self._not_device:
-            status, base, size = driver.cuMemGetAddressRange(address)
-            if status == driver.CUresult.CUDA_SUCCESS:
-                base = int(base)
-                buffer = Buffer(f"alloc@{base:#x}", size, BufferRole.INTERNAL, address=base)
-                hit = (base, self._allocations.add(base, size, buffer))
-            else:
-                self._not_device.add(address)
-        if hit is None:
+        span = self._hits.get(address)
+        if span is not None:
+            return span
+        if address in self._not_device:  # argument words that only look like addresses
             return None
-        self._hits[address] = hit
+        hit = (self._named.find(address) or self._blocks.find(address)
+               or self._allocations.find(address))
+        if hit is None:
+            status, base, size = driver.cuMemGetAddressRange(address)
+            if status != driver.CUresult.CUDA_SUCCESS:
+                self._not_device.add(address)
+                return None
+            base = int(base)
+            buffer = Buffer(f"alloc@{base:#x}", size, BufferRole.INTERNAL, address=base)
+            hit = (base, self._allocations.add(base, size, buffer))
         start, buffer = hit
         self.used[buffer.id] = buffer
-        return Span(buffer.id, address - start)
+        span = self._hits[address] = Span(buffer.id, address - start)
+        return span
 
     def host_span(self, address: int, size: int) -> Span:
         """A span of host memory a copy reads or writes (named ranges first)."""
@@ -106,12 +108,14 @@ class BufferMap:
 
     def pointers(self, args: bytes) -> tuple[Pointer, ...]:
         """Every 8-byte aligned word of ``args`` that points into device memory."""
-        words = np.frombuffer(args[: len(args) // 8 * 8], dtype="<u8")
+        words = np.frombuffer(args, dtype="<u8", count=len(args) // 8)
         found = []
-        for i in np.flatnonzero((words >= _LOWEST) & (words < _HIGHEST)):
-            span = self.span(int(words[i]))
+        # Python integers from here: a numpy scalar per word cost more than the lookup itself.
+        at = np.flatnonzero((words >= _LOWEST) & (words < _HIGHEST))
+        for i, word in zip(at.tolist(), words[at].tolist(), strict=True):
+            span = self.span(word)
             if span is not None:
-                found.append(Pointer(int(i) * 8, span))
+                found.append(Pointer(i * 8, span))
         return tuple(found)
 
     def install(self, graph: KernelGraph) -> None:
