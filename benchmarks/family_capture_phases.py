@@ -16,24 +16,40 @@ times its parts apart: the allocator's snapshot taken after each capture (``snap
 reading it into a ``History`` (``history``) and the move itself (``move``); ``marks`` is the
 operations marked per capture. Written because on the H200 such a capture took about 0.1 s
 against 0.017-0.024 s for a plain ``torch.cuda.graph`` (benchmarks/README.md, runs 25 to 30),
-and nothing said where the difference goes; not yet run.
+and nothing said where the difference goes.
+
+``--derive-every K`` captures as ``capture_family(derive_every=K, derive_period=8)`` does (places
+moved); the shapes' rows then cover the captures made, and the time outside them is derivation.
 """
 
+import argparse
+import cProfile
 import gc
+import pstats
 import sys
 import time
 
 import torch
 
+import grape.cuda.build as build_module
 import grape.passes.places as places_module
-import grape.torch.capture as capture_module
 import grape.torch.family as family_module
 
 sys.path.insert(0, "benchmarks")
 from families import _steps, gpt2_decode
 
-N = int(next((a for a in sys.argv[1:] if a.isdigit()), 400))
-SAME_PLACES = "--same-places" in sys.argv[1:]
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("n", type=int, nargs="?", default=400, help="KV lengths 1..N")
+parser.add_argument("--same-places", action="store_true",
+                    help="move each capture's temporaries to a reference's places")
+parser.add_argument("--derive-every", type=int, default=None, metavar="K",
+                    help="capture as a deriving family does: one length in K (period 8), "
+                         "places moved, the rest derived")
+parser.add_argument("--profile", metavar="PATH",
+                    help="profile the family's capture with cProfile, stats written to PATH")
+args = parser.parse_args()
+N, DERIVE_EVERY = args.n, args.derive_every
+SAME_PLACES = args.same_places or DERIVE_EVERY is not None
 w = gpt2_decode(1, list(range(1, N + 1)))
 _steps(w.step, sorted(w.shapes), sync_each=False)
 seconds: dict[str, list[float]] = {"capture": [], "walk": [], "place": [], "collect": []}
@@ -53,7 +69,8 @@ def timed(name, f):
 
 family_module.capture = timed("capture", family_module.capture)
 family_module._add_shape = timed("place", family_module._add_shape)
-capture_module.read_graph = timed("walk", capture_module.read_graph)
+# PyTorch's captured graph is read into the IR by ``Graph.of_raw``, through build's name.
+build_module.read_graph = timed("walk", build_module.read_graph)
 gc.collect = timed("collect", gc.collect)
 if SAME_PLACES:
     torch.cuda.memory._snapshot = timed("snapshot", torch.cuda.memory._snapshot)
@@ -65,17 +82,32 @@ if SAME_PLACES:
         return timed("history", of_trace)(cls, trace, segments, markers)
 
     places_module.History.of_trace = classmethod(read_history)
+profiler = cProfile.Profile() if args.profile else None
 t = time.perf_counter()
-family_module.capture_family(w.step, sorted(w.shapes, reverse=True), params=w.params,
-                             prepare=False, same_places=SAME_PLACES)
-print(f"{N} shapes in {time.perf_counter() - t:.1f} s; {len(gc.get_objects())} objects tracked")
+if profiler:
+    profiler.enable()
+family = family_module.capture_family(
+    w.step, sorted(w.shapes, reverse=True), params=w.params, prepare=False,
+    same_places=SAME_PLACES, derive_every=DERIVE_EVERY, derive_period=8 if DERIVE_EVERY else 1)
+total = time.perf_counter() - t
+if profiler:
+    profiler.disable()
+    profiler.dump_stats(args.profile)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+print(f"{N} shapes in {total:.1f} s; {len(gc.get_objects())} objects tracked"
+      + (f"; {len(family.sampled.captured)} lengths captured, {len(family.sampled.derived)} "
+         f"derived" if family.sampled else ""))
 captures = max(1, len(seconds["capture"]))
-for a in range(0, N, 50):
+print(f"{len(seconds['capture'])} captures; " + " ".join(
+    f"{k} {sum(v):.2f} s" for k, v in seconds.items() if k != "marks")
+    + f"; outside captures and placing {total - sum(seconds['capture'] + seconds['place']):.2f} s")
+for a in range(0, captures, 50):
     # Each phase's calls in these 50 captures' share of its calls (some run more than once a
-    # capture, the snapshot for one, or not at every capture, the move), per shape.
+    # capture, the snapshot for one, or not at every capture, the move), per capture.
     row = {k: v[a * len(v) // captures:(a + 50) * len(v) // captures]
            for k, v in seconds.items()}
+    made = min(50, captures - a)
     marks = row.pop("marks", [])
-    print(f"shapes {a}..{a + 49}: " + " ".join(
-        f"{k} {1000 * sum(v) / 50:.1f} ms" for k, v in row.items())
+    print(f"captures {a}..{a + made - 1}: " + " ".join(
+        f"{k} {1000 * sum(v) / made:.1f} ms" for k, v in row.items())
         + (f"; {sum(marks) / len(marks):.0f} operations marked a capture" if marks else ""))
