@@ -91,14 +91,51 @@ def test_a_size_padded_to_a_multiple_is_derived_as_a_scaled_quotient():
     assert len(got.derived) > 900 and not got.refused
     assert all(got.graphs[n] == padded(n) for n in got.derived)
     # Sampled once a step (every 256), the samples 1, 257, 513 and 769 lie on a line, which
-    # misses the lengths between them; the quotient holds at all five. Where the two give two
-    # values nothing is derived (only a capture could say which is right), and nothing wrong.
-    d = derive({n: padded(n) for n in (1, 257, 513, 769, 1023)})
+    # misses the lengths between them; the quotient holds at all of them. Where the two give
+    # two values nothing is derived: only a capture could say which is right.
+    d = derive({n: padded(n) for n in (1, 257, 513, 769)})
     assert d._fitted(("where", "a4"), 300) == 510 + 2 * 300  # the line's, not 1024
     assert not d.covers(300) and d.uncovered(300) == [("where", "a4")]
-    assert d.covers(900) and d.graph_at(900) == padded(900)  # past the line: the quotient's
+    assert d.disputed([300, 513]) == [300]  # at a sample the two agree
+    # A sample off that line (1023: 1024, where the line says 2556) leaves the quotient the
+    # one form true at every sample, and it derives the lengths the line would have missed.
+    d = derive({n: padded(n) for n in (1, 257, 513, 769, 1023)})
+    assert d.fits[("where", "a4")][0].last == 769  # the line, broken after 769
+    assert d.covers(300) and d.graph_at(300) == padded(300)
+    assert d.covers(900) and d.graph_at(900) == padded(900)
+    assert d.disputed(range(2, 1023)) == []
+    # derive_lengths captures where the forms part, and derives the rest right.
     got = derive_lengths(_recorder(padded)[0], range(1, 1024), every=256, checks=1)
     assert not got.refused and all(got.graphs[n] == padded(n) for n in got.derived)
+    assert len(got.derived) > 900 and len(got.tie_breaks) <= 2, got.tie_breaks
+
+
+def test_a_capture_where_a_line_and_a_staircase_part_settles_which_one_holds():
+    # The H200's memory-efficient attention over GPT-2's KV lengths 1..1023 holds a count
+    # padded to 16 beside the length; sampled every 16 lengths of a class modulo 8 (128
+    # apart), every sample lies on one step of it, and on the line n + 8 too. They part at
+    # half the lengths between: nothing there derived, until a capture where they part.
+    def padded(n: int, line: bool = False) -> KernelGraph:
+        g = KernelGraph()
+        g.add_buffer(Buffer("out", 1 << 20, BufferRole.INTERNAL, address=0x10000))
+        count = n + 8 if line and n % 128 != 8 else 16 * -(-n // 16)
+        args = n.to_bytes(4, "little") + count.to_bytes(4, "little")
+        g.add("attn", Kernel("attn@0x5", "attn", grid=(1, 1, 1), block=(128, 1, 1),
+                             args=args, params=(Param(0, 4), Param(4, 4))))
+        return g
+
+    got = derive_lengths(_recorder(padded)[0], range(1, 1024), every=16, period=8, checks=1)
+    assert all(got.graphs[n] == padded(n) for n in got.derived)
+    assert len(got.derived) > 800 and not got.refused
+    assert len(got.tie_breaks) <= 2 * 8  # at most two a class
+    # The same samples from a number that is the line (the staircase only where sampled):
+    # the captures where the two part find the line, and nothing is derived wrong.
+    def line(n: int) -> KernelGraph:
+        return padded(n, line=True)
+
+    got = derive_lengths(_recorder(line)[0], range(1, 1024), every=16, period=8, checks=1)
+    assert all(got.graphs[n] == line(n) for n in got.derived)
+    assert got.tie_breaks
 
 
 def test_a_number_that_is_not_affine_in_the_length_is_refused():

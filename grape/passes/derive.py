@@ -50,7 +50,13 @@ varies, ``c`` 1 or the greatest common divisor of the number's samples and ``d``
 is also derived so where its own stretches do not reach (:class:`Quotient`). The samples bound
 ``d`` to an interval, not a value: a length where the interval, or two such forms, give two
 values is not derived. Nor is a length where a number's form and its stretch give two: both
-explain the samples, and which is right only a capture there could say. Samples that fall one
+explain the samples, and which is right only a capture there could say, so
+:func:`derive_lengths` takes one (``Derivation.disputed``, at most ``TIE_BREAKS`` a run): a
+sample off the line leaves the quotient the one form true at every sample, and it then decides
+over the stretches wherever the two part; a sample on the line drops the quotient. On the H200,
+GPT-2 small's attention over 1..1023, sampled every 16 lengths of a class modulo 8, held a
+count padded to 16 whose samples all lay on one step and on the line ``n + 8``, which left 63
+of a class's 125 lengths underived (``benchmarks/derive_refusals.py``). Samples that fall one
 a step of a staircase, or in step with its period, lie on lines that miss the lengths between
 them (on the H200, GPT-2's mask row at one length in 32 of a class over 1..1023 made such a
 line, which the held-out checks refused everywhere; a property test found lines of three
@@ -90,6 +96,7 @@ __all__ = ["Derivation", "Graphs", "Quotient", "Sampled", "Segment", "derive", "
            "loose_at_both", "loose_slots", "place_derived"]
 
 MIN_SUPPORT = 3  # captured lengths on a stretch's line before it is trusted
+TIE_BREAKS = 2  # captures a run may take to tell two forms that fit its samples apart
 
 
 @dataclass(frozen=True)
@@ -380,9 +387,34 @@ class Derivation:
         if key not in self.quotients:
             return fitted
         value, undecided = self._quotient(key, length)
-        if undecided or (value is not None and fitted is not None and value != fitted):
-            return None  # the samples allow two values here
+        if undecided:
+            return None
+        if value is not None and fitted is not None and value != fitted:
+            # Two forms explain the samples. Where they lie on no one line, the quotient,
+            # true at every sample, is the one form left: a stretch's line is then a piece of
+            # a staircase its samples happen to fall on the same step of.
+            return value if self._line_refuted(key) else None
         return fitted if value is None else value
+
+    def _line_refuted(self, key: tuple[str, str]) -> bool:
+        """Whether ``key``'s samples lie on no one line (its fit took several stretches)."""
+        return len(self.fits[key]) > 1
+
+    def disputed(self, lengths: Iterable[int]) -> list[int]:
+        """The lengths among ``lengths`` where forms the samples all allow give a number two
+        values (a stretch's line and a quotient, two quotients, or one quotient's divisors):
+        a capture at one of them tells the forms apart (:func:`derive_lengths` takes one)."""
+        keys = list(self.quotients)
+        out = []
+        for length in lengths:
+            for key in keys:
+                value, undecided = self._quotient(key, length)
+                fitted = None if undecided or value is None else self._fitted(key, length)
+                if undecided or (fitted is not None and fitted != value
+                                 and not self._line_refuted(key)):
+                    out.append(length)
+                    break
+        return out
 
     def _fitted(self, key: tuple[str, str], length: int) -> int | None:
         """``key`` at ``length`` from its own trusted stretch, if one holds it."""
@@ -820,6 +852,8 @@ class Sampled:
     # Inside trusted derivations' stretches, the lengths each number left underived
     # (``Derivation.holding_back``): what to read where few lengths derived.
     held_back: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # Lengths captured where two forms fitting the samples parted (``Derivation.disputed``).
+    tie_breaks: list[int] = field(default_factory=list)
 
 
 def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | None = None,
@@ -968,6 +1002,19 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     trusted: list[tuple[list[int], Derivation]] = []
     for c, run in runs:
         d = derive({n: out.graphs[n] for n in run}, loose(out.graphs[run[0]]))
+        for _ in range(TIE_BREAKS):
+            # Where two forms both fit the samples and part between them (samples one a
+            # staircase's step apart lie on a line too), a capture where they part says which
+            # holds; the one it refutes is dropped when the run is derived again.
+            n = _middle(d.disputed(n for n in c if d.lengths[0] < n < d.lengths[-1]
+                                   and n not in out.graphs))
+            if n is None:
+                break
+            out.tie_breaks.append(n)
+            if _differs(out.graphs[run[0]], run[0], take(n), n) is not None:
+                break  # not one structure there after all: the capture is kept, not fitted
+            run = sorted([*run, n])
+            d = derive({m: out.graphs[m] for m in run}, loose(out.graphs[run[0]]))
         out.derivations.append(d)
         inside = d.covered(n for n in c if d.lengths[0] < n < d.lengths[-1]
                            and n not in out.graphs)
@@ -1014,7 +1061,8 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         held = (f"; most held back by {number} of {kernel[:48]} ({count} lengths inside "
                 f"trusted stretches left underived)")
     progress(f"{len(want)} lengths: {len(out.captured)} captured "
-             f"(and {len(out.repeated)} again for loose slots), {len(out.derived)} derived, "
+             f"(and {len(out.repeated)} again for loose slots; {len(out.tie_breaks)} where two "
+             f"forms parted), {len(out.derived)} derived, "
              f"{len(out.refused)} stretches refused by a check, {len(out.cuts)} changes{held}")
     return out
 
