@@ -422,6 +422,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         result.update(captured_lengths=len(family.sampled.captured),
                       derived_lengths=len(family.sampled.derived),
                       captured_again_for_loose_slots=len(family.sampled.repeated),
+                      captured_where_forms_parted=len(family.sampled.tie_breaks),
                       host_words_made_loose=len(family.sampled.host_words),
                       held_out_checks_failed=sum(bool(d) for d in
                                                  family.sampled.checked.values()),
