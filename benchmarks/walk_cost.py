@@ -19,7 +19,7 @@ from cuda.bindings import driver
 from grape.cuda.buffers import BufferMap
 from grape.cuda.check import call
 from grape.cuda.functions import function_id, param_layout
-from grape.cuda.walk import _args, _attributes, _nodes, read_graph
+from grape.cuda.walk import _args, _attributes, _edge_kind, _find_handles, _nodes, read_graph
 from grape.ir import BufferRole
 from grape.torch.capture import _name
 
@@ -74,6 +74,19 @@ def lookups():
         buffers.pointers(a)
 
 
+def edges():
+    _, _, _, count = call(driver.cuGraphGetEdges, graph, 0, doing="edges")
+    src, dst, data, _ = call(driver.cuGraphGetEdges, graph, count, doing="edges")
+    for u, v, d in zip(src[:count], dst[:count], data[:count], strict=True):
+        _edge_kind(d, str(int(u)), str(int(v)))
+
+
+def launch_fields():
+    for p in params:
+        ((p.gridDimX, p.gridDimY, p.gridDimZ), (p.blockDimX, p.blockDimY, p.blockDimZ),
+         p.sharedMemBytes, int(p.func), int(p.kern), int(p.kernelParams), int(p.extra))
+
+
 rows = {
     "read_graph (whole)": best(whole),
     "list nodes": best(lambda: _nodes(graph)),
@@ -85,6 +98,9 @@ rows = {
                                                                   strict=True)]),
     "launch attributes": best(lambda: [_attributes(n) for n in kernels]),
     "pointer lookups (fresh map)": best(lookups),
+    "launch fields read": best(launch_fields),
+    "edges (listed, kinds read)": best(edges),
+    "conditional handles found": best(lambda: _find_handles(graph, {})),
 }
 print(f"GPT-2 small decode at KV {args.n}: {len(nodes)} nodes, {len(kernels)} kernels, "
       f"best of {args.repeats}")
