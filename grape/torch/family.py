@@ -363,8 +363,9 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     and largest sample of each topology captured once more, on another thread, to find the
     argument bytes PyTorch leaves unfilled: they hold the launching thread's stack leftovers,
     which two captures on one thread often share; numbers that are rounded-up quotients of
-    others, grids and padded sizes, derived as such). On the H200, GPT-2 small over 1..255 at
-    one length in 16 derived 191 lengths (benchmarks/README.md, runs 25 to 30).
+    others, grids and padded sizes, derived as such; a length captured where such a form and
+    a line both fit and part). On the H200, GPT-2 small over 1..1023 at one length in 16
+    captured 81 lengths and derived 942 (benchmarks/README.md, run 34).
     :attr:`Family.sampled` says which were which.
 
     ``warmup``: eager runs of ``step(shape)`` before each capture (lazy initialisation must not
@@ -378,8 +379,8 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     keeps the allocator's places (why, in :attr:`Family.places`). Shapes given largest first
     make each reference the largest of its kind. None (the default): on where
     ``derive_every`` is given, off otherwise. On the H200 (GPT-2 small decode, benchmarks/
-    README.md, runs 25 to 30) it moved every capture, and with it (and grids taken as
-    quotients) one length in 16 derived 191 of 255 lengths, where without it earlier runs
+    README.md, runs 25 to 34) it moved every capture, and with it (and grids taken as
+    quotients) one length in 16 derived 942 of 1,023 lengths, where without it earlier runs
     derived none at one in 32 and 0 to 88 in different processes at one in 2; each capture it
     moves costs about twice a capture's host time (the allocator's history and a mark before
     every operation), and it changes no fewer nodes between neighbouring lengths, so without
