@@ -45,6 +45,9 @@ with --append, entries of other workloads already there are kept). Run on a GPU,
 per process (executable memory is measured before any executable is destroyed):
 python benchmarks/families.py [--lengths 1:1023] [--batches 1]
 python benchmarks/families.py --audio 16000:160000:1440
+``--decoder ARCH[:SIZE]`` decodes with another of ``benchmarks/generate.py``'s architectures
+(for instance ``llama``: rotary positions, grouped-query attention, RMSNorm) at its ``bench``
+size or another, built from a config with random weights, in place of GPT-2 small.
 """
 
 from __future__ import annotations
@@ -232,14 +235,32 @@ class Workload:
 
 
 def gpt2_decode(batch: int, lengths: list[int]) -> Workload:
-    model = _gpt2("gpt2-small")
-    cache = PrefixCache(model.config.n_layer, MAX_LEN)
+    return decode(batch, lengths)
+
+
+def decode(batch: int, lengths: list[int], decoder: str | None = None) -> Workload:
+    """One decode step over a ``PrefixCache``: GPT-2 small, or ``decoder`` (``ARCH[:SIZE]``,
+    an architecture and size of ``benchmarks/generate.py``, built from a config with random
+    weights), for trying families on models they were not tuned on."""
+    if decoder is None:
+        model, name, slug = _gpt2("gpt2-small"), "gpt2-small", "gpt2_small"
+    else:
+        from generate import ARCHS, SIZES, build
+
+        arch, _, size = decoder.partition(":")
+        if arch not in ARCHS or (size or "bench") not in SIZES:
+            raise SystemExit(f"expected --decoder ARCH[:SIZE] with ARCH among {', '.join(ARCHS)} "
+                             f"and SIZE among {', '.join(SIZES)}, found {decoder!r}")
+        model = build(arch, SIZES[size or "bench"])
+        name = slug = f"{arch}-{size or 'bench'}"
+    vocab = model.config.vocab_size
+    cache = PrefixCache(model.config.num_hidden_layers, MAX_LEN)
     torch.manual_seed(batch)
     with torch.no_grad():
-        model(torch.randint(0, 50257, (batch, MAX_LEN - 1), device="cuda"),
+        model(torch.randint(0, vocab, (batch, MAX_LEN - 1), device="cuda"),
               past_key_values=cache, use_cache=True)  # every position holds real keys/values
-    ids = torch.randint(0, 50257, (batch, 1), device="cuda")
-    out = torch.empty(batch, 1, model.config.vocab_size, device="cuda", dtype=torch.float16)
+    ids = torch.randint(0, vocab, (batch, 1), device="cuda")
+    out = torch.empty(batch, 1, vocab, device="cuda", dtype=model.dtype)
 
     def step(n: int) -> None:
         cache.set_length(n)
@@ -250,9 +271,9 @@ def gpt2_decode(batch: int, lengths: list[int]) -> Workload:
         with torch.no_grad(), sdpa_kernel(ATTENTION):
             out.copy_(model(ids, past_key_values=cache, use_cache=True).logits)
 
-    return Workload(f"gpt2-small decode b{batch}", f"gpt2_small_family_b{batch}", "KV length",
+    return Workload(f"{name} decode b{batch}", f"{slug}_family_b{batch}", "KV length",
                     lengths, step, out, dict(model.named_parameters()),
-                    f"gpt2-small decode, batch {batch}, PrefixCache of {MAX_LEN}",
+                    f"{name} decode, batch {batch}, PrefixCache of {MAX_LEN}",
                     {"batch": batch, "kv_lengths": [lengths[0], lengths[-1]]})
 
 
@@ -551,6 +572,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1:1023", help="first:last[:stride] KV lengths")
     parser.add_argument("--batches", default="1")
+    parser.add_argument("--decoder", default=None, metavar="ARCH[:SIZE]",
+                        help="decode with this architecture and size of benchmarks/generate.py "
+                             "(random weights; SIZE default: bench) instead of GPT-2 small")
     parser.add_argument("--audio", default=None, metavar="FIRST:LAST[:STRIDE]",
                         help="Wav2Vec2-base over these audio lengths (samples at 16 kHz) "
                              "instead of GPT-2 decode")
@@ -592,8 +616,10 @@ def main() -> None:
         loads = [(lambda: wav2vec2_audio(audio), ["--audio", args.audio])]
     else:
         lengths = _range(args.lengths, "KV lengths", 1, MAX_LEN - 1)
-        loads = [(lambda b=int(b): gpt2_decode(b, lengths),
-                  ["--lengths", args.lengths, "--batches", b]) for b in args.batches.split(",")]
+        decoder = ["--decoder", args.decoder] if args.decoder else []
+        loads = [(lambda b=int(b): decode(b, lengths, args.decoder),
+                  ["--lengths", args.lengths, "--batches", b, *decoder])
+                 for b in args.batches.split(",")]
     if args.part is not None:
         if len(loads) != 1 or (args.part == "warm_start") != (args.saved is not None):
             raise SystemExit("expected one workload, and --from with --part warm_start only")
