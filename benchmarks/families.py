@@ -54,12 +54,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -444,6 +446,12 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
                       derived_lengths=len(family.sampled.derived),
                       captured_again_for_loose_slots=len(family.sampled.repeated),
                       captured_where_forms_parted=len(family.sampled.tie_breaks),
+                      # why neighbouring captures were not one derivation's (a change of
+                      # topology, kernel or a pointer's buffer), the commonest first
+                      changes_by_reason=Counter(
+                          re.sub(r"\d+", "N", why) for *_, why in family.sampled.cuts
+                      ).most_common(8),
+                      changes_first=[list(c) for c in family.sampled.cuts[:4]],
                       host_words_made_loose=len(family.sampled.host_words),
                       held_out_checks_failed=sum(bool(d) for d in
                                                  family.sampled.checked.values()),
