@@ -10,8 +10,10 @@ value), then a count by kernel and number. Full lines go to ``--out`` (JSON).
 ``--same-places`` / ``--no-same-places``: the family's captures moved to a reference capture's
 places or not (default: ``capture_family``'s, on where deriving).
 
+``--decoder ARCH[:SIZE]``: another architecture's decode step (``families.py --decoder``).
+
 ``python benchmarks/derive_refusals.py [--lengths 1:255] [--every 2] [--period 8]
-[--[no-]same-places] [--out F]``
+[--[no-]same-places] [--decoder ARCH[:SIZE]] [--out F]``
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import sys
 
 from grape.passes.derive import _flatten
@@ -27,7 +30,7 @@ from grape.passes.derive import _flatten
 
 def main() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
-    from families import gpt2_decode
+    from families import decode
 
     from grape.torch.family import capture_family
 
@@ -37,10 +40,12 @@ def main() -> None:
     parser.add_argument("--period", type=int, default=8)
     parser.add_argument("--same-places", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--decoder", default=None, metavar="ARCH[:SIZE]",
+                        help="another architecture of generate.py (as families.py takes it)")
     args = parser.parse_args()
     first, last = (int(x) for x in args.lengths.split(":"))
     lengths = list(range(first, last + 1))
-    w = gpt2_decode(1, lengths)
+    w = decode(1, lengths, args.decoder)
     family = capture_family(w.step, sorted(lengths, reverse=True), w.params,
                             derive_every=args.every, derive_period=args.period,
                             prepare=False, same_places=args.same_places, progress=print)
@@ -86,7 +91,10 @@ def main() -> None:
                   + "; as quotients: " + (", ".join(
                       f"{q.scale}*ceil({q.source}/{q.low}..{q.high})" for q in forms) or "none"))
     print(f"numbers leaving lengths underived (kernel, number: lengths): {gaps.most_common(25)}")
-    print(f"cuts: {collections.Counter(why for _, _, why in sampled.cuts).most_common(10)}")
+    # Reasons with their numbers (nodes, lengths) made alike, so that alike ones count together.
+    reasons = collections.Counter(re.sub(r"[0-9]+", "N", why) for *_, why in sampled.cuts)
+    print(f"cuts: {reasons.most_common(10)}")
+    print(f"first cuts: {sampled.cuts[:4]}")
     for r in rows[:40]:
         print(json.dumps(r))
     counts = collections.Counter((r["kernel"][:40], r["number"], r["fitted"]) for r in rows)
