@@ -256,15 +256,17 @@ def _flatten(op: Op, skip: Slots = frozenset(), fixed_only: bool = False,
     """What must stay equal, and (unless ``fixed_only``) the numbers that may vary, of one
     operation; argument slots in ``skip`` (loose, or computed from others) are neither.
     ``slots``: the argument slots to read numbers from (default: every one)."""
+    if isinstance(op, Kernel):
+        # Most operations have no slot to skip: then every pointer counts, with no test each.
+        pointers = (op.pointers if not skip else
+                    [p for p in op.pointers if not skip.intersection(_slots(p.offset, 8))])
     if isinstance(op, Kernel) and fixed_only:
-        pointers = [p for p in op.pointers if not skip.intersection(_slots(p.offset, 8))]
         return ("kernel", op.function, op.name, op.attributes, op.params, op.handles,
                 len(op.args), tuple((p.offset, p.target.buffer) for p in pointers)), {}
     if isinstance(op, Kernel):
         numbers = {f"grid{i}": v for i, v in enumerate(op.grid)}
         numbers |= {f"block{i}": v for i, v in enumerate(op.block)}
         numbers["shared_mem"] = op.shared_mem
-        pointers = [p for p in op.pointers if not skip.intersection(_slots(p.offset, 8))]
         taken = set(skip)
         for p in pointers:
             numbers[f"w{p.offset}"] = int.from_bytes(op.args[p.offset:p.offset + 8], "little")
@@ -706,6 +708,7 @@ def derive(samples: Mapping[int, KernelGraph],
         if varying and (found := _dividers(seen, skip, varying)):
             dividers[node] = found
             skip = skip | {o + k for o in found for k in (0, 4)}
+        per = []  # the node's numbers at each length
         for length, op in zip(lengths, seen, strict=True):
             fixed, numbers = _flatten(op, skip, slots=varying)
             if fixed_at.setdefault(node, fixed) != fixed:
@@ -713,8 +716,14 @@ def derive(samples: Mapping[int, KernelGraph],
                 raise GraphError(f"expected node {node!r} to differ in numbers only between "
                                  f"lengths {lengths[0]} and {length}, found its {what} "
                                  f"changed")
-            for what, value in numbers.items():
-                series.setdefault((node, what), []).append((length, value))
+            per.append(numbers)
+        # Only numbers that vary are fitted, and most do not (a weight's pointer): a number's
+        # values are gathered into points only once they are seen to differ.
+        for what in dict.fromkeys(k for numbers in per for k in numbers):
+            values = [numbers.get(what) for numbers in per]
+            if values.count(values[0]) != len(values):
+                series[(node, what)] = [(length, v) for length, v
+                                        in zip(lengths, values, strict=True) if v is not None]
     fits = {}
     for key, points in series.items():
         if len({v for _, v in points}) > 1:
