@@ -47,7 +47,9 @@ python benchmarks/families.py [--lengths 1:1023] [--batches 1]
 python benchmarks/families.py --audio 16000:160000:1440
 ``--decoder ARCH[:SIZE]`` decodes with another of ``benchmarks/generate.py``'s architectures
 (for instance ``llama``: rotary positions, grouped-query attention, RMSNorm) at its ``bench``
-size or another, built from a config with random weights, in place of GPT-2 small.
+size or another, built from a config with random weights, in place of GPT-2 small;
+``--max-len N`` sizes the cache (the issue's Llama shape over 1..2047 sampled every 4th length:
+``--decoder llama:llama2048x22 --max-len 2048 --lengths 1:2047:4``).
 """
 
 from __future__ import annotations
@@ -240,10 +242,12 @@ def gpt2_decode(batch: int, lengths: list[int]) -> Workload:
     return decode(batch, lengths)
 
 
-def decode(batch: int, lengths: list[int], decoder: str | None = None) -> Workload:
-    """One decode step over a ``PrefixCache``: GPT-2 small, or ``decoder`` (``ARCH[:SIZE]``,
-    an architecture and size of ``benchmarks/generate.py``, built from a config with random
-    weights), for trying families on models they were not tuned on."""
+def decode(batch: int, lengths: list[int], decoder: str | None = None,
+           max_len: int = MAX_LEN) -> Workload:
+    """One decode step over a ``PrefixCache`` of ``max_len`` positions: GPT-2 small, or
+    ``decoder`` (``ARCH[:SIZE]``, an architecture and size of ``benchmarks/generate.py``,
+    built from a config with random weights), for trying families on models they were not
+    tuned on."""
     if decoder is None:
         model, name, slug = _gpt2("gpt2-small"), "gpt2-small", "gpt2_small"
     else:
@@ -255,11 +259,14 @@ def decode(batch: int, lengths: list[int], decoder: str | None = None) -> Worklo
                              f"and SIZE among {', '.join(SIZES)}, found {decoder!r}")
         model = build(arch, SIZES[size or "bench"])
         name = slug = f"{arch}-{size or 'bench'}"
-    vocab = model.config.vocab_size
-    cache = PrefixCache(model.config.num_hidden_layers, MAX_LEN)
+    vocab, positions = model.config.vocab_size, model.config.max_position_embeddings
+    if not max(lengths) < max_len <= positions:
+        raise SystemExit(f"expected KV lengths below --max-len {max_len}, itself at most the "
+                         f"model's {positions} positions, found lengths up to {max(lengths)}")
+    cache = PrefixCache(model.config.num_hidden_layers, max_len)
     torch.manual_seed(batch)
     with torch.no_grad():
-        model(torch.randint(0, vocab, (batch, MAX_LEN - 1), device="cuda"),
+        model(torch.randint(0, vocab, (batch, max_len - 1), device="cuda"),
               past_key_values=cache, use_cache=True)  # every position holds real keys/values
     ids = torch.randint(0, vocab, (batch, 1), device="cuda")
     out = torch.empty(batch, 1, vocab, device="cuda", dtype=model.dtype)
@@ -275,8 +282,8 @@ def decode(batch: int, lengths: list[int], decoder: str | None = None) -> Worklo
 
     return Workload(f"{name} decode b{batch}", f"{slug}_family_b{batch}", "KV length",
                     lengths, step, out, dict(model.named_parameters()),
-                    f"{name} decode, batch {batch}, PrefixCache of {MAX_LEN}",
-                    {"batch": batch, "kv_lengths": [lengths[0], lengths[-1]]})
+                    f"{name} decode, batch {batch}, PrefixCache of {max_len}",
+                    {"batch": batch, "kv_lengths": [lengths[0], lengths[-1]], "max_len": max_len})
 
 
 def wav2vec2_audio(lengths: list[int]) -> Workload:
@@ -580,6 +587,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1:1023", help="first:last[:stride] KV lengths")
     parser.add_argument("--batches", default="1")
+    parser.add_argument("--max-len", type=int, default=MAX_LEN, metavar="N",
+                        help="the decode cache's positions (KV lengths up to N - 1; at most "
+                             "the model's)")
     parser.add_argument("--decoder", default=None, metavar="ARCH[:SIZE]",
                         help="decode with this architecture and size of benchmarks/generate.py "
                              "(random weights; SIZE default: bench) instead of GPT-2 small")
@@ -623,10 +633,11 @@ def main() -> None:
         audio = _range(args.audio, "audio lengths", 400, 480000)
         loads = [(lambda: wav2vec2_audio(audio), ["--audio", args.audio])]
     else:
-        lengths = _range(args.lengths, "KV lengths", 1, MAX_LEN - 1)
+        lengths = _range(args.lengths, "KV lengths", 1, args.max_len - 1)
         decoder = ["--decoder", args.decoder] if args.decoder else []
-        loads = [(lambda b=int(b): decode(b, lengths, args.decoder),
-                  ["--lengths", args.lengths, "--batches", b, *decoder])
+        loads = [(lambda b=int(b): decode(b, lengths, args.decoder, args.max_len),
+                  ["--lengths", args.lengths, "--batches", b, "--max-len", str(args.max_len),
+                   *decoder])
                  for b in args.batches.split(",")]
     if args.part is not None:
         if len(loads) != 1 or (args.part == "warm_start") != (args.saved is not None):
