@@ -263,6 +263,26 @@ class _Held:
         return min(t, self.last[j]) if j >= 0 else None
 
 
+def _holders(history: History, addresses: Iterable[int], rows: int = 1024
+             ) -> dict[int, _Held | None]:
+    """For each address, the blocks of ``history`` that hold it at some point (None: none),
+    found ``rows`` addresses at a time against every block at once: one numpy test per
+    address took 11.2 ms for 740 addresses against the 340 blocks of a committed GPT-2 capture
+    (``traces/h200_pool``), this way 6.0 (best of 9, a CPU without a GPU)."""
+    start = np.array(history.address, dtype=np.uint64)
+    end = start + np.array(history.size, dtype=np.uint64)
+    addresses = list(addresses)
+    held: dict[int, list[int]] = {a: [] for a in addresses}
+    for lo in range(0, len(addresses), rows):
+        chunk = np.array(addresses[lo:lo + rows], dtype=np.uint64)[:, None]
+        at, blocks = np.nonzero((start <= chunk) & (chunk < end))
+        for i, block in zip(at.tolist(), blocks.tolist(), strict=True):
+            held[addresses[lo + i]].append(block)  # ascending: the order the blocks were made
+    return {a: _Held(blocks, [history.made[i] + 1 for i in blocks],
+                     [history.freed[i] for i in blocks]) if blocks else None
+            for a, blocks in held.items()}
+
+
 def _most_held(held: list[_Held], lo: int, hi: int) -> list[int]:
     """The points from ``lo`` to ``hi`` at which most of a node's addresses are held by a
     live block (they agree on none: some are words PyTorch left unfilled)."""
@@ -339,22 +359,10 @@ def to_reference(graph: KernelGraph, history: History, reference: History,
     if any(isinstance(op, Conditional) for _, op in graph.ops()):
         raise UnsupportedError("expected kernels, copies and memsets to move to the "
                                "reference's places, found a conditional node")
-    start = np.array(history.address, dtype=np.uint64)
-    end = start + np.array(history.size, dtype=np.uint64)
-    alive = [(m + 1, f) for m, f in zip(history.made, history.freed, strict=True)]
-    holders: dict[int, _Held | None] = {}
-
-    def holding(address: int) -> _Held | None:
-        if address not in holders:
-            a = np.uint64(address)
-            blocks = np.flatnonzero((start <= a) & (a < end)).tolist()
-            holders[address] = _Held(blocks, [alive[i][0] for i in blocks],
-                                     [alive[i][1] for i in blocks]) if blocks else None
-        return holders[address]
-
     nodes = list(graph.dag)  # in the order the capture made them (the walk's)
-    found = [[(which, address, holding(address))
-              for which, address in _addresses(graph, graph.op(node))] for node in nodes]
+    words = [_addresses(graph, graph.op(node)) for node in nodes]
+    holders = _holders(history, dict.fromkeys(a for ws in words for _, a in ws))
+    found = [[(which, address, holders[address]) for which, address in ws] for ws in words]
     if marks and len(history.marks) != len(marks):
         raise UnsupportedError(f"expected the capture's {len(marks)} markers in its "
                                f"allocator's history, found {len(history.marks)}")
