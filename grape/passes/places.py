@@ -98,10 +98,11 @@ class History:
                      and (not segments or (e["addr"], e["size"]) in segments)]
         pool = made_here + sorted(set(segments) - set(made_here))
         spans = sorted(pool)
-        starts = np.array([a for a, _ in spans], dtype=np.uint64)
+        starts = [a for a, _ in spans]
 
         def in_pool(address: int) -> bool:
-            i = int(np.searchsorted(starts, np.uint64(address), side="right")) - 1
+            # bisect on a list: numpy's search per event cost more than the rest of the loop
+            i = bisect.bisect_right(starts, address) - 1
             return i >= 0 and address < spans[i][0] + spans[i][1]
 
         address, size, made, freed, acts, marks = [], [], [], [], [], []
