@@ -259,7 +259,9 @@ def decode(batch: int, lengths: list[int], decoder: str | None = None,
                              f"and SIZE among {', '.join(SIZES)}, found {decoder!r}")
         model = build(arch, SIZES[size or "bench"])
         name = slug = f"{arch}-{size or 'bench'}"
-    vocab, positions = model.config.vocab_size, model.config.max_position_embeddings
+    vocab = model.config.vocab_size
+    # None where positions are unbounded (ALiBi: Bloom's config names none)
+    positions = getattr(model.config, "max_position_embeddings", None) or max_len
     if not max(lengths) < max_len <= positions:
         raise SystemExit(f"expected KV lengths below --max-len {max_len}, itself at most the "
                          f"model's {positions} positions, found lengths up to {max(lengths)}")
