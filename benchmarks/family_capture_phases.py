@@ -1,7 +1,8 @@
-"""Where a family's capture time grows with its shapes (GPU): GPT-2 small decode over KV lengths
-1..N (largest first), each shape's time in ``capture`` (warm-up, collection, PyTorch's
-capture, the walk into the IR), in the walk alone, and in placing it (``_add_shape``:
-fingerprint, join, delta), and the cycle collector's calls; per shape, over each 50 shapes.
+"""Where a family's capture time grows with its shapes (GPU): GPT-2 small decode (or
+``--decoder``'s) over KV lengths 1..N (largest first), each shape's time in ``capture``
+(warm-up, collection, PyTorch's capture, the walk into the IR), in the walk alone, and in
+placing it (``_add_shape``: fingerprint, join, delta), and the cycle collector's calls; per
+shape, over each 50 shapes.
 
 Written for the open question of 2026-12-01 (family capture 0.085 s a shape over 255 lengths,
 0.31 s over 1,023, `benchmarks/README.md`). ``python benchmarks/family_capture_phases.py 400``
@@ -36,7 +37,7 @@ import grape.passes.places as places_module
 import grape.torch.family as family_module
 
 sys.path.insert(0, "benchmarks")
-from families import _steps, gpt2_decode
+from families import _steps, decode
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("n", type=int, nargs="?", default=400, help="KV lengths 1..N")
@@ -45,12 +46,14 @@ parser.add_argument("--same-places", action="store_true",
 parser.add_argument("--derive-every", type=int, default=None, metavar="K",
                     help="capture as a deriving family does: one length in K (period 8), "
                          "places moved, the rest derived")
+parser.add_argument("--decoder", default=None, metavar="ARCH[:SIZE]",
+                    help="another architecture of generate.py (as families.py takes it)")
 parser.add_argument("--profile", metavar="PATH",
                     help="profile the family's capture with cProfile, stats written to PATH")
 args = parser.parse_args()
 N, DERIVE_EVERY = args.n, args.derive_every
 SAME_PLACES = args.same_places or DERIVE_EVERY is not None
-w = gpt2_decode(1, list(range(1, N + 1)))
+w = decode(1, list(range(1, N + 1)), args.decoder)
 _steps(w.step, sorted(w.shapes), sync_each=False)
 seconds: dict[str, list[float]] = {"capture": [], "walk": [], "place": [], "collect": []}
 if SAME_PLACES:
