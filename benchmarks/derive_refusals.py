@@ -28,6 +28,30 @@ import sys
 from grape.passes.derive import _flatten
 
 
+def pointer_changes(a, b) -> list[str]:
+    """Where two graphs of one topology differ in a kernel's pointers: per node, the pointers
+    only one has or whose buffer differs, with the raw words (what a cut by "pointers'
+    buffers" hides)."""
+    from grape.passes.families import match
+
+    out = []
+    pairs = match(a, b)
+    for node, op in a.kernels():
+        other = b.op(pairs[node])
+        mine = {p.offset: p.target for p in op.pointers}
+        theirs = {p.offset: p.target for p in other.pointers}
+        changed = sorted(o for o in mine.keys() | theirs.keys()
+                         if mine.get(o) is None or theirs.get(o) is None
+                         or mine[o].buffer != theirs[o].buffer)
+        if changed:
+            words = [f"@{o}: {mine.get(o)} / {theirs.get(o)} "
+                     f"({op.args[o:o + 8].hex()} / {other.args[o:o + 8].hex()})"
+                     for o in changed[:4]]
+            out.append(f"{node} {op.name[:50]} args {len(op.args)}: {len(changed)} pointers "
+                       f"changed: " + "; ".join(words))
+    return out
+
+
 def main() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from families import decode
@@ -42,6 +66,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--decoder", default=None, metavar="ARCH[:SIZE]",
                         help="another architecture of generate.py (as families.py takes it)")
+    parser.add_argument("--keep-cuts", default=None, metavar="DIR",
+                        help="save the captured graphs on both sides of the first cuts into "
+                             "DIR (gzipped IR files), to look into without a GPU")
     args = parser.parse_args()
     first, last = (int(x) for x in args.lengths.split(":"))
     lengths = list(range(first, last + 1))
@@ -95,6 +122,13 @@ def main() -> None:
     reasons = collections.Counter(re.sub(r"[0-9]+", "N", why) for *_, why in sampled.cuts)
     print(f"cuts: {reasons.most_common(10)}")
     print(f"first cuts: {sampled.cuts[:4]}")
+    for a, b, _ in sampled.cuts[:4]:
+        for line in pointer_changes(sampled.graphs[a], sampled.graphs[b])[:6]:
+            print(f"  {a}->{b} {line}")
+    if args.keep_cuts:
+        os.makedirs(args.keep_cuts, exist_ok=True)
+        for n in sorted({n for a, b, _ in sampled.cuts[:3] for n in (a, b)}):
+            sampled.graphs[n].save(os.path.join(args.keep_cuts, f"length{n}.json.gz"))
     for r in rows[:40]:
         print(json.dumps(r))
     counts = collections.Counter((r["kernel"][:40], r["number"], r["fitted"]) for r in rows)
