@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -445,6 +447,65 @@ def test_a_host_address_that_changed_since_the_samples_is_loose_not_refused():
     got = derive_lengths(_later_another(12345, 35, before=777), range(1, 257), every=8,
                          checks=1)
     assert got.refused and not got.host_words
+
+
+def with_word(n: int, pointer: bool, word: int = 0x7F25_5320_4B20) -> KernelGraph:
+    """``step(n)`` with one more argument word, at offset 16: a pointer to a weight's first
+    byte, or ``word`` (by default a heap address: what PyTorch's unfilled bytes held)."""
+    g = step(n)
+    g.add_buffer(Buffer("weight", 4096, BufferRole.PARAMETER, address=0x7F24_1E80_0000))
+    attn = g.op("attn")
+    if pointer:
+        g.dag.nodes["attn"]["op"] = dataclasses.replace(
+            attn, args=attn.args + (0x7F24_1E80_0000).to_bytes(8, "little"),
+            pointers=(*attn.pointers, Pointer(16, Span("weight", 0))))
+    else:
+        g.dag.nodes["attn"]["op"] = dataclasses.replace(
+            attn, args=attn.args + word.to_bytes(8, "little"))
+    return g
+
+
+def test_a_word_that_is_a_pointer_at_some_lengths_and_a_host_address_at_others_is_loose():
+    # Measured on the H200: a Llama-shaped decoder's RMS-norm reduction kept a weight's address
+    # in an unfilled word at some KV lengths and a heap address at others; every neighbouring
+    # pair of captures was cut there, and nothing derived.
+    def stray(n):
+        return with_word(n, pointer=n % 3 == 0)
+    got = derive_lengths(stray, range(1, 257), every=8, checks=2)
+    assert got.cuts == [] and got.refused == []
+    assert len(got.derived) > 3 * 256 // 4
+    for d in got.derivations:
+        assert d.loose["attn"] == {16, 20}
+    for n in got.derived:
+        # Every byte but the stray word's, which keeps what the template had.
+        d = got.graphs.derived[n]
+        assert d.check(n, stray(n)) == []
+        assert got.graphs[n].op("attn").args[:16] == stray(n).op("attn").args[:16]
+
+
+def test_a_pointer_that_is_null_at_some_lengths_is_not_taken_for_a_stray_one():
+    # A null (or a small number) might be an optional pointer the kernel skips: a change of
+    # structure, nothing derived across it.
+    def optional(n):
+        return with_word(n, pointer=n >= 129, word=0)
+    got = derive_lengths(optional, range(1, 257), every=8, checks=1)
+    assert any("pointers' buffers" in why for *_, why in got.cuts)
+    assert all(d.lengths[-1] < 129 or d.lengths[0] >= 129 for d in got.derivations)
+    for n in got.derived:
+        assert got.graphs[n] == optional(n), n
+
+
+def test_a_stray_pointer_first_seen_at_a_held_out_length_is_loose_not_refused():
+    # The samples all held the heap address there; a held-out capture finds the weight's
+    # address instead (the word follows the host's history, not the length).
+    count = [0]
+
+    def later(n):
+        count[0] += 1
+        return with_word(n, pointer=count[0] > 35)
+    got = derive_lengths(later, range(1, 257), every=8, checks=1)
+    assert got.refused == [] and got.derived
+    assert {(node, offset) for _, node, offset in got.host_words} == {("attn", 16)}
 
 
 def _row_ops(d, node, lengths):

@@ -34,6 +34,14 @@ lengths 240..254: of 248 varying words on no line, 199 were the first kind and 4
   twice (:func:`loose_slots`: the slots that differ between the two captures and lie under no
   pointer both have); a derived graph keeps its template's bytes there, and a check ignores
   them.
+- *Stray* pointers: an unfilled word holding, at some lengths, an address that falls into the
+  graph's memory (so the capture reads it as a pointer) and at others an address outside it.
+  On the H200 a Llama-shaped decoder's RMS-norm reduction (``reduce_kernel``, a 1,048-byte
+  ``ReduceOp``) kept an MLP weight's address at some KV lengths and a heap address at the
+  others, in a word it never reads: every neighbouring pair of 489 over 1..511 was cut there
+  (``benchmarks/derive_refusals.py --decoder llama``). A real pointer points into the graph's
+  memory at every length, so such a word is loose (:func:`stray_slots`), not a change of
+  structure.
 - PyTorch's fast integer division (``IntDivider<uint32_t>``: a divisor, then its multiplier
   and shift, three 32-bit slots): the multiplier and shift are no affine function of the
   length, but are the divisor's, so where three slots are such a triple at every sample the
@@ -93,7 +101,7 @@ from grape.passes.families import match
 from grape.passes.variants import NodeVersions, Variants
 
 __all__ = ["Derivation", "Graphs", "Quotient", "Sampled", "Segment", "derive", "derive_lengths",
-           "loose_at_both", "loose_slots", "place_derived"]
+           "loose_at_both", "loose_slots", "place_derived", "stray_slots"]
 
 MIN_SUPPORT = 3  # captured lengths on a stretch's line before it is trusted
 TIE_BREAKS = 2  # captures a run may take to tell two forms that fit its samples apart
@@ -204,6 +212,10 @@ def _quotients(series: Mapping[tuple[str, str], list[tuple[int, int]]],
 
 
 Slots = frozenset[int]  # byte offsets of 4-byte argument slots
+
+# Where a 64-bit word holding a user-space address lies: its upper half, on Linux x86-64 and
+# aarch64, from the heap (0x55..) to the stacks and mappings (0x7f..).
+_ADDRESS_HIGH = range(0x100, 0x8000)
 
 # Where a kernel's launch numbers go in a row of ``grape.passes.variants.DIMS`` columns.
 _DIM_COLUMNS = {"grid0": 0, "grid1": 1, "grid2": 2, "block0": 3, "block1": 4, "block2": 5,
@@ -336,6 +348,25 @@ def _masked(op: Op, loose: Slots) -> Op:
         args[o:o + 4] = bytes(len(args[o:o + 4]))
     return dataclasses.replace(op, args=bytes(args), pointers=tuple(
         p for p in op.pointers if not loose.intersection(_slots(p.offset, 8))))
+
+
+def stray_slots(ops: Sequence[Op]) -> Slots:
+    """One node's slots under a stray pointer (see the module) among ``ops``, its versions at
+    several lengths (or in several captures): a word that is a pointer into the graph's memory
+    in some versions and, in another, an address into none of it (a user-space address's upper
+    half, ``_ADDRESS_HIGH``; a null or a small number there might be a pointer the kernel
+    skips, and is not taken for one)."""
+    kernels = [op for op in ops if isinstance(op, Kernel)]
+    if len(kernels) < 2 or len({(op.function, len(op.args)) for op in kernels}) > 1:
+        return frozenset()
+    offsets = [{p.offset for p in op.pointers} for op in kernels]
+    out: set[int] = set()
+    for offset in set().union(*offsets) - set.intersection(*offsets):
+        if any(offset not in mine and offset + 8 <= len(op.args)
+               and _u32(op.args, offset + 4) in _ADDRESS_HIGH
+               for op, mine in zip(kernels, offsets, strict=True)):
+            out.update(_slots(offset, 8))
+    return frozenset(out)
 
 
 def loose_slots(graph: KernelGraph, again: KernelGraph) -> dict[str, Slots]:
@@ -668,7 +699,8 @@ def derive(samples: Mapping[int, KernelGraph],
     """Fit every varying number of ``samples`` (graphs by length, one structure) to the length.
 
     ``loose``: the loose argument slots of the smallest length's nodes (:func:`loose_slots`),
-    left out of the fits and the checks.
+    left out of the fits and the checks; the samples' stray pointers (:func:`stray_slots`)
+    join them.
 
     Raises
     ------
@@ -701,6 +733,8 @@ def derive(samples: Mapping[int, KernelGraph],
     dividers: dict[str, Slots] = {}
     bits: dict[tuple[str, str], int] = {}
     for node, seen in ops.items():
+        if stray := stray_slots(seen):
+            loose[node] = loose.get(node, frozenset()) | stray
         skip = loose.get(node, frozenset())
         one_kernel = isinstance(seen[0], Kernel) and all(
             isinstance(op, Kernel) and len(op.args) == len(seen[0].args) for op in seen)
@@ -780,8 +814,10 @@ def _differs(a: KernelGraph, at: int, b: KernelGraph, bt: int) -> str | None:
         return (f"expected the same buffers at every length, found {extra[0]!r} at one of "
                 f"lengths {at} and {bt} only")
     for node, op in a.ops():
-        mine, theirs = (_flatten(op, fixed_only=True)[0],
-                         _flatten(b.op(pairs[node]), fixed_only=True)[0])
+        other = b.op(pairs[node])
+        stray = stray_slots((op, other))
+        mine, theirs = (_flatten(op, stray, fixed_only=True)[0],
+                         _flatten(other, stray, fixed_only=True)[0])
         if mine != theirs:
             return (f"expected node {node!r} to differ in numbers only between lengths {at} "
                     f"and {bt}, found its {_first_difference(mine, theirs)} changed")
@@ -1076,19 +1112,17 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     return out
 
 
-# Where a 64-bit word holding a user-space address lies: its upper half, on Linux x86-64 and
-# aarch64, from the heap (0x55..) to the stacks and mappings (0x7f..).
-_ADDRESS_HIGH = range(0x100, 0x8000)
 
 
 def _host_words(d: Derivation, length: int, captured: KernelGraph) -> list[tuple[str, int]]:
     """The argument words where ``captured`` (a held-out length) differs from ``d``'s derived
     graph, when every difference is one: a word no sample's fit covers (the same at every
     sample), that holds a user-space address in one of the two and lies under no pointer into
-    the graph's memory (no size or stride of these kernels reaches 2**40). Measured on the
-    H200 (``benchmarks/derive_refusals.py``): an elementwise
-    kernel's unfilled slot held one heap address at every sample of a family and another at
-    lengths captured later, the same in two captures of one length, so no pair of captures
+    the graph's memory (no size or stride of these kernels reaches 2**40), or a stray pointer
+    (:func:`stray_slots`) the samples held as a pointer and this length not, or the reverse.
+    Measured on the H200 (``benchmarks/derive_refusals.py``): an elementwise kernel's unfilled
+    slot held one heap address at every sample of a family and another at lengths captured
+    later, the same in two captures of one length, so no pair of captures
     finds it loose. Such a word is the host stack's leftover: the samples themselves, captured
     graphs, hold the template's value there, so a derived graph holding it is as right as they
     are. Empty where any difference is something else: the check then refuses."""
@@ -1096,10 +1130,25 @@ def _host_words(d: Derivation, length: int, captured: KernelGraph) -> list[tuple
     pairs = match(derived, captured)
     words: set[tuple[str, int]] = set()
     for node, what, _, _ in d.differences(length, captured):
+        mine, theirs = derived.op(node), captured.op(pairs[node])
+        loose = d.loose.get(node, frozenset())
+        # A stray pointer (the module): one at the samples, an address outside the graph here,
+        # or the reverse. A pointer whose offset the samples fitted is a real one.
+        stray = stray_slots((mine, theirs)) - loose
+        strays = {p.offset for p in (*mine.pointers, *theirs.pointers) if p.offset in stray}
+        if any((node, f"p{o}") in d.fits or (node, f"w{o}") in d.fits for o in strays):
+            return []
+        if what == "pointers' buffers":
+            if _flatten(mine, loose | stray, fixed_only=True) \
+                    != _flatten(theirs, loose | stray, fixed_only=True):
+                return []
+            words.update((node, o) for o in strays)
+            continue
+        if what[:1] in ("w", "p", "a") and what[1:].isdigit() and int(what[1:]) in stray:
+            continue  # the stray word itself, read as a pointer on one side, numbers on the other
         if not what.startswith("a") or (node, what) in d.fits:
             return []
         offset = int(what[1:]) - int(what[1:]) % 8
-        mine, theirs = derived.op(node), captured.op(pairs[node])
         if offset + 8 > len(mine.args) or any(
                 offset - 8 < p.offset < offset + 8 for p in (*mine.pointers, *theirs.pointers)):
             return []
