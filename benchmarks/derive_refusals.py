@@ -52,6 +52,27 @@ def pointer_changes(a, b) -> list[str]:
     return out
 
 
+def loose_ends(sampled, d):
+    """A function of a derivation's (node, number): where the second captures of its
+    topology's smallest and largest sample found the number's slot loose ("both" never holds
+    back: such a slot is loose), or "pointer"/"launch" for numbers that are no argument slot."""
+    from grape.ir import fingerprint
+    from grape.passes.families import match
+
+    small, large, at_small, at_large = sampled.loose_ends[fingerprint(d.template, launch=False)]
+    to_small = match(d.template, sampled.graphs[small])
+    to_large = match(d.template, sampled.graphs[large])
+
+    def where(node: str, number: str) -> str:
+        if node.startswith("buffer:") or not number.startswith("a"):
+            return "no slot"
+        o = int(number[1:])
+        found = (o in at_small.get(to_small[node], ()), o in at_large.get(to_large[node], ()))
+        return {(True, True): "both", (True, False): "smallest only",
+                (False, True): "largest only", (False, False): "neither"}[found]
+    return where
+
+
 def main() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from families import decode
@@ -101,6 +122,7 @@ def main() -> None:
     # What kept lengths from any derivation, trusted or refused: per derivation, the numbers
     # whose stretches leave lengths between its samples (in its class) underived.
     gaps = collections.Counter()
+    ends = collections.Counter()  # held-back numbers by where a second capture found them loose
     for d in sampled.derivations:
         inside = [n for n in lengths if d.lengths[0] < n < d.lengths[-1]
                   and (n - d.lengths[0]) % args.period == 0]
@@ -109,6 +131,9 @@ def main() -> None:
             d.template.op(node), "name", node) for node, _ in held}
         for (node, number), count in held.items():
             gaps[kernel[node], number] += count
+        loose_where = loose_ends(sampled, d)
+        for node, number in held:
+            ends[loose_where(node, number)] += 1
         for (node, number), count in held.most_common(3):
             forms = d.quotients.get((node, number), ())
             print(f"  uncovered {count} of {len(inside)} in {d.lengths[0]}..{d.lengths[-1]}: "
@@ -118,6 +143,8 @@ def main() -> None:
                   + "; as quotients: " + (", ".join(
                       f"{q.scale}*ceil({q.source}/{q.low}..{q.high})" for q in forms) or "none"))
     print(f"numbers leaving lengths underived (kernel, number: lengths): {gaps.most_common(25)}")
+    print(f"those numbers (per derivation) by where a second capture found them loose: "
+          f"{dict(ends)}")
     # Reasons with their numbers (nodes, lengths) made alike, so that alike ones count together.
     reasons = collections.Counter(re.sub(r"[0-9]+", "N", why) for *_, why in sampled.cuts)
     print(f"cuts: {reasons.most_common(10)}")

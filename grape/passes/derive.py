@@ -899,6 +899,11 @@ class Sampled:
     held_back: Counter[tuple[str, str]] = field(default_factory=Counter)
     # Lengths captured where two forms fitting the samples parted (``Derivation.disputed``).
     tie_breaks: list[int] = field(default_factory=list)
+    # Per topology: its smallest and largest sample, and the slots each one's second capture
+    # found loose, by each one's nodes (a slot is loose only at both): what to read where
+    # leftovers held lengths back.
+    loose_ends: dict[str, tuple[int, int, dict[str, Slots], dict[str, Slots]]] = field(
+        default_factory=dict)
 
 
 def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | None = None,
@@ -1165,8 +1170,12 @@ def loose_at_both(small: tuple[KernelGraph, KernelGraph], large: tuple[KernelGra
     """The slots of ``small[0]``'s nodes that are loose (:func:`loose_slots`) both between the
     two captures in ``small`` and between the two in ``large`` (two lengths of one structure):
     a slot PyTorch fills at one of them is no loose slot."""
-    at_small, at_large = loose_slots(*small), loose_slots(*large)
-    pairs = match(small[0], large[0])
+    return _both(small[0], loose_slots(*small), large[0], loose_slots(*large))
+
+
+def _both(small: KernelGraph, at_small: Mapping[str, Slots], large: KernelGraph,
+          at_large: Mapping[str, Slots]) -> dict[str, Slots]:
+    pairs = match(small, large)
     return {node: s & at_large.get(pairs[node], frozenset()) for node, s in at_small.items()
             if s & at_large.get(pairs[node], frozenset())}
 
@@ -1187,8 +1196,11 @@ def _loose_by_topology(runs: list[list[int]], out: Sampled,
         for n in dict.fromkeys((small, large)):
             again[n] = capture(n)
             out.repeated.append(n)
-        found[topology] = (out.graphs[small], loose_at_both(
-            (out.graphs[small], again[small]), (out.graphs[large], again[large])))
+        at_small = loose_slots(out.graphs[small], again[small])
+        at_large = loose_slots(out.graphs[large], again[large])
+        out.loose_ends[topology] = (small, large, at_small, at_large)
+        found[topology] = (out.graphs[small], _both(out.graphs[small], at_small,
+                                                    out.graphs[large], at_large))
 
     def loose(graph: KernelGraph) -> dict[str, Slots]:
         reference, slots = found[fingerprint(graph, launch=False)]
