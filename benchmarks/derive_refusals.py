@@ -25,6 +25,7 @@ import os
 import re
 import sys
 
+from grape.ir import fingerprint
 from grape.passes.derive import _flatten
 
 
@@ -56,7 +57,6 @@ def loose_ends(sampled, d):
     """A function of a derivation's (node, number): where the second captures of its
     topology's smallest and largest sample found the number's slot loose ("both" never holds
     back: such a slot is loose), or "pointer"/"launch" for numbers that are no argument slot."""
-    from grape.ir import fingerprint
     from grape.passes.families import match
 
     small, large, at_small, at_large = sampled.loose_ends[fingerprint(d.template, launch=False)]
@@ -87,6 +87,10 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--decoder", default=None, metavar="ARCH[:SIZE]",
                         help="another architecture of generate.py (as families.py takes it)")
+    parser.add_argument("--keep-samples", default=None, metavar="DIR",
+                        help="save the samples of the derivation with the most (at most 8, "
+                             "spread) and its topology's second captures into DIR (gzipped IR "
+                             "files: sample<N>, again<N>), to study leftovers without a GPU")
     parser.add_argument("--keep-cuts", default=None, metavar="DIR",
                         help="save the captured graphs on both sides of the first cuts into "
                              "DIR (gzipped IR files), to look into without a GPU")
@@ -152,6 +156,16 @@ def main() -> None:
     for a, b, _ in sampled.cuts[:4]:
         for line in pointer_changes(sampled.graphs[a], sampled.graphs[b])[:6]:
             print(f"  {a}->{b} {line}")
+    if args.keep_samples and sampled.derivations:
+        os.makedirs(args.keep_samples, exist_ok=True)
+        d = max(sampled.derivations, key=lambda d: len(d.lengths))
+        lengths = d.lengths[::max(1, -(-len(d.lengths) // 8))]
+        for n in sorted({*lengths, d.lengths[-1]}):
+            sampled.graphs[n].save(os.path.join(args.keep_samples, f"sample{n}.json.gz"))
+        small, large, *_ = sampled.loose_ends[fingerprint(d.template, launch=False)]
+        for n in (small, large):
+            sampled.again[n].save(os.path.join(args.keep_samples, f"again{n}.json.gz"))
+            sampled.graphs[n].save(os.path.join(args.keep_samples, f"sample{n}.json.gz"))
     if args.keep_cuts:
         os.makedirs(args.keep_cuts, exist_ok=True)
         for n in sorted({n for a, b, _ in sampled.cuts[:3] for n in (a, b)}):

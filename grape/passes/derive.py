@@ -883,7 +883,7 @@ class Sampled:
     cuts: list[tuple[int, int, str]] = field(default_factory=list)
     # Each length's fingerprint(launch=False), computed once (thousands of nodes take a while).
     topologies: dict[int, str] = field(default_factory=dict)
-    # Lengths captured a second time to find loose slots (not in ``captured``, not kept).
+    # Lengths captured a second time to find loose slots (not in ``captured``; in ``again``).
     repeated: list[int] = field(default_factory=list)
     # Each derived length's derivation's template (a captured length): the derived graph has
     # that graph's nodes and edges, so what matches the one matches the other.
@@ -904,6 +904,7 @@ class Sampled:
     # leftovers held lengths back.
     loose_ends: dict[str, tuple[int, int, dict[str, Slots], dict[str, Slots]]] = field(
         default_factory=dict)
+    again: dict[int, KernelGraph] = field(default_factory=dict)  # those second captures
 
 
 def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | None = None,
@@ -1194,7 +1195,7 @@ def _loose_by_topology(runs: list[list[int]], out: Sampled,
         small, large = min(lengths), max(lengths)
         again = {}
         for n in dict.fromkeys((small, large)):
-            again[n] = capture(n)
+            again[n] = out.again[n] = capture(n)
             out.repeated.append(n)
         at_small = loose_slots(out.graphs[small], again[small])
         at_large = loose_slots(out.graphs[large], again[large])
