@@ -22,7 +22,7 @@ from grape.errors import GrapeError, TraceFormatError
 from grape.familyio import SCHEMA as FAMILY_SCHEMA
 from grape.familyio import family_from_json
 from grape.ir import SCHEMA, KernelGraph
-from grape.jsonio import dump_json, load_json
+from grape.jsonio import dump_json, leading_schema, load_json
 from grape.profile import DEFAULT_PROFILE, PROFILE_SCHEMA, profile_from_json
 from grape.summary import family_summary, graph_summary, profile_summary, trace_summary
 from grape.trace import Trace, read_trace, trace_from_json
@@ -489,11 +489,14 @@ def _warn_split(trace: Trace) -> None:
 
 
 def _is_graph_file(path: Path) -> bool:
-    return path.name.endswith((".ir.json", ".ir.json.gz"))
+    """A kernel graph: by its name, or else by the schema its first bytes name."""
+    return (path.name.endswith((".ir.json", ".ir.json.gz"))
+            or leading_schema(path) == SCHEMA)
 
 
 def _is_family_file(path: Path) -> bool:
-    return path.name.endswith((".family.json", ".family.json.gz"))
+    return (path.name.endswith((".family.json", ".family.json.gz"))
+            or leading_schema(path) == FAMILY_SCHEMA)
 
 
 def _sequence(text: str | None, shapes: list) -> list:

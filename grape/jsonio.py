@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 from pathlib import Path
 from typing import Any
 
 from grape.errors import GrapeError, SchemaVersionError
 
-__all__ = ["dump_json", "load_json"]
+__all__ = ["dump_json", "leading_schema", "load_json"]
 
 
 def load_json(path: str | Path, error: type[GrapeError] = GrapeError) -> Any:
@@ -61,3 +62,23 @@ def check_schema(doc: Any, schema: str, version: int | tuple[int, ...],
                                  f"{' or '.join(map(str, versions))}, found "
                                  f"{doc.get('version')!r}")
     return doc
+
+
+# grape writes "schema" as its documents' first key (dump_json keeps the order given).
+_LEADING_SCHEMA = re.compile(rb'^\s*\{\s*"schema"\s*:\s*"([^"]{1,64})"')
+
+
+def leading_schema(path: str | Path) -> str | None:
+    """The ``schema`` a grape document at ``path`` names as its first key, read from its first
+    bytes (un-gzipped where gzip) without parsing the rest: how a file named neither
+    ``*.ir.json`` nor ``*.family.json`` is still known for a graph or a family. None where the
+    file cannot be read or does not start so (a Chrome trace, a torch.profiler file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+            f.seek(0)
+            raw = (gzip.GzipFile(fileobj=f).read(256) if head == b"\x1f\x8b" else f.read(256))
+    except (OSError, EOFError, zlib.error):
+        return None
+    found = _LEADING_SCHEMA.match(raw)
+    return found.group(1).decode("utf-8", "replace") if found else None

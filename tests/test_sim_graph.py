@@ -9,6 +9,7 @@ the traced kernel durations; the goal is 5% (issue 16).
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from grape.ir import (
     Memset,
     Span,
 )
+from grape.jsonio import leading_schema
 from grape.profile import DEFAULT_PROFILE, load_profile
 from grape.records import GpuRecord
 from grape.sim.engine import Costs, simulate
@@ -253,6 +255,23 @@ def test_grape_simulate_runs_a_kernel_graph(capsys, tmp_path):
     assert len(simulated.iterations[0].graph_launches) == 1
     names = {op.name for op in simulated.gpu_ops}
     assert "grape_while_bounded" in names and any(n.startswith("void at::native::") for n in names)
+
+
+def test_a_kernel_graph_named_like_any_json_file_is_known_by_its_schema(capsys, tmp_path):
+    # Named neither *.ir.json nor *.family.json: once read as a Chrome trace, with an error
+    # about traceEvents; its first bytes name the schema.
+    renamed = tmp_path / "loop.json.gz"
+    renamed.write_bytes((TWIN / "twin_loop.ir.json.gz").read_bytes())
+    code = main(["simulate", str(renamed), "--durations", str(TWIN / "twin_loop.kineto.json.gz"),
+                 "--while", f"grape:while={ITERATIONS}"])
+    assert code == 0 and "GPU time per launch" in capsys.readouterr().out
+    plain = tmp_path / "loop.json"
+    plain.write_bytes(gzip.decompress(renamed.read_bytes()))
+    code = main(["simulate", str(plain)])
+    assert code != 0 and "expected --durations TRACE" in capsys.readouterr().err
+    # A trace stays a trace, and a file that cannot be read is nobody's schema.
+    assert leading_schema(TWIN / "twin_loop.kineto.json.gz") is None
+    assert leading_schema(tmp_path / "missing.json") is None
 
 
 @pytest.mark.parametrize("argv, message", [
