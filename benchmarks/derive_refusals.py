@@ -161,15 +161,15 @@ def main() -> None:
         d = max(sampled.derivations, key=lambda d: len(d.lengths))
         lengths = d.lengths[::max(1, -(-len(d.lengths) // 8))]
         for n in sorted({*lengths, d.lengths[-1]}):
-            sampled.graphs[n].save(os.path.join(args.keep_samples, f"sample{n}.json.gz"))
+            sampled.graphs[n].save(os.path.join(args.keep_samples, f"sample{n}.ir.json.gz"))
         small, large, *_ = sampled.loose_ends[fingerprint(d.template, launch=False)]
         for n in (small, large):
-            sampled.again[n].save(os.path.join(args.keep_samples, f"again{n}.json.gz"))
-            sampled.graphs[n].save(os.path.join(args.keep_samples, f"sample{n}.json.gz"))
+            sampled.again[n].save(os.path.join(args.keep_samples, f"again{n}.ir.json.gz"))
+            sampled.graphs[n].save(os.path.join(args.keep_samples, f"sample{n}.ir.json.gz"))
     if args.keep_cuts:
         os.makedirs(args.keep_cuts, exist_ok=True)
         for n in sorted({n for a, b, _ in sampled.cuts[:3] for n in (a, b)}):
-            sampled.graphs[n].save(os.path.join(args.keep_cuts, f"length{n}.json.gz"))
+            sampled.graphs[n].save(os.path.join(args.keep_cuts, f"length{n}.ir.json.gz"))
     for r in rows[:40]:
         print(json.dumps(r))
     counts = collections.Counter((r["kernel"][:40], r["number"], r["fitted"]) for r in rows)

@@ -22,8 +22,8 @@ RUN = [8, 136, 256, 264, 392, 504]  # samples of the residue class 0 modulo 8
 @pytest.fixture(scope="module")
 def graphs() -> dict[str, dict[int, KernelGraph]]:
     out: dict[str, dict[int, KernelGraph]] = {"sample": {}, "again": {}}
-    for path in FOLDER.glob("*.json.gz"):
-        kind, length = re.fullmatch(r"([a-z]+)(\d+)\.json\.gz", path.name).groups()
+    for path in FOLDER.glob("*.ir.json.gz"):
+        kind, length = re.fullmatch(r"([a-z]+)(\d+)\.ir\.json\.gz", path.name).groups()
         out[kind][int(length)] = KernelGraph.load(path)
     return out
 
