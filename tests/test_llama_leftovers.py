@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from grape.ir import KernelGraph
-from grape.passes.derive import _both, _differs, derive, loose_slots, stray_slots
+from grape.passes.derive import (
+    _both,
+    _differs,
+    _unread_candidates,
+    derive,
+    loose_slots,
+    stray_slots,
+)
 from grape.passes.families import match
 
 FOLDER = (Path(__file__).resolve().parent.parent / "traces" / "h200_families"
@@ -58,3 +65,24 @@ def test_the_class_derives_with_the_slots_loose_at_both_ends(graphs):
     d = derive({n: samples[n] for n in RUN}, {to_run[n]: s for n, s in both.items()})
     covered, _ = d.coverage(range(RUN[0] + 8, RUN[-1], 8))
     assert covered
+
+
+def test_what_holds_the_class_back_is_argument_slots_no_form_explains(graphs):
+    # Running could show them unread (derive_lengths' verify, which needs a GPU): these
+    # captures say what it would have to show. Among them, a leftover word that held the one
+    # before it plus one, an odd number: "twice its half rounded up", a quotient of a leftover.
+    samples, again = graphs["sample"], graphs["again"]
+    small, large = min(again), max(again)
+    both = _both(samples[small], loose_slots(samples[small], again[small]),
+                 samples[large], loose_slots(samples[large], again[large]))
+    to_run = match(samples[small], samples[RUN[0]])
+    loose = {to_run[n]: s for n, s in both.items()}
+    d = derive({n: samples[n] for n in RUN}, loose)
+    inside = list(range(RUN[0] + 8, RUN[-1], 8))
+    candidates = _unread_candidates(d, inside)
+    assert candidates is not None and sum(map(len, candidates.values())) > 200
+    assert any(key in d.quotients for key in d.holding_back(inside, by_node=True))
+    with_them = {node: loose.get(node, frozenset()) | candidates.get(node, frozenset())
+                 for node in loose.keys() | candidates.keys()}
+    covered, _ = derive({n: samples[n] for n in RUN}, with_them).coverage(inside)
+    assert covered == inside

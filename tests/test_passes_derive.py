@@ -508,6 +508,64 @@ def test_a_stray_pointer_first_seen_at_a_held_out_length_is_loose_not_refused():
     assert {(node, offset) for _, node, offset in got.host_words} == {("attn", 16)}
 
 
+def leftover(n: int, split: bool = False) -> KernelGraph:
+    """``step(n)`` with two more argument words: a leftover that switches between a few
+    values with the host's history (a function of the length no form follows, the same in a
+    second capture), and a word the kernel reads that is constant, or with ``split`` steps
+    once, at length 100 (a split count chosen by size)."""
+    g = step(n)
+    attn = g.op("attn")
+    junk = 0x7F00_0000 + ((n * 2654435761) >> 7) % 5 * 0x40
+    word = 2 if split and n >= 100 else 1
+    g.dag.nodes["attn"]["op"] = dataclasses.replace(
+        attn, args=attn.args + junk.to_bytes(4, "little") + word.to_bytes(4, "little"))
+    return g
+
+
+def _reads(n: int, graph: KernelGraph, captured: KernelGraph) -> bool:
+    """What running tells on these steps: a kernel reads all its bytes but the leftover's."""
+    mine, theirs = graph.op("attn"), captured.op("attn")
+    return (mine.args[:16] + mine.args[20:], mine.grid) == (theirs.args[:16] + theirs.args[20:],
+                                                            theirs.grid)
+
+
+def test_leftovers_no_second_capture_sees_are_shown_unread_by_running():
+    plain = derive_lengths(leftover, range(1, 257), every=8, checks=2)
+    assert len(plain.derived) < 256 // 4  # the leftover holds most lengths back
+    calls = []
+
+    def verify(n, graph, captured):
+        calls.append(n)
+        return _reads(n, graph, captured)
+    got = derive_lengths(leftover, range(1, 257), every=8, checks=2, verify=verify)
+    assert len(got.derived) > 3 * 256 // 4 and got.refused == []
+    assert all(d.unread == {"attn": {16}} for d in got.derivations if d.unread)
+    for n in got.derived:
+        assert _reads(n, got.graphs[n], leftover(n)), n
+    # A run per sample until the leftover has differed from the template once, and one per
+    # held-out check: a few, not one per length.
+    assert {what for _, what, _ in got.verified} == {"unread slots", "derived"}
+    assert all(agrees for *_, agrees in got.verified) and len(calls) < 20
+
+
+def test_a_word_the_kernel_reads_is_not_shown_unread_and_nothing_is_derived_wrong():
+    def split(n):
+        return leftover(n, split=True)
+    got = derive_lengths(split, range(1, 257), every=8, checks=2, verify=_reads)
+    assert ("unread slots" in {what for what, _ in
+                               ((w, a) for _, w, a in got.verified if not a)})
+    for n in got.derived:
+        assert _reads(n, got.graphs[n], split(n)), n
+
+
+def test_a_held_out_length_that_runs_otherwise_refuses_its_stretch():
+    samples = set(range(1, 257, 8)) | {256}
+    got = derive_lengths(leftover, range(1, 257), every=8, checks=1,
+                         verify=lambda n, graph, captured: n in samples)
+    assert got.refused and ("derived" in {w for _, w, agrees in got.verified if not agrees})
+    assert not got.derived
+
+
 def _row_ops(d, node, lengths):
     """Each length's operation for ``node`` as Derivation.rows makes it (through NodeVersions,
     which turns rows back into operations)."""

@@ -42,6 +42,9 @@ lengths 240..254: of 248 varying words on no line, 199 were the first kind and 4
   (``benchmarks/derive_refusals.py --decoder llama``). A real pointer points into the graph's
   memory at every length, so such a word is loose (:func:`stray_slots`), not a change of
   structure.
+- *Unread* slots: words that no second capture finds loose but that running shows the kernel
+  does not read (:func:`derive_lengths` with ``verify``: a sample run with the template's bytes
+  there leaves what its capture leaves, bit for bit).
 - PyTorch's fast integer division (``IntDivider<uint32_t>``: a divisor, then its multiplier
   and shift, three 32-bit slots): the multiplier and shift are no affine function of the
   length, but are the divisor's, so where three slots are such a triple at every sample the
@@ -414,6 +417,9 @@ class Derivation:
     # numbers that are rounded-up quotients of another of their node's at every sample
     # (module docstring)
     quotients: dict[tuple[str, str], tuple[Quotient, ...]] = field(default_factory=dict)
+    # Slots among ``loose`` shown unread by running rather than by a second capture
+    # (:func:`derive_lengths`' ``verify``): template node -> slots.
+    unread: dict[str, Slots] = field(default_factory=dict)
 
     def _value(self, key: tuple[str, str], length: int) -> int | None:
         fitted = self._fitted(key, length)
@@ -905,6 +911,10 @@ class Sampled:
     loose_ends: dict[str, tuple[int, int, dict[str, Slots], dict[str, Slots]]] = field(
         default_factory=dict)
     again: dict[int, KernelGraph] = field(default_factory=dict)  # those second captures
+    # ``verify``'s calls: (length, what it compared, its answer), what it compared being
+    # "unread slots" (a sample with candidate slots swapped for the template's bytes) or
+    # "derived" (a held-out length's derived graph against its capture).
+    verified: list[tuple[int, str, bool]] = field(default_factory=list)
 
 
 def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | None = None,
@@ -986,7 +996,9 @@ def _spread(candidates: list[int], k: int) -> list[int]:
 def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int], *,
                    every: int = 8, checks: int = 1, period: int = 1,
                    progress: Callable[[str], None] = lambda line: None,
-                   again: Callable[[int], KernelGraph] | None = None) -> Sampled:
+                   again: Callable[[int], KernelGraph] | None = None,
+                   verify: Callable[[int, KernelGraph, KernelGraph], bool] | None = None
+                   ) -> Sampled:
     """The graphs at ``lengths``, most derived rather than captured.
 
     ``capture(n)`` gives the graph at length ``n``. The lengths are split into their residue
@@ -1011,6 +1023,17 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     What a held-out check cannot see, it cannot refuse: a number that leaves its line between
     two samples and returns to it (a kernel chosen for a few lengths only) is derived wrongly
     there. Samples closer together (smaller ``every``) and more ``checks`` narrow that.
+
+    ``verify(n, graph, captured)``, where given, says whether running ``graph`` leaves what
+    running ``captured`` (the capture at length ``n``) leaves, bit for bit: it lets words that
+    no second capture finds loose be shown unread by running instead (:func:`_unread`). On the
+    H200 a Llama-shaped decoder's argument structs held such words (offset calculators past
+    their dimensions, unused entries, padding) that switch between a few values with the
+    host's history, so that no length derived (``tests/test_llama_leftovers.py``). Where a
+    derivation's underived lengths are held back only by argument slots that no form of the
+    length explains, each sample where such a slot differs from the template is run with the
+    template's bytes there; where every run agrees with the capture, those slots are loose
+    (``Derivation.unread``) and every held-out check is run as well as compared.
 
     Raises
     ------
@@ -1066,6 +1089,9 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                 break  # not one structure there after all: the capture is kept, not fitted
             run = sorted([*run, n])
             d = derive({m: out.graphs[m] for m in run}, loose(out.graphs[run[0]]))
+        if verify is not None:
+            d = _unread(d, [n for n in c if d.lengths[0] < n < d.lengths[-1]
+                            and n not in out.graphs], out, verify)
         out.derivations.append(d)
         inside = d.covered(n for n in c if d.lengths[0] < n < d.lengths[-1]
                            and n not in out.graphs)
@@ -1078,6 +1104,12 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                     d.loose[node] = d.loose.get(node, frozenset()) | {offset, offset + 4}
                     out.host_words.append((n, node, offset))
                 out.checked[n] = d.check(n, captured)
+            if d.unread and not out.checked[n]:
+                # The bytes agree but for slots only running showed unread: run it too.
+                agrees = verify(n, d.graph_at(n), captured)
+                out.verified.append((n, "derived", agrees))
+                if not agrees:
+                    out.checked[n] = sorted(d.unread)
             refuted = refuted or bool(out.checked[n])
         if refuted:
             out.refused.append((d.lengths[0], d.lengths[-1]))
@@ -1111,13 +1143,94 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         (kernel, number), count = out.held_back.most_common(1)[0]
         held = (f"; most held back by {number} of {kernel[:48]} ({count} lengths inside "
                 f"trusted stretches left underived)")
+    unread = ""
+    if out.verified:
+        shown = sum(bool(d.unread) for d in out.derivations)
+        unread = (f"; {len(out.verified)} runs to show slots unread, {shown} derivations "
+                  f"with slots shown so")
     progress(f"{len(want)} lengths: {len(out.captured)} captured "
              f"(and {len(out.repeated)} again for loose slots; {len(out.tie_breaks)} where two "
-             f"forms parted), {len(out.derived)} derived, "
+             f"forms parted{unread}), {len(out.derived)} derived, "
              f"{len(out.refused)} stretches refused by a check, {len(out.cuts)} changes{held}")
     return out
 
 
+
+
+def _unread_candidates(d: Derivation, inside: list[int]) -> dict[str, Slots] | None:
+    """The argument slots that leave lengths of ``inside`` underived and that no form of the
+    length explains (no stretch of three or more samples with a slope, no quotient of an
+    explained number), by template node: words a kernel might not read. None where something
+    else holds lengths back too (a pointer's offset, a launch dimension, a copy, a buffer, or a
+    slot some form explains), so that running could not make the derivation cover more."""
+    held = d.holding_back(inside, by_node=True)
+    if any(node.startswith("buffer:") or not what.startswith("a") or not what[1:].isdigit()
+           or any(g.slope != 0 and g.support >= MIN_SUPPORT for g in d.fits[node, what])
+           for node, what in held):
+        return None
+    # A quotient of another slot explains a number only where that slot is explained: on the
+    # H200 a Llama step's leftover word held the one before it plus one, an odd number, which
+    # "is" twice its half rounded up.
+    unexplained = {key for key in held if key not in d.quotients}
+    quotients = {key for key in held if key in d.quotients}
+    while grown := {(node, what) for node, what in quotients
+                    if all((node, q.source) in unexplained for q in d.quotients[node, what])}:
+        unexplained |= grown
+        quotients -= grown
+    if quotients:
+        return None
+    out: dict[str, set[int]] = {}
+    for node, what in unexplained:
+        out.setdefault(node, set()).add(int(what[1:]))
+    return {node: frozenset(slots) for node, slots in out.items()}
+
+
+def _swapped(op: Op, template: Op, slots: Slots) -> Op:
+    """``op`` with the bytes of ``slots`` taken from ``template`` (one kernel's two versions)."""
+    args = bytearray(op.args)
+    for o in slots:
+        args[o:o + 4] = template.args[o:o + 4]
+    return dataclasses.replace(op, args=bytes(args))
+
+
+def _unread(d: Derivation, inside: list[int], out: Sampled,
+            verify: Callable[[int, KernelGraph, KernelGraph], bool]) -> Derivation:
+    """``d`` derived again with its candidate unread slots (:func:`_unread_candidates`) loose,
+    where running shows them unread: at each sample where some of them differ from the
+    template (until each has differed at one), the captured graph with the template's bytes in
+    every candidate slot must run as the captured graph does (``verify``). A derived graph then
+    holds the template's bytes there, as the samples showed harmless. ``d`` itself where there
+    are no candidates or a run disagrees."""
+    candidates = _unread_candidates(d, inside)
+    if not candidates:
+        return d
+    template = d.template
+    shown: set[tuple[str, int]] = set()
+    wanted = {(node, o) for node, slots in candidates.items() for o in slots}
+    for n in d.lengths[1:]:
+        graph = out.graphs[n]
+        pairs = match(template, graph)
+        differing = {(node, o) for node, o in wanted
+                     if graph.op(pairs[node]).args[o:o + 4] != template.op(node).args[o:o + 4]}
+        if not differing - shown:
+            continue
+        swapped = graph.with_ops({pairs[node]: _swapped(graph.op(pairs[node]),
+                                                        template.op(node), slots)
+                                  for node, slots in candidates.items()})
+        agrees = verify(n, swapped, graph)
+        out.verified.append((n, "unread slots", agrees))
+        if not agrees:
+            return d
+        shown |= differing
+        if shown == wanted:
+            break
+    if shown != wanted:
+        return d  # a slot that never differed from the template was never run: not shown
+    loose = {node: d.loose.get(node, frozenset()) | candidates.get(node, frozenset())
+             for node in d.loose.keys() | candidates.keys()}
+    again = derive({n: out.graphs[n] for n in d.lengths}, loose)
+    again.unread = candidates
+    return again
 
 
 def _host_words(d: Derivation, length: int, captured: KernelGraph) -> list[tuple[str, int]]:
