@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--decoder", default=None, metavar="ARCH[:SIZE]",
                         help="another architecture of generate.py (as families.py takes it)")
+    parser.add_argument("--verify-unread", action="store_true",
+                        help="capture_family's verify_unread: words shown unread by running")
     parser.add_argument("--keep-samples", default=None, metavar="DIR",
                         help="save the samples of the derivation with the most (at most 8, "
                              "spread) and its topology's second captures into DIR (gzipped IR "
@@ -100,7 +102,8 @@ def main() -> None:
     w = decode(1, lengths, args.decoder)
     family = capture_family(w.step, sorted(lengths, reverse=True), w.params,
                             derive_every=args.every, derive_period=args.period,
-                            prepare=False, same_places=args.same_places, progress=print)
+                            prepare=False, same_places=args.same_places,
+                            verify_unread=args.verify_unread, progress=print)
     sampled = family.sampled
     rows = []
     for n, differ in sorted(sampled.checked.items()):
@@ -153,6 +156,11 @@ def main() -> None:
     reasons = collections.Counter(re.sub(r"[0-9]+", "N", why) for *_, why in sampled.cuts)
     print(f"cuts: {reasons.most_common(10)}")
     print(f"first cuts: {sampled.cuts[:4]}")
+    if args.verify_unread:
+        shown = [(d.lengths[0], d.lengths[-1], sum(map(len, d.unread.values())))
+                 for d in sampled.derivations if d.unread]
+        print(f"runs to show slots unread: {sampled.verified}; derivations with slots shown "
+              f"unread (first, last, slots): {shown}")
     for a, b, _ in sampled.cuts[:4]:
         for line in pointer_changes(sampled.graphs[a], sampled.graphs[b])[:6]:
             print(f"  {a}->{b} {line}")

@@ -312,7 +312,8 @@ def wav2vec2_audio(lengths: list[int]) -> Workload:
 
 def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
             derive_every: int | None = None, save_to: Path | None = None,
-            derive_period: int = 1, same_places: bool | None = None) -> dict[str, object]:
+            derive_period: int = 1, same_places: bool | None = None,
+            verify_unread: bool = False) -> dict[str, object]:
     if update == "graph":
         w = replace(w, name=f"{w.name} (whole-graph updates)", slug=f"{w.slug}_whole")
     elif update == "device":
@@ -332,6 +333,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     family = capture_family(step, sorted(lengths, reverse=True),
                             params=w.params, update=update, derive_every=derive_every,
                             derive_period=derive_period, same_places=same_places,
+                            verify_unread=verify_unread,
                             progress=lambda line: _log(f"  {label} family: {line}"))
     _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
     family_device_bytes = free_before_family - _device_bytes()[0]
@@ -462,6 +464,9 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
                       ).most_common(8),
                       changes_first=[list(c) for c in family.sampled.cuts[:4]],
                       host_words_made_loose=len(family.sampled.host_words),
+                      runs_to_show_unread=[list(v) for v in family.sampled.verified],
+                      slots_shown_unread=sum(len(s) for d in family.sampled.derivations
+                                             for s in d.unread.values()),
                       held_out_checks_failed=sum(bool(d) for d in
                                                  family.sampled.checked.values()),
                       stretches_refused=len(family.sampled.refused),
@@ -616,6 +621,10 @@ def main() -> None:
                         help="move every capture's temporaries to the places of the first "
                              "capture that allocated alike (grape.passes.places); default: "
                              "with --derive-every only, as capture_family does")
+    parser.add_argument("--verify-unread", action="store_true",
+                        help="with --derive-every: show argument words unread by running "
+                             "samples with the template's bytes there (capture_family's "
+                             "verify_unread)")
     parser.add_argument("--append", action="store_true",
                         help="keep the entries of other workloads already in --out")
     parser.add_argument("--no-fresh", action="store_true",
@@ -671,7 +680,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as saved:
             results.append(measure(w, args.traces, args.update, args.derive_every,
                                    None if args.no_fresh else Path(saved),
-                                   args.derive_period, args.same_places))
+                                   args.derive_period, args.same_places,
+                                   args.verify_unread))
             write()
             if not args.no_fresh:
                 results[-1].update(_in_fresh_process("shared_pool", workload_args, [],

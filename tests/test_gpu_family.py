@@ -171,6 +171,58 @@ def test_lengths_are_derived_by_residue_class_and_compute_what_their_own_graphs_
         fam.close()
 
 
+def test_runs_alike_tells_a_word_a_kernel_reads_from_a_graph_run_again(decode):
+    """grape.cuda.compare.runs_alike: a graph against itself agrees, and leaves memory as it
+    found it; a fill whose value word is changed does not agree."""
+    import dataclasses
+    import struct
+
+    from grape.cuda.compare import runs_alike
+    from grape.torch.capture import capture
+
+    _, step, out = decode
+    before = out.clone()
+    # The captures kept while their IR runs: their graphs' pools hold the memory it names.
+    decode_capture = capture(lambda: step(33))
+    ir = decode_capture.ir
+    assert runs_alike(ir, ir)
+    assert torch.equal(out, before)
+
+    y = torch.empty(4096, device="cuda")
+    fill_capture = capture(lambda: y.fill_(3.0))
+    fill = fill_capture.ir
+    three = struct.pack("<f", 3.0)
+    ((node, op),) = [(n, k) for n, k in fill.kernels() if three in k.args]
+    at = op.args.index(three)
+    four = op.args[:at] + struct.pack("<f", 4.0) + op.args[at + 4:]
+    changed = fill.with_ops({node: dataclasses.replace(op, args=four)})
+    assert not runs_alike(fill, changed)
+    assert runs_alike(fill, fill)
+    del decode_capture, fill_capture
+
+
+def test_a_family_with_words_shown_unread_by_running_derives_only_what_runs_right():
+    # verify_unread: argument slots no form explains, run with the template's bytes at the
+    # samples where they differ, loose where every run agrees; derived lengths checked against
+    # PyTorch's own graphs bitwise as in the test above.
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    from grape.torch.family import capture_family
+    from tests.family_process import decode
+
+    model, step, out = decode(positions=256)
+    lengths = list(range(255, 0, -1))
+    fam = capture_family(step, lengths, params=dict(model.named_parameters()),
+                         derive_every=4, checks=1, derive_period=8, verify_unread=True)
+    try:
+        derived = _derived_right(fam.sampled, step, fam, out, lengths)
+        shown = [d for d in fam.sampled.derivations if d.unread]
+        print(f"derived {len(derived)} of {len(lengths)}; runs {fam.sampled.verified}; "
+              f"{len(shown)} derivations with slots shown unread")
+    finally:
+        fam.close()
+
+
 def _warm_start(decode, family, tmp_path):
     from grape.familyio import load_family
     from grape.torch.family import environment

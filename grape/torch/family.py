@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from grape.cuda.build import Executable, Graph, Update
+from grape.cuda.compare import runs_alike as compare
 from grape.cuda.switch import DeviceSwitch
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
@@ -41,7 +42,13 @@ from grape.passes.families import match, same_ids
 from grape.passes.places import History, Mark, to_reference
 from grape.passes.switch_plan import plan as switch_plan
 from grape.passes.variants import Variants
-from grape.torch.capture import capture, frozen_heap, on_another_thread, pool_segments
+from grape.torch.capture import (
+    capture,
+    capture_stream,
+    frozen_heap,
+    on_another_thread,
+    pool_segments,
+)
 
 __all__ = ["Family", "capture_family", "environment", "load_family"]
 
@@ -342,7 +349,8 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                    progress: Callable[[str], None] = lambda line: None,
                    update: str = "nodes", derive_every: int | None = None,
                    checks: int = 1, derive_period: int = 1, warmup: int = 1,
-                   prepare: bool = True, same_places: bool | None = None) -> Family:
+                   prepare: bool = True, same_places: bool | None = None,
+                   verify_unread: bool = False) -> Family:
     """Capture ``step(shape)`` for each shape (largest first) into one family.
 
     ``update`` says how an executable is brought to a shape: ``"nodes"`` updates the nodes
@@ -385,6 +393,16 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     moves costs about twice a capture's host time (the allocator's history and a mark before
     every operation), and it changes no fewer nodes between neighbouring lengths, so without
     derivation it buys nothing.
+
+    ``verify_unread`` (with ``derive_every``): where only argument words that no form of the
+    length explains hold a derivation's lengths back, run captured samples on the GPU with
+    the template's bytes in those words, and each checked length's derived graph, against
+    their captures (``grape.cuda.compare.runs_alike``: every buffer but the parameters,
+    bit for bit, from the same state, restored after); words so shown unread stay template
+    bytes (``derive_lengths``' ``verify``). For models whose argument structs hold leftovers
+    that change with the host's history (a Llama-shaped decoder on the H200: none of 511
+    lengths derived without). A graph that runs differently twice (atomics, a random stream)
+    shows nothing. Off by default: not yet run on a GPU.
 
     ``prepare``: make every node update a switch between shapes can need now
     (:meth:`Family.prepare_updates`, counted in ``capture_s``), not on first use: on a
@@ -437,11 +455,20 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         hold the host's leftovers (``derive_lengths``' ``again``); not kept."""
         return on_another_thread(lambda: taken(shape)[1])
 
+    def runs_alike(length: int, graph: KernelGraph, captured: KernelGraph) -> bool:
+        """``derive_lengths``' ``verify``: a graph that cannot be compared shows nothing."""
+        try:
+            return compare(captured, graph, capture_stream().cuda_stream)
+        except GrapeError as e:
+            progress(f"length {length}: not compared by running ({e})")
+            return False
+
     sampled = None
     if derive_every is not None:
         sampled = derive_lengths(captured, shapes, every=derive_every, checks=checks,
                                  period=derive_period, progress=progress,
-                                 again=captured_elsewhere)
+                                 again=captured_elsewhere,
+                                 verify=runs_alike if verify_unread else None)
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
     variants: dict[str, Variants] = {}
