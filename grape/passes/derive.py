@@ -1155,8 +1155,6 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     return out
 
 
-
-
 def _unread_candidates(d: Derivation, inside: list[int]) -> dict[str, Slots] | None:
     """The argument slots that leave lengths of ``inside`` underived and that no form of the
     length explains (no stretch of three or more samples with a slope, no quotient of an
@@ -1241,10 +1239,10 @@ def _host_words(d: Derivation, length: int, captured: KernelGraph) -> list[tuple
     (:func:`stray_slots`) the samples held as a pointer and this length not, or the reverse.
     Measured on the H200 (``benchmarks/derive_refusals.py``): an elementwise kernel's unfilled
     slot held one heap address at every sample of a family and another at lengths captured
-    later, the same in two captures of one length, so no pair of captures
-    finds it loose. Such a word is the host stack's leftover: the samples themselves, captured
-    graphs, hold the template's value there, so a derived graph holding it is as right as they
-    are. Empty where any difference is something else: the check then refuses."""
+    later, the same in two captures of one length, so no pair of captures finds it loose. Such
+    a word is the host stack's leftover: the samples themselves, captured graphs, hold the
+    template's value there, so a derived graph holding it is as right as they are. Empty where
+    any difference is something else: the check then refuses."""
     derived = d.graph_at(length)
     pairs = match(derived, captured)
     words: set[tuple[str, int]] = set()
