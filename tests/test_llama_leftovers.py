@@ -24,6 +24,7 @@ from grape.passes.families import match
 FOLDER = (Path(__file__).resolve().parent.parent / "traces" / "h200_families"
           / "llama_bench_decode_b1_leftovers")
 RUN = [8, 136, 256, 264, 392, 504]  # samples of the residue class 0 modulo 8
+INSIDE = list(range(RUN[0] + 8, RUN[-1], 8))  # the class's lengths between them
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,17 @@ def graphs() -> dict[str, dict[int, KernelGraph]]:
         kind, length = re.fullmatch(r"([a-z]+)(\d+)\.ir\.json\.gz", path.name).groups()
         out[kind][int(length)] = KernelGraph.load(path)
     return out
+
+
+def _loose(graphs) -> dict:
+    """The slots the second captures found loose at both ends of the topology (what
+    derive_lengths leaves out), by the run's first sample's nodes."""
+    samples, again = graphs["sample"], graphs["again"]
+    small, large = min(again), max(again)
+    both = _both(samples[small], loose_slots(samples[small], again[small]),
+                 samples[large], loose_slots(samples[large], again[large]))
+    to_run = match(samples[small], samples[RUN[0]])
+    return {to_run[n]: s for n, s in both.items()}
 
 
 def test_neighbouring_samples_differ_in_numbers_only_though_stray_pointers_come_and_go(graphs):
@@ -57,13 +69,7 @@ def test_neighbouring_samples_differ_in_numbers_only_though_stray_pointers_come_
     "231 of them loose at one end of the topology only and 91 at neither, so the slots loose "
     "at both leave every held-out length of the class underived"))
 def test_the_class_derives_with_the_slots_loose_at_both_ends(graphs):
-    samples, again = graphs["sample"], graphs["again"]
-    small, large = min(again), max(again)
-    both = _both(samples[small], loose_slots(samples[small], again[small]),
-                 samples[large], loose_slots(samples[large], again[large]))
-    to_run = match(samples[small], samples[RUN[0]])
-    d = derive({n: samples[n] for n in RUN}, {to_run[n]: s for n, s in both.items()})
-    covered, _ = d.coverage(range(RUN[0] + 8, RUN[-1], 8))
+    covered, _ = derive({n: graphs["sample"][n] for n in RUN}, _loose(graphs)).coverage(INSIDE)
     assert covered
 
 
@@ -71,18 +77,12 @@ def test_what_holds_the_class_back_is_argument_slots_no_form_explains(graphs):
     # Running could show them unread (derive_lengths' verify, which needs a GPU): these
     # captures say what it would have to show. Among them, a leftover word that held the one
     # before it plus one, an odd number: "twice its half rounded up", a quotient of a leftover.
-    samples, again = graphs["sample"], graphs["again"]
-    small, large = min(again), max(again)
-    both = _both(samples[small], loose_slots(samples[small], again[small]),
-                 samples[large], loose_slots(samples[large], again[large]))
-    to_run = match(samples[small], samples[RUN[0]])
-    loose = {to_run[n]: s for n, s in both.items()}
+    samples, loose = graphs["sample"], _loose(graphs)
     d = derive({n: samples[n] for n in RUN}, loose)
-    inside = list(range(RUN[0] + 8, RUN[-1], 8))
-    candidates = _unread_candidates(d, inside)
+    candidates = _unread_candidates(d, INSIDE)
     assert candidates is not None and sum(map(len, candidates.values())) > 200
-    assert any(key in d.quotients for key in d.holding_back(inside, by_node=True))
+    assert any(key in d.quotients for key in d.holding_back(INSIDE, by_node=True))
     with_them = {node: loose.get(node, frozenset()) | candidates.get(node, frozenset())
                  for node in loose.keys() | candidates.keys()}
-    covered, _ = derive({n: samples[n] for n in RUN}, with_them).coverage(inside)
-    assert covered == inside
+    covered, _ = derive({n: samples[n] for n in RUN}, with_them).coverage(INSIDE)
+    assert covered == INSIDE

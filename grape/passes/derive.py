@@ -821,9 +821,11 @@ def _differs(a: KernelGraph, at: int, b: KernelGraph, bt: int) -> str | None:
                 f"lengths {at} and {bt} only")
     for node, op in a.ops():
         other = b.op(pairs[node])
-        stray = stray_slots((op, other))
-        mine, theirs = (_flatten(op, stray, fixed_only=True)[0],
-                         _flatten(other, stray, fixed_only=True)[0])
+        mine, theirs = (_flatten(op, fixed_only=True)[0], _flatten(other, fixed_only=True)[0])
+        if mine != theirs and (stray := stray_slots((op, other))):
+            # looked for only where something differs: most nodes differ in nothing fixed
+            mine, theirs = (_flatten(op, stray, fixed_only=True)[0],
+                            _flatten(other, stray, fixed_only=True)[0])
         if mine != theirs:
             return (f"expected node {node!r} to differ in numbers only between lengths {at} "
                     f"and {bt}, found its {_first_difference(mine, theirs)} changed")
