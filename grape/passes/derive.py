@@ -1195,42 +1195,72 @@ def _swapped(op: Op, template: Op, slots: Slots) -> Op:
 
 def _unread(d: Derivation, inside: list[int], out: Sampled,
             verify: Callable[[int, KernelGraph, KernelGraph], bool]) -> Derivation:
-    """``d`` derived again with its candidate unread slots (:func:`_unread_candidates`) loose,
-    where running shows them unread: at each sample where some of them differ from the
+    """``d`` derived again with those of its candidate unread slots (:func:`_unread_candidates`)
+    that running shows unread loose: at each sample where some of them differ from the
     template (until each has differed at one), the captured graph with the template's bytes in
-    every candidate slot must run as the captured graph does (``verify``). A derived graph then
-    holds the template's bytes there, as the samples showed harmless. ``d`` itself where there
-    are no candidates or a run disagrees."""
+    them must run as the captured graph does (``verify``). Where it does not, the slots are
+    halved until each part runs alike or is one slot, which the kernel reads: that one stays
+    fitted (:func:`_agreeing`). A derived graph holds the template's bytes in the slots shown
+    unread, as the samples showed harmless. ``d`` itself where no slot is shown so."""
     candidates = _unread_candidates(d, inside)
     if not candidates:
         return d
     template = d.template
+    kept = {(node, o) for node, slots in candidates.items() for o in slots}
     shown: set[tuple[str, int]] = set()
-    wanted = {(node, o) for node, slots in candidates.items() for o in slots}
     for n in d.lengths[1:]:
         graph = out.graphs[n]
         pairs = match(template, graph)
-        differing = {(node, o) for node, o in wanted
+        differing = {(node, o) for node, o in kept
                      if graph.op(pairs[node]).args[o:o + 4] != template.op(node).args[o:o + 4]}
         if not differing - shown:
             continue
-        swapped = graph.with_ops({pairs[node]: _swapped(graph.op(pairs[node]),
-                                                        template.op(node), slots)
-                                  for node, slots in candidates.items()})
-        agrees = verify(n, swapped, graph)
-        out.verified.append((n, "unread slots", agrees))
-        if not agrees:
-            return d
+
+        def agrees(slots: Iterable[tuple[str, int]], n: int = n, graph: KernelGraph = graph,
+                   pairs: Mapping[str, str] = pairs) -> bool:
+            by_node: dict[str, set[int]] = {}
+            for node, o in slots:
+                by_node.setdefault(node, set()).add(o)
+            swapped = graph.with_ops({
+                pairs[node]: _swapped(graph.op(pairs[node]), template.op(node), frozenset(os))
+                for node, os in by_node.items()})
+            alike = verify(n, swapped, graph)
+            out.verified.append((n, "unread slots", alike))
+            return alike
+
+        if not agrees(differing):
+            part = _agreeing(sorted(differing), agrees)
+            if part and not agrees(part):
+                return d  # each half alike, not together: nothing shown
+            kept -= differing - part
+            differing = part
         shown |= differing
-        if shown == wanted:
+        if shown >= kept:
             break
-    if shown != wanted:
-        return d  # a slot that never differed from the template was never run: not shown
-    loose = {node: d.loose.get(node, frozenset()) | candidates.get(node, frozenset())
-             for node in d.loose.keys() | candidates.keys()}
+    kept &= shown  # a slot that never differed from the template was never run: not shown
+    if not kept:
+        return d
+    unread: dict[str, Slots] = {}
+    for node, o in kept:
+        unread[node] = unread.get(node, frozenset()) | {o}
+    loose = {node: d.loose.get(node, frozenset()) | unread.get(node, frozenset())
+             for node in d.loose.keys() | unread.keys()}
     again = derive({n: out.graphs[n] for n in d.lengths}, loose)
-    again.unread = candidates
+    again.unread = unread
     return again
+
+
+def _agreeing(items: list[tuple[str, int]],
+              agrees: Callable[[Iterable[tuple[str, int]]], bool]) -> set[tuple[str, int]]:
+    """Of ``items``, which together run otherwise, those that run alike, found by halving: a
+    half that runs alike is kept whole, one that does not is halved again, down to single
+    items, which the kernel reads and are dropped. About two runs a read item per halving."""
+    if len(items) == 1:
+        return set()
+    out: set[tuple[str, int]] = set()
+    for part in (items[:len(items) // 2], items[len(items) // 2:]):
+        out |= set(part) if agrees(part) else _agreeing(part, agrees)
+    return out
 
 
 def _host_words(d: Derivation, length: int, captured: KernelGraph) -> list[tuple[str, int]]:
