@@ -1034,8 +1034,9 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     host's history, so that no length derived (``tests/test_llama_leftovers.py``). Where a
     derivation's underived lengths are held back only by argument slots that no form of the
     length explains, each sample where such a slot differs from the template is run with the
-    template's bytes there; where every run agrees with the capture, those slots are loose
-    (``Derivation.unread``) and every held-out check is run as well as compared.
+    template's bytes there; the slots with which it runs as its capture does (halved until
+    the ones the kernels read are found) are loose (``Derivation.unread``), and every
+    held-out check is then run as well as compared.
 
     Raises
     ------
