@@ -11,9 +11,13 @@ value), then a count by kernel and number. Full lines go to ``--out`` (JSON).
 places or not (default: ``capture_family``'s, on where deriving).
 
 ``--decoder ARCH[:SIZE]``: another architecture's decode step (``families.py --decoder``).
+``--verify-unread``: ``capture_family``'s running check for unread argument words.
+``--keep-samples DIR`` / ``--keep-cuts DIR``: IR files of a derivation's samples and second
+captures, or of the graphs either side of the first cuts, to study without a GPU.
 
 ``python benchmarks/derive_refusals.py [--lengths 1:255] [--every 2] [--period 8]
-[--[no-]same-places] [--decoder ARCH[:SIZE]] [--out F]``
+[--[no-]same-places] [--decoder ARCH[:SIZE]] [--verify-unread] [--keep-samples DIR]
+[--keep-cuts DIR] [--out F]``
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def pointer_changes(a, b) -> list[str]:
 def loose_ends(sampled, d):
     """A function of a derivation's (node, number): where the second captures of its
     topology's smallest and largest sample found the number's slot loose ("both" never holds
-    back: such a slot is loose), or "pointer"/"launch" for numbers that are no argument slot."""
+    back: such a slot is loose), or "no slot" for a pointer, launch dimension or buffer."""
     from grape.passes.families import match
 
     small, large, at_small, at_large = sampled.loose_ends[fingerprint(d.template, launch=False)]
@@ -167,8 +171,8 @@ def main() -> None:
     if args.keep_samples and sampled.derivations:
         os.makedirs(args.keep_samples, exist_ok=True)
         d = max(sampled.derivations, key=lambda d: len(d.lengths))
-        lengths = d.lengths[::max(1, -(-len(d.lengths) // 8))]
-        for n in sorted({*lengths, d.lengths[-1]}):
+        spread = d.lengths[::max(1, -(-len(d.lengths) // 8))]
+        for n in sorted({*spread, d.lengths[-1]}):
             sampled.graphs[n].save(os.path.join(args.keep_samples, f"sample{n}.ir.json.gz"))
         small, large, *_ = sampled.loose_ends[fingerprint(d.template, launch=False)]
         for n in (small, large):

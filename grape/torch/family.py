@@ -402,7 +402,9 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     bytes (``derive_lengths``' ``verify``). For models whose argument structs hold leftovers
     that change with the host's history (a Llama-shaped decoder on the H200: none of 511
     lengths derived without). A graph that runs differently twice (atomics, a random stream)
-    shows nothing. Off by default: not yet run on a GPU.
+    shows nothing. A word a kernel does read gets, in such a run, a value valid at the
+    template's length in a pool laid out for the largest: a wrong size could still write past
+    its buffer into memory not restored (parameters). Off by default: not yet run on a GPU.
 
     ``prepare``: make every node update a switch between shapes can need now
     (:meth:`Family.prepare_updates`, counted in ``capture_s``), not on first use: on a
