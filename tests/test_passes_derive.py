@@ -584,6 +584,47 @@ def test_a_held_out_length_that_runs_otherwise_refuses_its_stretch():
     assert not got.derived
 
 
+def _late_word(at: int):
+    """``step(n)`` with two more argument words, a leftover (offset 16) and one the kernel
+    reads (offset 20), where the word at ``at`` holds one value in the first 35 captures (the
+    samples and their second captures) and another in later ones: what every sample held
+    alike, and a held-out length not."""
+    count = [0]
+
+    def late(n: int) -> KernelGraph:
+        count[0] += 1
+        g = step(n)
+        attn = g.op("attn")
+        words = [0x7F00_0000, 1]
+        if count[0] > 35:
+            words[(at - 16) // 4] += 0x40
+        g.dag.nodes["attn"]["op"] = dataclasses.replace(
+            attn, args=attn.args + b"".join(w.to_bytes(4, "little") for w in words))
+        return g
+    return late
+
+
+def test_a_word_alike_at_every_sample_that_a_held_out_length_holds_otherwise_is_run():
+    # Measured on the H200 (run 43): ReduceOp fields of a Llama step's RMS norms held one
+    # value at every sample of a stretch and another at its held-out length, and refused
+    # five of eight stretches. Running the derived graph as the capture runs shows them unread.
+    got = derive_lengths(_late_word(16), range(1, 257), every=8, checks=1, verify=_reads)
+    assert got.refused == [] and len(got.derived) > 3 * 256 // 4
+    assert ("held-out words" in {what for _, what, agrees in got.verified if agrees})
+    assert [d.unread for d in got.derivations] == [{"attn": {16}}]
+    # Without running, the same words refuse the stretch.
+    plain = derive_lengths(_late_word(16), range(1, 257), every=8, checks=1)
+    assert plain.refused and not plain.derived
+
+
+def test_a_word_the_kernel_reads_that_a_held_out_length_holds_otherwise_refuses():
+    late = _late_word(20)
+    got = derive_lengths(late, range(1, 257), every=8, checks=1, verify=_reads)
+    assert got.refused and not got.derived
+    assert ("held-out words" in {what for _, what, agrees in got.verified if not agrees})
+    assert all(not d.unread for d in got.derivations)
+
+
 def _row_ops(d, node, lengths):
     """Each length's operation for ``node`` as Derivation.rows makes it (through NodeVersions,
     which turns rows back into operations)."""

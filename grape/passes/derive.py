@@ -1036,7 +1036,10 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     length explains, each sample where such a slot differs from the template is run with the
     template's bytes there; the slots with which it runs as its capture does (halved until
     the ones the kernels read are found) are loose (``Derivation.unread``), and every
-    held-out check is then run as well as compared.
+    held-out check is then run as well as compared. A held-out check that differs from its
+    capture in argument words only (words every sample held alike: on the H200, ReduceOp
+    fields of a Llama step) is run too, and where it runs as its capture does those words
+    are shown unread as well, not refused.
 
     Raises
     ------
@@ -1107,7 +1110,17 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                     d.loose[node] = d.loose.get(node, frozenset()) | {offset, offset + 4}
                     out.host_words.append((n, node, offset))
                 out.checked[n] = d.check(n, captured)
-            if d.unread and not out.checked[n]:
+            if verify is not None and out.checked[n] and (words := _argument_words(d, n,
+                                                                                   captured)):
+                # Words every sample held alike and this length not: leftovers too (run 43,
+                # H200: ReduceOp fields of a Llama step's RMS norms), or words a kernel reads.
+                # Running the derived graph as the capture runs tells which.
+                agrees = verify(n, d.graph_at(n), captured)
+                out.verified.append((n, "held-out words", agrees))
+                if agrees:
+                    d = out.derivations[-1] = _shown_unread(d, words, out)
+                    out.checked[n] = d.check(n, captured)
+            elif d.unread and not out.checked[n]:
                 # The bytes agree but for slots only running showed unread: run it too.
                 agrees = verify(n, d.graph_at(n), captured)
                 out.verified.append((n, "derived", agrees))
@@ -1239,16 +1252,38 @@ def _unread(d: Derivation, inside: list[int], out: Sampled,
         if shown >= kept:
             break
     kept &= shown  # a slot that never differed from the template was never run: not shown
-    if not kept:
-        return d
     unread: dict[str, Slots] = {}
     for node, o in kept:
         unread[node] = unread.get(node, frozenset()) | {o}
+    return _shown_unread(d, unread, out)
+
+
+def _shown_unread(d: Derivation, unread: Mapping[str, Slots], out: Sampled) -> Derivation:
+    """``d`` derived again with ``unread`` (template node -> argument slots, shown unread by
+    running) loose as well; ``d`` itself where there are none."""
+    if not any(unread.values()):
+        return d
+    unread = {node: d.unread.get(node, frozenset()) | unread.get(node, frozenset())
+              for node in d.unread.keys() | unread.keys()}
     loose = {node: d.loose.get(node, frozenset()) | unread.get(node, frozenset())
              for node in d.loose.keys() | unread.keys()}
     again = derive({n: out.graphs[n] for n in d.lengths}, loose)
     again.unread = unread
     return again
+
+
+def _argument_words(d: Derivation, length: int, captured: KernelGraph) -> dict[str, Slots]:
+    """The argument slots where ``captured`` (a held-out length) differs from ``d``'s derived
+    graph, by template node, when every difference is one (no pointer, launch dimension,
+    copy, buffer or change of kernel): what running may show unread. Empty otherwise."""
+    if any(what.startswith("buffer:") for what in d.check(length, captured)):
+        return {}
+    out: dict[str, set[int]] = {}
+    for node, what, _, _ in d.differences(length, captured):
+        if not (what.startswith("a") and what[1:].isdigit()):
+            return {}
+        out.setdefault(node, set()).add(int(what[1:]))
+    return {node: frozenset(slots) for node, slots in out.items()}
 
 
 def _agreeing(items: list[tuple[str, int]],
