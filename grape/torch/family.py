@@ -429,6 +429,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         odd = next(s for s in shapes if type(s) is not int)
         raise GrapeError(f"expected integer lengths as shapes to derive between, found "
                          f"{odd!r}")
+    began = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
     reserved = torch.cuda.memory_reserved()
     torch_graphs: dict[Hashable, Any] = {}
@@ -440,10 +441,15 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         same_places = derive_every is not None
     places = _Places() if same_places else None
 
+    spent = {"capturing": 0.0, "running": 0.0}  # seconds, for the progress lines
+
     def taken(shape: Hashable) -> tuple[Any, KernelGraph]:
+        t = time.perf_counter()
         cap = capture(lambda s=shape: step(s), params=params, pool=pool, instantiate=False,
                       collect=False, warmup=warmup, blocks=blocks, marks=places is not None)
-        return cap, cap.ir if places is None else places(cap.ir, cap.history, cap.marks)
+        ir = cap.ir if places is None else places(cap.ir, cap.history, cap.marks)
+        spent["capturing"] += time.perf_counter() - t
+        return cap, ir
 
     def captured(shape: Hashable) -> KernelGraph:
         nonlocal blocks
@@ -459,11 +465,14 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
 
     def runs_alike(length: int, graph: KernelGraph, captured: KernelGraph) -> bool:
         """``derive_lengths``' ``verify``: a graph that cannot be compared shows nothing."""
+        t = time.perf_counter()
         try:
             return compare(captured, graph, capture_stream().cuda_stream)
         except GrapeError as e:
             progress(f"length {length}: not compared by running ({e})")
             return False
+        finally:
+            spent["running"] += time.perf_counter() - t
 
     sampled = None
     if derive_every is not None:
@@ -471,6 +480,10 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                                  period=derive_period, progress=progress,
                                  again=captured_elsewhere,
                                  verify=runs_alike if verify_unread else None)
+        progress(f"sampled and derived in {time.perf_counter() - began:.2f} s: "
+                 f"{spent['capturing']:.2f} s capturing "
+                 f"{len(sampled.captured) + len(sampled.repeated)} graphs, "
+                 f"{spent['running']:.2f} s running {len(sampled.verified)} comparisons")
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
     variants: dict[str, Variants] = {}
@@ -553,8 +566,11 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                                        pool_segments(pool, idle=True)), places=places)
     if places is not None:
         progress(places.summary())
+    progress(f"placed {len(shapes)} shapes in {len(groups)} executables, "
+             f"{time.perf_counter() - began:.2f} s in all")
     if prepare:
-        progress(f"prepared {family.prepare_updates()} node updates")
+        progress(f"prepared {family.prepare_updates()} node updates, "
+                 f"{time.perf_counter() - began:.2f} s in all")
     return family
 
 
