@@ -548,6 +548,31 @@ def test_leftovers_no_second_capture_sees_are_shown_unread_by_running():
     assert all(agrees for *_, agrees in got.verified) and len(calls) < 20
 
 
+def test_a_leftover_that_lies_on_a_line_across_three_samples_by_chance_is_still_run():
+    # Measured on the H200 (run 44): a Llama step's leftover lay on a line across three
+    # samples and held 696 lengths back, since a sloped stretch counted as a form of the
+    # length; its other samples lay on no stretch.
+    def on_a_line(n):
+        g = leftover(n)
+        if n in (17, 25, 33):
+            attn = g.op("attn")
+            args = bytearray(attn.args)
+            args[16:20] = (0x7F10_0000 + 0x40 * n).to_bytes(4, "little")
+            g.dag.nodes["attn"]["op"] = dataclasses.replace(attn, args=bytes(args))
+        return g
+    from grape.passes.derive import _unread_candidates
+
+    plain = derive_lengths(on_a_line, range(1, 257), every=8, checks=2)
+    (d,) = plain.derivations
+    assert any(g.slope != 0 and g.support >= 3 for g in d.fits[("attn", "a16")])  # the line
+    assert _unread_candidates(d, list(range(2, 256))) == {"attn": {16}}
+    got = derive_lengths(on_a_line, range(1, 257), every=8, checks=2, verify=_reads)
+    assert len(got.derived) > 3 * 256 // 4 and got.refused == []
+    assert [d.unread for d in got.derivations] == [{"attn": {16}}]
+    for n in got.derived:
+        assert _reads(n, got.graphs[n], on_a_line(n)), n
+
+
 def test_a_word_the_kernel_reads_is_not_shown_unread_and_nothing_is_derived_wrong():
     # The split word differs from the template past length 100: run with the template's
     # bytes there, the sample runs otherwise; halving the slots tells it from the leftover,
