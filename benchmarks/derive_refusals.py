@@ -15,8 +15,8 @@ places or not (default: ``capture_family``'s, on where deriving).
 ``--keep-samples DIR`` / ``--keep-cuts DIR``: IR files of a derivation's samples and second
 captures, or of the graphs either side of the first cuts, to study without a GPU.
 
-``python benchmarks/derive_refusals.py [--lengths 1:255] [--every 2] [--period 8]
-[--[no-]same-places] [--decoder ARCH[:SIZE]] [--verify-unread] [--keep-samples DIR]
+``python benchmarks/derive_refusals.py [--lengths 1:255[:stride]] [--max-len N] [--every 2]
+[--period 8] [--[no-]same-places] [--decoder ARCH[:SIZE]] [--verify-unread] [--keep-samples DIR]
 [--keep-cuts DIR] [--out F]``
 """
 
@@ -84,7 +84,9 @@ def main() -> None:
     from grape.torch.family import capture_family
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="1:255")
+    parser.add_argument("--lengths", default="1:255", help="first:last[:stride] KV lengths")
+    parser.add_argument("--max-len", type=int, default=None, metavar="N",
+                        help="positions of the decode step's cache (families.py's default)")
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--period", type=int, default=8)
     parser.add_argument("--same-places", action=argparse.BooleanOptionalAction, default=None)
@@ -101,9 +103,12 @@ def main() -> None:
                         help="save the captured graphs on both sides of the first cuts into "
                              "DIR (gzipped IR files), to look into without a GPU")
     args = parser.parse_args()
-    first, last = (int(x) for x in args.lengths.split(":"))
-    lengths = list(range(first, last + 1))
-    w = decode(1, lengths, args.decoder)
+    try:
+        first, last, stride = (int(x) for x in (args.lengths + ":1").split(":")[:3])
+    except ValueError:
+        parser.error(f"expected --lengths first:last[:stride], found {args.lengths!r}")
+    lengths = list(range(first, last + 1, stride))
+    w = decode(1, lengths, args.decoder, **({"max_len": args.max_len} if args.max_len else {}))
     family = capture_family(w.step, sorted(lengths, reverse=True), w.params,
                             derive_every=args.every, derive_period=args.period,
                             prepare=False, same_places=args.same_places,
@@ -137,6 +142,8 @@ def main() -> None:
     for d in sampled.derivations:
         inside = [n for n in lengths if d.lengths[0] < n < d.lengths[-1]
                   and (n - d.lengths[0]) % args.period == 0]
+        if not inside:
+            continue
         held = d.holding_back(inside, by_node=True)
         kernel = {node: node if node.startswith("buffer:") else getattr(
             d.template.op(node), "name", node) for node, _ in held}
