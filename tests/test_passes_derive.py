@@ -769,33 +769,6 @@ def test_what_holds_lengths_back_is_named(monkeypatch):
     assert all(halved.graphs[n] == laid_out(n) for n in halved.derived)
 
 
-def _stepped_leftover(n: int) -> KernelGraph:
-    """``laid_out(n)`` with a leftover in its last word, which switches between a few values
-    with the host's history (``leftover``)."""
-    g = laid_out(n)
-    op = g.op("n0")
-    junk = 0x7F00_0000 + ((n * 2654435761) >> 7) % 5 * 0x40
-    g.dag.nodes["n0"]["op"] = dataclasses.replace(op, args=op.args[:12]
-                                                  + junk.to_bytes(4, "little"))
-    return g
-
-
-def _reads_but_the_last_word(n: int, graph: KernelGraph, captured: KernelGraph) -> bool:
-    mine, theirs = graph.op("n0"), captured.op("n0")
-    return (mine.args[:12], mine.grid) == (theirs.args[:12], theirs.grid)
-
-
-def test_gaps_are_halved_where_leftovers_are_shown_unread_as_well():
-    # The new samples in the gaps hold leftovers of their own: they are run too.
-    plain = derive_lengths(_stepped_leftover, range(1, 257), every=32, checks=1)
-    assert len(plain.derived) < 256 // 4
-    got = derive_lengths(_stepped_leftover, range(1, 257), every=32, checks=1,
-                         verify=_reads_but_the_last_word)
-    assert got.bisected and len(got.derived) > 150 and got.refused == []
-    assert all(_reads_but_the_last_word(n, got.graphs[n], _stepped_leftover(n))
-               for n in got.derived)
-
-
 def test_without_checks_a_regular_staircase_derives_wrongly_and_a_warning_says_so(monkeypatch):
     import grape.passes.derive
 

@@ -1106,12 +1106,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         if verify is not None:
             d = _unread(d, [n for n in c if d.lengths[0] < n < d.lengths[-1]
                             and n not in out.graphs], out, verify)
-        halved = _bisect_gaps(d, c, out, take)
-        if verify is not None and halved is not d:
-            # The new samples' leftovers in slots every earlier sample held alike
-            halved = _unread(halved, [n for n in c if d.lengths[0] < n < d.lengths[-1]
-                                      and n not in out.graphs], out, verify)
-        d = halved
+        d = _bisect_gaps(d, c, out, take)
         out.derivations.append(d)
         inside = d.covered(n for n in c if d.lengths[0] < n < d.lengths[-1]
                            and n not in out.graphs)
