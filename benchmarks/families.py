@@ -457,7 +457,6 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
                       derived_lengths=len(family.sampled.derived),
                       captured_again_for_loose_slots=len(family.sampled.repeated),
                       captured_where_forms_parted=len(family.sampled.tie_breaks),
-                      captured_in_gaps=len(family.sampled.bisected),
                       # why neighbouring captures were not one derivation's (a change of
                       # topology, kernel or a pointer's buffer), the commonest first
                       changes_by_reason=Counter(

@@ -739,13 +739,9 @@ def laid_out(n: int) -> KernelGraph:
     return g
 
 
-def test_what_holds_lengths_back_is_named(monkeypatch):
+def test_what_holds_lengths_back_is_named():
     # Samples 32 lengths apart leave each 40-length stretch of the pointer's line one or two
-    # samples: without captures in the gaps, nothing between them derives, and the pointer is
-    # named as the reason.
-    import grape.passes.derive
-
-    monkeypatch.setattr(grape.passes.derive, "GAP_ROUNDS", 0)
+    # samples: nothing between them derives, and the pointer is named as the reason.
     lines = []
     got = derive_lengths(_recorder(laid_out)[0], range(1, 257), every=32, checks=1,
                          progress=lines.append)
@@ -761,19 +757,9 @@ def test_what_holds_lengths_back_is_named(monkeypatch):
     # Sampled densely enough, the same steps derive and nothing is held back
     dense = derive_lengths(_recorder(laid_out)[0], range(1, 257), every=8, checks=1)
     assert len(dense.derived) > 100
-    monkeypatch.undo()
-    # Captures at the gaps' middles place the steps: most lengths derive, each one right,
-    # in fewer captures than the gaps' lengths, which would each be captured otherwise.
-    halved = derive_lengths(_recorder(laid_out)[0], range(1, 257), every=32, checks=1)
-    assert len(halved.derived) > 150 and len(halved.bisected) < len(halved.derived) // 4
-    assert all(halved.graphs[n] == laid_out(n) for n in halved.derived)
 
 
-def test_without_checks_a_regular_staircase_derives_wrongly_and_a_warning_says_so(monkeypatch):
-    import grape.passes.derive
-
-    # Without captures in the gaps (they add samples that happen to break the line here)
-    monkeypatch.setattr(grape.passes.derive, "GAP_ROUNDS", 0)
+def test_without_checks_a_regular_staircase_derives_wrongly_and_a_warning_says_so():
     def regular(n: int) -> KernelGraph:  # a pointer jumping 4096 bytes every 40 lengths
         g = KernelGraph()
         g.add_buffer(Buffer("pool", 1 << 20, BufferRole.INTERNAL, address=0x100000))

@@ -108,7 +108,6 @@ __all__ = ["Derivation", "Graphs", "Quotient", "Sampled", "Segment", "derive", "
 
 MIN_SUPPORT = 3  # captured lengths on a stretch's line before it is trusted
 TIE_BREAKS = 2  # captures a run may take to tell two forms that fit its samples apart
-GAP_ROUNDS = 6  # rounds of captures at the middle of the gaps a run's stretches leave
 
 
 @dataclass(frozen=True)
@@ -908,8 +907,6 @@ class Sampled:
     held_back: Counter[tuple[str, str]] = field(default_factory=Counter)
     # Lengths captured where two forms fitting the samples parted (``Derivation.disputed``).
     tie_breaks: list[int] = field(default_factory=list)
-    # Lengths captured at the middle of gaps between a derivation's stretches (_bisect_gaps).
-    bisected: list[int] = field(default_factory=list)
     # Per topology: its smallest and largest sample, and the slots each one's second capture
     # found loose, by each one's nodes (a slot is loose only at both): what to read where
     # leftovers held lengths back.
@@ -1025,11 +1022,6 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     unfilled holds the same leftover in two captures on one thread, and only a second capture
     that differs there finds it loose.
 
-    Where a derivation's stretches leave three or more lengths of its class in a row between
-    its samples underived (a number that steps between them), the middle one is captured and
-    the run derived again, round after round (:func:`_bisect_gaps`): each such capture is of
-    a length that would otherwise be captured as one no stretch covers.
-
     What a held-out check cannot see, it cannot refuse: a number that leaves its line between
     two samples and returns to it (a kernel chosen for a few lengths only) is derived wrongly
     there. Samples closer together (smaller ``every``) and more ``checks`` narrow that.
@@ -1106,7 +1098,6 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         if verify is not None:
             d = _unread(d, [n for n in c if d.lengths[0] < n < d.lengths[-1]
                             and n not in out.graphs], out, verify)
-        d = _bisect_gaps(d, c, out, take)
         out.derivations.append(d)
         inside = d.covered(n for n in c if d.lengths[0] < n < d.lengths[-1]
                            and n not in out.graphs)
@@ -1175,44 +1166,9 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                   f"with slots shown so")
     progress(f"{len(want)} lengths: {len(out.captured)} captured "
              f"(and {len(out.repeated)} again for loose slots; {len(out.tie_breaks)} where two "
-             f"forms parted; {len(out.bisected)} in gaps between stretches{unread}), "
-             f"{len(out.derived)} derived, "
+             f"forms parted{unread}), {len(out.derived)} derived, "
              f"{len(out.refused)} stretches refused by a check, {len(out.cuts)} changes{held}")
     return out
-
-
-def _bisect_gaps(d: Derivation, c: list[int], out: Sampled,
-                 take: Callable[[int], KernelGraph]) -> Derivation:
-    """``d`` derived again with captures at the middle of each gap its stretches leave (three
-    or more lengths of class ``c`` in a row between its samples that it does not cover), round
-    after round, until no such gap is left, a round covers nothing more, or ``GAP_ROUNDS``.
-    A number that steps between constant stretches (measured on the H200, a Llama step over
-    1..2047: a temporary's offset 512 bytes further every 512 lengths, the pool's blocks
-    before it rounded to 512) leaves a gap at each step that the samples, 128 lengths apart
-    in a class, do not place; halving the gap places it in a few captures, where capturing
-    every length of it, as the lengths no stretch covers are, takes one each. A capture
-    never costs more than that: each is of a length that would be captured anyway."""
-    loose, unread = d.loose, d.unread
-    for _ in range(GAP_ROUNDS):
-        inside = [n for n in c if d.lengths[0] < n < d.lengths[-1] and n not in out.graphs]
-        held = set(inside) - set(d.covered(inside))
-        gaps: list[list[int]] = [[]]
-        for n in c:  # runs of held lengths with nothing between them in the class
-            if n in held:
-                gaps[-1].append(n)
-            elif gaps[-1]:
-                gaps.append([])
-        middles = [gap[len(gap) // 2] for gap in gaps if len(gap) >= 3]
-        added = []
-        for n in middles:
-            out.bisected.append(n)
-            if _differs(out.graphs[d.lengths[0]], d.lengths[0], take(n), n) is None:
-                added.append(n)
-        if not added:
-            return d
-        d = derive({m: out.graphs[m] for m in sorted([*d.lengths, *added])}, loose)
-        d.unread = unread
-    return d
 
 
 def _unread_candidates(d: Derivation, inside: list[int]) -> dict[str, Slots] | None:
