@@ -159,7 +159,8 @@ def main() -> None:
                       f"{g.first}..{g.last} {g.intercept}+{g.slope}n ({g.support})"
                       for g in d.fits[node, number])
                   + "; as quotients: " + (", ".join(
-                      f"{q.scale}*ceil({q.source}/{q.low}..{q.high})" for q in forms) or "none"))
+                      f"{q.intercept:+d}+{q.scale}*ceil({q.source}/{q.low}..{q.high})"
+                      for q in forms) or "none"))
     print(f"numbers leaving lengths underived (kernel, number: lengths): {gaps.most_common(25)}")
     print(f"those numbers (per derivation) by where a second capture found them loose: "
           f"{dict(ends)}")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Memcpy, Param, Pointer, Span
-from grape.passes.derive import Quotient, derive, derive_lengths
+from grape.passes.derive import LENGTH, Quotient, derive, derive_lengths
 
 ROW = 128  # bytes of cache per position
 
@@ -69,11 +69,55 @@ def test_a_grid_that_steps_between_samples_is_derived_as_a_quotient_of_its_eleme
     assert len(derived) > 150
     assert all(d.graph_at(n) == step(n) for n in derived)
     assert not any(d.covers(n) for n in (58, 64, 120, 128))  # where 57..64 disagree
-    # A grid that is no such quotient at some sample finds none: the length squared
-    assert derive({n: step(n, square=True) for n in sparse}).quotients == {}
+    # A grid that is no such quotient at some sample finds none (the length squared beside
+    # it), only the same staircase in the length itself
+    assert derive({n: step(n, square=True) for n in sparse}).quotients == {
+        ("attn", "grid0"): (Quotient(LENGTH, 57, 64),)}
     got = derive_lengths(_recorder(step)[0], range(1, 257), every=32, checks=1)
     assert len(got.derived) > 150 and not got.refused
     assert all(got.graphs[n] == step(n) for n in got.derived)
+
+
+def behind_a_growing_block(n: int) -> KernelGraph:
+    """A multiply whose input sits behind a block of one byte a position that the allocator
+    rounds to 512: 26,624 + 512 * ceil(n / 512) bytes into the pool, as a Llama step's did on
+    the H200 over KV lengths 1..2047 (run 47); its grid and length are a line."""
+    g = KernelGraph()
+    g.add_buffer(Buffer("pool", 1 << 20, BufferRole.INTERNAL, address=0x100000))
+    offset = 26_624 + 512 * -(-n // 512)
+    args = (0x100000 + offset).to_bytes(8, "little") + n.to_bytes(4, "little") + bytes(4)
+    g.add("mul", Kernel("mul@0x4", "mul", grid=(n, 1, 1), block=(128, 1, 1), args=args,
+                        params=(Param(0, 8), Param(8, 4), Param(12, 4)),
+                        pointers=(Pointer(0, Span("pool", offset)),)))
+    return g
+
+
+def test_a_pointer_that_steps_with_the_length_is_derived_between_its_steps():
+    # Samples 128 lengths apart in a class modulo 8, the steps between them: no stretch
+    # reaches across a step, a staircase in the length does.
+    lengths = range(5, 2042, 8)
+    samples = [*lengths[::16], lengths[-1]]
+    d = derive({n: behind_a_growing_block(n) for n in samples})
+    ((q,),) = {d.quotients[("mul", "p0")]}
+    assert (q.source, q.scale, q.intercept) == (LENGTH, 512, 26_624) and q.low <= 512 <= q.high
+    derived = [n for n in lengths if n not in samples and d.covers(n)]
+    assert len(derived) > 200
+    assert all(d.graph_at(n) == behind_a_growing_block(n) for n in derived)
+    # Where the divisors the samples leave open part, nothing is derived
+    assert not any(q.low * k < n <= q.high * k for k in (1, 2, 3) for n in derived)
+    got = derive_lengths(_recorder(behind_a_growing_block)[0], lengths, every=16, checks=1)
+    assert len(got.derived) > 200 and not got.refused
+    assert all(got.graphs[n] == behind_a_growing_block(n) for n in got.derived)
+
+
+def test_a_word_that_changed_once_is_no_staircase_in_the_length():
+    # A leftover that held one value, then another: one rise (on the H200 a Llama step's
+    # leftovers fitted such a form 68 times before two rises of one size were asked for).
+    from grape.passes.derive import _length_steps
+
+    assert _length_steps([(8, 32694), (136, 32694), (256, 32697), (392, 32697)]) == ()
+    assert _length_steps([(8, 1), (136, 5), (256, 7), (392, 7)]) == ()  # rises of two sizes
+    assert _length_steps([(8, 1), (136, 5), (264, 9), (392, 9)])  # two of one size
 
 
 def test_a_size_padded_to_a_multiple_is_derived_as_a_scaled_quotient():

@@ -73,6 +73,16 @@ them (on the H200, GPT-2's mask row at one length in 32 of a class over 1..1023 
 line, which the held-out checks refused everywhere; a property test found lines of three
 samples that no check refused); and a line's samples can fit a staircase they happen to fall
 on the steps of.
+
+A number can also step with the length itself: a temporary's place in the pool moves by the
+rounded size of a block before it that grows with the length. On the H200 a Llama step's
+multiply read its input 27,136 bytes into the pool at KV lengths 1..385 and 512 bytes further
+every 512 lengths after (a block of one byte a position, rounded to 512 by the allocator), its
+steps between samples 128 lengths apart. Where a number's samples rise in steps and lie on no
+one trusted line, it is also derived as ``c + s * ceil(n / d)`` of the length ``n``
+(:data:`LENGTH` as a :class:`Quotient`'s source), ``s`` the greatest common divisor of its
+steps, with every ``c`` and ``d`` the samples allow; where they part, the length is not
+derived, and :func:`derive_lengths` may capture one there, as for the forms above.
 """
 
 from __future__ import annotations
@@ -108,6 +118,10 @@ __all__ = ["Derivation", "Graphs", "Quotient", "Sampled", "Segment", "derive", "
 
 MIN_SUPPORT = 3  # captured lengths on a stretch's line before it is trusted
 TIE_BREAKS = 2  # captures a run may take to tell two forms that fit its samples apart
+LENGTH = "length"  # a Quotient's source that is the length itself, not one of its node's numbers
+# The most steps a length staircase may have taken below its first sample (``c`` is tried for
+# each): a derivation's first sample lies at the start of its range or after a change.
+MAX_FIRST_STEP = 64
 
 
 @dataclass(frozen=True)
@@ -149,20 +163,22 @@ def _segments(points: list[tuple[int, int]]) -> list[Segment]:
 
 @dataclass(frozen=True)
 class Quotient:
-    """A number that is ``scale * ceil(x / d)`` at every sample: ``x`` the same node's number
-    ``source``, ``d`` any integer from ``low`` to ``high`` (what the samples leave open)."""
+    """A number that is ``intercept + scale * ceil(x / d)`` at every sample: ``x`` the same
+    node's number ``source``, or the length where ``source`` is :data:`LENGTH`, ``d`` any
+    integer from ``low`` to ``high`` (what the samples leave open)."""
 
     source: str
     low: int
     high: int
     scale: int = 1
+    intercept: int = 0
 
     def at(self, x: int) -> int | None:
         """The number at ``x``, where every divisor left open gives the same one."""
         if x <= 0:
             return None
         most, least = -(-x // self.low), -(-x // self.high)
-        return self.scale * most if most == least else None
+        return self.intercept + self.scale * most if most == least else None
 
 
 def _quotient(source: str, points: Sequence[tuple[int, int]], scale: int = 1
@@ -182,6 +198,27 @@ def _quotient(source: str, points: Sequence[tuple[int, int]], scale: int = 1
         if high is not None and low > high:
             return None
     return None if high is None else Quotient(source, low, high, scale)
+
+
+def _length_steps(points: Sequence[tuple[int, int]]) -> tuple[Quotient, ...]:
+    """Every ``c + s * ceil(n / d)`` of the length ``n`` that gives each (n, value) of
+    ``points`` (sorted by length), where the values rise two or more times between neighbouring
+    samples and by the same ``s`` each time (samples closer than a step): one form for each
+    count of steps below the first sample that some ``d`` allows. None otherwise."""
+    values = [v for _, v in points]
+    rises = [b - a for a, b in pairwise(values) if b != a]
+    # Two rises or more, every one of the same size: a leftover word that changed once, or
+    # by odd amounts, is no staircase (on the H200, 68 of a Llama step's leftovers fitted one
+    # with a single rise).
+    if len(rises) < 2 or rises[0] <= 0 or any(r != rises[0] for r in rises):
+        return ()
+    scale = rises[0]
+    (first, v0), out = points[0], []
+    for k in range(1, min(first, MAX_FIRST_STEP) + 1):
+        q = _quotient(LENGTH, [(n, scale * (k + (v - v0) // scale)) for n, v in points], scale)
+        if q is not None:
+            out.append(dataclasses.replace(q, intercept=v0 - scale * k))
+    return tuple(out)
 
 
 def _quotients(series: Mapping[tuple[str, str], list[tuple[int, int]]],
@@ -211,6 +248,12 @@ def _quotients(series: Mapping[tuple[str, str], list[tuple[int, int]]],
             found += [q for scale in scales if (q := _quotient(source, points, scale))]
         if found:
             out[(where, what)] = tuple(found)
+    # Staircases in the length itself, for numbers no one trusted line explains.
+    for key, segments in fits.items():
+        one_line = len(segments) == 1 and segments[0].support >= MIN_SUPPORT
+        if (key not in out and not key[0].startswith("buffer:") and not one_line
+                and len(series[key]) > MIN_SUPPORT and (steps := _length_steps(series[key]))):
+            out[key] = steps
     return out
 
 
@@ -473,7 +516,7 @@ class Derivation:
         where none can, the value is None and not undecided."""
         values = set()
         for q in self.quotients[key]:
-            x = self._fitted((key[0], q.source), length)
+            x = length if q.source == LENGTH else self._fitted((key[0], q.source), length)
             if x is not None:
                 values.add(q.at(x))
         if not values:
