@@ -80,9 +80,10 @@ multiply read its input 27,136 bytes into the pool at KV lengths 1..385 and 512 
 every 512 lengths after (a block of one byte a position, rounded to 512 by the allocator), its
 steps between samples 128 lengths apart. Where a number's samples rise in steps and lie on no
 one trusted line, it is also derived as ``c + s * ceil(n / d)`` of the length ``n``
-(:data:`LENGTH` as a :class:`Quotient`'s source), ``s`` the greatest common divisor of its
-steps, with every ``c`` and ``d`` the samples allow; where they part, the length is not
-derived, and :func:`derive_lengths` may capture one there, as for the forms above.
+(:data:`LENGTH` as a :class:`Quotient`'s source), ``s`` the one size of its rises (two or
+more, between neighbouring samples), with every ``c`` and ``d`` the samples allow; where they
+part, the length is not derived, and :func:`derive_lengths` may capture one there, as for the
+forms above.
 """
 
 from __future__ import annotations
@@ -1225,8 +1226,8 @@ def _unread_candidates(d: Derivation, inside: list[int]) -> dict[str, Slots] | N
     words = {(node, what) for node, what in held
              if not node.startswith("buffer:") and what.startswith("a") and what[1:].isdigit()}
     # A leftover that switches between a few host values can lie on a line across three
-    # samples by chance (H200, run 44: a Llama step's a356 did, and held 696 lengths back);
-    # its other samples lie on no stretch, which a length's function does not do.
+    # samples by chance; its other samples lie on no stretch, which a length's function does
+    # not do. (H200, run 45: a Llama step's a356 held 696 lengths back without a run.)
     unexplained = {key for key in words - d.quotients.keys()
                    if not (any(g.slope != 0 and g.support >= MIN_SUPPORT for g in d.fits[key])
                            and all(g.support >= MIN_SUPPORT for g in d.fits[key]))}
