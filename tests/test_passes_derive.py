@@ -593,9 +593,10 @@ def test_leftovers_no_second_capture_sees_are_shown_unread_by_running():
 
 
 def test_a_leftover_that_lies_on_a_line_across_three_samples_by_chance_is_still_run():
-    # Measured on the H200 (run 44): a Llama step's leftover lay on a line across three
-    # samples and held 696 lengths back, since a sloped stretch counted as a form of the
-    # length; its other samples lay on no stretch.
+    # A leftover can lie on a line across three samples by chance, and a sloped stretch then
+    # counted as a form of the length, so that no run was made for it. (On the H200, run 45,
+    # a Llama step's leftover held 696 lengths back without a run; whether for this reason
+    # was not recorded.)
     def on_a_line(n):
         g = leftover(n)
         if n in (17, 25, 33):
