@@ -464,6 +464,9 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
                       ).most_common(8),
                       changes_first=[list(c) for c in family.sampled.cuts[:4]],
                       host_words_made_loose=len(family.sampled.host_words),
+                      # the numbers that left most lengths inside trusted stretches underived
+                      held_back_most=[[kernel[:60], number, count] for (kernel, number), count
+                                      in family.sampled.held_back.most_common(6)],
                       runs_to_show_unread=[list(v) for v in family.sampled.verified],
                       slots_shown_unread=sum(len(s) for d in family.sampled.derivations
                                              for s in d.unread.values()),
