@@ -1154,8 +1154,8 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                     d.loose[node] = d.loose.get(node, frozenset()) | {offset, offset + 4}
                     out.host_words.append((n, node, offset))
                 out.checked[n] = d.check(n, captured)
-            if verify is not None and out.checked[n] and (words := _argument_words(d, n,
-                                                                                   captured)):
+            if verify is not None and out.checked[n] and (
+                    words := _argument_words(d, n, captured, out.checked[n])):
                 # Words every sample held alike and this length not: leftovers too (run 43,
                 # H200: ReduceOp fields of a Llama step's RMS norms), or words a kernel reads.
                 # Running the derived graph as the capture runs tells which.
@@ -1318,11 +1318,13 @@ def _shown_unread(d: Derivation, unread: Mapping[str, Slots], out: Sampled) -> D
     return again
 
 
-def _argument_words(d: Derivation, length: int, captured: KernelGraph) -> dict[str, Slots]:
+def _argument_words(d: Derivation, length: int, captured: KernelGraph, checked: list[str]
+                    ) -> dict[str, Slots]:
     """The argument slots where ``captured`` (a held-out length) differs from ``d``'s derived
     graph, by template node, when every difference is one (no pointer, launch dimension,
-    copy, buffer or change of kernel): what running may show unread. Empty otherwise."""
-    if any(what.startswith("buffer:") for what in d.check(length, captured)):
+    copy, buffer or change of kernel): what running may show unread. Empty otherwise.
+    ``checked``: what ``d.check`` found there (its buffers, which ``differences`` leaves out)."""
+    if any(what.startswith("buffer:") for what in checked):
         return {}
     out: dict[str, set[int]] = {}
     for node, what, _, _ in d.differences(length, captured):
