@@ -37,10 +37,25 @@ import grape.passes.places as places_module
 import grape.torch.family as family_module
 
 sys.path.insert(0, "benchmarks")
-from families import _steps, decode
+from families import (
+    MAX_LEN,
+    _device_bytes,
+    _range,
+    _steps,
+    decode,
+    first_graph_bytes,
+    stream_state_bytes,
+)
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("n", type=int, nargs="?", default=400, help="KV lengths 1..N")
+parser.add_argument("--lengths", default=None, metavar="FIRST:LAST[:STRIDE]",
+                    help="KV lengths in place of 1..N (as families.py takes them)")
+parser.add_argument("--max-len", type=int, default=None, metavar="N",
+                    help="the cache's positions (as families.py takes them)")
+parser.add_argument("--verify-unread", action="store_true",
+                    help="as capture_family(verify_unread=True): words shown unread by running")
+parser.add_argument("--update", choices=("nodes", "device", "graph"), default="nodes")
 parser.add_argument("--same-places", action="store_true",
                     help="move each capture's temporaries to a reference's places")
 parser.add_argument("--derive-every", type=int, default=None, metavar="K",
@@ -51,9 +66,13 @@ parser.add_argument("--decoder", default=None, metavar="ARCH[:SIZE]",
 parser.add_argument("--profile", metavar="PATH",
                     help="profile the family's capture with cProfile, stats written to PATH")
 args = parser.parse_args()
-N, DERIVE_EVERY = args.n, args.derive_every
+DERIVE_EVERY = args.derive_every
 SAME_PLACES = args.same_places or DERIVE_EVERY is not None
-w = decode(1, list(range(1, N + 1)), args.decoder)
+MAX = args.max_len or MAX_LEN
+lengths = (_range(args.lengths, "--lengths", 1, MAX - 1) if args.lengths
+           else list(range(1, args.n + 1)))
+N = len(lengths)
+w = decode(1, lengths, args.decoder, MAX)
 _steps(w.step, sorted(w.shapes), sync_each=False)
 seconds: dict[str, list[float]] = {"capture": [], "walk": [], "place": [], "collect": []}
 if SAME_PLACES:
@@ -85,14 +104,34 @@ if SAME_PLACES:
         return timed("history", of_trace)(cls, trace, segments, markers)
 
     places_module.History.of_trace = classmethod(read_history)
+# As families.py measures: the driver's first graph and the capture stream's library state
+# made before, so that the drop below is the capture's own.
+first_graph_bytes()
+stream_state_bytes(w.step, max(lengths), family_module.capture_stream())
 profiler = cProfile.Profile() if args.profile else None
+free0, reserved0 = _device_bytes()
+allocated0 = torch.cuda.memory_allocated()
 t = time.perf_counter()
 if profiler:
     profiler.enable()
 family = family_module.capture_family(
     w.step, sorted(w.shapes, reverse=True), params=w.params, prepare=False,
-    same_places=SAME_PLACES, derive_every=DERIVE_EVERY, derive_period=8 if DERIVE_EVERY else 1)
+    same_places=SAME_PLACES, derive_every=DERIVE_EVERY, derive_period=8 if DERIVE_EVERY else 1,
+    update=args.update, verify_unread=args.verify_unread,
+    progress=lambda line: print(f"  family: {line}", flush=True))
 total = time.perf_counter() - t
+free1, reserved1 = _device_bytes()
+# Where the capture's device memory went (families.py charges the family the drop in free
+# memory): PyTorch's reserved and allocated growth, and the segments allocated now, by pool
+# and stream, the largest blocks first.
+print(f"free memory drop {(free0 - free1) / 2**20:.1f} MiB; reserved growth "
+      f"{(reserved1 - reserved0) / 2**20:.1f} MiB; allocated growth "
+      f"{(torch.cuda.memory_allocated() - allocated0) / 2**20:.1f} MiB; pool "
+      f"{family.pool_bytes / 2**20:.1f} MiB")
+blocks = sorted(((b["size"], seg["segment_pool_id"], seg["stream"])
+                 for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
+                 if b["state"] == "active_allocated"), reverse=True)
+print("largest live blocks (bytes, pool, stream):", blocks[:8])
 if profiler:
     profiler.disable()
     profiler.dump_stats(args.profile)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -108,6 +109,7 @@ def test_a_pointer_that_steps_with_the_length_is_derived_between_its_steps():
     got = derive_lengths(_recorder(behind_a_growing_block)[0], lengths, every=16, checks=1)
     assert len(got.derived) > 200 and not got.refused
     assert all(got.graphs[n] == behind_a_growing_block(n) for n in got.derived)
+    _columns_agree_with_lengths([d, *got.derivations], range(-3, 2100))
 
 
 def test_a_word_that_changed_once_is_no_staircase_in_the_length():
@@ -174,6 +176,12 @@ def test_a_capture_where_a_line_and_a_staircase_part_settles_which_one_holds():
     assert all(got.graphs[n] == padded(n) for n in got.derived)
     assert len(got.derived) > 800 and not got.refused
     assert len(got.tie_breaks) <= 2 * 8  # at most two a class
+    # Before any capture where they part, and with a sample off the line (which then holds
+    # in stretches, refuted as one line), whole columns give what single lengths give.
+    parting = derive({n: padded(n) for n in range(1, 1024, 128)})
+    assert parting.disputed(range(1, 1024))
+    refuted = derive({n: padded(n) for n in [*range(1, 1024, 128), 2, 3]})
+    _columns_agree_with_lengths([parting, refuted, *got.derivations], range(1, 1024))
     # The same samples from a number that is the line (the staircase only where sampled):
     # the captures where the two part find the line, and nothing is derived wrong.
     def line(n: int) -> KernelGraph:
@@ -182,6 +190,7 @@ def test_a_capture_where_a_line_and_a_staircase_part_settles_which_one_holds():
     got = derive_lengths(_recorder(line)[0], range(1, 1024), every=16, period=8, checks=1)
     assert all(got.graphs[n] == line(n) for n in got.derived)
     assert got.tie_breaks
+    _columns_agree_with_lengths(got.derivations, range(1, 1024))
 
 
 def test_a_number_that_is_not_affine_in_the_length_is_refused():
@@ -849,3 +858,20 @@ def test_a_staircase_is_derived_right_or_captured(slope, intercept, divisor, sca
                          checks=1)
     wrong = [n for n in got.derived if got.graphs[n] != stepped(n)]
     assert not wrong, wrong[:5]
+    _columns_agree_with_lengths(got.derivations, range(first - 8, first + 708))
+
+
+def _columns_agree_with_lengths(derivations, lengths) -> None:
+    """Each derivation's numbers computed for many lengths at once (numpy) are what they are
+    one length at a time, and so are the lengths where forms part."""
+    lengths = list(lengths)
+    at = np.asarray(lengths, dtype=np.int64)
+    for d in derivations:
+        for key in d.fits:
+            values, ok = d._column(key, at)
+            one = [d._value(key, n) for n in lengths]
+            assert ok.tolist() == [v is not None for v in one], key
+            derived = [int(v) for v, good in zip(values, ok, strict=True) if good]
+            assert derived == [v for v in one if v is not None], key
+        assert d.disputed(lengths) == [n for n in lengths
+                                       if any(d._disputed_at(key, n) for key in d.quotients)]

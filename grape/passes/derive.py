@@ -487,17 +487,26 @@ class Derivation:
         """The lengths among ``lengths`` where forms the samples all allow give a number two
         values (a stretch's line and a quotient, two quotients, or one quotient's divisors):
         a capture at one of them tells the forms apart (:func:`derive_lengths` takes one)."""
-        keys = list(self.quotients)
-        out = []
-        for length in lengths:
-            for key in keys:
-                value, undecided = self._quotient(key, length)
-                fitted = None if undecided or value is None else self._fitted(key, length)
-                if undecided or (fitted is not None and fitted != value
-                                 and not self._line_refuted(key)):
-                    out.append(length)
-                    break
-        return out
+        lengths = list(lengths)
+        at = np.asarray(lengths, dtype=np.int64)
+        out = np.zeros(len(lengths), dtype=bool)
+        for key in self.quotients:
+            forms = self._quotient_column(key, at)
+            fitted, fitted_ok = self._fitted_column(key, at)
+            if forms is None or isinstance(fitted, list):
+                out |= [self._disputed_at(key, n) for n in lengths]
+                continue
+            value, defined, undecided = forms
+            if not self._line_refuted(key):
+                undecided |= defined & fitted_ok & (fitted != value)
+            out |= undecided
+        return [n for n, hit in zip(lengths, out.tolist(), strict=True) if hit]
+
+    def _disputed_at(self, key: tuple[str, str], length: int) -> bool:
+        value, undecided = self._quotient(key, length)
+        fitted = None if undecided or value is None else self._fitted(key, length)
+        return undecided or (fitted is not None and fitted != value
+                             and not self._line_refuted(key))
 
     def _fitted(self, key: tuple[str, str], length: int) -> int | None:
         """``key`` at ``length`` from its own trusted stretch, if one holds it."""
@@ -530,16 +539,69 @@ class Derivation:
     def _column(self, key: tuple[str, str], lengths: np.ndarray
                 ) -> tuple[list[int] | np.ndarray, np.ndarray]:
         """``key``'s number at each of ``lengths`` (int64), as :meth:`_value` gives it one at a
-        time, and where it is derivable (a mask; elsewhere the value means nothing). A stretch
-        whose line is in integers small enough is computed in numpy at once; quotients, few,
-        one length at a time."""
+        time, and where it is derivable (a mask; elsewhere the value means nothing), computed
+        in numpy where the integers allow; else one length at a time."""
+        fitted, fitted_ok = self._fitted_column(key, lengths)
+        if key not in self.quotients:
+            return fitted, fitted_ok
+        if (forms := self._quotient_column(key, lengths)) is None or isinstance(fitted, list):
+            return self._column_by_length(key, lengths)
+        value, defined, undecided = forms
+        # As _value: undecided is underived; where a quotient gives a value and a trusted line
+        # another, the quotient holds only if the samples lie on no one line.
+        parted = defined & fitted_ok & (value != fitted)
+        ok = np.where(defined, ~undecided & (~parted | self._line_refuted(key)), fitted_ok)
+        return np.where(defined, value, fitted), ok
+
+    def _column_by_length(self, key: tuple[str, str], lengths: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray]:
         out = np.zeros(len(lengths), dtype=np.int64)
         ok = np.zeros(len(lengths), dtype=bool)
-        if key in self.quotients:
-            for i, length in enumerate(lengths.tolist()):
-                if (value := self._value(key, length)) is not None:
-                    out[i], ok[i] = value, True
-            return out, ok
+        for i, length in enumerate(lengths.tolist()):
+            if (value := self._value(key, length)) is not None:
+                out[i], ok[i] = value, True
+        return out, ok
+
+    def _quotient_column(self, key: tuple[str, str], lengths: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """:meth:`_quotient` at each of ``lengths``: the value, where some form speaks
+        (``defined``), and where the forms leave it undecided; None where the numbers may
+        outgrow int64 (then :meth:`_column_by_length`)."""
+        count = len(lengths)
+        value = np.zeros(count, dtype=np.int64)
+        defined = np.zeros(count, dtype=bool)
+        undecided = np.zeros(count, dtype=bool)
+        for q in self.quotients[key]:
+            if q.source == LENGTH:
+                x, speaks = lengths, np.ones(count, dtype=bool)
+            else:
+                x, speaks = self._fitted_column((key[0], q.source), lengths)
+                if isinstance(x, list):
+                    return None
+            largest = int(np.abs(x).max(initial=0))
+            if (largest >= 1 << 62 or abs(q.intercept) >= 1 << 61
+                    or abs(q.scale) * (largest // q.low + 1) >= 1 << 61):
+                return None
+            most, least = -(-x // q.low), -(-x // q.high)
+            known = speaks & (x > 0) & (most == least)  # Quotient.at gives a number
+            mine = q.intercept + q.scale * most
+            # Undecided: a form that speaks and gives no number, or another than one before.
+            undecided |= speaks & ~known
+            undecided |= speaks & known & defined & (mine != value)
+            value = np.where(known & ~defined, mine, value)
+            defined |= speaks
+        top = 1 << self.bits.get(key, 64)
+        if top < 1 << 62:
+            undecided |= defined & (value >= top)
+        return value, defined, undecided
+
+    def _fitted_column(self, key: tuple[str, str], lengths: np.ndarray
+                       ) -> tuple[list[int] | np.ndarray, np.ndarray]:
+        """:meth:`_fitted` at each of ``lengths``: a stretch whose line is in integers small
+        enough is computed in numpy at once, others one length at a time (then a list, in
+        Python's integers)."""
+        out = np.zeros(len(lengths), dtype=np.int64)
+        ok = np.zeros(len(lengths), dtype=bool)
         done = np.zeros(len(lengths), dtype=bool)  # the first stretch holding a length decides
         top = 1 << self.bits.get(key, 64)
         wide: dict[int, int] = {}  # lengths whose value needs Python's integers
