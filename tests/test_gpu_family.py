@@ -171,13 +171,24 @@ def test_lengths_are_derived_by_residue_class_and_compute_what_their_own_graphs_
         fam.close()
 
 
-def test_runs_alike_tells_a_word_a_kernel_reads_from_a_graph_run_again(decode):
+@pytest.mark.parametrize("saved_on", ["device", "host"])
+def test_runs_alike_tells_a_word_a_kernel_reads_from_a_graph_run_again(decode, saved_on,
+                                                                       monkeypatch):
     """grape.cuda.compare.runs_alike: a graph against itself agrees, and leaves memory as it
-    found it; a fill whose value word is changed does not agree."""
+    found it; a fill whose value word is changed does not agree, and leaves its buffer as it
+    found it too. The state between runs is kept on the device, or on the host where the
+    device has no room (an allocation refused as out of memory)."""
     import dataclasses
     import struct
 
+    from cuda.bindings import driver
+
+    from grape.cuda import compare
     from grape.cuda.compare import runs_alike
+
+    if saved_on == "host":
+        monkeypatch.setattr(compare.driver, "cuMemAlloc", lambda size: (
+            driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None))
     from grape.torch.capture import capture
 
     _, step, out = decode
@@ -196,7 +207,9 @@ def test_runs_alike_tells_a_word_a_kernel_reads_from_a_graph_run_again(decode):
     at = op.args.index(three)
     four = op.args[:at] + struct.pack("<f", 4.0) + op.args[at + 4:]
     changed = fill.with_ops({node: dataclasses.replace(op, args=four)})
+    y.fill_(1.0)
     assert not runs_alike(fill, changed)
+    assert torch.equal(y, torch.ones_like(y))
     assert runs_alike(fill, fill)
     del decode_capture, fill_capture
 
