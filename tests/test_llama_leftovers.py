@@ -86,3 +86,28 @@ def test_what_holds_the_class_back_is_argument_slots_no_form_explains(graphs):
                  for node in loose.keys() | candidates.keys()}
     covered, _ = derive({n: samples[n] for n in RUN}, with_them).coverage(INSIDE)
     assert covered == INSIDE
+
+
+def test_running_shows_each_candidate_at_a_sample_where_it_differs_in_few_runs(graphs):
+    # derive_lengths' verify, stood in for by a check that every run swaps only candidate
+    # slots that differ from the template at its sample: each slot is shown unread once it
+    # has differed at one run's sample, and samples are taken where most slots not yet shown
+    # differ (taken in order, these captures needed a run at five of the six samples).
+    from grape.passes.derive import Sampled, _unread
+
+    samples, loose = graphs["sample"], _loose(graphs)
+    d = derive({n: samples[n] for n in RUN}, loose)
+    candidates = _unread_candidates(d, INSIDE)
+    out = Sampled()
+    for n in RUN:
+        out.graphs[n] = samples[n]
+    runs = []
+
+    def verify(n, swapped, captured):
+        changed = [node for node in captured.dag.nodes if swapped.op(node) != captured.op(node)]
+        runs.append((n, len(changed)))
+        return bool(changed)  # the swap changed something: a real run compares those bytes
+    again = _unread(d, INSIDE, out, verify)
+    assert again.unread == candidates  # every candidate differed at some sample and was run
+    assert len(runs) == 4 and len({n for n, _ in runs}) == 4
+    assert again.coverage(INSIDE)[0] == INSIDE
