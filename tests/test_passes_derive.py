@@ -601,6 +601,34 @@ def test_leftovers_no_second_capture_sees_are_shown_unread_by_running():
     assert all(agrees for *_, agrees in got.verified) and len(calls) < 20
 
 
+def test_leftovers_shown_unread_in_one_class_are_not_run_again_in_the_next():
+    # Two residue classes of one kernel hold the same leftover slot: the first class runs its
+    # samples to show it unread, the second takes that and runs only its held-out checks.
+    calls = []
+
+    def verify(n, graph, captured):
+        calls.append(n)
+        return _reads(n, graph, captured)
+    got = derive_lengths(leftover, range(1, 257), every=8, checks=2, period=2, verify=verify)
+    assert len(got.derived) > 3 * 256 // 4 and got.refused == []
+    first, second = got.derivations
+    assert first.unread == second.unread == {"attn": {16}}
+    runs = [(n % 2, what) for n, what, _ in got.verified]
+    assert (first.lengths[0] % 2, "unread slots") in runs
+    assert (second.lengths[0] % 2, "unread slots") not in runs
+    assert (second.lengths[0] % 2, "derived") in runs  # its held-out checks still run
+    for n in got.derived:
+        assert _reads(n, got.graphs[n], leftover(n)), n
+    # Where a kernel reads the slot at the other class's lengths after all (it runs otherwise
+    # there), that class's held-out checks, run, refuse its stretch: nothing derived wrong.
+    def reads_odd(n, graph, captured):
+        return _reads(n, graph, captured) and (n % 2 == 0 or graph == captured)
+    got = derive_lengths(leftover, range(1, 257), every=8, checks=2, period=2,
+                         verify=reads_odd)
+    assert [first % 2 for first, _ in got.refused] == [1]
+    assert not [n for n in got.derived if n % 2]
+
+
 def test_a_leftover_that_lies_on_a_line_across_three_samples_by_chance_is_still_run():
     # A leftover can lie on a line across three samples by chance, and a sloped stretch then
     # counted as a form of the length, so that no run was made for it. (On the H200, run 45,

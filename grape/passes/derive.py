@@ -1324,12 +1324,20 @@ def _unread(d: Derivation, inside: list[int], out: Sampled,
     (``verify``). Where it does not, the slots are
     halved until each part runs alike or is one slot, which the kernel reads: that one stays
     fitted (:func:`_agreeing`). A derived graph holds the template's bytes in the slots shown
-    unread, as the samples showed harmless. ``d`` itself where no slot is shown so."""
+    unread, as the samples showed harmless. Slots shown unread in a trusted derivation of
+    another class, on the same kernel in the same place, count as shown without a run
+    (:func:`_shown_elsewhere`). ``d`` itself where no slot is shown so."""
     candidates = _unread_candidates(d, inside)
     if not candidates:
         return d
     template = d.template
     kept = {(node, o) for node, slots in candidates.items() for o in slots}
+    # Slots running showed unread in a trusted derivation of another class, on the same
+    # kernel in the same place, are not run again: a kernel that ignores a word of its
+    # arguments ignores it whatever the length (a class's derived lengths rest on that too),
+    # and this derivation's held-out checks still run. (On the H200, run 55: the Llama
+    # shape's two classes ran 16 comparisons each for much the same leftovers.)
+    shown: set[tuple[str, int]] = kept & _shown_elsewhere(d, out)
     samples = []  # (length, graph, template node -> its node, the kept slots differing there)
     for n in d.lengths[1:]:
         graph = out.graphs[n]
@@ -1337,7 +1345,6 @@ def _unread(d: Derivation, inside: list[int], out: Sampled,
         samples.append((n, graph, pairs, {
             (node, o) for node, o in kept
             if graph.op(pairs[node]).args[o:o + 4] != template.op(node).args[o:o + 4]}))
-    shown: set[tuple[str, int]] = set()
     while samples and not shown >= kept:
         # The sample where most slots not yet shown differ first, the earliest of equals (a
         # greedy cover: each slot needs one run where it differs; on the H200's Llama bench
@@ -1373,6 +1380,27 @@ def _unread(d: Derivation, inside: list[int], out: Sampled,
     for node, o in kept:
         unread[node] = unread.get(node, frozenset()) | {o}
     return _shown_unread(d, unread, out)
+
+
+def _shown_elsewhere(d: Derivation, out: Sampled) -> set[tuple[str, int]]:
+    """The slots that running showed unread in the trusted derivations made before ``d``, as
+    (node of ``d``'s template, offset), where their node runs the same kernel as ``d``'s in
+    that place (a graph of the same structure)."""
+    refused = set(out.refused)
+    found: set[tuple[str, int]] = set()
+    for e in out.derivations:
+        if not e.unread or (e.lengths[0], e.lengths[-1]) in refused:
+            continue
+        try:
+            pairs = match(e.template, d.template)
+        except GraphError:
+            continue  # another structure: no node of it is in d's place
+        for node, slots in e.unread.items():
+            theirs, mine = e.template.op(node), d.template.op(pairs[node])
+            if (isinstance(mine, Kernel) and isinstance(theirs, Kernel)
+                    and mine.function == theirs.function and len(mine.args) == len(theirs.args)):
+                found |= {(pairs[node], o) for o in slots}
+    return found
 
 
 def _shown_unread(d: Derivation, unread: Mapping[str, Slots], out: Sampled) -> Derivation:
