@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from cuda.bindings import driver
 
-from grape.cuda.build import Graph
+from grape.cuda.build import Executable, Graph
 from grape.cuda.check import call, check_status
 from grape.cuda.context import synchronize
 from grape.errors import GrapeError
@@ -41,6 +41,7 @@ class _Saved:
     def __init__(self, buffers: list[Buffer]) -> None:
         self.buffers = buffers
         self.device: int | None = None
+        self.places: list[int] = []  # each buffer's copy on the device
         self.host: list[np.ndarray] = []
         status, address = driver.cuMemAlloc(max(1, sum(b.size for b in buffers)))
         if status == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
@@ -48,15 +49,18 @@ class _Saved:
             return
         check_status(status, "allocating room for the buffers to compare")
         self.device = int(address)
-        for b, at in zip(buffers, self._places(), strict=True):
-            call(driver.cuMemcpyDtoD, at, b.address, b.size, doing=f"saving buffer {b.id!r}")
-        # Copies between device buffers go on the legacy stream, which PyTorch's streams
-        # (non-blocking) do not wait for: done before any run.
-        synchronize()
-
-    def _places(self) -> list[int]:
-        offsets = np.cumsum([0] + [b.size for b in self.buffers[:-1]], dtype=np.int64)
-        return [self.device + int(o) for o in offsets]
+        offsets = np.cumsum([0] + [b.size for b in buffers[:-1]], dtype=np.int64).tolist()
+        self.places = [self.device + o for o in offsets]
+        try:
+            for b, at in zip(buffers, self.places, strict=True):
+                call(driver.cuMemcpyDtoD, at, b.address, b.size,
+                     doing=f"saving buffer {b.id!r}")
+            # Copies between device buffers go on the legacy stream, which PyTorch's streams
+            # (non-blocking) do not wait for: done before any run.
+            synchronize()
+        except BaseException:
+            self.free()
+            raise
 
     def restore(self) -> None:
         if self.device is None:
@@ -64,7 +68,7 @@ class _Saved:
                 call(driver.cuMemcpyHtoD, b.address, data.ctypes.data, b.size,
                      doing=f"restoring buffer {b.id!r}")
             return
-        for b, at in zip(self.buffers, self._places(), strict=True):
+        for b, at in zip(self.buffers, self.places, strict=True):
             call(driver.cuMemcpyDtoD, b.address, at, b.size, doing=f"restoring buffer {b.id!r}")
         synchronize()
 
@@ -88,7 +92,7 @@ def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _left_by(executable, buffers: list[Buffer], stream: int) -> list[np.ndarray]:
+def _left_by(executable: Executable, buffers: list[Buffer], stream: int) -> list[np.ndarray]:
     executable.launch(stream)
     synchronize()
     return _read(buffers)
