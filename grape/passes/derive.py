@@ -845,6 +845,9 @@ def derive(samples: Mapping[int, KernelGraph],
     dividers: dict[str, Slots] = {}
     bits: dict[tuple[str, str], int] = {}
     for node, seen in ops.items():
+        first = seen[0]
+        if all(op == first for op in seen[1:]):
+            continue  # nothing of it varies (about half a Llama step's nodes): nothing to fit
         if stray := stray_slots(seen):
             loose[node] = loose.get(node, frozenset()) | stray
         skip = loose.get(node, frozenset())
