@@ -403,10 +403,11 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     that change with the host's history. Measured on the H200: a Llama-shaped decoder over
     KV lengths 1..511, sampled one in 16 of each class modulo 8, derived none without and 457
     with (44 runs, each alike), bitwise equal to per-shape graphs at every length checked;
-    the issue's Llama shape (hidden 2048, 22 layers, 1..2047 every 4) 386 of 512. Each run
-    builds and instantiates three executables and copies every buffer but the parameters
-    through the host (0.3 to 0.7 s a run there). A graph that runs differently twice
-    (atomics, a random stream) shows nothing. A word a kernel does read gets, in such a run,
+    the issue's Llama shape (hidden 2048, 22 layers, 1..2047 every 4) 476 of 512 (36
+    captured). Each run builds and instantiates two executables and keeps every buffer but
+    the parameters on the device between runs (0.23 to 0.25 s a run there, runs 52 and 55).
+    A graph that runs differently twice (atomics, a random stream) shows nothing. A word a
+    kernel does read gets, in such a run,
     a value valid at the template's length in a pool laid out for the largest: a wrong size
     could still write past its buffer into memory not restored (parameters); off by default
     for that reason.
