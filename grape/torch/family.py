@@ -407,10 +407,9 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     captured). Each run builds and instantiates two executables and keeps every buffer but
     the parameters on the device between runs (0.23 to 0.25 s a run there, runs 52 and 55).
     A graph that runs differently twice (atomics, a random stream) shows nothing. A word a
-    kernel does read gets, in such a run,
-    a value valid at the template's length in a pool laid out for the largest: a wrong size
-    could still write past its buffer into memory not restored (parameters); off by default
-    for that reason.
+    kernel does read gets, in such a run, a value valid at the template's length in a pool
+    laid out for the largest: a wrong size could still write past its buffer into memory not
+    restored (parameters); off by default for that reason.
 
     ``prepare``: make every node update a switch between shapes can need now
     (:meth:`Family.prepare_updates`, counted in ``capture_s``), not on first use: on a
