@@ -20,10 +20,10 @@ from typing import Any
 from grape import __version__
 from grape.errors import GrapeError, TraceFormatError
 from grape.familyio import SCHEMA as FAMILY_SCHEMA
-from grape.familyio import family_from_json
+from grape.familyio import SavedFamily, family_from_json
 from grape.ir import SCHEMA, KernelGraph
 from grape.jsonio import dump_json, leading_schema, load_json
-from grape.profile import DEFAULT_PROFILE, PROFILE_SCHEMA, profile_from_json
+from grape.profile import DEFAULT_PROFILE, PROFILE_SCHEMA, DeviceProfile, profile_from_json
 from grape.summary import family_summary, graph_summary, profile_summary, trace_summary
 from grape.trace import Trace, read_trace, trace_from_json
 
@@ -543,13 +543,33 @@ def _simulate_family(args: argparse.Namespace) -> None:
            "a switch kernel on the device, the rest from the host" if args.update_device
            else "node by node")
     print(f"  nodes updated per step         {sum(updated) / len(updated):10.1f} ({way})")
+    tables = 0
     if args.update_device:  # the tables each executable's switch keeps on the device
         from grape.passes.switch_plan import totals
 
         nodes, versions, tables = totals(saved.variants.values())
         print(f"  device switch tables           {tables / 2**20:10.3f} MiB "
               f"({nodes} nodes switched, {versions} versions)")
+    _family_memory_lines(saved, tables, profile)
     _graph_outputs(args, program, result, profile)
+
+
+def _family_memory_lines(saved: SavedFamily, tables: int, profile: DeviceProfile) -> None:
+    """What the family holds on the device against per-shape graphs sharing one pool, priced
+    from the file (``grape.sim.memory.saved_family_memory``)."""
+    from grape.sim.memory import saved_family_memory
+
+    per_node = profile.get("executable_bytes_per_node")
+    m = saved_family_memory([(len(v.template), len(v.shapes)) for v in saved.variants.values()],
+                            sum(b.size for b in saved.scratch_buffers().values()), tables,
+                            per_node)
+    mib = 2**20
+    print(f"  family device memory           {m.family / mib:10.3f} MiB (executables "
+          f"{m.executables / mib:.3f} at {per_node:.0f} B a node, scratch {m.scratch / mib:.3f}"
+          + (f", switch tables {m.tables / mib:.3f}" if m.tables else "") + ")")
+    ratio = f"{m.per_shape_shared_pool / m.family:.1f}x the family" if m.family else "n/a"
+    print(f"  per-shape graphs, one pool     {m.per_shape_shared_pool / mib:10.3f} MiB "
+          f"({len(saved.shapes)} executables and the same scratch; {ratio})")
 
 
 def _refuse_trace_flags(args: argparse.Namespace, what: str, sequence: bool = False,

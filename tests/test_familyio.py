@@ -145,6 +145,19 @@ def test_grape_simulate_runs_a_saved_family_over_a_sequence(family, tmp_path, ca
 
     tables = sum(plan(v).device_bytes() for v in saved.variants.values())
     assert f"device switch tables           {tables / 2**20:10.3f} MiB" in out
+    # The family's device memory from the file: its executables at the profile's bytes a
+    # node, its scratch and the tables; per-shape graphs an executable each, the same scratch.
+    from grape.profile import DEFAULT_PROFILE, load_profile
+
+    per_node = load_profile(DEFAULT_PROFILE).get("executable_bytes_per_node")
+    nodes = [len(v.template) for v in saved.variants.values()]
+    shapes = [len(v.shapes) for v in saved.variants.values()]
+    scratch = sum(b.size for b in saved.scratch_buffers().values())
+    family = round(sum(nodes) * per_node) + scratch + tables
+    per_shape = round(sum(n * k for n, k in zip(nodes, shapes, strict=True)) * per_node) + scratch
+    assert f"family device memory           {family / 2**20:10.3f} MiB" in out
+    assert f"per-shape graphs, one pool     {per_shape / 2**20:10.3f} MiB" in out
+    assert f"{per_shape / family:.1f}x the family" in out
     assert main(["simulate", str(path), "--durations", durations, "--update-device",
                  "--update-whole"]) != 0
     assert "expected --update-whole or --update-device, found both" in capsys.readouterr().err
