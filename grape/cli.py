@@ -560,16 +560,18 @@ def _family_memory_lines(saved: SavedFamily, tables: int, profile: DeviceProfile
     from grape.sim.memory import saved_family_memory
 
     per_node = profile.get("executable_bytes_per_node")
-    m = saved_family_memory([(len(v.template), len(v.shapes)) for v in saved.variants.values()],
-                            sum(b.size for b in saved.scratch_buffers().values()), tables,
-                            per_node)
+    family, per_shape = saved_family_memory(
+        [(len(v.template), len(v.shapes)) for v in saved.variants.values()],
+        sum(b.size for b in saved.scratch_buffers().values()), tables, per_node)
     mib = 2**20
-    print(f"  family device memory           {m.family / mib:10.3f} MiB (executables "
-          f"{m.executables / mib:.3f} at {per_node:.0f} B a node, scratch {m.scratch / mib:.3f}"
-          + (f", switch tables {m.tables / mib:.3f}" if m.tables else "") + ")")
-    ratio = f"{m.per_shape_shared_pool / m.family:.1f}x the family" if m.family else "n/a"
-    print(f"  per-shape graphs, one pool     {m.per_shape_shared_pool / mib:10.3f} MiB "
-          f"({len(saved.shapes)} executables and the same scratch; {ratio})")
+    print(f"  family device memory           {family.total / mib:10.3f} MiB (executables "
+          f"{family.graph_bytes / mib:.3f} at {per_node:.0f} B a node, scratch "
+          f"{family.pool_bytes / mib:.3f}"
+          + (f", switch tables {family.table_bytes / mib:.3f}" if family.table_bytes else "")
+          + ")")
+    ratio = f"{per_shape.total / family.total:.1f}x the family" if family.total else "n/a"
+    print(f"  per-shape graphs, one pool     {per_shape.total / mib:10.3f} MiB "
+          f"({per_shape.executables} executables and the same scratch; {ratio})")
 
 
 def _refuse_trace_flags(args: argparse.Namespace, what: str, sequence: bool = False,

@@ -131,11 +131,13 @@ def test_a_saved_familys_memory_against_per_shape_graphs_sharing_one_pool():
     # GPT-2 small's two topologies over 1,023 lengths at the profile's 2,520 B a node, the
     # scratch and the tables of run 54 (H200): measured there 6.6 MB, and 922.7 MB for
     # per-shape graphs sharing one pool (their executables took more than the profile's fit).
-    m = saved_family_memory([(292, 511), (316, 512)], 2 * MB, 2_834_416, 2520.0)
-    assert m.executables == round(608 * 2520.0)
-    assert m.family == m.executables + 2 * MB + 2_834_416
-    assert m.per_shape_shared_pool == round((292 * 511 + 316 * 512) * 2520.0) + 2 * MB
-    assert 100 < m.per_shape_shared_pool / m.family < 150
+    family, per_shape = saved_family_memory([(292, 511), (316, 512)], 2 * MB, 2_834_416,
+                                            2520.0)
+    assert (family.graph_bytes, family.executables) == (round(608 * 2520.0), 2)
+    assert family.total == family.graph_bytes + 2 * MB + 2_834_416
+    assert per_shape.executables == 1023 and per_shape.table_bytes == 0
+    assert per_shape.total == round((292 * 511 + 316 * 512) * 2520.0) + 2 * MB
+    assert 100 < per_shape.total / family.total < 150
     with pytest.raises(GrapeError, match="expected node and shape counts and byte sizes that "
                                          "are not negative, found"):
         saved_family_memory([(292, -1)], 0, 0, 2520.0)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from grape.errors import GrapeError
 
-__all__ = ["FamilyMemory", "Pool", "SavedFamilyMemory", "executable_bytes", "family_memory",
-           "round_size", "saved_family_memory", "segment_size"]
+__all__ = ["FamilyMemory", "Pool", "executable_bytes", "family_memory", "round_size",
+           "saved_family_memory", "segment_size"]
 
 KB, MB = 1 << 10, 1 << 20
 MIN_BLOCK = 512
@@ -163,10 +163,11 @@ class FamilyMemory:
     pool_bytes: int  # reserved by the graphs' memory pools
     graph_bytes: int  # taken by the instantiated executables
     executables: int
+    table_bytes: int = 0  # device switches' tables (a family with update="device")
 
     @property
     def total(self) -> int:
-        return self.pool_bytes + self.graph_bytes
+        return self.pool_bytes + self.graph_bytes + self.table_bytes
 
 
 def family_memory(shapes: Sequence[Sequence[tuple[str, int, int]]], nodes: Sequence[int],
@@ -196,31 +197,15 @@ def family_memory(shapes: Sequence[Sequence[tuple[str, int, int]]], nodes: Seque
     return FamilyMemory(pool_bytes, executable_bytes(kept, bytes_per_node), len(kept))
 
 
-@dataclass(frozen=True)
-class SavedFamilyMemory:
-    """A saved family's device memory as the simulator prices it, beside per-shape graphs of
-    its shapes sharing one pool (what serving engines keep), from the file alone."""
-
-    executables: int  # the family's executables, one per template
-    scratch: int  # the graphs' pool: the scratch buffers the file names (their blocks)
-    tables: int  # the device switches' tables, where update="device" (else 0)
-    per_shape_executables: int  # one executable for every shape
-
-    @property
-    def family(self) -> int:
-        return self.executables + self.scratch + self.tables
-
-    @property
-    def per_shape_shared_pool(self) -> int:
-        """Per-shape graphs captured largest first into one pool hold the largest shape's
-        temporaries, the same blocks as the family's scratch."""
-        return self.per_shape_executables + self.scratch
-
 
 def saved_family_memory(templates: Sequence[tuple[int, int]], scratch: int, tables: int,
-                        bytes_per_node: float) -> SavedFamilyMemory:
-    """``templates``: (nodes, shapes) for each executable of the family; ``scratch`` and
-    ``tables`` in bytes (``SavedFamily.scratch_buffers``, ``grape.passes.switch_plan.totals``).
+                        bytes_per_node: float) -> tuple[FamilyMemory, FamilyMemory]:
+    """A saved family's device memory, priced from the file alone, and that of per-shape
+    graphs of its shapes sharing one pool (what serving engines keep). ``templates``: (nodes,
+    shapes) for each executable of the family; ``scratch``: its graphs' pool, the scratch
+    buffers the file names (``SavedFamily.scratch_buffers``), which per-shape graphs captured
+    largest first into one pool hold as well (the largest shape's temporaries); ``tables``:
+    the device switches' tables where update="device" (``grape.passes.switch_plan.totals``).
 
     On the H200 (benchmarks/README.md, runs 54 and 55) executables took 2.8 KB a node where
     the device profile's fit, made on small graphs, says 2.5; the pool's segments round its
@@ -228,6 +213,9 @@ def saved_family_memory(templates: Sequence[tuple[int, int]], scratch: int, tabl
     if any(n < 0 or k < 0 for n, k in templates) or scratch < 0 or tables < 0:
         raise GrapeError(f"expected node and shape counts and byte sizes that are not "
                          f"negative, found {list(templates)[:4]}, {scratch} and {tables}")
-    return SavedFamilyMemory(
-        executable_bytes([n for n, _ in templates], bytes_per_node), scratch, tables,
-        executable_bytes([n * k for n, k in templates], bytes_per_node))
+    family = FamilyMemory(scratch, executable_bytes([n for n, _ in templates], bytes_per_node),
+                          len(templates), tables)
+    per_shape = FamilyMemory(scratch, executable_bytes([n * k for n, k in templates],
+                                                       bytes_per_node),
+                             sum(k for _, k in templates))
+    return family, per_shape
