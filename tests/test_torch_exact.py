@@ -98,6 +98,34 @@ def test_what_the_kernel_cannot_take_runs_sdpa_and_says_why():
     assert decoder.lengths.served == {"sdpa: attention dropout": 2}
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_decode_step_builds_no_mask_and_a_fallback_builds_it_from_the_lengths(arch, monkeypatch):
+    import transformers.masking_utils as masking
+
+    import grape.torch.exact as exact_module
+
+    model = _model(arch)
+    ids, mask = _prompt()
+    whole, m = _decoder(model, ids, mask, exact=False)
+    expected = whole.generate_on_host(ids, m)
+    built = []  # the query length of every mask SDPA's mask function built
+    sdpa_mask = masking.sdpa_mask
+    monkeypatch.setattr(masking, "sdpa_mask",
+                        lambda **kw: built.append(kw["q_length"]) or sdpa_mask(**kw))
+    calls = []
+    refusal = exact_module._refusal
+
+    def every_other_call_refused(lengths, query, *args):
+        calls.append(None)
+        return "refused by the test" if len(calls) % 2 else refusal(lengths, query, *args)
+
+    monkeypatch.setattr(exact_module, "_refusal", every_other_call_refused)
+    exact, _ = _decoder(model, ids, mask, exact=True)
+    assert torch.equal(exact.generate_on_host(ids, m), expected)
+    assert exact.lengths.served == {"exact": 1, "sdpa: refused by the test": 1}
+    assert 1 not in built  # no decode step built its mask (the prompt's was built)
+
+
 def test_a_mask_that_is_not_left_padding_is_caught_when_the_result_is_read():
     model = _model("gpt2")
     ids, mask = _prompt()

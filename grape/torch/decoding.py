@@ -113,12 +113,19 @@ class Decoder:
             kwargs["attention_mask"] = mask
         if self.uses_positions and position is not None:
             kwargs["position_ids"] = position
-        inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
-                                                          **kwargs)
         if first or self.lengths is None:
+            inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
+                                                              **kwargs)
             out = (self.model if first else self.step_model)(**inputs, return_dict=True)
         else:
+            # The inputs too are prepared with exact lengths on: the 4D mask they would build is
+            # one no exact call reads (grape.torch.exact.mask). Where none came back, the model
+            # gets the 2D mask, and its own mask code skips the same mask the same way.
             with active(self.lengths, self.model):
+                inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
+                                                                  **kwargs)
+                if self.uses_mask and inputs.get("attention_mask") is None:
+                    inputs["attention_mask"] = mask
                 out = self.step_model(**inputs, return_dict=True)
         return out.logits[:, -1, :].to(dtype=torch.float32)
 

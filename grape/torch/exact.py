@@ -27,6 +27,11 @@ Three pieces make a Hugging Face model run it:
   grape's cache runs the varlen kernel; anything else (the prompt, an option the kernel does not
   reproduce: a sliding window shorter than the cache, soft-capping, attention sinks, dropout,
   32-bit floats) runs transformers' SDPA path unchanged, and is counted with its reason.
+- :func:`mask`, the mask function registered under the same name: a decode step's causal mask
+  over grape's cache is not built (the varlen kernel never reads it; under capture
+  transformers builds it in about a dozen kernels a token); a call that falls back to SDPA
+  builds the same mask from the lengths instead (:meth:`Lengths.mask`). Every other mask
+  (the prompt's, a sliding window's) is SDPA's own.
 
 Left padding only: a row's valid keys must be one range. A prompt mask with zeros after its
 first one is detected on the device (``Lengths.ok``) and reported when the result is read.
@@ -108,18 +113,46 @@ class Lengths:
         device length before the step)."""
         self.used.copy_(cached + 1 - self.pad)
 
+    def mask(self, keys: int) -> torch.Tensor:
+        """The (rows, 1, 1, ``keys``) boolean mask of a decode step over the cache's first
+        ``keys`` tokens: row r sees its ``used[r]`` tokens from ``pad[r]`` on. For a left-padded
+        prompt that is the causal mask transformers builds from the running attention mask
+        (``ok`` says whether the prompt was left-padded)."""
+        columns = self.columns[:keys]
+        end = self.pad + self.used
+        return ((columns >= self.pad[:, None]) & (columns < end[:, None]))[:, None, None, :]
+
 
 _ACTIVE: Lengths | None = None
 
 
 def register() -> None:
-    """Make ``grape_exact`` a name transformers' attention and mask dispatch know (the mask is
-    SDPA's: the prompt and every fallback run SDPA)."""
+    """Make ``grape_exact`` a name transformers' attention and mask dispatch know (the masks
+    are SDPA's: the prompt and every fallback run SDPA)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(NAME, attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, mask)
+
+
+def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
+         mask_function: Any = None, attention_mask: torch.Tensor | None = None,
+         **kwargs: Any) -> torch.Tensor | None:
+    """transformers' mask interface (``sdpa_mask``'s arguments): None for a decode step's
+    plain causal mask over grape's whole cache, which no exact call reads and every fallback
+    rebuilds from the lengths (:func:`attention`); ``sdpa_mask``'s mask otherwise."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    lengths = _ACTIVE
+    if (lengths is not None and q_length == 1 and kv_offset == 0
+            and kv_length == lengths.max_len and batch_size == lengths.rows
+            and mask_function is causal_mask_function):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                     q_offset=q_offset, kv_offset=kv_offset,
+                     mask_function=mask_function or causal_mask_function,
+                     attention_mask=attention_mask, **kwargs)
 
 
 @contextlib.contextmanager
@@ -176,6 +209,10 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     if why is not None:
         if lengths is not None:
             lengths.served[f"sdpa: {why}"] += 1
+            if attention_mask is None and query.shape[2] == 1 and key.shape[0] == lengths.rows:
+                # A decode step's mask, which :func:`mask` left unbuilt: the same from the
+                # lengths (sliced to the keys, as transformers' SDPA path slices its own).
+                attention_mask = lengths.mask(key.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     lengths.served["exact"] += 1
