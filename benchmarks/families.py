@@ -576,17 +576,30 @@ def warm_start(w: Workload, folder: Path, update: str = "nodes") -> dict[str, ob
     # When each progress line came, from the call (runs 50 and 55: 0.41 and 0.49 s of
     # warm_start_s fell outside load_family's own clock, and nothing said where), and how many
     # full collections of Python's heap ran meanwhile (capture's own, one a capture, included).
+    # And each collection of the cycle collector while it ran: (generation, start, seconds).
     phases: list[tuple[str, float]] = []
     collections = gc.get_stats()[2]["collections"]
+    collected: list[list[float]] = []
 
     def progress(line: str) -> None:
         phases.append((line, time.perf_counter() - t))
         _log(f"  {w.name} warm start: {line}")
 
+    def timed(phase: str, info: dict) -> None:
+        now = time.perf_counter() - t
+        if phase == "start":
+            collected.append([info["generation"], now, 0.0])
+        elif collected:
+            collected[-1][2] = now - collected[-1][1]
+
+    gc.callbacks.append(timed)
     t = time.perf_counter()
-    family = load_family(w.step, folder / "family.json.gz", w.params, progress=progress,
-                         update="device" if update == "device" else "nodes")
-    loaded_s = time.perf_counter() - t
+    try:
+        family = load_family(w.step, folder / "family.json.gz", w.params, progress=progress,
+                             update="device" if update == "device" else "nodes")
+        loaded_s = time.perf_counter() - t
+    finally:
+        gc.callbacks.remove(timed)
     phases.append(("returned", loaded_s))
     collections = gc.get_stats()[2]["collections"] - collections
     same = []
@@ -597,7 +610,7 @@ def warm_start(w: Workload, folder: Path, update: str = "nodes") -> dict[str, ob
         same.append(_same_as(w, g.replay, family.run, n))
     family.close()
     return {"warm_start_s": loaded_s, "warm_start_phases": phases,
-            "warm_start_full_collections": collections,
+            "warm_start_full_collections": collections, "warm_start_collections": collected,
             "warm_start_lengths_checked": len(same),
             "warm_start_bitwise": all(same), "warm_start_captured_here": family.captured_here,
             "warm_start_not_moved": family.not_moved}

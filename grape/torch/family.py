@@ -611,6 +611,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     from grape.passes.relocate import relocate_all, relocate_variants, relocation
 
     began = time.perf_counter()
+    progress(f"reading {path}")
     saved = read_family(path)
     saved.check(environment(params), str(path))
     pool = torch.cuda.graph_pool_handle()
