@@ -652,6 +652,10 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
         except UnsupportedError as e:
             moved, base = None, fresh[key]
             _note(not_moved, f"template {firsts[key]!r}: {e}")
+            # Said now, not only in the warning at the end: every shape of this executable
+            # is captured here instead, which takes as long as the saving process's capture.
+            progress(f"template {firsts[key]!r} did not move ({str(e).splitlines()[0]}); "
+                     f"capturing its {len(saved.variants[key].shapes) - 1} other shapes here")
         first = firsts[key]
         name = group_of[first] = _add_shape(groups, variants, first, base)
         rest = [s for s in saved.variants[key].shapes if s != first]
