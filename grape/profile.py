@@ -41,6 +41,9 @@ CONSTANTS: dict[str, tuple[tuple[str, ...], str, str]] = {
                           "host time a CUDA-activity-only profiler adds per API call"),
     "graph_node_overhead": (("graph_nodes", "fit", "per_node_us"), "us",
                             "GPU time a graph adds per node beyond its kernels' CUPTI time"),
+    "profiler_graph_gap": (("graph_nodes", "profiler_gap_us"), "us",
+                           "gap torch.profiler shows between a graph's kernels where the graph "
+                           "adds nothing per node"),
     "replay_fixed": (("torch_replay", "fit", "fixed_us"), "us",
                      "host cost of CUDAGraph.replay(), fixed part"),
     "replay_per_node": (("torch_replay", "fit", "per_node_us"), "us",

@@ -32,7 +32,7 @@ ALL = sorted(p for p in TRACES.rglob("*.json.gz")
 # Kernels per iteration, by trace: a GPT-2 family trace steps through lengths, across the
 # topology change at KV 512; the other traces repeat one step.
 KERNELS = {"gpt2_small_family_b1": {292, 316}, "gpt2_small_family_b5": {292, 316},
-           "gpt2_small_family_b1_whole": {292, 316},
+           "gpt2_small_family_b1_whole": {292, 316}, "gpt2_small_family_b1_device": {292, 316},
            "wav2vec2_base_family": {481}, "gpt2_small_greedy_b1": {337},
            "gpt2_small_greedy_b8": {336}}
 # Traces of three iterations whose step runs fewer than a hundred kernels.

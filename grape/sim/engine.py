@@ -63,6 +63,17 @@ class Costs:
     graph_memset_latency: float | None = None
     graph_memset_us_per_byte: float = 0.0
     queue_depth: int = 1024  # pending launches before the host stalls
+    # The gap torch.profiler shows between a graph's consecutive kernels where the graph adds
+    # nothing per node: a recording's median gap beyond it is what its machine added per node
+    # (grape.records.graph_kernel_gap, node_gap). None: recordings' gaps are not read.
+    profiler_graph_gap: float | None = None
+
+    def node_gap(self, traced: float | None) -> float | None:
+        """The GPU time a graph added per node beyond its kernels on the machine that recorded
+        a median gap of ``traced`` (us) between them, or None where either is unknown."""
+        if traced is None or self.profiler_graph_gap is None:
+            return None
+        return max(traced - self.profiler_graph_gap, 0.0)
 
     def __post_init__(self) -> None:
         # Written so that NaN fails too (every comparison with NaN is false).
@@ -77,7 +88,7 @@ class Costs:
         if not 0 < self.copy_bandwidth < math.inf:
             raise GrapeError(f"expected a finite, positive copy_bandwidth, found "
                              f"{self.copy_bandwidth}")
-        for name in ("graph_copy_latency", "graph_memset_latency"):
+        for name in ("graph_copy_latency", "graph_memset_latency", "profiler_graph_gap"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < math.inf:
                 raise GrapeError(f"expected a finite, non-negative {name} or None, found "

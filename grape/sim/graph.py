@@ -15,16 +15,20 @@ the one before depends on where each triggers and waits in its code, which no tr
 the H200 a GPT-2 step ran the same with its 12 programmatic edges made full
 (``benchmarks/README.md``, runs 16 and 17).
 
-Where this model stands: on grape's own executions recorded on the H200 (a GPT-2 decode step of
-342 nodes, and the same step in a WHILE node for 63 iterations; ``traces/h200_ir/twin_*``) the
-kernels' traced durations alone account for the launch, and this predicts both within 0.2%
-(``tests/test_sim_graph.py``). PyTorch's own replays of other models, on other H200 machines,
-showed 0.14 to 0.32 us per node beyond their kernels' union (the profile's ``graph_nodes``),
-which the trace-based path (``grape.sim.whatif.profiled_graph_launches``) still adds to every
-node of a launch's longest stream, while one earlier machine ran graphs with none
-(``tests/test_validation.py``, its expected failure). Whether a per-node cost shows may
-depend on the machine, which a profiled trace does not reveal; recordings where both paths run
-the same graph on one machine would settle it.
+Where this model stands: a graph's kernels on the H200 run either back to back or with about
+0.3 us more between each and the next, by machine and by phase of one process (the step of
+``traces/h200_ir`` ran 835 us in its process's first seconds, 717 us in another process, and the
+loop of the same step recorded seconds later ran at its kernels' pace). torch.profiler shows
+which: the gaps between a launch's consecutive kernels cluster at about 0.1 us (CUPTI's own,
+the profile's ``profiler_graph_gap``) or about 0.42 us (``grape.records.graph_kernel_gap``).
+The schedule puts what a durations trace shows beyond CUPTI's own between each node and the
+one it waits for, so a prediction is for the machine as it was when its kernels were traced.
+On grape's own executions (``traces/h200_ir/twin_*``: a GPT-2 decode step, the step in a WHILE
+node, a 5-beam step and its loop, each timed just before its trace was taken) this predicts
+each launch within 2.4% (``tests/test_sim_graph.py``); without the traced gap the step was 13.6%
+short. The trace-based path (``grape.sim.whatif.profiled_graph_launches``) keeps the profile's
+per-node constant instead, because ``grape record`` profiles after timing every mode and its
+traces' gaps describe a later phase.
 
 Durations come from a trace of the same kernels (:class:`Durations`): the median duration of
 each kernel by function and launch configuration (its demangled name, as CUPTI reports it, grid
@@ -46,7 +50,7 @@ from grape.errors import SimulationError, UnsupportedError
 from grape.ir import Conditional, ConditionalKind, Kernel, KernelGraph, Memcpy, Memset, Op
 from grape.passes.variants import Variants, device_switchable
 from grape.program import GpuWork, GraphLaunch, HostWork, Launch, Program, Sync
-from grape.records import GpuRecord
+from grape.records import GpuRecord, graph_kernel_gap
 from grape.sim.engine import Costs
 from grape.sim.ranks import collective_name
 
@@ -76,6 +80,10 @@ class Durations:
     table: Mapping[KernelKey, float]
     source: str = "a duration table"
     transfers: Mapping[tuple[str, int], float] = field(default_factory=dict)  # (kind, bytes)
+    # The median gap between consecutive kernels of the trace's graph launches
+    # (grape.records.graph_kernel_gap; None where it launched no graphs): with the profiler's
+    # own gap (Costs.profiler_graph_gap) it says what the machine added per node when recorded.
+    graph_gap: float | None = None
 
     @classmethod
     def from_ops(cls, ops: Iterable[GpuRecord], source: str) -> Durations:
@@ -90,12 +98,14 @@ class Durations:
             raise SimulationError(f"{source}: expected kernels with their grid and block (a "
                                   f"torch.profiler trace with CUDA activity), found none")
         return cls({k: statistics.median(v) for k, v in seen.items()}, source,
-                   {k: statistics.median(v) for k, v in moved.items()})
+                   {k: statistics.median(v) for k, v in moved.items()}, graph_kernel_gap(ops))
 
     def merged(self, other: Durations) -> Durations:
-        """Both tables; where both time a kernel, this one's figure."""
+        """Both tables; where both time a kernel, this one's figure, and its gap where it has
+        one (the recording a prediction starts from says what the machine added per node)."""
         return Durations({**other.table, **self.table}, f"{self.source} and {other.source}",
-                         {**other.transfers, **self.transfers})
+                         {**other.transfers, **self.transfers},
+                         self.graph_gap if self.graph_gap is not None else other.graph_gap)
 
     def kernel(self, k: Kernel, node: str) -> float:
         key = kernel_key(k)
@@ -203,6 +213,8 @@ class _Schedule:
         self.intervals: list[tuple[float, float, str]] = []
         self.names: list[tuple[str, str]] = []
         self.nodes_run = 0
+        # What the recording's machine put between a node and the one it waits for.
+        self.gap = costs.node_gap(durations.graph_gap) or 0.0
 
     def graph(self, graph: KernelGraph, begin: float, prefix: str) -> Generator:
         """Run ``graph`` from ``begin``; returns when its last node ends."""
@@ -210,7 +222,8 @@ class _Schedule:
         front = begin  # when the front end can dispatch the next node
         end = begin
         for node in nx.topological_sort(graph.dag):
-            ready = max((finish[p] for p in graph.dag.predecessors(node)), default=begin)
+            ready = max((finish[p] + self.gap for p in graph.dag.predecessors(node)),
+                        default=begin)
             start = max(ready, front + self.costs.graph_node_overhead)
             front = start
             finish[node] = yield from self.op(graph.op(node), start, f"{prefix}{node}")

@@ -60,6 +60,8 @@ def costs_from_profile(profile: DeviceProfile, **overrides: float) -> Costs:
         values.update({name: profile.get(name) for name in (
             "graph_copy_latency", "graph_copy_us_per_byte", "graph_memset_latency",
             "graph_memset_us_per_byte")})
+    with contextlib.suppress(ProfileError):  # read from recordings since; older profiles lack it
+        values["profiler_graph_gap"] = profile.get("profiler_graph_gap")
     return Costs(**{**values, **overrides})
 
 
@@ -122,7 +124,11 @@ def profiled_graph_launches(program: Program, costs: Costs) -> Program:
     by the profile applies. The replay's other host work in the trace (its
     ``cudaStreamIsCapturing`` check and Python) is then part of that cost, so it goes too.
     On the GPU, the kernels keep their traced time and the gaps between them cost the profile's
-    per-node overhead: the gaps CUPTI shows inside a graph vary between recordings. A gap
+    per-node overhead, not the gaps the trace shows: those describe the machine when it was
+    profiled, and ``grape record`` times every mode before it profiles any. In the first H200
+    suite (``traces/h200``) 13 of 19 graphed traces show 0.1 us between a graph's kernels (no
+    per-node cost) while their timed steps, earlier in the same processes, ran at the profile's
+    0.30 us a node: priced at their traced gaps, their replays came out 4 to 12% fast. A gap
     separates a node from the one it waits for, so branches the capture forked onto other
     streams pay theirs side by side: the launch pays the gaps of its longest stream's nodes,
     not of all of them (a model forked onto two streams was predicted 12.7% slow when every
