@@ -370,7 +370,20 @@ def program_from_graph(graph: KernelGraph, durations: Durations, costs: Costs,
     program = Program(name, [(launch, Sync("cudaStreamSynchronize", 0.0))] * launches)
     program.approximations.append("a graph launch's host cost is the device profile's replay "
                                   "cost; the sync after it costs nothing on the host")
+    program.approximations.append(_gap_note(durations, costs))
     return program, run
+
+
+def _gap_note(durations: Durations, costs: Costs) -> str:
+    """What the schedule put between a node and the one it waits for, and why."""
+    gap = costs.node_gap(durations.graph_gap)
+    if gap is None:
+        why = ("its trace launched no graphs" if durations.graph_gap is None
+               else "the profile has no profiler_graph_gap")
+        return f"nothing between a node and the one it waits for beyond dispatch ({why})"
+    return (f"{gap:.3f} us between a node and the one it waits for: the trace shows "
+            f"{durations.graph_gap:.3f} us between a graph's kernels, CUPTI's own "
+            f"{costs.profiler_graph_gap:.3f} (the machine as it was when traced)")
 
 
 def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Hashable],
@@ -443,6 +456,7 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
     program = Program(name, iterations)
     program.approximations.append("a graph launch's host cost is the device profile's replay "
                                   "cost; the sync after it costs nothing on the host")
+    program.approximations.append(_gap_note(durations, costs))
     if device:
         program.approximations.append(
             f"a device switch costs {costs.switch_per_node} us of GPU time a node it updates, "
