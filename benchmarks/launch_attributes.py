@@ -14,6 +14,8 @@ Settings: ``default``; ``cublas`` and ``cublaslt`` (``torch.backends.cuda.prefer
 ``no_cudnn`` (``torch.backends.cudnn.enabled = False``: convolutions by PyTorch's own kernels).
 
 python benchmarks/launch_attributes.py [--lengths 16000:160000:7200] [--out FILE]
+
+Written 2026-12-04 and not yet run on a GPU (that session's device time was spent).
 """
 
 from __future__ import annotations
