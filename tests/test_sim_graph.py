@@ -213,6 +213,25 @@ def test_a_chain_of_long_kernels_costs_its_kernels_and_short_ones_the_dispatch()
     assert run_graph(g, _table(tiny=0.1), COSTS).gpu_time == pytest.approx(4 * 0.5 + 0.1)
 
 
+def test_a_traced_gap_beyond_the_profiler_s_own_separates_a_node_from_the_one_it_waits_for():
+    from grape.ir import Empty
+
+    g = KernelGraph()
+    g.add("a", _kernel("long"))
+    g.add("join", Empty(), after=["a"])  # a join is no launch: one gap from a to b, not two
+    g.add("b", _kernel("long"), after=["join"])
+    g.add("c", _kernel("long"))  # no dependency: starts at once, no gap
+    # No dispatch cost, so that the gap is all there is between a and b.
+    costs = replace(COSTS, graph_node_overhead=0.0, profiler_graph_gap=0.1)
+    table = _table(long=10.0)
+    assert run_graph(g, table, costs).gpu_time == pytest.approx(20.0)  # no gap traced
+    slow = replace(table, graph_gap=0.42)  # 0.32 beyond the profiler's own
+    assert run_graph(g, slow, costs).gpu_time == pytest.approx(20.0 + 0.32)
+    assert run_graph(g, replace(table, graph_gap=0.05), costs).gpu_time == pytest.approx(20.0)
+    no_floor = replace(costs, profiler_graph_gap=None)  # a profile without the profiler's gap
+    assert run_graph(g, slow, no_floor).gpu_time == pytest.approx(20.0)
+
+
 def test_independent_branches_overlap_as_the_capture_forked_them():
     g = KernelGraph()
     g.add("a", _kernel("a"))

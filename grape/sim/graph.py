@@ -222,11 +222,15 @@ class _Schedule:
         front = begin  # when the front end can dispatch the next node
         end = begin
         for node in nx.topological_sort(graph.dag):
-            ready = max((finish[p] + self.gap for p in graph.dag.predecessors(node)),
-                        default=begin)
+            op = graph.op(node)
+            ready = max((finish[p] for p in graph.dag.predecessors(node)), default=None)
+            if ready is None:
+                ready = begin
+            elif isinstance(op, Kernel | Memcpy | Memset):  # GPU work, not a join or a branch
+                ready += self.gap
             start = max(ready, front + self.costs.graph_node_overhead)
             front = start
-            finish[node] = yield from self.op(graph.op(node), start, f"{prefix}{node}")
+            finish[node] = yield from self.op(op, start, f"{prefix}{node}")
             end = max(end, finish[node])
         return end
 
