@@ -42,8 +42,7 @@ CONSTANTS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "graph_node_overhead": (("graph_nodes", "fit", "per_node_us"), "us",
                             "GPU time a graph adds per node beyond its kernels' CUPTI time"),
     "profiler_graph_gap": (("graph_nodes", "profiler_gap_us"), "us",
-                           "gap torch.profiler shows between a graph's kernels where the graph "
-                           "adds nothing per node"),
+                           "gap CUPTI itself shows between a graph's kernels"),
     "replay_fixed": (("torch_replay", "fit", "fixed_us"), "us",
                      "host cost of CUDAGraph.replay(), fixed part"),
     "replay_per_node": (("torch_replay", "fit", "per_node_us"), "us",
