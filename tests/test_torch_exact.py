@@ -98,32 +98,84 @@ def test_what_the_kernel_cannot_take_runs_sdpa_and_says_why():
     assert decoder.lengths.served == {"sdpa: attention dropout": 2}
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_a_decode_step_builds_no_mask_and_a_fallback_builds_it_from_the_lengths(arch, monkeypatch):
-    import transformers.masking_utils as masking
+def _masks_built(monkeypatch):
+    """(implementation, query length, built) of every mask transformers' mask code asks for."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     import grape.torch.exact as exact_module
 
+    calls = []
+
+    def spying(name, fn):
+        def spy(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls.append((name, kwargs["q_length"], out is not None))
+            return out
+        return spy
+
+    mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    monkeypatch.setitem(mapping, "sdpa", spying("sdpa", mapping["sdpa"]))
+    # grape registers its mask function again each step: the module's name is what it takes.
+    monkeypatch.setattr(exact_module, "mask", spying(exact_module.NAME, exact_module.mask))
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_once_every_layer_attends_exactly_the_decode_mask_is_not_built(arch, monkeypatch):
     model = _model(arch)
     ids, mask = _prompt()
     whole, m = _decoder(model, ids, mask, exact=False)
     expected = whole.generate_on_host(ids, m)
-    built = []  # the query length of every mask SDPA's mask function built
-    sdpa_mask = masking.sdpa_mask
-    monkeypatch.setattr(masking, "sdpa_mask",
-                        lambda **kw: built.append(kw["q_length"]) or sdpa_mask(**kw))
-    calls = []
+    calls = _masks_built(monkeypatch)
+    exact, _ = _decoder(model, ids, mask, exact=True)
+    assert torch.equal(exact.generate_on_host(ids, m), expected)
+    decode = [c for c in calls if c[1] == 1]
+    # The first decode step's mask is built as generate builds it; every later step leaves it.
+    assert [c for c in decode if c[2]] == [("sdpa", 1, True)]
+    assert len(decode) > 5 and all(c[0] == "grape_exact" for c in decode[1:])
+    assert exact.lengths.mask_unread
+
+
+def test_a_call_that_falls_back_where_the_mask_was_left_unbuilt_builds_it_from_the_lengths(
+        monkeypatch):
+    import grape.torch.exact as exact_module
+
+    model = _model("llama")
+    ids, mask = _prompt()
+    whole, m = _decoder(model, ids, mask, exact=False)
+    expected = whole.generate_on_host(ids, m)
+    calls, rebuilt = [], []
     refusal = exact_module._refusal
 
-    def every_other_call_refused(lengths, query, *args):
-        calls.append(None)
-        return "refused by the test" if len(calls) % 2 else refusal(lengths, query, *args)
+    def every_other_call_refused_from_the_third_step(lengths, query, *args):
+        calls.append(None)  # two layers a step: calls 5 and on are the third step's
+        if len(calls) > 4 and len(calls) % 2:
+            return "refused by the test"
+        return refusal(lengths, query, *args)
 
-    monkeypatch.setattr(exact_module, "_refusal", every_other_call_refused)
+    monkeypatch.setattr(exact_module, "_refusal", every_other_call_refused_from_the_third_step)
+    from_lengths = exact_module.Lengths.mask
+    monkeypatch.setattr(exact_module.Lengths, "mask",
+                        lambda self, keys: rebuilt.append(keys) or from_lengths(self, keys))
     exact, _ = _decoder(model, ids, mask, exact=True)
     assert torch.equal(exact.generate_on_host(ids, m), expected)
     assert exact.lengths.served == {"exact": 1, "sdpa: refused by the test": 1}
-    assert 1 not in built  # no decode step built its mask (the prompt's was built)
+    assert rebuilt == [17]  # the third step's refused layer, where the mask was left unbuilt
+    assert not exact.lengths.mask_unread  # and built again after it
+
+
+def test_a_model_that_attends_by_its_own_code_keeps_its_mask():
+    # GPT-J's attention never calls grape's: its layers read the mask generate would build.
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model("gptj", n_embd=64, n_layer=2, n_head=4,
+                                               rotary_dim=8, n_positions=128, **COMMON)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = _prompt()
+    whole, m = _decoder(model, ids, mask, exact=False)
+    exact, _ = _decoder(model, ids, mask, exact=True)
+    assert torch.equal(exact.generate_on_host(ids, m), whole.generate_on_host(ids, m))
+    assert exact.lengths.served == {} and not exact.lengths.mask_unread
 
 
 def test_a_mask_that_is_not_left_padding_is_caught_when_the_result_is_read():

@@ -118,14 +118,21 @@ class Decoder:
                                                               **kwargs)
             out = (self.model if first else self.step_model)(**inputs, return_dict=True)
         else:
-            # The inputs too are prepared with exact lengths on: the 4D mask they would build is
-            # one no exact call reads (grape.torch.exact.mask). Where none came back, the model
-            # gets the 2D mask, and its own mask code skips the same mask the same way.
-            with active(self.lengths, self.model):
+            # Once a step has run every layer's attention exactly (Lengths.mask_unread), the
+            # inputs too are prepared with exact lengths on, so that the 4D mask no exact call
+            # reads is not built (grape.torch.exact.mask); the model then gets the 2D mask, and
+            # its own mask code leaves it unbuilt the same way. Until then, and for models
+            # that attend by their own code, the inputs are prepared as generate prepares them.
+            unread = self.lengths.mask_unread
+            if not unread:
                 inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
                                                                   **kwargs)
-                if self.uses_mask and inputs.get("attention_mask") is None:
-                    inputs["attention_mask"] = mask
+            with active(self.lengths, self.model):
+                if unread:
+                    inputs = self.model.prepare_inputs_for_generation(
+                        ids, is_first_iteration=first, **kwargs)
+                    if self.uses_mask and inputs.get("attention_mask") is None:
+                        inputs["attention_mask"] = mask
                 out = self.step_model(**inputs, return_dict=True)
         return out.logits[:, -1, :].to(dtype=torch.float32)
 

@@ -27,11 +27,14 @@ Three pieces make a Hugging Face model run it:
   grape's cache runs the varlen kernel; anything else (the prompt, an option the kernel does not
   reproduce: a sliding window shorter than the cache, soft-capping, attention sinks, dropout,
   32-bit floats) runs transformers' SDPA path unchanged, and is counted with its reason.
-- :func:`mask`, the mask function registered under the same name: a decode step's causal mask
+- :func:`mask`, the mask function registered under the same name: once a step has run every
+  decoder layer's attention through :func:`attention`, exactly, the next steps' causal mask
   over grape's cache is not built (the varlen kernel never reads it; under capture
-  transformers builds it in about a dozen kernels a token); a call that falls back to SDPA
-  builds the same mask from the lengths instead (:meth:`Lengths.mask`). Every other mask
-  (the prompt's, a sliding window's) is SDPA's own.
+  transformers builds it in about a dozen kernels a token). A model whose layers attend by
+  their own code (GPT-J, Falcon, Bloom: they never call :func:`attention`) keeps its mask; a
+  call that falls back to SDPA where the mask was left unbuilt builds the same one from the
+  lengths (:meth:`Lengths.mask`). Every other mask (the prompt's, a sliding window's) is
+  SDPA's own.
 
 Left padding only: a row's valid keys must be one range. A prompt mask with zeros after its
 first one is detected on the device (``Lengths.ok``) and reported when the result is read.
@@ -95,6 +98,9 @@ class Lengths:
         self.ok = torch.ones((), dtype=torch.bool, device=device)
         self.columns = torch.arange(max_len, device=device)
         self.served: Counter[str] = Counter()  # attention calls by what ran them
+        # Whether the last step's every decoder layer ran its attention here, exactly: then
+        # the next step's causal mask is read by no one, and :func:`mask` does not build it.
+        self.mask_unread = False
 
     def set_prompt(self, mask: torch.Tensor | None, prompt_len: int) -> None:
         """The prompt's padding, from its (rows, prompt_len) mask (None: no padding); on the
@@ -140,12 +146,13 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_o
          mask_function: Any = None, attention_mask: torch.Tensor | None = None,
          **kwargs: Any) -> torch.Tensor | None:
     """transformers' mask interface (``sdpa_mask``'s arguments): None for a decode step's
-    plain causal mask over grape's whole cache, which no exact call reads and every fallback
-    rebuilds from the lengths (:func:`attention`); ``sdpa_mask``'s mask otherwise."""
+    plain causal mask over grape's whole cache where the step before ran every layer's
+    attention exactly (``Lengths.mask_unread``): no exact call reads it, and a fallback
+    rebuilds it from the lengths (:func:`attention`); ``sdpa_mask``'s mask otherwise."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     lengths = _ACTIVE
-    if (lengths is not None and q_length == 1 and kv_offset == 0
+    if (lengths is not None and lengths.mask_unread and q_length == 1 and kv_offset == 0
             and kv_length == lengths.max_len and batch_size == lengths.rows
             and mask_function is causal_mask_function):
         return None
@@ -169,6 +176,10 @@ def active(lengths: Lengths, model: torch.nn.Module) -> Iterator[None]:
     finally:
         config._attn_implementation = before
         _ACTIVE = None
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layers = getattr(text, "num_hidden_layers", None)
+        lengths.mask_unread = (isinstance(layers, int) and set(lengths.served) == {"exact"}
+                               and lengths.served["exact"] >= layers)
 
 
 def _refusal(lengths: Lengths, query: torch.Tensor, key: torch.Tensor, dropout: float,
