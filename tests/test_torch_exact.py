@@ -164,13 +164,40 @@ def test_a_call_that_falls_back_where_the_mask_was_left_unbuilt_builds_it_from_t
     assert not exact.lengths.mask_unread  # and built again after it
 
 
-def test_a_model_that_attends_by_its_own_code_keeps_its_mask():
-    # GPT-J's attention never calls grape's: its layers read the mask generate would build.
+# Architectures whose attention code has varied between transformers releases (5.17 attends
+# by its own code in some of them, never calling grape's attention; later ones dispatch).
+OWN_CODE = {
+    "gptj": {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8, "n_positions": 128},
+    "falcon": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "new_decoder_architecture": True, "num_kv_heads": 2},
+    "bloom": {"hidden_size": 64, "n_layer": 2, "n_head": 4},
+}
+
+
+@pytest.mark.parametrize("arch", list(OWN_CODE))
+def test_models_of_other_attention_code_make_the_whole_cache_s_tokens(arch):
     transformers.logging.set_verbosity_error()
-    config = transformers.AutoConfig.for_model("gptj", n_embd=64, n_layer=2, n_head=4,
-                                               rotary_dim=8, n_positions=128, **COMMON)
+    config = transformers.AutoConfig.for_model(arch, **OWN_CODE[arch], **COMMON)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = _prompt()
+    whole, m = _decoder(model, ids, mask, exact=False)
+    exact, _ = _decoder(model, ids, mask, exact=True)
+    assert torch.equal(exact.generate_on_host(ids, m), whole.generate_on_host(ids, m))
+    served = exact.lengths.served
+    assert exact.lengths.mask_unread == (set(served) == {"exact"})
+
+
+def test_layers_that_never_call_grape_s_attention_keep_their_mask(monkeypatch):
+    # As a model that attends by its own code: its layers read the mask generate would build.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import grape.torch.exact as exact_module
+
+    monkeypatch.setattr(exact_module, "attention", lambda module, query, key, value, mask,
+                        **kwargs: sdpa_attention_forward(module, query, key, value, mask,
+                                                         **kwargs))
+    model = _model("llama")
     ids, mask = _prompt()
     whole, m = _decoder(model, ids, mask, exact=False)
     exact, _ = _decoder(model, ids, mask, exact=True)
