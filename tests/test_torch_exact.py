@@ -28,9 +28,9 @@ CONFIGS = {
 }
 
 
-def _model(arch):
+def _model(arch, sizes=None):
     transformers.logging.set_verbosity_error()
-    config = transformers.AutoConfig.for_model(arch, **CONFIGS[arch], **COMMON)
+    config = transformers.AutoConfig.for_model(arch, **(sizes or CONFIGS[arch]), **COMMON)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
@@ -176,10 +176,7 @@ OWN_CODE = {
 
 @pytest.mark.parametrize("arch", list(OWN_CODE))
 def test_models_of_other_attention_code_make_the_whole_cache_s_tokens(arch):
-    transformers.logging.set_verbosity_error()
-    config = transformers.AutoConfig.for_model(arch, **OWN_CODE[arch], **COMMON)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = _model(arch, OWN_CODE[arch])
     ids, mask = _prompt()
     whole, m = _decoder(model, ids, mask, exact=False)
     exact, _ = _decoder(model, ids, mask, exact=True)
