@@ -197,7 +197,6 @@ def family_memory(shapes: Sequence[Sequence[tuple[str, int, int]]], nodes: Seque
     return FamilyMemory(pool_bytes, executable_bytes(kept, bytes_per_node), len(kept))
 
 
-
 def saved_family_memory(templates: Sequence[tuple[int, int]], scratch: int, tables: int,
                         bytes_per_node: float) -> tuple[FamilyMemory, FamilyMemory]:
     """A saved family's device memory, priced from the file alone, and that of per-shape
