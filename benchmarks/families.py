@@ -379,8 +379,9 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     free_a, _ = _device_bytes()
     # (A graph with device-updatable nodes is instantiated once; its copies here are of the
     # template built again, the same kernels without the attribute.)
-    extra = [(g.graph if update != "device" else Graph.build(g.template)).instantiate()
-             for g in family.groups.values() for _ in range(copies)]
+    extra = [(g.graph if update != "device"
+              else Graph.build(family.variants[name].executable_graph())).instantiate()
+             for name, g in family.groups.items() for _ in range(copies)]
     free_b, _ = _device_bytes()
     family_graph = (free_a - free_b) / copies
     # The drop in free memory can miss executables placed in device memory the driver had
@@ -458,6 +459,9 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         "naive_capture_s": naive_capture_s, "family_capture_s": family.capture_s,
         # Executables: one per topology, more where a kernel's attributes change with the shape.
         "topologies": len(family.groups), "nodes_per_topology": nodes,
+        # kernels beside their node for launch attributes that change (Variants.alternates)
+        "alternates": sum(len(k) for v in family.variants.values()
+                          for k in v.alternates.values()),
         "fingerprints": len({k.split("#")[0] for k in family.groups}),
         # the shapes' node versions (grape.passes.variants): argument rows, which prepared
         # updates point into; before versions, "delta_host_bytes" counted coded XOR deltas

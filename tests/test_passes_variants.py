@@ -157,3 +157,102 @@ def test_a_version_that_points_outside_its_buffer_here_keeps_only_its_shapes_bac
     op = moved.ops(1)["k"]
     assert op.args == (0x50000 + 64).to_bytes(8, "little") and op.pointers == (
         Pointer(0, Span("y", 64)),)
+
+
+def _chain(*ops: Kernel, address: int = 0x1000) -> KernelGraph:
+    """Kernels a, b, c, ... one after another over one buffer."""
+    g = KernelGraph()
+    g.add_buffer(Buffer("x", 64, BufferRole.INTERNAL, address=address))
+    previous: list[str] = []
+    for name, op in zip("abcdef", ops, strict=False):
+        previous = [g.add(name, op, previous)]
+    return g
+
+
+def _clustered(grid: int, cluster: int | None, function: str = "f@0x1") -> Kernel:
+    attributes = (("cluster_dim", (cluster, 1, 1)),) if cluster else ()
+    return dataclasses.replace(_kernel(grid, bytes(8)), function=function,
+                               attributes=attributes)
+
+
+def test_a_kernel_whose_attributes_change_gets_an_alternate_each_shape_runs_one_of():
+    """Alternates: a shape whose kernel picks another cluster shape runs a sibling node with
+    those attributes, the others disabled; shapes with the same attributes share it."""
+    plain = _kernel(1, bytes(8))
+    v = Variants(_chain(plain, _clustered(1, None), plain), alternates=True)
+    v.shapes["t"] = {}
+    two = _clustered(4, 2, "g@0x2")
+    v.add_graph("s2", _chain(plain, two, plain))
+    v.add_graph("s2b", _chain(_kernel(3, bytes(8)), _clustered(8, 2, "g@0x2"), plain))
+    v.add_graph("s4", _chain(plain, _clustered(9, 4, "h@0x3"), plain))
+    v.add_graph("t2", _chain(plain, _clustered(5, None), plain))  # the template's attributes
+    assert [k.attributes for k in v.alternates["b"]] == [two.attributes,
+                                                          (("cluster_dim", (4, 1, 1)),)]
+    assert v.alternates["b"][0] == two  # the first shape that had them is its template
+    assert v.chosen == {"s2": {"b": 1}, "s2b": {"b": 1}, "s4": {"b": 2}}
+    assert v.runs("b", "s4") == "b~2" and v.runs("b", "t2") == "b" and v.runs("a", "s2") == "a"
+    # s2 runs alternate 1 as it was made; s2b a version of it, and a version of node a.
+    assert v.shapes["s2"] == {} and set(v.shapes["s2b"]) == {"a", "b~1"}
+    assert v.ops("s2b")["b~1"].grid == (8, 1, 1) and v.op("b~2").function == "h@0x3"
+    assert v.alternated == {"b", "b~1", "b~2"}
+    assert v.disabled("t") == ["b~1", "b~2"] and v.disabled("s4") == ["b", "b~1"]
+    assert v.toggles("t", "s2") == [("b", False), ("b~1", True)]
+    assert v.toggles("s2", "s2b") == [] and v.toggles("t", "t2") == []
+    assert v.toggles("s4", "t2") == [("b~2", False), ("b", True)]
+    # Switching updates the alternate's versions as any node's (disabled ones too).
+    assert dict(v.switch("s2", "s2b")) == {"a": v.shapes["s2b"]["a"], "b~1": 1}
+    built = v.executable_graph()
+    assert set(built.dag) == {"a", "b", "b~1", "b~2", "c"}
+    # a chain: the node, its alternates, then its successors
+    assert set(built.dag.edges) == {("a", "b"), ("b", "b~1"), ("b~1", "b~2"), ("b~2", "c")}
+    assert built.op("b~2") == v.op("b~2") and v.template.dag.number_of_nodes() == 3
+    v.discard("s4")
+    assert "s4" not in v.chosen and "s4" not in v.shapes
+
+
+def test_without_alternates_a_shape_whose_attributes_change_is_refused():
+    v = Variants(_chain(_clustered(1, None)))
+    v.shapes["t"] = {}
+    with pytest.raises(UnsupportedError, match="attributes change"):
+        v.add_graph("s", _chain(_clustered(1, 2)))
+    assert v.alternates == {} and v.executable_graph() is v.template
+
+
+def test_lengths_derived_from_a_shape_that_runs_an_alternate_run_it_too():
+    v = Variants(_chain(_clustered(1, None)), alternates=True)
+    v.shapes["t"] = {}
+    v.add_graph("s", _chain(_clustered(2, 2)))
+    rows = NodeVersions("x", _clustered(3, 2))
+    rows.add(_clustered(5, 2))
+    numbers = v.node(v.runs("a", "s")).add_rows(*rows.arrays())  # as place_derived adds them
+    v.add_like(["d3", "d5"], "s", {"a~1": numbers})
+    assert v.chosen["d3"] == {"a": 1} and v.ops("d5")["a~1"].grid == (5, 1, 1)
+    assert v.toggles("t", "d3") == [("a", False), ("a~1", True)]
+
+
+def test_an_alternate_the_backend_cannot_disable_refuses_the_shape_and_changes_nothing():
+    refused = _clustered(2, 16, "conv@0x9")
+    v = Variants(_chain(_clustered(1, None), _clustered(1, None)),
+                 alternates=lambda k: k.function != "conv@0x9")
+    v.shapes["t"] = {}
+    with pytest.raises(UnsupportedError, match="which the driver will not disable"):
+        v.add_graph("s", _chain(_clustered(4, 2), refused))
+    assert v.alternates == {} and v.chosen == {} and list(v.shapes) == ["t"]
+    v.add_graph("s2", _chain(_clustered(4, 2), _clustered(1, None)))
+    assert v.chosen == {"s2": {"a": 1}}
+
+
+def test_the_edges_into_and_out_of_a_chain_of_alternates_are_full_dependencies():
+    def programmatic(g: KernelGraph) -> KernelGraph:
+        g.dag.edges["a", "b"]["kind"] = "programmatic"
+        g.dag.edges["b", "c"]["kind"] = "programmatic"
+        return g
+
+    g = programmatic(_chain(_clustered(1, None), _clustered(1, None), _clustered(1, None)))
+    v = Variants(g, alternates=True)
+    v.shapes["t"] = {}
+    v.add_graph("s", programmatic(_chain(_clustered(1, None), _clustered(3, 2),
+                                         _clustered(1, None))))
+    built = v.executable_graph()
+    assert built.edges() == {("a", "b", None), ("b", "b~1", None), ("b~1", "c", None)}
+    assert g.kinds_into("b") == {"a": "programmatic"}  # the template is left alone

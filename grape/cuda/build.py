@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the backend builds what the passes describe; it never runs 
     from grape.cuda.buffers import BufferMap
     from grape.passes.variants import NodeVersions
 
-__all__ = ["Executable", "Graph", "Update", "kernel_params", "version_updates"]
+__all__ = ["Executable", "Graph", "Update", "can_disable", "kernel_params", "version_updates"]
 
 
 _SUCCESS = driver.CUresult.CUDA_SUCCESS
@@ -172,15 +172,7 @@ class Graph(Resource):
             handle = call(driver.cuGraphAddKernelNode, target, deps, len(deps), params,
                           doing=doing)
             del keep
-            for name, value in op.attributes:
-                attr, field = ATTRIBUTES[name]
-                v = driver.CUkernelNodeAttrValue()
-                if field == "clusterDim":
-                    v.clusterDim.x, v.clusterDim.y, v.clusterDim.z = value
-                else:
-                    setattr(v, field, value)
-                call(driver.cuGraphKernelNodeSetAttribute, handle, attr, v,
-                     doing=f"setting {name} on node {node!r}")
+            _set_attributes(handle, op, node)
             return handle
         if isinstance(op, Memcpy):
             return call(driver.cuGraphAddMemcpyNode, target, deps, len(deps),
@@ -287,6 +279,16 @@ class Graph(Resource):
                                    f"executable, found {t.attributes}")
         return version_updates(node, handle, versions)
 
+    def prepare_enabled(self, node: str, enabled: bool) -> Update:
+        """A driver call that enables or disables node ``node`` of an executable of this graph
+        (``cuGraphNodeSetEnabled``: a disabled kernel runs as an empty node): how a family
+        picks which alternate of a kernel runs (``grape.passes.variants``)."""
+        handle = self.nodes.get(node)
+        if handle is None:
+            raise GrapeError(f"expected node {node!r} of a graph built from IR, found no such "
+                             f"node")
+        return Update(node, driver.cuGraphNodeSetEnabled, (handle, int(enabled)))
+
     @staticmethod
     def apply(executable: Executable, updates: list[Update]) -> None:
         """Run prepared updates on ``executable``. Launches in flight keep the parameters they
@@ -306,6 +308,51 @@ class Graph(Resource):
             status = u.fn(handle, *u.args)[0]
             if status is not _SUCCESS:  # enum members are singletons; anything else is checked
                 check_status(status, f"updating node {u.node!r}")
+
+
+def _set_attributes(handle: driver.CUgraphNode, op: Kernel, node: str) -> None:
+    for name, value in op.attributes:
+        attr, field = ATTRIBUTES[name]
+        v = driver.CUkernelNodeAttrValue()
+        if field == "clusterDim":
+            v.clusterDim.x, v.clusterDim.y, v.clusterDim.z = value
+        else:
+            setattr(v, field, value)
+        call(driver.cuGraphKernelNodeSetAttribute, handle, attr, v,
+             doing=f"setting {name} on node {node!r}")
+
+
+_disables: dict[tuple, bool] = {}
+
+
+def can_disable(op: Kernel) -> bool:
+    """Whether the driver lets an executable disable and enable again a node of kernel ``op``
+    (``cuGraphNodeSetEnabled``), tried on a graph of that one node, never launched; cached by
+    function, block, shared memory and attributes. On the H200 (driver 580) it refused a
+    cuDNN convolution launched in clusters of 4 x 4 blocks (a non-portable size, which
+    launches) with CUDA_ERROR_INVALID_CLUSTER_SIZE, and took GEMMs in clusters of up to 8."""
+    key = (op.function, op.block, op.shared_mem, op.attributes)
+    found = _disables.get(key)
+    if found is not None:
+        return found
+    graph = call(driver.cuGraphCreate, 0, doing="creating a graph to try disabling a node")
+    try:
+        params, keep = kernel_params(op, dict.fromkeys((h.handle for h in op.handles), 0))
+        node = call(driver.cuGraphAddKernelNode, graph, None, 0, params,
+                    doing="adding a kernel to try disabling it")
+        del keep
+        _set_attributes(node, op, "tried")
+        executable = call(driver.cuGraphInstantiate, graph, 0,
+                          doing="instantiating a graph to try disabling a node")
+        try:
+            found = all(driver.cuGraphNodeSetEnabled(executable, node, on)[0] is _SUCCESS
+                        for on in (0, 1))
+        finally:
+            call(driver.cuGraphExecDestroy, executable, doing="destroying a tried executable")
+    finally:
+        call(driver.cuGraphDestroy, graph, doing="destroying a tried graph")
+    _disables[key] = found
+    return found
 
 
 class Update(NamedTuple):

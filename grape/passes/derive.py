@@ -899,12 +899,13 @@ def place_derived(variants: Variants, d: Derivation, lengths: Sequence[int], bas
     UnsupportedError
         Some length is not derivable; nothing is added then.
     """
-    back = {theirs: mine for mine, theirs in pairs.items()}
+    # a derived length runs the alternates its base runs (Variants.runs)
+    back = {theirs: variants.runs(mine, base) for mine, theirs in pairs.items()}
     lengths = list(lengths)
     made: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray] | list[Op]] = {}
     for node in d.varying:  # every length's numbers first: a length that fails adds nothing
         mine = back[node]
-        versions = variants.nodes.get(mine) or NodeVersions(mine, variants.template.op(mine))
+        versions = variants.nodes.get(mine) or NodeVersions(mine, variants.op(mine))
         if versions.takes_rows(d.template.op(node)):
             made[node] = d.rows(node, lengths)
         else:

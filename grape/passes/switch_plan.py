@@ -38,8 +38,12 @@ class SwitchPlan:
 
 def plan(v: Variants) -> SwitchPlan:
     """What a device switch over executable ``v`` holds: every node of ``v`` whose versions a
-    kernel can switch, and each of ``v``'s shapes' versions of them, in ``v.shapes``' order."""
-    chosen = [nv for nv in v.nodes.values() if device_switchable(nv)]
+    kernel can switch, and each of ``v``'s shapes' versions of them, in ``v.shapes``' order.
+    Nodes with alternates stay with host updates: the driver's enabling of a node from the
+    host overwrites the device's updates of it at the next launch."""
+    alternated = v.alternated
+    chosen = [nv for nv in v.nodes.values()
+              if device_switchable(nv) and nv.node not in alternated]
     shapes = list(v.shapes)
     table = np.zeros((len(shapes), len(chosen)), dtype=np.int64)
     for i, shape in enumerate(shapes):

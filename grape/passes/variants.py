@@ -23,6 +23,16 @@ layout) are kept as operations.
 
 Bringing an executable from one shape to another updates the nodes whose versions differ
 (:meth:`Variants.switch`); shapes that share a version of a node need nothing there.
+
+**Alternates.** No update can change a kernel node's launch attributes (its cluster shape): the
+H200's GEMM and convolution kernels pick theirs by size, so Wav2Vec2's 101 audio lengths
+needed 45 executables for 7 topologies (``benchmarks/README.md``). A :class:`Variants` made with
+``alternates=True`` takes such a shape all the same: where a kernel's attributes differ from
+the template's, the executable gets an *alternate* of that node (``node~k``), a sibling with
+the same dependencies holding the kernel with those attributes, and each shape runs one of
+a node's alternates with the others disabled (``cuGraphNodeSetEnabled``: a disabled node runs
+as an empty one). :meth:`Variants.toggles` says which nodes a switch enables and disables;
+:meth:`Variants.executable_graph` is the template with its alternates, what is instantiated.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import struct
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +53,8 @@ from grape.passes.delta import (
 )
 from grape.passes.families import match
 
-__all__ = ["DIMS", "NodeVersions", "Variants", "check_in_place", "device_switchable"]
+__all__ = ["DIMS", "NodeVersions", "Variants", "alternate", "check_in_place",
+           "device_switchable"]
 
 # A kernel version's launch dimensions, one row each: grid x, y, z, block x, y, z, shared bytes.
 DIMS = 7
@@ -261,10 +272,17 @@ def device_switchable(versions: NodeVersions) -> bool:
     return bool((dims[:, 3:] == dims[0, 3:]).all())
 
 
-def check_in_place(template: KernelGraph, changes: Mapping[str, Op]) -> None:
+def alternate(node: str, k: int) -> str:
+    """The id of node ``node``'s ``k``-th alternate (``k`` from 1; 0 is the node itself)."""
+    return f"{node}~{k}" if k else node
+
+
+def check_in_place(template: KernelGraph, changes: Mapping[str, Op],
+                   attributes: bool = False) -> None:
     """Refuse changes an executable of ``template`` cannot take by updating nodes in place (as
     ``grape.passes.delta.join`` refuses them): a node of another kind, a kernel whose launch
-    attributes change, a node that is no kernel, copy or memset changing.
+    attributes change (unless ``attributes``: an executable with alternates takes those), a
+    node that is no kernel, copy or memset changing.
 
     Raises
     ------
@@ -279,7 +297,7 @@ def check_in_place(template: KernelGraph, changes: Mapping[str, Op]) -> None:
             raise UnsupportedError(f"expected node {node!r} to keep its kind, found {mine.kind} "
                                    f"becoming {op.kind}")
         if isinstance(mine, Kernel):
-            if op.attributes != mine.attributes:
+            if op.attributes != mine.attributes and not attributes:
                 raise UnsupportedError("expected kernels whose launch attributes stay, found one "
                                        "whose attributes change, which an executable cannot "
                                        "take in place")
@@ -290,26 +308,47 @@ def check_in_place(template: KernelGraph, changes: Mapping[str, Op]) -> None:
 
 class Variants:
     """One executable's shapes: each as the versions it takes of the template's nodes it
-    changes (see the module)."""
+    changes, and with ``alternates``, which alternate of a node it runs (see the module)."""
 
-    def __init__(self, template: KernelGraph) -> None:
+    def __init__(self, template: KernelGraph,
+                 alternates: bool | Callable[[Kernel], bool] = False) -> None:
+        """``alternates``: whether shapes whose kernels' launch attributes differ are taken
+        (by alternates), or a test of the kernels an executable can disable (the CUDA
+        backend's ``can_disable``: a node whose template or alternate fails it is refused, as
+        without alternates)."""
         self.template = template
         self.nodes: dict[str, NodeVersions] = {}
-        # shape -> {template node: version} for the nodes it changes (none: the template's)
+        # shape -> {template node or alternate: version} for the nodes it changes (none: the
+        # template's)
         self.shapes: dict[Hashable, dict[str, int]] = {}
+        self.takes_alternates = alternates
+        # template node -> its alternates' kernels (alternate k is alternates[node][k - 1])
+        self.alternates: dict[str, list[Kernel]] = {}
+        # shape -> {template node: k} for the nodes it runs an alternate of (none: the node)
+        self.chosen: dict[Hashable, dict[str, int]] = {}
+
+    def op(self, node: str) -> Op:
+        """The template's operation of ``node``, an alternate's (``node~k``) included."""
+        base, _, k = node.rpartition("~")
+        if base and base in self.alternates and k.isdigit():
+            return self.alternates[base][int(k) - 1]
+        return self.template.op(node)
 
     def add_graph(self, shape: Hashable, graph: KernelGraph,
                   pairs: Mapping[str, str] | None = None) -> None:
         """Add ``shape`` by its whole graph (a capture), where an executable of the template
-        can be brought to it by updating nodes in place; the template's buffer table then
-        takes its buffers (``grape.passes.delta.join`` explains). ``pairs``: the template's
-        nodes to ``graph``'s, where known without matching. Nothing changes where it raises.
+        can be brought to it by updating nodes in place (with ``alternates``, and enabling
+        alternates of the kernels whose launch attributes differ); the template's buffer table
+        then takes its buffers (``grape.passes.delta.join`` explains). ``pairs``: the
+        template's nodes to ``graph``'s, where known without matching. Nothing changes where
+        it raises.
 
         Raises
         ------
         UnsupportedError
-            The graphs differ in structure, in a kernel's launch attributes or in a node that
-            cannot change in place, or name one buffer at two addresses.
+            The graphs differ in structure, in a kernel's launch attributes (without
+            ``alternates``) or in a node that cannot change in place, or name one buffer at
+            two addresses.
         """
         try:
             pairs = pairs if pairs is not None else match(self.template, graph)
@@ -321,10 +360,49 @@ class Variants:
             op, before = graph.op(theirs), template.op(mine)
             if op is not before and op != before:
                 changes[mine] = op
-        check_in_place(template, changes)
+        check_in_place(template, changes, self.takes_alternates)
         check_buffers(template, graph)
-        self._commit(shape, changes)
+        self._commit(shape, self._choose(shape, changes))
         merge_buffers(template, graph)
+
+    def _choose(self, shape: Hashable, changes: Mapping[str, Op]) -> dict[str, Op]:
+        """``changes`` with each kernel whose attributes differ from the template's moved to
+        the alternate of the node that has them (made where none has): what ``shape`` runs.
+        New alternates are tested (``alternates`` given as a test) before any is kept.
+
+        Raises
+        ------
+        UnsupportedError
+            A new alternate, or the template's kernel it sits beside, fails the test."""
+        out, chosen, new = {}, {}, {}
+        for node, op in changes.items():
+            mine = self.template.op(node)
+            if not isinstance(mine, Kernel) or op.attributes == mine.attributes:
+                out[node] = op
+                continue
+            kept = [*self.alternates.get(node, ()), *new.get(node, ())]
+            k = next((i for i, alt in enumerate(kept, 1) if alt.attributes == op.attributes),
+                     None)
+            if k is None:
+                new.setdefault(node, []).append(op)
+                k = len(kept) + 1
+            chosen[node] = k
+            out[alternate(node, k)] = op
+        test = self.takes_alternates
+        if callable(test):
+            for node, ops in new.items():
+                tried = ops if node in self.alternates else [self.template.op(node), *ops]
+                if bad := next((k for k in tried if not test(k)), None):
+                    raise UnsupportedError(f"expected kernels an executable can disable, to "
+                                           f"run one of node {node!r}'s launch attributes at "
+                                           f"a time, found {bad.name[:60]} with "
+                                           f"{dict(bad.attributes)}, which the driver will "
+                                           f"not disable")
+        for node, ops in new.items():
+            self.alternates.setdefault(node, []).extend(ops)
+        if chosen:
+            self.chosen[shape] = chosen
+        return out
 
     def add_changes(self, shape: Hashable, changes: Mapping[str, Op]) -> None:
         """Add ``shape`` by the template nodes it changes (a saved member: its operations point
@@ -335,33 +413,39 @@ class Variants:
         UnsupportedError
             A node that is not the template's, or a change that cannot be made in place.
         """
-        check_in_place(self.template, changes)
-        self._commit(shape, {n: op for n, op in changes.items() if op != self.template.op(n)})
+        check_in_place(self.template, changes, self.takes_alternates)
+        self._commit(shape, self._choose(shape, {n: op for n, op in changes.items()
+                                                 if op != self.template.op(n)}))
 
     def _commit(self, shape: Hashable, changes: Mapping[str, Op]) -> None:
         versions = {}
         for node, op in changes.items():
-            nv = self.nodes.get(node)
-            if nv is None:
-                nv = self.nodes[node] = NodeVersions(node, self.template.op(node))
-            if v := nv.add(op):
+            if v := self.node(node).add(op):
                 versions[node] = v
         self.shapes[shape] = versions
 
     def node(self, node: str) -> NodeVersions:
-        """Node ``node``'s versions (none but the template's where no shape changes it yet)."""
+        """Node ``node``'s versions (none but the template's where no shape changes it yet);
+        an alternate's too (``node~k``)."""
         found = self.nodes.get(node)
         if found is None:
-            found = self.nodes[node] = NodeVersions(node, self.template.op(node))
+            found = self.nodes[node] = NodeVersions(node, self.op(node))
         return found
+
+    def runs(self, node: str, shape: Hashable) -> str:
+        """Which of template node ``node``'s alternates ``shape`` runs (``node`` itself where
+        it runs the template's)."""
+        return alternate(node, self.chosen.get(shape, {}).get(node, 0))
 
     def add_like(self, shapes: Sequence[Hashable], like: Hashable,
                  versions: Mapping[str, Sequence[int]]) -> None:
         """Add ``shapes``, each taking the versions ``like`` takes but for the nodes of
         ``versions``, of which the i-th shape takes ``versions[node][i]`` (made by
-        :meth:`NodeVersions.add_rows` or ``add``; 0: the template's). For lengths derived
-        from a captured one, whose other nodes are that one's."""
+        :meth:`NodeVersions.add_rows` or ``add``; 0: the template's), and the alternates
+        ``like`` runs. For lengths derived from a captured one, whose other nodes are that
+        one's."""
         base = self.shapes[like]
+        chosen = self.chosen.get(like)
         for i, shape in enumerate(shapes):
             mine = dict(base)
             for node, numbers in versions.items():
@@ -370,6 +454,8 @@ class Variants:
                 else:
                     mine.pop(node, None)
             self.shapes[shape] = mine
+            if chosen:
+                self.chosen[shape] = chosen
 
     def settle(self) -> None:
         """Every node's versions as arrays alone (:meth:`NodeVersions.settle`): a family
@@ -380,17 +466,73 @@ class Variants:
     def discard(self, shape: Hashable) -> None:
         """Forget ``shape`` (its versions stay, unused)."""
         self.shapes.pop(shape, None)
+        self.chosen.pop(shape, None)
 
     def switch(self, holds: Hashable, shape: Hashable) -> list[tuple[str, int]]:
         """(node, version) for each node whose version differs between an executable holding
-        ``holds`` and ``shape``: what to update to run ``shape``."""
+        ``holds`` and ``shape``: what to update to run ``shape``. Disabled alternates are
+        updated too: what an executable's node holds is then always its shape's version."""
         before, after = self.shapes[holds], self.shapes[shape]
         out = [(node, v) for node, v in after.items() if before.get(node) != v]
         out += [(node, 0) for node in before if node not in after]
         return out
 
+    def toggles(self, holds: Hashable, shape: Hashable) -> list[tuple[str, bool]]:
+        """(node, enabled) for each alternate (the template's node among them) that an
+        executable holding ``holds`` disables or enables to run ``shape``: disabling first."""
+        before, after = self.chosen.get(holds, {}), self.chosen.get(shape, {})
+        if not before and not after:
+            return []
+        off, on = [], []
+        for node in before.keys() | after.keys():
+            was, now = before.get(node, 0), after.get(node, 0)
+            if was != now:
+                off.append((alternate(node, was), False))
+                on.append((alternate(node, now), True))
+        return off + on
+
+    @property
+    def alternated(self) -> frozenset[str]:
+        """Every node with alternates, and its alternates: the nodes a switch may toggle."""
+        return frozenset(alternate(node, k) for node, kept in self.alternates.items()
+                         for k in range(len(kept) + 1))
+
+    def disabled(self, shape: Hashable) -> list[str]:
+        """The alternates (the template's nodes among them) an executable running ``shape``
+        keeps disabled."""
+        chosen = self.chosen.get(shape, {})
+        return [alternate(node, k) for node, kept in self.alternates.items()
+                for k in range(len(kept) + 1) if k != chosen.get(node, 0)]
+
+    def executable_graph(self) -> KernelGraph:
+        """The template with each node's alternates chained after it (``node``, ``node~1``,
+        ... ``node~k``, each waiting for the one before), the node's successors waiting for
+        the last: the graph an executable of these shapes is built from (the template itself
+        where there are none). A chain, not siblings: on the H200 Wav2Vec2's executables
+        with 287 alternates took 64.1 MB as siblings, 39.5 MB chained, 38.3 MB without
+        (``benchmarks/README.md``). Disabled nodes run as empty ones, so the chain runs the one
+        enabled; the edges into and out of a chain are full dependencies, not programmatic
+        ones, since a programmatic wait through a disabled node is not one the captured
+        kernels were written for."""
+        if not self.alternates:
+            return self.template
+        out = self.template.with_ops({})
+        dag = out.dag
+        for node, kept in self.alternates.items():
+            for u in list(dag.predecessors(node)):
+                dag.edges[u, node].pop("kind", None)
+            after = list(dag.successors(node))
+            dag.remove_edges_from([(node, w) for w in after])
+            last = node
+            for k, op in enumerate(kept, 1):
+                dag.add_node(alternate(node, k), op=op)
+                dag.add_edge(last, alternate(node, k))
+                last = alternate(node, k)
+            dag.add_edges_from((last, w) for w in after)
+        return out
+
     def ops(self, shape: Hashable) -> dict[str, Op]:
-        """The operations ``shape`` changes, by template node."""
+        """The operations ``shape`` changes, by template node (an alternate's by its id)."""
         return {node: self.nodes[node].op(v) for node, v in self.shapes[shape].items()}
 
     @property

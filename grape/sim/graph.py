@@ -421,7 +421,7 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
     if missing := [s for s in sequence if s not in graphs]:
         raise SimulationError(f"expected a kernel graph for every shape of the sequence, found "
                               f"none for {missing[0]!r}")
-    variants = dict(variants) if variants is not None else _variants(graphs)
+    variants = dict(variants) if variants is not None else _variants(graphs, not whole)
     key_of = {shape: key for key, v in variants.items() for shape in v.shapes}
     if missing := [s for s in sequence if s not in key_of]:
         raise SimulationError(f"expected every shape of the sequence in the family, found "
@@ -430,20 +430,25 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
     # each executable starts out holding its template's shape
     holds = {key: next(s for s, versions in v.shapes.items() if not versions)
              for key, v in variants.items()}
-    on_device = {key: ({node for node, nv in v.nodes.items() if device_switchable(nv)}
+    on_device = {key: ({node for node, nv in v.nodes.items()
+                        if device_switchable(nv) and node not in v.alternated}
                        if device else set()) for key, v in variants.items()}
     iterations, updated = [], []
     for shape in sequence:
         key = key_of[shape]
-        nodes = variants[key].template.dag.number_of_nodes()
+        v = variants[key]
+        # an executable's nodes: its template's and every alternate (disabled ones launch as
+        # empty nodes)
+        nodes = v.template.dag.number_of_nodes() + sum(map(len, v.alternates.values()))
         switched = 0  # nodes the device switch updates
         if holds[key] == shape:
             changed = 0
         elif whole:
             changed = nodes
         else:
-            switch = variants[key].switch(holds[key], shape)
-            changed = len(switch)
+            switch = v.switch(holds[key], shape)
+            # each node enabled or disabled: one host call, priced as a node update
+            changed = len(switch) + len(v.toggles(holds[key], shape))
             switched = sum(node in on_device[key] for node, _ in switch)
         holds[key] = shape
         cost = (nodes * costs.exec_update_per_node if whole and changed
@@ -469,10 +474,12 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
     return program, updated
 
 
-def _variants(graphs: Mapping[Hashable, KernelGraph]) -> dict[str, Variants]:
+def _variants(graphs: Mapping[Hashable, KernelGraph], alternates: bool = True
+              ) -> dict[str, Variants]:
     """Shapes grouped by structure, as ``grape.torch.family`` groups them: each shape joins
-    the first executable of its structure that can be brought to it in place, or starts
-    another (a kernel whose launch attributes change), of which it is the template."""
+    the first executable of its structure that can be brought to it in place (with
+    ``alternates``, as for node updates, a kernel whose launch attributes change gets an
+    alternate), or starts another, of which it is the template."""
     from grape.passes.families import group
 
     out: dict[str, Variants] = {}
@@ -486,7 +493,7 @@ def _variants(graphs: Mapping[Hashable, KernelGraph]) -> dict[str, Variants]:
                 except UnsupportedError:
                     continue
             else:
-                v = Variants(graphs[shape])
+                v = Variants(graphs[shape], alternates)
                 v.shapes[shape] = {}
                 out[f"{topology}#{len(mine)}" if mine else topology] = v
                 mine.append(v)

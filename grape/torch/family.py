@@ -6,8 +6,11 @@ into one shared memory pool, and reads each capture into the IR. Shapes group by
 fingerprint (``grape.passes.families``); each group instantiates one executable, from its
 first shape's graph (the template), and every other shape keeps only the versions it takes of
 the template's nodes it changes, each distinct version kept once (``grape.passes.variants``).
-A shape an executable cannot take in place (a kernel's attributes change) starts another
-executable of its topology instead. ``family.run(shape)`` updates the executable's nodes whose
+A kernel whose launch attributes (cluster shape) change with the shape gets an alternate
+chained after its node, one enabled at a time (``Variants.executable_graph``; Wav2Vec2-base
+over 101 audio lengths on the H200: 8 executables, not 45); a shape an executable cannot take
+in place otherwise (a kernel the driver will not disable, whole-graph updates) starts another
+executable of its topology. ``family.run(shape)`` updates the executable's nodes whose
 versions differ between the shape it holds and ``shape``, with driver calls prepared for every
 version of a node at once, and launches it; with ``update="device"`` a kernel on the GPU gives
 the kernel nodes their versions instead, from tables on the device, in one launch
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-from grape.cuda.build import Executable, Graph, Update
+from grape.cuda.build import Executable, Graph, Update, can_disable
 from grape.cuda.compare import runs_alike as compare
 from grape.cuda.switch import DeviceSwitch
 from grape.errors import GrapeError, GraphError, UnsupportedError
@@ -60,6 +63,7 @@ class _Group:
     graph: Graph
     executable: Executable
     holds: Hashable  # the shape whose parameters the executable holds now
+    alternates: int = 0  # alternates the executable was built with (Variants.alternates)
 
 
 @dataclass
@@ -168,7 +172,18 @@ class Family:
     def save(self, path: str | Path, params: Mapping[str, torch.Tensor] | None = None) -> Path:
         """Write the family to ``path`` (``grape.familyio``): each executable's template, each
         shape's changes to it, and the environment it was captured in (``params``: the model's
-        parameters, whose layout a reload must match). ``grape simulate`` runs the file."""
+        parameters, whose layout a reload must match). ``grape simulate`` runs the file.
+
+        Raises
+        ------
+        UnsupportedError
+            An executable has alternates (kernels whose launch attributes change), which the
+            file format does not hold yet.
+        """
+        if alternates := _count_alternates(self.variants):
+            raise UnsupportedError(f"expected a family without alternates to save (kernels "
+                                   f"whose launch attributes change with the shape), found "
+                                   f"{alternates}, which the family file does not hold yet")
         return save_family(path, SavedFamily(dict(self.variants), dict(self.group_of),
                                              environment(params), self.scratch))
 
@@ -246,10 +261,12 @@ class Family:
             old.close()
         made = switch_plan(v)
         self._row.update((shape, i) for i, shape in enumerate(made.shapes))
-        graph = Graph.build(group.template)
+        graph = Graph.build(v.executable_graph())
         try:
             switch = DeviceSwitch(graph, made.versions, made.table)
             executable = graph.instantiate()
+            Graph.apply(executable, [graph.prepare_enabled(n, False)
+                                     for n in v.disabled(group.template_shape)])
         except BaseException:
             graph.close()
             raise
@@ -257,6 +274,7 @@ class Family:
         if all(group.graph is not g for g in self.graphs.values()):
             group.graph.close()
         group.graph, group.executable, group.holds = graph, executable, group.template_shape
+        group.alternates = sum(map(len, v.alternates.values()))
         self._device[name] = switch
         # host calls prepared against the old graph's nodes: made again against the new one's
         for key in [k for k in self._versions if k[0] == name]:
@@ -289,6 +307,9 @@ class Family:
             if prepared is None or version >= len(prepared):
                 prepared = self._node(name, node)
             out.append(prepared[version])
+        graph = self.groups[name].graph
+        out += [graph.prepare_enabled(node, on)
+                for node, on in self.variants[name].toggles(holds, shape)]
         return out
 
     def check(self) -> None:
@@ -357,10 +378,13 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     that differ, one driver call each, prepared from their versions; ``"device"`` puts every
     version of the kernel nodes that allow it on the device and switches them all with one
     kernel launch (``grape.cuda.switch``; the rest as ``"nodes"``); ``"graph"`` keeps every shape's
-    graph on the host and updates the whole executable from it in one ``cuGraphExecUpdate``. A
-    shape the driver refuses, or whose kernels' launch attributes change, starts another
-    executable, as with ``"nodes"`` (the driver took attribute changes on the H200, and the
-    kernels then stopped on an illegal instruction).
+    graph on the host and updates the whole executable from it in one ``cuGraphExecUpdate``.
+    With ``"nodes"`` and ``"device"``, a kernel whose launch attributes change runs as one of
+    its node's alternates, enabled from the host; with ``"graph"`` (which cannot enable
+    nodes), and for kernels the driver will not disable (``grape.cuda.build.can_disable``), a
+    shape whose kernels' launch attributes change starts another executable (the driver took
+    attribute changes in ``cuGraphExecUpdate`` on the H200, and the kernels then stopped on an
+    illegal instruction).
 
     ``derive_every`` (shapes then are integer lengths): capture one length in that many, and
     derive the others' graphs from them (``grape.passes.derive.derive_lengths``: numbers
@@ -564,6 +588,10 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                 placed(shape, key)
     for v in variants.values():
         v.settle()
+    rebuilt = _with_alternates(groups, variants)
+    if rebuilt:
+        progress(f"built {rebuilt} executables again with the alternates of kernels whose "
+                 f"launch attributes change ({_count_alternates(variants)} alternates)")
     torch.cuda.synchronize()
     family = Family(step, groups, group_of, variants, torch.cuda.memory_reserved() - reserved,
                     0.0, keep, graphs=graphs, update=update, sampled=sampled,
@@ -750,6 +778,43 @@ def scratch_of(graphs: Iterable[KernelGraph],
         a <= b.address and b.address + b.size <= a + n for a, n in clean))
 
 
+def _with_alternates(groups: Mapping[str, _Group], variants: Mapping[str, Variants]) -> int:
+    """Build again, with their alternates (``Variants.executable_graph``), the executables whose
+    shapes added alternates since they were instantiated, each holding its template's shape
+    (its alternates disabled). Returns how many were built."""
+    rebuilt = 0
+    for name, group in groups.items():
+        v = variants[name]
+        count = sum(map(len, v.alternates.values()))
+        if count == group.alternates:
+            continue
+        _instantiate(group, v)
+        rebuilt += 1
+    return rebuilt
+
+
+def _instantiate(group: _Group, v: Variants) -> None:
+    """Give ``group`` a new graph and executable built from ``v``'s template and alternates,
+    holding the template's shape; the old ones are closed."""
+    graph = Graph.build(v.executable_graph())
+    try:
+        executable = graph.instantiate()
+        Graph.apply(executable, [graph.prepare_enabled(n, False)
+                                 for n in v.disabled(group.template_shape)])
+    except BaseException:
+        graph.close()
+        raise
+    group.executable.close()
+    group.graph.close()
+    group.graph, group.executable = graph, executable
+    group.holds = group.template_shape
+    group.alternates = sum(map(len, v.alternates.values()))
+
+
+def _count_alternates(variants: Mapping[str, Variants]) -> int:
+    return sum(len(kept) for v in variants.values() for kept in v.alternates.values())
+
+
 def _note(reasons: list[str], reason: str, keep: int = 5) -> None:
     """Keep the first few reasons: one per shape would repeat itself hundreds of times."""
     if len(reasons) < keep:
@@ -772,7 +837,10 @@ def _add_shape(groups: dict[str, _Group], variants: dict[str, Variants], shape: 
     if key not in groups:
         built = graph or Graph.build(ir)
         groups[key] = _Group(shape, ir, built, built.instantiate(), shape)
-        variants[key] = Variants(ir)
+        # Alternates (kernels whose launch attributes change) for updates in place, of kernels
+        # the driver lets an executable disable; a whole-graph update cannot enable or disable
+        # nodes, so there such a shape starts another executable.
+        variants[key] = Variants(ir, alternates=can_disable if graph is None else False)
         variants[key].shapes[shape] = {}
     elif graph is not None:
         groups[key].holds = shape  # _place_whole brought the executable to it
@@ -822,9 +890,10 @@ def _place(groups: Mapping[str, _Group], variants: Mapping[str, Variants], topol
            shape: Hashable, ir: KernelGraph,
            pairs: Callable[[str], Mapping[str, str] | None] | None = None) -> str:
     """The group a shape joins: the first executable of its topology that can take the shape
-    by updates in place (``Variants.add_graph``), which then holds the shape's versions. Where
-    none can (a kernel whose attributes change with the shape, as the H200's convolution
-    kernels for Wav2Vec2 did), the shape starts another executable of that topology, keyed
+    by updates in place (``Variants.add_graph``, alternates included), which then holds the
+    shape's versions. Where none can (a kernel whose attributes change with the shape and
+    that the driver will not disable, as a cuDNN convolution for Wav2Vec2 in clusters of 16
+    blocks on the H200), the shape starts another executable of that topology, keyed
     ``topology#n``."""
     for key in _variants_of(groups, topology):
         try:
