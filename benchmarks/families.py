@@ -236,7 +236,8 @@ def _changed(family, a: int, b: int) -> dict[str, object]:
     before = {**dict(variants.template.ops()), **variants.ops(a)}
     rows = []
     for n, version in variants.switch(a, b):
-        op, old = variants.nodes[n].op(version), before[n]
+        # an alternate's (node~k) before: what the shape ran at its template node
+        op, old = variants.nodes[n].op(version), before[variants.of(n)[0]]
         if isinstance(op, Kernel) and isinstance(old, Kernel):
             fields = [f for f in ("function", "grid", "block", "shared_mem") if
                       getattr(op, f) != getattr(old, f)]

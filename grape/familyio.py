@@ -5,15 +5,19 @@ A document (version 2) is ``{"schema": "grape.family", "version": 2, "environmen
 "templates": {key: <grape.ir document>}, "shapes": [[shape, key], ...], "executables": {key:
 {"nodes": [node, ...], "versions": ..., "rows": {node: {...}}, "ops": {node: <grape.ir
 document>}}}, "scratch": [buffer id, ...]}``: each executable's shapes as versions of the
-template's nodes (``grape.passes.variants``). ``versions`` holds, for each of the executable's
-shapes in ``shapes`` order, the version it takes of each of ``nodes`` (0: the template's own),
-as a little-endian int32 array in base64; a node's versions are ``rows`` (kernel versions as
-arrays: ``count`` versions after the template's, the argument byte ``columns`` where some
-version differs from the template and their ``values``, the launch ``dims`` (grid, block,
-shared memory) and each pointer's offset into its buffer, ``targets``; int32, uint8, int64
-and int64, base64) or ``ops`` (versions 1.. as nodes ``"1"``, ``"2"``, ... of an IR document
-without buffers). Version 1 documents, still read, held each member's changed operations in
-full: ``"members": [{"shape": ..., "template": key, "changes": <grape.ir document>}, ...]``.
+template's nodes (``grape.passes.variants``), alternates among them (``node~k``; an
+executable with alternates also has ``"alternates": {node: <grape.ir document>}``, alternates
+1.. as nodes ``"1"``, ``"2"``, ..., and ``"chosen": {"nodes": [node, ...], "alternates":
+...}``, the alternate each shape runs of each, 0 the node itself, int32 base64).
+``versions`` holds, for each of the executable's shapes in ``shapes`` order, the version it
+takes of each of ``nodes`` (0: the template's own), as a little-endian int32 array in base64;
+a node's versions are ``rows`` (kernel versions as arrays: ``count`` versions after the
+template's, the argument byte ``columns`` where some version differs from the template and
+their ``values``, the launch ``dims`` (grid, block, shared memory) and each pointer's offset
+into its buffer, ``targets``; int32, uint8, int64 and int64, base64) or ``ops`` (versions 1..
+as nodes ``"1"``, ``"2"``, ... of an IR document without buffers). Version 1 documents,
+still read, held each member's changed operations in full:
+``"members": [{"shape": ..., "template": key, "changes": <grape.ir document>}, ...]``.
 
 A shape is an integer, a string or a list of them (a tuple in Python). The template's buffer
 table holds every member's buffers (a family's executable resolves addresses through it).
@@ -195,20 +199,45 @@ def save_family(path: str | Path, family: SavedFamily) -> Path:
             if nv.rows:
                 rows[node] = _rows_to_json(nv)
             else:
-                sub = KernelGraph()
-                for version in range(1, len(nv)):
-                    sub.add(str(version), nv.op(version))
-                doc = graph_to_json(sub)
-                del doc["buffers"]  # the template's table holds them
-                ops[node] = doc
+                ops[node] = _ops_to_json([nv.op(version) for version in range(1, len(nv))])
         executables[key] = {"nodes": nodes, "versions": _b64(versions), "rows": rows,
                             "ops": ops}
+        if v.alternates:
+            alternated = list(v.alternates)
+            chosen = np.array([[v.chosen.get(shape, {}).get(node, 0) for node in alternated]
+                               for shape in shapes], dtype=np.int32).reshape(
+                                   len(shapes), len(alternated))
+            executables[key]["alternates"] = {node: _ops_to_json(kept)
+                                              for node, kept in v.alternates.items()}
+            executables[key]["chosen"] = {"nodes": alternated, "alternates": _b64(chosen)}
     return dump_json(path, {"schema": SCHEMA, "version": VERSION,
                             "environment": dict(family.environment),
                             "templates": {k: graph_to_json(v.template)
                                           for k, v in family.variants.items()},
                             "shapes": [[_shape_to_json(s), k] for s, k in family.shapes.items()],
                             "executables": executables, "scratch": sorted(family.scratch)})
+
+
+def _ops_to_json(ops: list[Op]) -> dict[str, Any]:
+    """Operations as nodes ``"1"``, ``"2"``, ... of an IR document without buffers (the
+    template's table holds them)."""
+    sub = KernelGraph()
+    for i, op in enumerate(ops, 1):
+        sub.add(str(i), op)
+    doc = graph_to_json(sub)
+    del doc["buffers"]
+    return doc
+
+
+def _ops_from_json(doc: Any, like: Op | None, what: str, where: str) -> list[Op]:
+    """:func:`_ops_to_json`'s operations, each's unchanged fields taken from ``like``."""
+    alike = {r["id"]: like for r in doc["nodes"]} if like is not None else None
+    sub = graph_from_json({**doc, "buffers": []}, alike)
+    count = len(sub.dag)
+    if set(sub.dag) != {str(n) for n in range(1, count + 1)}:
+        raise GrapeError(f"{where}: expected {what} numbered 1 to {count}, found "
+                         f"{sorted(sub.dag)[:3]}")
+    return [sub.op(str(n)) for n in range(1, count + 1)]
 
 
 def _b64(array: np.ndarray) -> str:
@@ -261,6 +290,30 @@ def _rows_from_json(doc: Any, node: str, template: Op, where: str) -> NodeVersio
     targets[0] = [p.target.offset for p in template.pointers]
     targets[1:] = _array(doc["targets"], "<i8", (count, len(template.pointers)), where)
     return NodeVersions.of_rows(node, template, args, dims, targets)
+
+
+def _alternates_v2(v: Variants, raw: dict, like: dict, shapes: list[Hashable],
+                   at: str) -> None:
+    """An executable's alternates (``grape.passes.variants``) and the one each shape runs:
+    ``"alternates": {node: <operations 1..k>}`` and ``"chosen": {"nodes": [node, ...],
+    "alternates": <int32 array, shapes x nodes, 0 the node itself>}``; absent, none."""
+    if "alternates" not in raw:
+        return
+    for node, doc in raw["alternates"].items():
+        if node not in v.template.dag:
+            raise GrapeError(f"{at}: expected alternates of nodes of the template, found "
+                             f"node {node!r}")
+        v.alternates[node] = _ops_from_json(doc, like.get(node), f"node {node!r}'s alternates",
+                                            at)
+    nodes = raw["chosen"]["nodes"]
+    chosen = _array(raw["chosen"]["alternates"], "<i4", (len(shapes), len(nodes)), at)
+    counts = np.array([len(v.alternates.get(n, ())) for n in nodes], dtype=np.int64)
+    if (chosen < 0).any() or (chosen > counts[None, :]).any():
+        raise GrapeError(f"{at}: expected alternate numbers up to each node's count of "
+                         f"alternates, found one outside")
+    for shape, row in zip(shapes, chosen.tolist(), strict=True):
+        if taken := {node: k for node, k in zip(nodes, row, strict=True) if k}:
+            v.chosen[shape] = taken
 
 
 def load_family(path: str | Path) -> SavedFamily:
@@ -337,32 +390,26 @@ def _executables_v2(doc: dict, templates: dict[str, KernelGraph], like: dict, wh
         shapes[_shape_from_json(raw, f"{where}, shape {i}")] = key
     variants = {}
     for key, template in templates.items():
-        v = variants[key] = Variants(template)
         raw = doc["executables"].get(key, {"nodes": [], "versions": "", "rows": {}, "ops": {}})
         at = f"{where}, executable {key!r}"
+        v = variants[key] = Variants(template, alternates="alternates" in raw)
+        mine = [s for s, k in shapes.items() if k == key]
+        _alternates_v2(v, raw, like[key], mine, at)
         nodes = raw["nodes"]
-        if unknown := [n for n in nodes if n not in template.dag]:
+        if unknown := [n for n in nodes if n not in template.dag and not v.of(n)[1]]:
             raise GrapeError(f"{at}: expected changes to nodes of template {key!r}, found "
                              f"node {unknown[0]!r}")
         for node in nodes:
             if node in raw["rows"]:
-                v.nodes[node] = _rows_from_json(raw["rows"][node], node, template.op(node),
+                v.nodes[node] = _rows_from_json(raw["rows"][node], node, v.op(node),
                                                 f"{at}, node {node!r}")
             elif node in raw["ops"]:
-                ops = raw["ops"][node]
                 # each version's unchanged fields taken from the template's node
-                alike = {r["id"]: like[key][node] for r in ops["nodes"]} \
-                    if node in like[key] else None
-                sub = graph_from_json({**ops, "buffers": []}, alike)
-                count = len(sub.dag)
-                if set(sub.dag) != {str(n) for n in range(1, count + 1)}:
-                    raise GrapeError(f"{at}: expected node {node!r}'s versions numbered 1 to "
-                                     f"{count}, found {sorted(sub.dag)[:3]}")
-                v.nodes[node] = NodeVersions.of_ops(
-                    node, [template.op(node), *(sub.op(str(n)) for n in range(1, count + 1))])
+                v.nodes[node] = NodeVersions.of_ops(node, [v.op(node), *_ops_from_json(
+                    raw["ops"][node], like[key].get(v.of(node)[0]),
+                    f"node {node!r}'s versions", at)])
             else:
                 raise GrapeError(f"{at}: expected versions of node {node!r}, found none")
-        mine = [s for s, k in shapes.items() if k == key]
         versions = _array(raw["versions"], "<i4", (len(mine), len(nodes)), at)
         counts = np.array([len(v.nodes[n]) for n in nodes], dtype=np.int64)
         if (versions < 0).any() or (versions >= counts[None, :]).any():

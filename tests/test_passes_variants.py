@@ -193,7 +193,11 @@ def test_a_kernel_whose_attributes_change_gets_an_alternate_each_shape_runs_one_
     assert v.runs("b", "s4") == "b~2" and v.runs("b", "t2") == "b" and v.runs("a", "s2") == "a"
     # s2 runs alternate 1 as it was made; s2b a version of it, and a version of node a.
     assert v.shapes["s2"] == {} and set(v.shapes["s2b"]) == {"a", "b~1"}
-    assert v.ops("s2b")["b~1"].grid == (8, 1, 1) and v.op("b~2").function == "h@0x3"
+    assert v.ops("s2b")["b"].grid == (8, 1, 1) and v.op("b~2").function == "h@0x3"
+    assert v.ops("s2") == {"b": two} and v.of("b~2") == ("b", 2) and v.of("b~3") == ("b~3", 0)
+    # each shape's own graph is the template with its operations
+    assert graph_with(v.template, v.ops("s4")) == _chain(plain, _clustered(9, 4, "h@0x3"),
+                                                         plain)
     assert v.alternated == {"b", "b~1", "b~2"}
     assert v.disabled("t") == ["b~1", "b~2"] and v.disabled("s4") == ["b", "b~1"]
     assert v.toggles("t", "s2") == [("b", False), ("b~1", True)]
@@ -226,7 +230,7 @@ def test_lengths_derived_from_a_shape_that_runs_an_alternate_run_it_too():
     rows.add(_clustered(5, 2))
     numbers = v.node(v.runs("a", "s")).add_rows(*rows.arrays())  # as place_derived adds them
     v.add_like(["d3", "d5"], "s", {"a~1": numbers})
-    assert v.chosen["d3"] == {"a": 1} and v.ops("d5")["a~1"].grid == (5, 1, 1)
+    assert v.chosen["d3"] == {"a": 1} and v.ops("d5")["a"].grid == (5, 1, 1)
     assert v.toggles("t", "d3") == [("a", False), ("a~1", True)]
 
 
@@ -256,3 +260,41 @@ def test_the_edges_into_and_out_of_a_chain_of_alternates_are_full_dependencies()
     built = v.executable_graph()
     assert built.edges() == {("a", "b", None), ("b", "b~1", None), ("b~1", "c", None)}
     assert g.kinds_into("b") == {"a": "programmatic"}  # the template is left alone
+
+
+def _alternated() -> Variants:
+    """Shapes t (the template), s2 (an alternate of the template's function), s4 and s4b (an
+    alternate of a function the template never runs, s4b a version of it)."""
+    plain = _kernel(1, bytes(8))
+    v = Variants(_chain(plain, _clustered(1, None), plain), alternates=True)
+    v.shapes["t"] = {}
+    v.add_graph("s2", _chain(plain, _clustered(4, 2), plain))
+    v.add_graph("s4", _chain(_kernel(7, bytes(8)), _clustered(9, 4, "h@0x3"), plain))
+    v.add_graph("s4b", _chain(plain, _clustered(5, 4, "h@0x3"), plain))
+    return v
+
+
+def test_a_family_with_alternates_is_saved_and_read_back_whole(tmp_path):
+    from grape.familyio import SavedFamily, save_family
+
+    v = _alternated()
+    path = save_family(tmp_path / "f.family.json.gz", SavedFamily({"k": v}, dict.fromkeys(
+        v.shapes, "k")))
+    back = load_family(path).variants["k"]
+    assert back.alternates == v.alternates and back.chosen == v.chosen
+    assert back.shapes == v.shapes and back.takes_alternates
+    for shape in v.shapes:
+        assert back.ops(shape) == v.ops(shape)
+    assert back.toggles("s2", "s4b") == v.toggles("s2", "s4b")
+
+
+def test_alternates_move_to_another_process_where_the_template_runs_their_function():
+    v = _alternated()
+    here = _chain(_kernel(1, bytes(8)), _clustered(1, None), _kernel(1, bytes(8)),
+                  address=0x9000)
+    moved, failed = relocate_variants(v, relocation(v.template, here), here)
+    # s2's alternate runs the template's function: it moves; h@0x3 never ran here
+    assert set(failed) == {"s4", "s4b"} and "h" in failed["s4"]
+    assert set(moved.shapes) == {"t", "s2"} and moved.chosen == {"s2": {"b": 1}}
+    assert moved.alternates["b"] == [v.alternates["b"][0]]
+    assert moved.ops("s2") == v.ops("s2")

@@ -47,7 +47,7 @@ import numpy as np
 from grape.errors import GraphError, UnsupportedError
 from grape.ir import Buffer, Conditional, Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span
 from grape.passes.families import match
-from grape.passes.variants import NodeVersions, Variants
+from grape.passes.variants import NodeVersions, Variants, alternate
 
 __all__ = ["Loose", "Moved", "Relocation", "relocate", "relocate_all", "relocate_variants",
            "relocation"]
@@ -286,17 +286,38 @@ def relocate_variants(variants: Variants, r: Relocation, here: KernelGraph
     Versions kept as rows move all at once, a pointer column at a time; a node whose loose
     words (module docstring) cover one of its pointers, or whose versions are operations,
     moves version by version with :func:`relocate`."""
-    out = Variants(here)
+    out = Variants(here, variants.takes_alternates)
+    # Alternates move as their template node's versions do; one that does not move holds
+    # back the shapes that run it (its number maps to None).
+    kept: dict[str, list[int | None]] = {}
+    refused: dict[tuple[str, int], str] = {}
+    for node, ops in variants.alternates.items():
+        mine = out.alternates.setdefault(r.nodes[node], [])
+        kept[node] = [0]
+        for k, op in enumerate(ops, 1):
+            try:
+                mine.append(relocate(op, r, node))
+                kept[node].append(len(mine))
+            except UnsupportedError as e:
+                kept[node].append(None)
+                refused[node, k] = str(e)
     moved: dict[str, tuple[str, list[int | None], dict[int, str]]] = {}
     for node, versions in variants.nodes.items():
-        new_node = r.nodes[node]
-        found = _moved_rows(versions, r, new_node, here.op(new_node))
+        base, k = variants.of(node)
+        if k and kept[base][k] is None:
+            continue
+        new_node = alternate(r.nodes[base], kept[base][k]) if k else r.nodes[node]
+        found = _moved_rows(versions, r, new_node, out.op(new_node))
         if found is None:
-            found = _moved_ops(versions, r, new_node, here.op(new_node))
+            found = _moved_ops(versions, r, new_node, out.op(new_node))
         out.nodes[new_node], numbers, why = found
         moved[node] = (new_node, numbers, why)
     failed: dict[Hashable, str] = {}
     for shape, versions in variants.shapes.items():
+        chosen = variants.chosen.get(shape, {})
+        if bad := next(((n, k) for n, k in chosen.items() if kept[n][k] is None), None):
+            failed[shape] = refused[bad]
+            continue
         mapped = {}
         for node, v in versions.items():
             new_node, numbers, why = moved[node]
@@ -307,6 +328,8 @@ def relocate_variants(variants: Variants, r: Relocation, here: KernelGraph
                 mapped[new_node] = numbers[v]
         else:
             out.shapes[shape] = mapped
+            if chosen:
+                out.chosen[shape] = {r.nodes[n]: kept[n][k] for n, k in chosen.items()}
     return out, failed
 
 

@@ -329,10 +329,15 @@ class Variants:
 
     def op(self, node: str) -> Op:
         """The template's operation of ``node``, an alternate's (``node~k``) included."""
+        base, k = self.of(node)
+        return self.alternates[base][k - 1] if k else self.template.op(node)
+
+    def of(self, node: str) -> tuple[str, int]:
+        """(template node, k) for alternate ``node`` (``node~k``); (``node``, 0) for any other."""
         base, _, k = node.rpartition("~")
-        if base and base in self.alternates and k.isdigit():
-            return self.alternates[base][int(k) - 1]
-        return self.template.op(node)
+        if base and k.isdigit() and 0 < int(k) <= len(self.alternates.get(base, ())):
+            return base, int(k)
+        return node, 0
 
     def add_graph(self, shape: Hashable, graph: KernelGraph,
                   pairs: Mapping[str, str] | None = None) -> None:
@@ -420,6 +425,8 @@ class Variants:
     def _commit(self, shape: Hashable, changes: Mapping[str, Op]) -> None:
         versions = {}
         for node, op in changes.items():
+            if node not in self.nodes and op == self.op(node):
+                continue  # a new alternate's own operation: no versions to keep yet
             if v := self.node(node).add(op):
                 versions[node] = v
         self.shapes[shape] = versions
@@ -532,8 +539,13 @@ class Variants:
         return out
 
     def ops(self, shape: Hashable) -> dict[str, Op]:
-        """The operations ``shape`` changes, by template node (an alternate's by its id)."""
-        return {node: self.nodes[node].op(v) for node, v in self.shapes[shape].items()}
+        """The operations ``shape`` changes, by template node: where it runs an alternate,
+        that alternate's version (the shape's own graph is the template with these)."""
+        out: dict[str, Op] = {node: self.alternates[node][k - 1]
+                              for node, k in self.chosen.get(shape, {}).items()}
+        for node, v in self.shapes[shape].items():
+            out[self.of(node)[0]] = self.nodes[node].op(v)
+        return out
 
     @property
     def host_bytes(self) -> int:

@@ -172,18 +172,7 @@ class Family:
     def save(self, path: str | Path, params: Mapping[str, torch.Tensor] | None = None) -> Path:
         """Write the family to ``path`` (``grape.familyio``): each executable's template, each
         shape's changes to it, and the environment it was captured in (``params``: the model's
-        parameters, whose layout a reload must match). ``grape simulate`` runs the file.
-
-        Raises
-        ------
-        UnsupportedError
-            An executable has alternates (kernels whose launch attributes change), which the
-            file format does not hold yet.
-        """
-        if alternates := _count_alternates(self.variants):
-            raise UnsupportedError(f"expected a family without alternates to save (kernels "
-                                   f"whose launch attributes change with the shape), found "
-                                   f"{alternates}, which the family file does not hold yet")
+        parameters, whose layout a reload must match). ``grape simulate`` runs the file."""
         return save_family(path, SavedFamily(dict(self.variants), dict(self.group_of),
                                              environment(params), self.scratch))
 
@@ -624,7 +613,9 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     process, in the saved layout, rather than onto the blocks the capture here happened to
     take; the captures' own pool is then given back. A shape whose changes use a kernel or
     memory its template never did, and every shape of an executable whose template does not
-    move, is captured here instead (with a warning that counts them).
+    move, is captured here instead (with a warning that counts them); so is a shape that runs
+    an alternate (a kernel whose launch attributes change) of a function the template never
+    ran, whose kernel this process may not even have loaded.
     ``prepare``, ``update`` (``"nodes"`` or ``"device"``): as for :func:`capture_family`.
 
     Raises
@@ -690,6 +681,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
         if moved is not None and groups[name].template_shape == first:
             # base is its executable's template: every saved version moves onto it at once
             variants[name], failed = relocate_variants(saved.variants[key], moved, base)
+            variants[name].takes_alternates = can_disable  # for shapes captured here
             group_of.update(dict.fromkeys(variants[name].shapes, name))
             for shape, why in failed.items():
                 _note(not_moved, f"shape {shape!r}: {why}")
@@ -706,6 +698,9 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
             rest = left
         for shape in rest:
             group_of[shape] = _add_shape(groups, variants, shape, here(shape))
+    if rebuilt := _with_alternates(groups, variants):
+        progress(f"built {rebuilt} executables again with their alternates "
+                 f"({_count_alternates(variants)})")
     keep: list[Any] = [arena]
     if not_moved:  # executables that run on memory captured here
         keep += pool_graphs[:1]
