@@ -487,3 +487,34 @@ def test_ranks_whose_graphs_collect_differently_are_refused():
     (g2, d2) = _tp_chain(10.0, ("AllReduce", "AllGather"))
     with pytest.raises(SimulationError, match="expected collective 2 to be one operation"):
         run_graph_ranks([g0, g2], [d0, d2], costs, collective_cost=lambda k: 5.0)
+
+
+def test_a_family_whose_kernel_changes_cluster_shape_enables_an_alternate_from_the_host():
+    """As grape.torch.family runs it: one executable, the other cluster shape's kernel chained
+    after its node; moving between the two enables one and disables the other (two host
+    calls, priced as node updates), and the launch counts both nodes."""
+    import dataclasses
+
+    from grape.sim.graph import family_program
+
+    def step(cluster):
+        g = KernelGraph()
+        g.add("embed", _kernel("embed"))
+        attn = dataclasses.replace(_kernel("attn"), attributes=(
+            (("cluster_dim", (cluster, 1, 1)),) if cluster > 1 else ()))
+        g.add("attn", attn, after=["embed"])
+        return g
+
+    graphs = {1: step(1), 2: step(2)}
+    table = _table(embed=1.0, attn=2.0)
+    costs = Costs(graph_node_overhead=0.0, set_params=2.0)
+    program, updated = family_program(graphs, [1, 2, 2, 1], table, costs)
+    assert updated == [0, 2, 0, 2]
+    host = [sum(s.dur for s in it if type(s).__name__ == "HostWork")
+            for it in program.iterations]
+    assert host == [0, 4.0, 0, 4.0]
+    launches = [next(s for s in it if hasattr(s, "gpu_time")) for it in program.iterations]
+    assert {launch.nodes for launch in launches} == {3}
+    # whole-graph updates cannot enable nodes: another executable, nothing updated
+    _, whole = family_program(graphs, [1, 2, 2, 1], table, costs, whole=True)
+    assert whole == [0, 0, 0, 0]

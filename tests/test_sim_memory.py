@@ -141,3 +141,20 @@ def test_a_saved_familys_memory_against_per_shape_graphs_sharing_one_pool():
     with pytest.raises(GrapeError, match="expected node and shape counts and byte sizes that "
                                          "are not negative, found"):
         saved_family_memory([(292, -1)], 0, 0, 2520.0)
+
+
+def test_a_saved_familys_alternates_are_nodes_of_its_executables_alone():
+    from grape.sim.memory import saved_family_memory
+
+    # Shaped like Wav2Vec2's family on the H200 (node counts of its 8 executables, 287
+    # alternates); how shapes and alternates split between executables is made up here.
+    templates = [(482, 20), (481, 12), (482, 15), (482, 14), (483, 13), (493, 10),
+                 (445, 9), (433, 8)]
+    alternates = [48, 48, 48, 48, 48, 47, 0, 0]
+    plain, _ = saved_family_memory(templates, 0, 0, 2520.0)
+    family, per_shape = saved_family_memory(templates, 0, 0, 2520.0, alternates)
+    assert family.graph_bytes - plain.graph_bytes == round(287 * 2520.0)
+    assert per_shape.graph_bytes == round(sum(n * k for n, k in templates) * 2520.0)
+    with pytest.raises(GrapeError, match="a count of alternates that is not negative for "
+                                         "each of the 8 executables"):
+        saved_family_memory(templates, 0, 0, 2520.0, [1, 2])

@@ -404,7 +404,11 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
     with ``device``, as ``update="device"`` does it: the nodes a kernel can switch
     (``device_switchable``) by one switch kernel before the graph (``Costs.switch_launch`` on
     the host, ``Costs.switch_per_node`` a node on the GPU), the others from the host; then
-    the launch, at the GPU time of running the shape's own graph, and a sync. ``variants``:
+    the launch, at the GPU time of running the shape's own graph, and a sync. A kernel whose
+    launch attributes change runs as an alternate chained after its node (as in
+    ``grape.torch.family``, but for whole-graph updates): each alternate enabled or disabled
+    is one host call, priced as a node update, and every alternate is a node of the launch
+    (a disabled one runs as an empty node; its time on the GPU is not priced). ``variants``:
     the family's executables (a saved family's, each starting out holding its template's
     shape, the first it lists); without them, shapes group by structure
     (``grape.passes.families.group``), each group one executable made from its first shape's

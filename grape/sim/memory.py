@@ -198,13 +198,16 @@ def family_memory(shapes: Sequence[Sequence[tuple[str, int, int]]], nodes: Seque
 
 
 def saved_family_memory(templates: Sequence[tuple[int, int]], scratch: int, tables: int,
-                        bytes_per_node: float) -> tuple[FamilyMemory, FamilyMemory]:
+                        bytes_per_node: float, alternates: Sequence[int] = ()
+                        ) -> tuple[FamilyMemory, FamilyMemory]:
     """A saved family's device memory, priced from the file alone, and that of per-shape
     graphs of its shapes sharing one pool (what serving engines keep). ``templates``: (nodes,
     shapes) for each executable of the family; ``scratch``: its graphs' pool, the scratch
     buffers the file names (``SavedFamily.scratch_buffers``), which per-shape graphs captured
     largest first into one pool hold as well (the largest shape's temporaries); ``tables``:
-    the device switches' tables where update="device" (``grape.passes.switch_plan.totals``).
+    the device switches' tables where update="device" (``grape.passes.switch_plan.totals``);
+    ``alternates``: each executable's alternates (``grape.passes.variants``), nodes of its
+    executable that no per-shape graph has.
 
     On the H200 (benchmarks/README.md, runs 54 and 55) executables took 2.8 KB a node where
     the device profile's fit, made on small graphs, says 2.5; the pool's segments round its
@@ -212,8 +215,13 @@ def saved_family_memory(templates: Sequence[tuple[int, int]], scratch: int, tabl
     if any(n < 0 or k < 0 for n, k in templates) or scratch < 0 or tables < 0:
         raise GrapeError(f"expected node and shape counts and byte sizes that are not "
                          f"negative, found {list(templates)[:4]}, {scratch} and {tables}")
-    family = FamilyMemory(scratch, executable_bytes([n for n, _ in templates], bytes_per_node),
-                          len(templates), tables)
+    extra = list(alternates) or [0] * len(templates)
+    if len(extra) != len(templates) or any(a < 0 for a in extra):
+        raise GrapeError(f"expected a count of alternates that is not negative for each of "
+                         f"the {len(templates)} executables, found {list(alternates)[:4]}")
+    family = FamilyMemory(scratch, executable_bytes(
+        [n + a for (n, _), a in zip(templates, extra, strict=True)], bytes_per_node),
+        len(templates), tables)
     per_shape = FamilyMemory(scratch, executable_bytes([n * k for n, k in templates],
                                                        bytes_per_node),
                              sum(k for _, k in templates))
