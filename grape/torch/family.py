@@ -43,6 +43,7 @@ from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
 from grape.passes.derive import Derivation, Sampled, derive_lengths, place_derived
 from grape.passes.families import match, same_ids
 from grape.passes.places import History, Mark, to_reference
+from grape.passes.switch_plan import SwitchPlan
 from grape.passes.switch_plan import plan as switch_plan
 from grape.passes.variants import Variants
 from grape.torch.capture import (
@@ -250,21 +251,7 @@ class Family:
             old.close()
         made = switch_plan(v)
         self._row.update((shape, i) for i, shape in enumerate(made.shapes))
-        graph = Graph.build(v.executable_graph())
-        try:
-            switch = DeviceSwitch(graph, made.versions, made.table)
-            executable = graph.instantiate()
-            Graph.apply(executable, [graph.prepare_enabled(n, False)
-                                     for n in v.disabled(group.template_shape)])
-        except BaseException:
-            graph.close()
-            raise
-        group.executable.close()
-        if all(group.graph is not g for g in self.graphs.values()):
-            group.graph.close()
-        group.graph, group.executable, group.holds = graph, executable, group.template_shape
-        group.alternates = sum(map(len, v.alternates.values()))
-        self._device[name] = switch
+        self._device[name] = _instantiate(group, v, made)
         # host calls prepared against the old graph's nodes: made again against the new one's
         for key in [k for k in self._versions if k[0] == name]:
             del self._versions[key]
@@ -788,15 +775,23 @@ def _with_alternates(groups: Mapping[str, _Group], variants: Mapping[str, Varian
     return rebuilt
 
 
-def _instantiate(group: _Group, v: Variants) -> None:
+def _instantiate(group: _Group, v: Variants, plan: SwitchPlan | None = None
+                 ) -> DeviceSwitch | None:
     """Give ``group`` a new graph and executable built from ``v``'s template and alternates,
-    holding the template's shape; the old ones are closed."""
+    holding the template's shape; the old ones are closed. ``plan``: a device switch's, made
+    on the new graph before it is instantiated (its nodes must be device-updatable then), and
+    returned."""
     graph = Graph.build(v.executable_graph())
+    switch = None
     try:
+        if plan is not None:
+            switch = DeviceSwitch(graph, plan.versions, plan.table)
         executable = graph.instantiate()
         Graph.apply(executable, [graph.prepare_enabled(n, False)
                                  for n in v.disabled(group.template_shape)])
     except BaseException:
+        if switch is not None:
+            switch.close()
         graph.close()
         raise
     group.executable.close()
@@ -804,6 +799,7 @@ def _instantiate(group: _Group, v: Variants) -> None:
     group.graph, group.executable = graph, executable
     group.holds = group.template_shape
     group.alternates = sum(map(len, v.alternates.values()))
+    return switch
 
 
 def _count_alternates(variants: Mapping[str, Variants]) -> int:
