@@ -171,7 +171,8 @@ def family_summary(f: SavedFamily, path: str | Path) -> Summary:
     """A saved graph family (``grape.familyio``): its shapes, executables, how much each shape
     changes of its executable's template, and where it was captured."""
     changed = sorted(f.changed(s) for s in f.shapes)
-    executables = {key: {"nodes": len(v.template), "shapes": len(v.shapes)}
+    executables = {key: {"nodes": len(v.template), "shapes": len(v.shapes),
+                         "alternates": sum(map(len, v.alternates.values()))}
                    for key, v in f.variants.items()}
     switched, versions, tables = totals(f.variants.values())
     buffers = {b.id: b for g in f.templates.values() for b in g.buffers.values()}
@@ -192,8 +193,9 @@ def family_summary(f: SavedFamily, path: str | Path) -> Summary:
     lines = [
         str(path),
         f"  grape graph family: {len(shapes)} shapes ({span}), {len(executables)} executables "
-        "(" + ", ".join(f"{e['nodes']} nodes for {e['shapes']} shapes"
-                        for e in executables.values()) + ")",
+        "(" + ", ".join(f"{e['nodes']} nodes"
+                        + (f" and {e['alternates']} alternates" if e["alternates"] else "")
+                        + f" for {e['shapes']} shapes" for e in executables.values()) + ")",
         "  nodes each shape changes of its template: "
         + (f"{changed[0]} to {changed[-1]}, median {statistics.median(changed):g}"
            if changed else "none"),

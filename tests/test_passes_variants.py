@@ -298,3 +298,15 @@ def test_alternates_move_to_another_process_where_the_template_runs_their_functi
     assert set(moved.shapes) == {"t", "s2"} and moved.chosen == {"s2": {"b": 1}}
     assert moved.alternates["b"] == [v.alternates["b"][0]]
     assert moved.ops("s2") == v.ops("s2")
+
+
+def test_grape_info_counts_a_saved_family_s_alternates(tmp_path):
+    from grape.familyio import SavedFamily, save_family
+    from grape.summary import family_summary
+
+    v = _alternated()
+    path = save_family(tmp_path / "f.family.json.gz", SavedFamily({"k": v}, dict.fromkeys(
+        v.shapes, "k")))
+    summary = family_summary(load_family(path), path)
+    assert summary.data["executables"]["k"] == {"nodes": 3, "shapes": 4, "alternates": 2}
+    assert "3 nodes and 2 alternates for 4 shapes" in summary.text
