@@ -172,7 +172,7 @@ def _chain(*ops: Kernel, address: int = 0x1000) -> KernelGraph:
 def _clustered(grid: int, cluster: int | None, function: str = "f@0x1") -> Kernel:
     attributes = (("cluster_dim", (cluster, 1, 1)),) if cluster else ()
     return dataclasses.replace(_kernel(grid, bytes(8)), function=function,
-                               attributes=attributes)
+                               name=function.split("@")[0], attributes=attributes)
 
 
 def test_a_kernel_whose_attributes_change_gets_an_alternate_each_shape_runs_one_of():
@@ -294,7 +294,7 @@ def test_alternates_move_to_another_process_where_the_template_runs_their_functi
                   address=0x9000)
     moved, failed = relocate_variants(v, relocation(v.template, here), here)
     # s2's alternate runs the template's function: it moves; h@0x3 never ran here
-    assert set(failed) == {"s4", "s4b"} and "h" in failed["s4"]
+    assert set(failed) == {"s4", "s4b"} and "'h', which it never runs here" in failed["s4"]
     assert set(moved.shapes) == {"t", "s2"} and moved.chosen == {"s2": {"b": 1}}
     assert moved.alternates["b"] == [v.alternates["b"][0]]
     assert moved.ops("s2") == v.ops("s2")

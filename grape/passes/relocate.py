@@ -301,6 +301,8 @@ def relocate_variants(variants: Variants, r: Relocation, here: KernelGraph
             except UnsupportedError as e:
                 kept[node].append(None)
                 refused[node, k] = str(e)
+        if not mine:  # none moved: the node has no alternates here
+            del out.alternates[r.nodes[node]]
     moved: dict[str, tuple[str, list[int | None], dict[int, str]]] = {}
     for node, versions in variants.nodes.items():
         base, k = variants.of(node)

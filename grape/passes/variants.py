@@ -28,10 +28,10 @@ Bringing an executable from one shape to another updates the nodes whose version
 H200's GEMM and convolution kernels pick theirs by size, so Wav2Vec2's 101 audio lengths
 needed 45 executables for 7 topologies (``benchmarks/README.md``). A :class:`Variants` made with
 ``alternates=True`` takes such a shape all the same: where a kernel's attributes differ from
-the template's, the executable gets an *alternate* of that node (``node~k``), a sibling with
-the same dependencies holding the kernel with those attributes, and each shape runs one of
-a node's alternates with the others disabled (``cuGraphNodeSetEnabled``: a disabled node runs
-as an empty one). :meth:`Variants.toggles` says which nodes a switch enables and disables;
+the template's, the executable gets an *alternate* of that node (``node~k``), chained after
+it, holding the kernel with those attributes, and each shape runs one of a node's alternates
+with the others disabled (``cuGraphNodeSetEnabled``: a disabled node runs as an empty one).
+:meth:`Variants.toggles` says which nodes a switch enables and disables;
 :meth:`Variants.executable_graph` is the template with its alternates, what is instantiated.
 """
 
