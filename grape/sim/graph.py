@@ -434,9 +434,8 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
     # each executable starts out holding its template's shape
     holds = {key: next(s for s, versions in v.shapes.items() if not versions)
              for key, v in variants.items()}
-    on_device = {key: ({node for node, nv in v.nodes.items()
-                        if device_switchable(nv) and node not in v.alternated}
-                       if device else set()) for key, v in variants.items()}
+    on_device = {key: ({node for node, nv in v.nodes.items() if device_switchable(nv)}
+                       - v.alternated if device else set()) for key, v in variants.items()}
     iterations, updated = [], []
     for shape in sequence:
         key = key_of[shape]
