@@ -49,8 +49,8 @@ from grape.ir import Buffer, Conditional, Kernel, KernelGraph, Memcpy, Memset, O
 from grape.passes.families import match
 from grape.passes.variants import NodeVersions, Variants, alternate
 
-__all__ = ["Loose", "Moved", "Relocation", "relocate", "relocate_all", "relocate_variants",
-           "relocation"]
+__all__ = ["Loose", "Moved", "Relocation", "learn_functions", "relocate", "relocate_all",
+           "relocate_variants", "relocation"]
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,27 @@ def relocation(saved: KernelGraph, fresh: KernelGraph,
                                    f"capture here, found node {old_node!r} different beyond "
                                    f"its functions, addresses and loose argument words")
     return found
+
+
+def learn_functions(r: Relocation, saved: KernelGraph, here: KernelGraph) -> int:
+    """Kernel functions of ``saved`` (a shape's graph from the saving process) the template
+    never ran, paired with those of ``here`` (the same shape captured here) by node and
+    mangled name, added to ``r``: a warm start that had to capture a shape for a function the
+    template never ran (one cuBLAS picks by size; this process may not even have loaded it
+    until the capture did) then moves the later shapes that run it. Nodes whose names differ,
+    or graphs that do not match, teach nothing. Returns how many functions it added."""
+    try:
+        nodes = match(saved, here)
+    except GraphError:
+        return 0
+    added = 0
+    for old_node, new_node in nodes.items():
+        old, new = saved.op(old_node), here.op(new_node)
+        if (isinstance(old, Kernel) and isinstance(new, Kernel) and old.name == new.name
+                and old.function not in r.functions):
+            r.functions[old.function] = new.function
+            added += 1
+    return added
 
 
 _SCRATCH = Span("<scratch>")

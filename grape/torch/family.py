@@ -600,9 +600,10 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     process, in the saved layout, rather than onto the blocks the capture here happened to
     take; the captures' own pool is then given back. A shape whose changes use a kernel or
     memory its template never did, and every shape of an executable whose template does not
-    move, is captured here instead (with a warning that counts them); so is a shape that runs
-    an alternate (a kernel whose launch attributes change) of a function the template never
-    ran, whose kernel this process may not even have loaded.
+    move, is captured here instead (with a warning that counts them). So is a shape that runs
+    a kernel function the template never ran (cuBLAS picks its kernels by size; this process
+    may not even have loaded that one), but each such capture teaches the relocation its
+    functions (``grape.passes.relocate.learn_functions``), and later shapes that run them move.
     ``prepare``, ``update`` (``"nodes"`` or ``"device"``): as for :func:`capture_family`.
 
     Raises
@@ -614,7 +615,12 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
         raise GrapeError(f"expected update 'nodes' or 'device' for a loaded family, found "
                          f"{update!r}")
     from grape.familyio import load_family as read_family
-    from grape.passes.relocate import relocate_all, relocate_variants, relocation
+    from grape.passes.relocate import (
+        learn_functions,
+        relocate_all,
+        relocate_variants,
+        relocation,
+    )
 
     began = time.perf_counter()
     progress(f"reading {path}")
@@ -683,8 +689,19 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
                     _note(not_moved, f"shape {shape!r}: {e}")
                     left.append(shape)
             rest = left
+        learned = 0  # functions the template never ran, learned from captures here
         for shape in rest:
-            group_of[shape] = _add_shape(groups, variants, shape, here(shape))
+            if learned:
+                try:  # moved after all, where what held it back was such a function
+                    ops = relocate_all(saved.variants[key].ops(shape), moved)
+                    group_of[shape] = _add_shape(groups, variants, shape, graph_with(base, ops))
+                    continue
+                except UnsupportedError:
+                    pass
+            ir = here(shape)
+            group_of[shape] = _add_shape(groups, variants, shape, ir)
+            if moved is not None:
+                learned += learn_functions(moved, saved.graph(shape), ir)
     if rebuilt := _with_alternates(groups, variants):
         progress(f"built {rebuilt} executables again with their alternates "
                  f"({_count_alternates(variants)})")
