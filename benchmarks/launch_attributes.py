@@ -15,7 +15,9 @@ Settings: ``default``; ``cublas`` and ``cublaslt`` (``torch.backends.cuda.prefer
 
 python benchmarks/launch_attributes.py [--lengths 16000:160000:7200] [--out FILE]
 
-Written 2026-12-04 and not yet run on a GPU (that session's device time was spent).
+On the H200 (benchmarks/README.md, run 63) no setting helped: 45 executables for 7 topologies
+under each BLAS setting, 46 for 22 without cuDNN. Families take such shapes by alternates
+instead (``grape.passes.variants``).
 """
 
 from __future__ import annotations
