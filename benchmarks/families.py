@@ -461,8 +461,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         # Executables: one per topology, more where a kernel's attributes change with the shape.
         "topologies": len(family.groups), "nodes_per_topology": nodes,
         # kernels beside their node for launch attributes that change (Variants.alternates)
-        "alternates": sum(len(k) for v in family.variants.values()
-                          for k in v.alternates.values()),
+        "alternates": sum(v.alternate_count for v in family.variants.values()),
         "fingerprints": len({k.split("#")[0] for k in family.groups}),
         # the shapes' node versions (grape.passes.variants): argument rows, which prepared
         # updates point into; before versions, "delta_host_bytes" counted coded XOR deltas

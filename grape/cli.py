@@ -563,7 +563,7 @@ def _family_memory_lines(saved: SavedFamily, tables: int, profile: DeviceProfile
     family, per_shape = saved_family_memory(
         [(len(v.template), len(v.shapes)) for v in saved.variants.values()],
         sum(b.size for b in saved.scratch_buffers().values()), tables, per_node,
-        [sum(map(len, v.alternates.values())) for v in saved.variants.values()])
+        [v.alternate_count for v in saved.variants.values()])
     mib = 2**20
     print(f"  family device memory           {family.total / mib:10.3f} MiB (executables "
           f"{family.graph_bytes / mib:.3f} at {per_node:.0f} B a node, scratch "

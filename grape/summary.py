@@ -172,7 +172,7 @@ def family_summary(f: SavedFamily, path: str | Path) -> Summary:
     changes of its executable's template, and where it was captured."""
     changed = sorted(f.changed(s) for s in f.shapes)
     executables = {key: {"nodes": len(v.template), "shapes": len(v.shapes),
-                         "alternates": sum(map(len, v.alternates.values()))}
+                         "alternates": v.alternate_count}
                    for key, v in f.variants.items()}
     switched, versions, tables = totals(f.variants.values())
     buffers = {b.id: b for g in f.templates.values() for b in g.buffers.values()}

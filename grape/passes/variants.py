@@ -499,6 +499,11 @@ class Variants:
         return off + on
 
     @property
+    def alternate_count(self) -> int:
+        """How many alternates the executable holds beyond its template's nodes."""
+        return sum(map(len, self.alternates.values()))
+
+    @property
     def alternated(self) -> frozenset[str]:
         """Every node with alternates, and its alternates: the nodes a switch may toggle."""
         return frozenset(alternate(node, k) for node, kept in self.alternates.items()

@@ -405,8 +405,9 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
     (``device_switchable``) by one switch kernel before the graph (``Costs.switch_launch`` on
     the host, ``Costs.switch_per_node`` a node on the GPU), the others from the host; then
     the launch, at the GPU time of running the shape's own graph, and a sync. A kernel whose
-    launch attributes change runs as an alternate chained after its node (as in
-    ``grape.torch.family``, but for whole-graph updates): each alternate enabled or disabled
+    launch attributes change runs as an alternate chained after its node, as
+    ``grape.torch.family`` runs it (except with ``whole``, where such a shape starts another
+    executable, as there): each alternate enabled or disabled
     is one host call, priced as a node update, and every alternate is a node of the launch
     (a disabled one runs as an empty node; its time on the GPU is not priced). ``variants``:
     the family's executables (a saved family's, each starting out holding its template's
@@ -442,7 +443,7 @@ def family_program(graphs: Mapping[Hashable, KernelGraph], sequence: Sequence[Ha
         v = variants[key]
         # an executable's nodes: its template's and every alternate (disabled ones launch as
         # empty nodes)
-        nodes = v.template.dag.number_of_nodes() + sum(map(len, v.alternates.values()))
+        nodes = v.template.dag.number_of_nodes() + v.alternate_count
         switched = 0  # nodes the device switch updates
         if holds[key] == shape:
             changed = 0

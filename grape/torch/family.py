@@ -564,8 +564,8 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                 placed(shape, key)
     for v in variants.values():
         v.settle()
-    rebuilt = _with_alternates(groups, variants)
-    if rebuilt:
+    # (A device switch builds each executable again, with its alternates, before it runs.)
+    if update != "device" and (rebuilt := _with_alternates(groups, variants)):
         progress(f"built {rebuilt} executables again with the alternates of kernels whose "
                  f"launch attributes change ({_count_alternates(variants)} alternates)")
     torch.cuda.synchronize()
@@ -702,7 +702,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
             group_of[shape] = _add_shape(groups, variants, shape, ir)
             if moved is not None:
                 learned += learn_functions(moved, saved.graph(shape), ir)
-    if rebuilt := _with_alternates(groups, variants):
+    if update != "device" and (rebuilt := _with_alternates(groups, variants)):
         progress(f"built {rebuilt} executables again with their alternates "
                  f"({_count_alternates(variants)})")
     keep: list[Any] = [arena]
@@ -784,8 +784,7 @@ def _with_alternates(groups: Mapping[str, _Group], variants: Mapping[str, Varian
     rebuilt = 0
     for name, group in groups.items():
         v = variants[name]
-        count = sum(map(len, v.alternates.values()))
-        if count == group.alternates:
+        if v.alternate_count == group.alternates:
             continue
         _instantiate(group, v)
         rebuilt += 1
@@ -815,12 +814,12 @@ def _instantiate(group: _Group, v: Variants, plan: SwitchPlan | None = None
     group.graph.close()
     group.graph, group.executable = graph, executable
     group.holds = group.template_shape
-    group.alternates = sum(map(len, v.alternates.values()))
+    group.alternates = v.alternate_count
     return switch
 
 
 def _count_alternates(variants: Mapping[str, Variants]) -> int:
-    return sum(len(kept) for v in variants.values() for kept in v.alternates.values())
+    return sum(v.alternate_count for v in variants.values())
 
 
 def _note(reasons: list[str], reason: str, keep: int = 5) -> None:
