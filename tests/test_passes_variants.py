@@ -326,12 +326,12 @@ def test_a_function_learned_from_a_shape_captured_here_moves_the_shapes_that_run
     # s4 captured here: its kernel h is another handle in this process
     captured = _chain(_kernel(7, bytes(8)), _clustered(9, 4, "h@0x77"), _kernel(1, bytes(8)),
                       address=0x9000)
-    assert learn_functions(r, saved_s4, captured) == 1
-    assert learn_functions(r, saved_s4, captured) == 0  # learned once
+    assert learn_functions(r, saved_s4, captured) == {"h@0x3": "h@0x77"}
+    assert learn_functions(r, saved_s4, captured) == {}  # learned once
     s4b = relocate(graph_with(v.template, v.ops("s4b")).op("b"), r, "b")
     assert s4b.function == "h@0x77" and s4b.grid == (5, 1, 1)
     # a capture of another structure, or a kernel of another name, teaches nothing
-    assert learn_functions(r, saved_s4, _chain(_kernel(1, bytes(8)))) == 0
+    assert learn_functions(r, saved_s4, _chain(_kernel(1, bytes(8)))) == {}
     renamed = _chain(_kernel(7, bytes(8)), _clustered(9, 4, "g@0x5"), _kernel(1, bytes(8)))
     fresh = relocation(v.template, here)
-    assert learn_functions(fresh, saved_s4, renamed) == 0 and "h@0x3" not in fresh.functions
+    assert learn_functions(fresh, saved_s4, renamed) == {} and "h@0x3" not in fresh.functions

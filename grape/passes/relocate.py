@@ -188,24 +188,24 @@ def relocation(saved: KernelGraph, fresh: KernelGraph,
     return found
 
 
-def learn_functions(r: Relocation, saved: KernelGraph, here: KernelGraph) -> int:
+def learn_functions(r: Relocation, saved: KernelGraph, here: KernelGraph) -> dict[str, str]:
     """Kernel functions of ``saved`` (a shape's graph from the saving process) the template
     never ran, paired with those of ``here`` (the same shape captured here) by node and
     mangled name, added to ``r``: a warm start that had to capture a shape for a function the
     template never ran (one cuBLAS picks by size; this process may not even have loaded it
     until the capture did) then moves the later shapes that run it. Nodes whose names differ,
-    or graphs that do not match, teach nothing. Returns how many functions it added."""
+    or graphs that do not match, teach nothing. Returns the pairs it added (saved function to
+    the function here), which hold for every relocation into this process."""
     try:
         nodes = match(saved, here)
     except GraphError:
-        return 0
-    added = 0
+        return {}
+    added: dict[str, str] = {}
     for old_node, new_node in nodes.items():
         old, new = saved.op(old_node), here.op(new_node)
         if (isinstance(old, Kernel) and isinstance(new, Kernel) and old.name == new.name
                 and old.function not in r.functions):
-            r.functions[old.function] = new.function
-            added += 1
+            r.functions[old.function] = added[old.function] = new.function
     return added
 
 

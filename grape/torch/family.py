@@ -655,9 +655,17 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
              f"{time.perf_counter() - began:.2f} s")
     arena, scratch = _arena(saved.scratch_buffers().values())
     scratch_here = scratch_of(fresh.values(), pool_segments(pool))
+    # Saved kernel functions no template ran, each paired with its handle here by a shape
+    # captured here (``learn_functions``): a function is the process's, not an executable's,
+    # so one learned for one executable moves the shapes of every later one that runs it.
+    learned: dict[str, str] = {}
+    why: dict[Hashable, str] = {}  # each shape captured here, not a template: the last reason
+    moved_later = 0  # shapes that moved once a function was learned
     for key, template in saved.templates.items():
         try:
             moved = relocation(template, fresh[key], scratch, scratch_here)
+            for saved_function, function in learned.items():
+                moved.functions.setdefault(saved_function, function)
             # The saved template itself, moved: its members' changes assume its scratch layout.
             base = graph_with(fresh[key], relocate_all(dict(template.ops()), moved),
                               scratch.values())
@@ -676,8 +684,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
             variants[name], failed = relocate_variants(saved.variants[key], moved, base)
             variants[name].takes_alternates = can_disable  # for shapes captured here
             group_of.update(dict.fromkeys(variants[name].shapes, name))
-            for shape, why in failed.items():
-                _note(not_moved, f"shape {shape!r}: {why}")
+            why.update(failed)
             rest = list(failed)
         elif moved is not None:  # base joined another executable: placed graph by graph
             left = []
@@ -686,25 +693,31 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
                     ops = relocate_all(saved.variants[key].ops(shape), moved)
                     group_of[shape] = _add_shape(groups, variants, shape, graph_with(base, ops))
                 except UnsupportedError as e:
-                    _note(not_moved, f"shape {shape!r}: {e}")
+                    why[shape] = str(e)
                     left.append(shape)
             rest = left
-        learned = 0  # functions the template never ran, learned from captures here
+        else:
+            why.update(dict.fromkeys(rest, "its template did not move"))
+        tried = len(learned)  # what the functions known when the shapes failed could not move
         for shape in rest:
-            if learned:
+            if moved is not None and len(learned) > tried:
                 try:  # moved after all, where what held it back was such a function
                     ops = relocate_all(saved.variants[key].ops(shape), moved)
                     group_of[shape] = _add_shape(groups, variants, shape, graph_with(base, ops))
+                    del why[shape]
+                    moved_later += 1
                     continue
-                except UnsupportedError:
-                    pass
+                except UnsupportedError as e:
+                    why[shape] = str(e)
             ir = here(shape)
             group_of[shape] = _add_shape(groups, variants, shape, ir)
             if moved is not None:
-                learned += learn_functions(moved, saved.graph(shape), ir)
+                learned.update(learn_functions(moved, saved.graph(shape), ir))
     if update != "device" and (rebuilt := _with_alternates(groups, variants)):
         progress(f"built {rebuilt} executables again with their alternates "
                  f"({_count_alternates(variants)})")
+    for shape, reason in why.items():
+        _note(not_moved, f"shape {shape!r}: {reason}")
     keep: list[Any] = [arena]
     if not_moved:  # executables that run on memory captured here
         keep += pool_graphs[:1]
@@ -718,7 +731,9 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
                       f"move to this process; first: {not_moved[0].splitlines()[0]})",
                       stacklevel=2)
     progress(f"loaded {len(saved.shapes)} shapes, {len(captured)} captured here, in "
-             f"{time.perf_counter() - began:.2f} s")
+             f"{time.perf_counter() - began:.2f} s"
+             + (f" ({len(learned)} kernel functions learned from them moved {moved_later} "
+                f"more)" if learned else ""))
     torch.cuda.synchronize()
     family = Family(step, groups, group_of, variants, torch.cuda.memory_reserved() - reserved,
                     0.0, keep, update=update, captured_here=len(captured),

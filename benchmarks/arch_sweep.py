@@ -1,0 +1,223 @@
+"""Every causal-LM architecture transformers ships, through ``grape.generate`` (GPU).
+
+grape was built and measured on ten architectures (``generate.py``); users bring others. This
+builds each model type in ``transformers``' causal-LM mapping from a small config with random
+weights, runs ``generate`` with a static cache (the reference, deterministic kernels) and
+``grape.generate`` on the same prompts, greedy, batch 1 and batch 2 with left padding, and
+says for each: whether grape graphed it (and the fallback's one-line reason where not), whether
+its tokens equal the reference's, and where anything failed, the stage and the error's first
+line. Nothing is tuned per architecture: the small config is the same for all, and a model
+type whose config or ``generate`` refuses it is reported as such (``stage``), not patched.
+
+One JSON line per (architecture, batch) on stdout and in ``--out`` as it completes, so a run
+cut by its time limit keeps what it measured; ``--workers N`` splits the architectures over
+N processes on the one GPU (the models are small: correctness, not speed, is measured).
+
+Run on a GPU: python benchmarks/arch_sweep.py --out FILE [--archs a,b] [--workers N]
+On a machine without one it runs the reference on the CPU and reports grape's fallback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+# One small size for every architecture: the fields most configs share, by their common names
+# (configs map them onto their own through attribute_map where they call them otherwise).
+SMALL = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 4000,
+         "head_dim": 64, "max_position_embeddings": 512}
+MAX_PARAMETERS = 50_000_000
+NEW_TOKENS = 24
+PROMPT = 16
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def architectures() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def build(model_type: str, device: str):
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type, **SMALL, bos_token_id=1,
+                                               eos_token_id=2, pad_token_id=0)
+    # Counted on the meta device first: a config that names its sizes otherwise keeps its
+    # full defaults (billions of parameters: two such ended the first sweep out of memory).
+    with torch.device("meta"):
+        count = sum(p.numel() for p in
+                    transformers.AutoModelForCausalLM.from_config(config).parameters())
+    if count > MAX_PARAMETERS:
+        raise ValueError(f"expected at most {MAX_PARAMETERS:,} parameters at the small size, "
+                         f"found {count:,} (the config names its sizes otherwise)")
+    torch.manual_seed(0)
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.to(device).eval()
+
+
+def one(model_type: str, device: str) -> list[dict[str, Any]]:
+    """The rows of one architecture: one per batch, or one saying which stage failed."""
+    import torch
+
+    import grape
+    from grape.torch.api import last_stats
+
+    began = time.perf_counter()
+    try:
+        model = build(model_type, device)
+    except Exception as e:  # the config or model refusing a small size is a row
+        return [{"arch": model_type, "stage": "build", "error": _first_line(e)}]
+    rows = []
+    vocab = model.config.get_text_config().vocab_size
+    for batch in (1, 2):
+        row: dict[str, Any] = {"arch": model_type, "batch": batch,
+                               "model_class": type(model).__name__}
+        g = torch.Generator().manual_seed(100 + batch)
+        ids = torch.randint(3, vocab, (batch, PROMPT), generator=g).to(device)
+        mask = torch.ones_like(ids)
+        mask[1:, : PROMPT // 4] = 0  # left padding, as generate takes unequal prompts
+        kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                  pad_token_id=0)
+        # The reference: generate with a static cache (grape's layout, so the same kernels),
+        # else with the model's own cache, said in the row (its tokens may then differ by
+        # the last bit of an attention kernel, not by a wrong step).
+        reference, errors = None, []
+        for cache in ("static", None):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    extra = {"cache_implementation": cache} if cache else {}
+                    reference = model.generate(ids, attention_mask=mask,
+                                               disable_compile=True, **extra, **kw)
+                row["reference_cache"] = cache or "default"
+                break
+            except Exception as e:
+                errors.append(_first_line(e))
+        if reference is None:
+            row.update(stage="reference", error=" / ".join(errors))
+            rows.append(row)
+            continue
+        if errors:
+            row["static_cache_error"] = errors[0]
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = grape.generate(model, ids, mask, **kw)
+                stats = last_stats()
+        except Exception as e:  # grape promises a fallback, never a traceback
+            row.update(stage="grape", error=_first_line(e),
+                       where=traceback.format_exc().strip().splitlines()[-3:])
+            rows.append(row)
+            continue
+        fell = [str(w.message).splitlines()[0] for w in caught
+                if "runs model.generate" in str(w.message)]
+        row.update(stage="done", graphed=bool(stats and stats.graphed),
+                   prefill_graphed=bool(stats and stats.prefill_graphed),
+                   fallback=fell[0][:400] if fell else None,
+                   other_warnings=sorted({str(w.message).splitlines()[0][:200]
+                                          for w in caught
+                                          if "runs model.generate" not in str(w.message)})[:3],
+                   tokens_identical=(tuple(out.shape) == tuple(reference.shape)
+                                     and bool((out == reference).all())))
+        if not row["tokens_identical"] and out.shape == reference.shape:
+            row["token_agreement"] = float((out[:, PROMPT:] == reference[:, PROMPT:])
+                                           .float().mean())
+        rows.append(row)
+    for row in rows:
+        row["seconds"] = round(time.perf_counter() - began, 2)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def worker(archs: list[str], out: Path | None) -> None:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":  # generate's reference and grape's capture with the same kernels
+        torch.use_deterministic_algorithms(True)
+    for arch in archs:
+        _log(f"{arch} ...")
+        try:
+            rows = one(arch, device)
+        except Exception as e:  # one architecture must not end the sweep
+            rows = [{"arch": arch, "stage": "sweep", "error": _first_line(e)}]
+        for row in rows:
+            line = json.dumps(row)
+            print(line, flush=True)
+            if out is not None:
+                with out.open("a") as f:
+                    f.write(line + "\n")
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """A short table: each outcome, with the architectures in it."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("stage") != "done":
+            key = f"failed at {r.get('stage')}"
+        elif not r["graphed"]:
+            key = "fell back to generate"
+        elif r["tokens_identical"]:
+            key = "graphed, tokens equal"
+        else:
+            key = "graphed, tokens differ"
+        groups.setdefault(key, []).append(f"{r['arch']}" + (f"/b{r['batch']}"
+                                                            if "batch" in r else ""))
+    return "\n".join(f"{k}: {len(v)}: {' '.join(sorted(v))}" for k, v in sorted(groups.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--archs", default=None, help="model types, comma-separated "
+                        "(default: every causal-LM model type transformers ships)")
+    parser.add_argument("--skip", default="", help="model types to leave out")
+    parser.add_argument("--out", type=Path, default=None, help="JSON lines, appended")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    archs = args.archs.split(",") if args.archs else architectures()
+    archs = [a for a in archs if a not in set(args.skip.split(","))]
+    if args.worker:
+        worker(archs, args.out)
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    if args.out is not None and args.out.exists():
+        args.out.unlink()
+    shares = [archs[i::args.workers] for i in range(args.workers)]
+    _log(f"{len(archs)} architectures over {len(shares)} processes")
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--archs", ",".join(s),
+                               *(["--out", str(args.out)] if args.out else [])],
+                              stdout=subprocess.PIPE, text=True) for s in shares if s]
+    rows = []
+    for p in procs:
+        stdout, _ = p.communicate()
+        rows += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        if p.returncode:
+            _log(f"a worker ended with status {p.returncode}")
+    print(summary(rows))
+
+
+if __name__ == "__main__":
+    main()
