@@ -2,12 +2,14 @@
 
 grape was built and measured on ten architectures (``generate.py``); users bring others. This
 builds each model type in ``transformers``' causal-LM mapping from a small config with random
-weights, runs ``generate`` with a static cache (the reference, deterministic kernels) and
-``grape.generate`` on the same prompts, greedy, batch 1 and batch 2 with left padding, and
-says for each: whether grape graphed it (and the fallback's one-line reason where not), whether
-its tokens equal the reference's, and where anything failed, the stage and the error's first
-line. Nothing is tuned per architecture: the small config is the same for all, and a model
-type whose config or ``generate`` refuses it is reported as such (``stage``), not patched.
+weights (bf16 by default), runs ``generate`` with a static cache (the reference,
+deterministic kernels where PyTorch has them) and ``grape.generate`` on the same prompts,
+greedy, batch 1 and batch 2 with left padding, and says for each: whether grape graphed it
+(and the fallback's one-line reason where not), whether its tokens equal the reference's
+(and where not, which side grape's own step run eagerly agrees with), and where anything
+failed, the stage and the error's first line. Nothing is tuned per architecture: the small
+config is the same for all, and a model type whose config or ``generate`` refuses it is
+reported as such (``stage``), not patched.
 
 One JSON line per (architecture, batch) on stdout and in ``--out`` as it completes, so a run
 cut by its time limit keeps what it measured; ``--workers N`` splits the architectures over
@@ -27,6 +29,7 @@ import sys
 import time
 import traceback
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,10 @@ from typing import Any
 SMALL = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 4000,
          "head_dim": 64, "max_position_embeddings": 512}
-MAX_PARAMETERS = 50_000_000
+# Configs that name their sizes otherwise keep their defaults: up to hundreds of millions of
+# parameters are still quick on a GPU; billions are refused (two ended the first CPU sweep).
+MAX_PARAMETERS = {"cuda": 1_000_000_000, "cpu": 100_000_000}
+CONTEXT_LOST = 3  # a worker's exit status after a CUDA error
 NEW_TOKENS = 24
 PROMPT = 16
 
@@ -55,7 +61,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def build(model_type: str, device: str):
+def build(model_type: str, device: str, dtype: Any):
     import torch
     import transformers
 
@@ -66,16 +72,18 @@ def build(model_type: str, device: str):
     with torch.device("meta"):
         count = sum(p.numel() for p in
                     transformers.AutoModelForCausalLM.from_config(config).parameters())
-    if count > MAX_PARAMETERS:
-        raise ValueError(f"expected at most {MAX_PARAMETERS:,} parameters at the small size, "
-                         f"found {count:,} (the config names its sizes otherwise)")
+    most = MAX_PARAMETERS[device]
+    if count > most:
+        raise ValueError(f"expected at most {most:,} parameters at the small size, found "
+                         f"{count:,} (the config names its sizes otherwise)")
     torch.manual_seed(0)
-    dtype = torch.float16 if device == "cuda" else torch.float32
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.to(device).eval()
+    with torch.device(device):  # made where it runs: a large one initialises fast there
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype if device == "cuda" else torch.float32)
+    return model.eval()
 
 
-def one(model_type: str, device: str) -> list[dict[str, Any]]:
+def one(model_type: str, device: str, dtype: Any) -> list[dict[str, Any]]:
     """The rows of one architecture: one per batch, or one saying which stage failed."""
     import torch
 
@@ -84,7 +92,7 @@ def one(model_type: str, device: str) -> list[dict[str, Any]]:
 
     began = time.perf_counter()
     try:
-        model = build(model_type, device)
+        model = build(model_type, device, dtype)
     except Exception as e:  # the config or model refusing a small size is a row
         return [{"arch": model_type, "stage": "build", "error": _first_line(e)}]
     rows = []
@@ -142,6 +150,7 @@ def one(model_type: str, device: str) -> list[dict[str, Any]]:
         if not row["tokens_identical"] and out.shape == reference.shape:
             row["token_agreement"] = float((out[:, PROMPT:] == reference[:, PROMPT:])
                                            .float().mean())
+            row.update(_which_side(model, ids, mask, kw, out, reference))
         rows.append(row)
     for row in rows:
         row["seconds"] = round(time.perf_counter() - began, 2)
@@ -151,17 +160,36 @@ def one(model_type: str, device: str) -> list[dict[str, Any]]:
     return rows
 
 
-def worker(archs: list[str], out: Path | None) -> None:
+def _which_side(model, ids, mask, kw, graphed, reference) -> dict[str, Any]:
+    """Where graphed tokens differ from the reference: grape's own step driven by the host,
+    prompt and steps eager, against both. Equal to the reference: the capture changed what
+    the step computes (Hugging Face picks some kernels by whether a capture is under way);
+    equal to grape's launch: grape's step computes otherwise than ``generate``'s."""
+    from grape.torch.decoding import TokenDecoder
+    from grape.torch.options import resolve
+
+    try:
+        options, m = resolve(model, ids, mask, dict(kw))
+        host = TokenDecoder(model, ids.shape[0], ids.shape[1], options).generate_on_host(ids, m)
+    except Exception as e:
+        return {"host_loop_error": _first_line(e)}
+    return {"host_loop_equals_reference": bool(host.shape == reference.shape
+                                               and (host == reference).all()),
+            "host_loop_equals_graphed": bool(host.shape == graphed.shape
+                                             and (host == graphed).all())}
+
+
+def worker(archs: list[str], out: Path | None, dtype: str) -> None:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":  # generate's reference and grape's capture with the same kernels
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     for arch in archs:
         _log(f"{arch} ...")
         try:
-            rows = one(arch, device)
-        except Exception as e:  # one architecture must not end the sweep
+            rows = one(arch, device, getattr(torch, dtype))
+        except Exception as e:
             rows = [{"arch": arch, "stage": "sweep", "error": _first_line(e)}]
         for row in rows:
             line = json.dumps(row)
@@ -169,6 +197,36 @@ def worker(archs: list[str], out: Path | None) -> None:
             if out is not None:
                 with out.open("a") as f:
                     f.write(line + "\n")
+        if any("CUDA error" in r.get("error", "") for r in rows):
+            # A device-side assert leaves the context unusable: every later architecture in
+            # this process would fail for it (17 did in the first sweep). A new process goes on.
+            sys.exit(CONTEXT_LOST)
+
+
+def _share(archs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One worker's architectures, in as many processes as lost CUDA contexts need."""
+    rows: list[dict[str, Any]] = []
+    while archs:
+        p = subprocess.run([sys.executable, __file__, "--worker", "--archs", ",".join(archs),
+                            "--dtype", args.dtype,
+                            *(["--out", str(args.out)] if args.out else [])],
+                           stdout=subprocess.PIPE, text=True)
+        mine = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+        rows += mine
+        reported = {r["arch"] for r in mine}
+        left = [a for a in archs if a not in reported]
+        if p.returncode not in (0, CONTEXT_LOST):
+            _log(f"a worker ended with status {p.returncode} at {left[:1]}")
+            if left:  # the architecture it died in, said as a row; the others go on
+                row = {"arch": left[0], "stage": "sweep",
+                       "error": f"the process ended with status {p.returncode}"}
+                rows.append(row)
+                if args.out:
+                    with args.out.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                left = left[1:]
+        archs = left
+    return rows
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
@@ -195,27 +253,23 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="model types to leave out")
     parser.add_argument("--out", type=Path, default=None, help="JSON lines, appended")
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                        help="on a GPU (the CPU runs float32); bf16 by default, as models "
+                        "of these kinds ship")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     archs = args.archs.split(",") if args.archs else architectures()
     archs = [a for a in archs if a not in set(args.skip.split(","))]
     if args.worker:
-        worker(archs, args.out)
+        worker(archs, args.out, args.dtype)
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     if args.out is not None and args.out.exists():
         args.out.unlink()
-    shares = [archs[i::args.workers] for i in range(args.workers)]
+    shares = [s for s in (archs[i::args.workers] for i in range(args.workers)) if s]
     _log(f"{len(archs)} architectures over {len(shares)} processes")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--archs", ",".join(s),
-                               *(["--out", str(args.out)] if args.out else [])],
-                              stdout=subprocess.PIPE, text=True) for s in shares if s]
-    rows = []
-    for p in procs:
-        stdout, _ = p.communicate()
-        rows += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-        if p.returncode:
-            _log(f"a worker ended with status {p.returncode}")
+    with ThreadPoolExecutor(len(shares)) as pool:
+        rows = [r for share in pool.map(lambda s: _share(s, args), shares) for r in share]
     print(summary(rows))
 
 

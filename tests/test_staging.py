@@ -8,6 +8,8 @@ dispatcher), with the staged bytes kept, and nothing else does.
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -93,3 +95,17 @@ def test_an_arena_too_small_for_the_step_says_so():
     with pytest.raises(UnsupportedError, match="at most 16 bytes per step, found more"), stage:
         torch.tensor(list(range(4)), device="meta")
         torch.tensor(list(range(4)), device="meta")
+
+
+def test_a_failure_inside_the_staging_modes_names_the_line_that_issued_the_operation():
+    # The modes pass every operation through; a capture's error used to name their line
+    # (staging.py) as the culprit, which tells the user nothing (benchmarks/arch_sweep.py).
+    from grape.torch.capture import culprit
+
+    stage = HostConstants(PinnedArena(16, pin=False), "meta", copy=Recorder())
+    x = torch.zeros(4, device="meta")
+    with stage, pytest.raises(RuntimeError) as info:
+        x.view(3)  # fails inside the modes' dispatch
+    assert "staging.py" in "".join(traceback.format_tb(info.value.__traceback__))
+    place = culprit(info.value)
+    assert place.startswith(f"{__file__}:") and "x.view(3)" in place

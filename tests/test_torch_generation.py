@@ -283,3 +283,42 @@ def test_compile_must_be_a_boolean():
     with pytest.raises(GrapeError, match="expected compile to be True or False, found 'yes'"):
         grape.generate(m, torch.zeros((1, 3), dtype=torch.long), max_new_tokens=2,
                        compile="yes")
+
+
+@pytest.mark.parametrize("model_type, sizes", [
+    ("openai-gpt", {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64}),  # no cache
+    ("rwkv", {"hidden_size": 64, "num_hidden_layers": 2, "attention_hidden_size": 64,
+              "intermediate_size": 128, "context_length": 64}),  # a recurrent state of its own
+])
+def test_a_model_that_leaves_the_static_cache_unwritten_is_not_graphable(model_type, sizes):
+    # Found by benchmarks/arch_sweep.py on the H200: these took the cache and ignored it, and
+    # the first step failed on the cache's unset length (a traceback, not a fallback). Graphed,
+    # each step would have run without the tokens before it.
+    config = transformers.AutoConfig.for_model(model_type, **sizes, **COMMON)
+    m = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = _prompt()
+    options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 4})
+    decoder = TokenDecoder(m, ids.shape[0], ids.shape[1], options)
+    with pytest.raises(NotGraphable, match="did not write the static cache") as info:
+        decoder.prefill(ids, m_mask)
+    assert type(m).__name__ in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_forward_that_fails_on_grape_s_inputs_is_a_reason_naming_the_model_s_line():
+    from grape.torch.api import _model_code
+
+    model = torch.nn.Linear(2, 2)
+
+    def forward_of_some_model():
+        raise TypeError("create_mask() got an unexpected keyword argument 'block_ids'")
+
+    with pytest.raises(NotGraphable) as info, _model_code(model):
+        forward_of_some_model()
+    message = str(info.value)
+    assert message.startswith("Linear failed on grape's static cache and fixed-shape inputs: "
+                              "TypeError: create_mask() got an unexpected keyword argument")
+    assert f"{__file__}:" in message and "forward_of_some_model" not in message  # the line
+    assert "raise TypeError" in message and "\n" not in message
+    # grape's own refusals pass through as they are
+    with pytest.raises(GrapeError, match="as it was"), _model_code(model):
+        raise GrapeError("as it was")

@@ -34,8 +34,10 @@ bad input raises ``GrapeError``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,7 +47,7 @@ from grape.errors import CaptureError, GrapeError, GraphError, UnsupportedError
 from grape.passes.audit import step_dependence
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.beam import BeamDecoder
-from grape.torch.capture import capture, frozen_heap
+from grape.torch.capture import capture, culprit, frozen_heap
 from grape.torch.decoding import Decoder, NotLeftPadded, TokenDecoder
 from grape.torch.loop import DeviceLoop
 from grape.torch.options import NotGraphable, Options, resolve
@@ -166,7 +168,8 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
     then captured in a loop."""
     began = time.perf_counter()
     batch, prompt_len = input_ids.shape
-    decoder = _decoder(model, batch, prompt_len, options, step_model, exact)
+    with _model_code(model):
+        decoder = _decoder(model, batch, prompt_len, options, step_model, exact)
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
         decoder.set_seed(0)
     params = dict(model.named_parameters())
@@ -176,8 +179,9 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
         return _NoStaging() if step_model is not None else HostConstants(arena, device)
 
     staged = [staging(), staging()]
-    decoder.prefill(input_ids, mask)
-    decoder.step()
+    with _model_code(model):  # eagerly: nothing is being captured yet
+        decoder.prefill(input_ids, mask)
+        decoder.step()
     if exact and warn_whole and not decoder.lengths.served.get("exact"):
         why = ", ".join(decoder.lengths.served) or (
             "its attention does not dispatch through transformers' AttentionInterface")
@@ -216,6 +220,24 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
     attention = dict(decoder.lengths.served) if exact else {}
     return _Entry(decoder, loop, time.perf_counter() - began, arena, inputs, copy_bytes,
                   attention)
+
+
+@contextlib.contextmanager
+def _model_code(model: torch.nn.Module) -> Iterator[None]:
+    """Where the model's own code runs on grape's fixed-shape state (a static cache, a
+    full-length mask, positions as tensors), eagerly: an architecture that fails there (a
+    cache of its own kind, a mask function its version cannot call) is a reason to run
+    ``model.generate``, said in one line with the place that raised, not a traceback. grape's
+    own refusals, and compilation's errors (reported as such), pass through."""
+    try:
+        yield
+    except (GrapeError, NotGraphable, *_COMPILE_ERRORS):
+        raise
+    except Exception as e:
+        message = (str(e).strip().splitlines() or [""])[0]
+        raise NotGraphable(f"{type(model).__name__} failed on grape's static cache and "
+                           f"fixed-shape inputs: {type(e).__name__}: {message} (at "
+                           f"{culprit(e)})") from None
 
 
 def _caller_tensors(input_ids: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:

@@ -75,10 +75,16 @@ def _name(buffers: BufferMap, prefix: str, tensors: Iterable[tuple[str, torch.Te
             buffers.name(f"{prefix}{name}", storage.data_ptr(), storage.nbytes(), role)
 
 
-def _culprit(error: BaseException) -> str:
-    """The user's line that issued the failing operation: the last frame outside PyTorch."""
+# grape's modules that run inside the user's operations (this one, and the dispatch modes that
+# stage host constants): a failure there was issued by the line that called the operation.
+_PASSING_THROUGH = (__file__, str(Path(__file__).with_name("staging.py")))
+
+
+def culprit(error: BaseException) -> str:
+    """The user's line that issued the failing operation: the last frame outside PyTorch and
+    grape's pass-through layers."""
     frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__]
+              if not f.filename.startswith(_TORCH_DIR) and f.filename not in _PASSING_THROUGH]
     if not frames:
         return "a line inside PyTorch"
     f = frames[-1]
@@ -97,7 +103,7 @@ def _why(error: BaseException) -> str:
 def _failure(error: BaseException) -> str:
     first = error.__context__ or error  # capture_end's error hides the one that broke capture
     return (f"expected work that can be captured, found {_why(first)} issued at "
-            f"{_culprit(first)}")
+            f"{culprit(first)}")
 
 
 # One side stream per device for every capture's warm-up and capture. cuBLAS keeps a workspace

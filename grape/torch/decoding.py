@@ -151,6 +151,12 @@ class Decoder:
         if self.lengths is not None:
             self.lengths.set_prompt(None if ones else mask, self.prompt_len)
         logits = self._logits(input_ids, mask, position, first=True)
+        if not self.cache.layers[0].is_initialized:
+            # Each step would run without the tokens before it: a model with no cache, or one
+            # that keeps its own kind of state (a recurrent one) where grape cannot see it.
+            raise NotGraphable(f"{type(self.model).__name__} did not write the static cache "
+                               f"it was given while reading the prompt (it keeps no cache, or "
+                               f"keeps its state elsewhere)")
         self.mask.zero_()
         if ones:
             self.mask[:, :self.prompt_len].fill_(1)
