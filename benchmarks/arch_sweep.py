@@ -161,22 +161,41 @@ def one(model_type: str, device: str, dtype: Any) -> list[dict[str, Any]]:
 
 
 def _which_side(model, ids, mask, kw, graphed, reference) -> dict[str, Any]:
-    """Where graphed tokens differ from the reference: grape's own step driven by the host,
-    prompt and steps eager, against both. Equal to the reference: the capture changed what
-    the step computes (Hugging Face picks some kernels by whether a capture is under way);
-    equal to grape's launch: grape's step computes otherwise than ``generate``'s."""
+    """Where graphed tokens differ from the reference: grape's own step driven by the host
+    against both, its prompt run eagerly and then under PyTorch's capture (as in grape's
+    launch), and the reference's margin where the tokens first part (0.0: an exact tie, which
+    a difference in the last bit breaks either way). Equal to the reference eagerly and to the
+    launch under capture: the capture changed the prompt's kernels (Hugging Face picks them by
+    the mask's values, which it cannot read while a capture is under way)."""
+    from generate import _first_difference, _host_loop, _margin
+
     from grape.torch.decoding import TokenDecoder
     from grape.torch.options import resolve
 
+    found: dict[str, Any] = {}
     try:
         options, m = resolve(model, ids, mask, dict(kw))
-        host = TokenDecoder(model, ids.shape[0], ids.shape[1], options).generate_on_host(ids, m)
+        for name, captured in (("host_loop", False), ("captured_prompt_host_loop", True)):
+            decoder = TokenDecoder(model, ids.shape[0], ids.shape[1], options)
+            host = _host_loop(decoder, ids, m, captured)
+            found[f"{name}_equals_reference"] = _same(host, reference)
+            found[f"{name}_equals_graphed"] = _same(host, graphed)
+        step = _first_difference(graphed, reference, PROMPT)
+        found["first_difference"] = step
+
+        def again(**extra):
+            return model.generate(ids, attention_mask=mask, cache_implementation="static",
+                                  disable_compile=True, **kw, **extra)
+
+        found["reference_margin_at_first_difference"] = _margin(again, graphed, reference,
+                                                                PROMPT, step)
     except Exception as e:
-        return {"host_loop_error": _first_line(e)}
-    return {"host_loop_equals_reference": bool(host.shape == reference.shape
-                                               and (host == reference).all()),
-            "host_loop_equals_graphed": bool(host.shape == graphed.shape
-                                             and (host == graphed).all())}
+        found["diagnosis_error"] = _first_line(e)
+    return found
+
+
+def _same(a, b) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and bool((a == b).all())
 
 
 def worker(archs: list[str], out: Path | None, dtype: str) -> None:
