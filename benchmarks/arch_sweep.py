@@ -141,7 +141,7 @@ def one(model_type: str, device: str, dtype: Any) -> list[dict[str, Any]]:
                 if "runs model.generate" in str(w.message)]
         row.update(stage="done", graphed=bool(stats and stats.graphed),
                    prefill_graphed=bool(stats and stats.prefill_graphed),
-                   fallback=fell[0][:400] if fell else None,
+                   fallback=fell[0][:900] if fell else None,
                    other_warnings=sorted({str(w.message).splitlines()[0][:200]
                                           for w in caught
                                           if "runs model.generate" not in str(w.message)})[:3],

@@ -322,3 +322,63 @@ def test_a_forward_that_fails_on_grape_s_inputs_is_a_reason_naming_the_model_s_l
     # grape's own refusals pass through as they are
     with pytest.raises(GrapeError, match="as it was"), _model_code(model):
         raise GrapeError("as it was")
+
+
+# Models whose cache layers keep a recurrent state (Mamba's convolution and SSM states), alone
+# or beside attention: arch_sweep.py found grape refusing every one of them on the H200.
+RECURRENT = {
+    "mamba": {"hidden_size": 64, "num_hidden_layers": 2, "state_size": 8, "expand": 2},
+    "zaya": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 128, "head_dim": 16},
+}
+
+
+@pytest.fixture(scope="module", params=list(RECURRENT))
+def recurrent(request):
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(request.param, **RECURRENT[request.param],
+                                               **COMMON)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam 4, EOS"])
+def test_models_with_recurrent_state_make_generates_tokens(recurrent, strategy):
+    ids, mask = _prompt(length=9)
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=8)
+    reference = recurrent.generate(ids, attention_mask=mask, cache_implementation="static",
+                                   **kwargs)
+    assert torch.equal(_host(recurrent, ids, mask, **kwargs), reference)
+
+
+def test_exact_lengths_are_refused_for_recurrent_state_and_the_whole_cache_kept(recurrent):
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    from grape.torch.decoding import ExactRefused
+    from grape.torch.exact import TokenMajorLayer
+
+    cache = static_cache(recurrent, 32)  # the layers as made: the states are fixed already
+    assert any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
+    with pytest.raises(ExactRefused, match="keeps a recurrent state"):
+        static_cache(recurrent, 32, TokenMajorLayer)
+
+
+def test_a_cache_layer_of_a_kind_grape_does_not_know_is_refused_by_name(monkeypatch):
+    from transformers.cache_utils import StaticLayer
+
+    class IndexedLayer(StaticLayer):  # a static layer with state of its own (an indexer's)
+        pass
+
+    config = transformers.AutoConfig.for_model("llama", **CONFIGS["llama"], **COMMON)
+    m = transformers.AutoModelForCausalLM.from_config(config)
+    made = transformers.StaticCache
+
+    def indexed(**kwargs):
+        cache = made(**kwargs)
+        cache.layers[1] = IndexedLayer(max_cache_len=kwargs["max_cache_len"])
+        return cache
+
+    monkeypatch.setattr("grape.torch.decoding.StaticCache", indexed)
+    with pytest.raises(NotGraphable, match="cache layer 1 is a IndexedLayer, a kind of cache "
+                                           "layer grape does not hold in a graph"):
+        static_cache(m, 16)

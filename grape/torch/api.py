@@ -48,7 +48,7 @@ from grape.passes.audit import step_dependence
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.beam import BeamDecoder
 from grape.torch.capture import capture, culprit, frozen_heap
-from grape.torch.decoding import Decoder, NotLeftPadded, TokenDecoder
+from grape.torch.decoding import Decoder, ExactRefused, TokenDecoder
 from grape.torch.loop import DeviceLoop
 from grape.torch.options import NotGraphable, Options, resolve
 from grape.torch.parallel import agree, group_of
@@ -315,10 +315,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
         try:
             return _graphed_generate(model, input_ids, mask, options, seed, compile, exact,
                                      warn_whole=exact_lengths is True)
-        except NotLeftPadded:
+        except ExactRefused:
             if exact_lengths is not None:  # asked for: say so (below), and run generate
                 raise
-            # Chosen by grape: the loop over the whole cache takes any mask.
+            # Chosen by grape: the loop over the whole cache takes any mask and any cache.
             return _graphed_generate(model, input_ids, mask, options, seed, compile, False,
                                      warn_whole=False)
     except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from grape.torch.decoding import Decoder
+from grape.torch.decoding import Decoder, state_tensors
 from grape.torch.options import Options
 
 __all__ = ["BeamDecoder"]
@@ -111,8 +111,8 @@ class BeamDecoder(Decoder):
         # The cache follows the beams (in place: a captured step reads fixed addresses).
         rows = self.running_origins.index_select(2, t).view(-1).to(torch.long)
         for layer in self.cache.layers:
-            layer.keys.copy_(layer.keys.index_select(0, rows))
-            layer.values.copy_(layer.values.index_select(0, rows))
+            for state in state_tensors(layer):
+                state.copy_(state.index_select(0, rows))
         self.next_ids.copy_(self.running_tokens.index_select(2, t).view(-1, 1))
         self.count.add_(1)
         self._stop_check(hits)

@@ -23,8 +23,9 @@ import inspect
 from typing import Any
 
 import torch
+import transformers.cache_utils as hf_cache
 from transformers import StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -35,10 +36,24 @@ from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.options import NotGraphable, Options
 from grape.torch.parallel import group_of
 
-__all__ = ["Decoder", "NotLeftPadded", "TokenDecoder", "static_cache"]
+__all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "state_tensors",
+           "static_cache"]
+
+# Cache layers that keep a recurrent state (Mamba's convolution and SSM states, linear
+# attention's): fixed-size tensors at fixed addresses, updated in place, which a graph holds as
+# it holds a static cache's keys and values. Their one host-side flag (has the prompt run?)
+# turns once, in the prompt, and is the same at every step. transformers versions without
+# them have none (the empty tuple matches nothing).
+_RECURRENT: Any = getattr(hf_cache, "LinearAttentionCacheLayerMixin", ())
+# A recurrent state beside a static attention cache, in one layer (hybrid models).
+_HYBRID: Any = getattr(hf_cache, "LinearAttentionAndStaticFullAttentionLayer", ())
 
 
-class NotLeftPadded(NotGraphable):
+class ExactRefused(NotGraphable):
+    """Exact lengths cannot serve this generation; the loop over the whole cache can."""
+
+
+class NotLeftPadded(ExactRefused):
     """Exact lengths were asked of a prompt whose mask has a zero after a one."""
 
 
@@ -47,25 +62,58 @@ def static_cache(model: torch.nn.Module, max_len: int,
     """The static cache ``generate`` would make, with every layer keeping its length on the
     device: a sliding-window layer whose window holds the whole generation is a plain static
     layer (the same attention), since the sliding layer counts its length on the host, which a
-    captured step would freeze at its capture-time value. ``layer``: the static layer class
-    (``grape.torch.exact.TokenMajorLayer`` for exact-length attention).
+    captured step would freeze at its capture-time value. Layers with a recurrent state
+    (``_RECURRENT``; beside a static attention cache in hybrid models) are kept as made.
+    ``layer``: the static layer class (``grape.torch.exact.TokenMajorLayer`` for exact-length
+    attention).
 
     Raises
     ------
+    ExactRefused
+        Exact lengths were asked (``layer``) of a model with recurrent layers: they count
+        lengths in attention layers alone.
     NotGraphable
-        A layer that keeps host-side state the window cannot excuse.
+        A layer that keeps host-side state the window cannot excuse, or a kind of layer grape
+        does not know to hold in a graph.
     """
     cache = StaticCache(config=model.config, max_cache_len=max_len)
     for i, made in enumerate(cache.layers):
-        if type(made) is StaticLayer or (isinstance(made, StaticLayer)
-                                         and made.max_cache_len >= max_len):
-            if type(made) is not layer:
+        kind = type(made)
+        if kind in (StaticLayer, StaticSlidingWindowLayer) and made.max_cache_len >= max_len:
+            if kind is not layer:
                 cache.layers[i] = layer(max_cache_len=max_len)
             continue
-        raise NotGraphable(f"cache layer {i} is a {type(made).__name__} over "
-                           f"{getattr(made, 'max_cache_len', '?')} tokens, which keeps its "
-                           f"position on the host, for a generation of {max_len} tokens")
+        if isinstance(made, _RECURRENT) and (not isinstance(made, StaticLayer)
+                                             or kind is _HYBRID):
+            if layer is not StaticLayer:
+                raise ExactRefused(f"exact lengths count attention caches alone, and cache "
+                                   f"layer {i} keeps a recurrent state ({kind.__name__})")
+            continue
+        if kind is StaticSlidingWindowLayer or isinstance(made, _RECURRENT):
+            raise NotGraphable(f"cache layer {i} is a {kind.__name__} over "
+                               f"{getattr(made, 'max_cache_len', '?')} tokens, which keeps its "
+                               f"position on the host, for a generation of {max_len} tokens")
+        raise NotGraphable(f"cache layer {i} is a {kind.__name__}, a kind of cache layer "
+                           f"grape does not hold in a graph (it knows static attention layers "
+                           f"and recurrent states)")
     return cache
+
+
+def state_tensors(layer: Any) -> list[torch.Tensor]:
+    """Every tensor of a cache layer that holds per-row state: keys and values, convolution
+    and recurrent states (beam search reorders them all by beam, in place)."""
+    held = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if t is not None]
+    for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+        held += [t for t in states.values() if t is not None]
+    return held
+
+
+def _written(layer: Any) -> bool:
+    """Whether the model has written anything into ``layer``."""
+    return bool(getattr(layer, "is_initialized", False)
+                or any(getattr(layer, "is_conv_states_initialized", {}).values())
+                or any(getattr(layer, "is_recurrent_states_initialized", {}).values()))
 
 
 def _accepts(model: torch.nn.Module, name: str) -> bool:
@@ -92,12 +140,19 @@ class Decoder:
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.position = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.count = torch.zeros((1,), dtype=torch.long, device=device)  # tokens made so far
+        # Tokens in the cache, on the device: an attention layer's own count where the model
+        # has one (set after the prompt), else this one, which the steps count themselves.
+        self.written = torch.zeros((1,), dtype=torch.long, device=device)
+        self._counted = self.written
         self.running = torch.zeros((), dtype=torch.bool, device=device)
         self.eos = torch.tensor(options.eos or [-1], dtype=torch.long, device=device)
         self.uses_positions = _accepts(model, "position_ids")
-        # transformers 5.2x renames past_key_values to cache (the old name warns until 5.40).
+        # transformers 5.2x renames past_key_values to cache (the old name warns until 5.40);
+        # Mamba-like models take theirs as cache_params (generate tells them by class name).
         prepare = inspect.signature(model.prepare_inputs_for_generation).parameters
-        self.cache_name = "cache" if "cache" in prepare else "past_key_values"
+        self.cache_name = ("cache" if "cache" in prepare else
+                           "cache_params" if _accepts(model, "cache_params")
+                           and not _accepts(model, "past_key_values") else "past_key_values")
         self.uses_mask = _accepts(model, "attention_mask")
         # Split over ranks (grape.torch.parallel): the loop condition is agreed every step.
         self.group = group_of(model)
@@ -151,12 +206,16 @@ class Decoder:
         if self.lengths is not None:
             self.lengths.set_prompt(None if ones else mask, self.prompt_len)
         logits = self._logits(input_ids, mask, position, first=True)
-        if not self.cache.layers[0].is_initialized:
+        if not any(_written(layer) for layer in self.cache.layers):
             # Each step would run without the tokens before it: a model with no cache, or one
-            # that keeps its own kind of state (a recurrent one) where grape cannot see it.
+            # that keeps its own kind of state where grape cannot see it.
             raise NotGraphable(f"{type(self.model).__name__} did not write the static cache "
                                f"it was given while reading the prompt (it keeps no cache, or "
                                f"keeps its state elsewhere)")
+        self.written.fill_(self.prompt_len)
+        self._counted = next((layer.cumulative_length for layer in self.cache.layers
+                              if isinstance(layer, StaticLayer) and layer.is_initialized),
+                             self.written)
         self.mask.zero_()
         if ones:
             self.mask[:, :self.prompt_len].fill_(1)
@@ -172,10 +231,12 @@ class Decoder:
     def step(self) -> None:
         """The next token for every row, at fixed shapes, with no host sync."""
         # The new token's column of the mask: where the cache writes it (its device length).
-        self.mask.index_fill_(1, self.cache.layers[0].cumulative_length.view(1), 1)
+        self.mask.index_fill_(1, self._counted.view(1), 1)
         if self.lengths is not None:
-            self.lengths.before_step(self.cache.layers[0].cumulative_length)
+            self.lengths.before_step(self._counted)
         logits = self._logits(self.next_ids, self.mask, self.position, first=False)
+        if self._counted is self.written:  # no attention layer counts for us
+            self.written.add_(1)
         self.position.add_(1)
         self._emit(logits)
         self._agree()
