@@ -150,7 +150,8 @@ def one(model_type: str, device: str, dtype: Any) -> list[dict[str, Any]]:
         if not row["tokens_identical"] and out.shape == reference.shape:
             row["token_agreement"] = float((out[:, PROMPT:] == reference[:, PROMPT:])
                                            .float().mean())
-            row.update(_which_side(model, ids, mask, kw, out, reference))
+            if row["graphed"]:  # a fallback's tokens are generate's own, with its cache
+                row.update(_which_side(model, ids, mask, kw, out, reference))
         rows.append(row)
     for row in rows:
         row["seconds"] = round(time.perf_counter() - began, 2)

@@ -237,11 +237,15 @@ def _host_loop(decoder, ids, mask, captured_prompt: bool):
 
     if not captured_prompt:
         return decoder.generate_on_host(ids, mask)
+    from grape.torch.control import graph as recovering_graph
     from grape.torch.staging import HostConstants, PinnedArena
 
     decoder.prefill(ids, mask)  # warm-up, outside the capture
     graph, arena = torch.cuda.CUDAGraph(), PinnedArena()
-    with torch.cuda.graph(graph), HostConstants(arena, ids.device):
+    # grape's form of torch.cuda.graph: a prompt that cannot be captured leaves the process
+    # usable (PyTorch's own left the CUDA generator in capture mode, and every later random
+    # op failing: arch_sweep.py's models built after one such prompt on the H200).
+    with recovering_graph(graph), HostConstants(arena, ids.device):
         decoder.prefill(ids, mask)
     graph.replay()
     while bool(decoder.running):
