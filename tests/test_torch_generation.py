@@ -45,13 +45,16 @@ STRATEGIES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def model(request):
+def _built(model_type, sizes):
     transformers.logging.set_verbosity_error()
-    config = transformers.AutoConfig.for_model(request.param, **CONFIGS[request.param],
-                                               **COMMON)
+    config = transformers.AutoConfig.for_model(model_type, **sizes, **COMMON)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request):
+    return _built(request.param, CONFIGS[request.param])
 
 
 def _prompt(batch=3, length=7, seed=0):
@@ -294,8 +297,7 @@ def test_a_model_that_leaves_the_static_cache_unwritten_is_not_graphable(model_t
     # Found by benchmarks/arch_sweep.py on the H200: these took the cache and ignored it, and
     # the first step failed on the cache's unset length (a traceback, not a fallback). Graphed,
     # each step would have run without the tokens before it.
-    config = transformers.AutoConfig.for_model(model_type, **sizes, **COMMON)
-    m = transformers.AutoModelForCausalLM.from_config(config).eval()
+    m = _built(model_type, sizes)
     ids, mask = _prompt()
     options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 4})
     decoder = TokenDecoder(m, ids.shape[0], ids.shape[1], options)
@@ -335,11 +337,7 @@ RECURRENT = {
 
 @pytest.fixture(scope="module", params=list(RECURRENT))
 def recurrent(request):
-    transformers.logging.set_verbosity_error()
-    config = transformers.AutoConfig.for_model(request.param, **RECURRENT[request.param],
-                                               **COMMON)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return _built(request.param, RECURRENT[request.param])
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "beam 4, EOS"])
