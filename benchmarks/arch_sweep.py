@@ -16,7 +16,9 @@ cut by its time limit keeps what it measured; ``--workers N`` splits the archite
 N processes on the one GPU (the models are small: correctness, not speed, is measured).
 
 Run on a GPU: python benchmarks/arch_sweep.py --out FILE [--archs a,b] [--workers N]
-On a machine without one it runs the reference on the CPU and reports grape's fallback.
+[--strategies greedy,beam3]. ``--host-loop`` runs grape's step (the one it captures) driven by
+the host instead of ``grape.generate``: its tokens against ``generate``'s on any device, the CPU
+included, where ``grape.generate`` itself would only fall back.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ SMALL = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
 # Configs that name their sizes otherwise keep their defaults: up to hundreds of millions of
 # parameters are still quick on a GPU; billions are refused (two ended the first CPU sweep).
 MAX_PARAMETERS = {"cuda": 1_000_000_000, "cpu": 100_000_000}
+STRATEGIES = {"greedy": {}, "beam3": {"num_beams": 3}}
 CONTEXT_LOST = 3  # a worker's exit status after a CUDA error
 NEW_TOKENS = 24
 PROMPT = 16
@@ -83,12 +86,11 @@ def build(model_type: str, device: str, dtype: Any):
     return model.eval()
 
 
-def one(model_type: str, device: str, dtype: Any) -> list[dict[str, Any]]:
-    """The rows of one architecture: one per batch, or one saying which stage failed."""
+def one(model_type: str, device: str, dtype: Any, strategies: list[str],
+        host_loop: bool) -> list[dict[str, Any]]:
+    """The rows of one architecture: one per batch and strategy, or one saying which stage
+    failed."""
     import torch
-
-    import grape
-    from grape.torch.api import last_stats
 
     began = time.perf_counter()
     try:
@@ -97,68 +99,107 @@ def one(model_type: str, device: str, dtype: Any) -> list[dict[str, Any]]:
         return [{"arch": model_type, "stage": "build", "error": _first_line(e)}]
     rows = []
     vocab = model.config.get_text_config().vocab_size
-    for batch in (1, 2):
-        row: dict[str, Any] = {"arch": model_type, "batch": batch,
-                               "model_class": type(model).__name__}
-        g = torch.Generator().manual_seed(100 + batch)
-        ids = torch.randint(3, vocab, (batch, PROMPT), generator=g).to(device)
-        mask = torch.ones_like(ids)
-        mask[1:, : PROMPT // 4] = 0  # left padding, as generate takes unequal prompts
-        kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                  pad_token_id=0)
-        # The reference: generate with a static cache (grape's layout, so the same kernels),
-        # else with the model's own cache, said in the row (its tokens may then differ by
-        # the last bit of an attention kernel, not by a wrong step).
-        reference, errors = None, []
-        for cache in ("static", None):
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    extra = {"cache_implementation": cache} if cache else {}
-                    reference = model.generate(ids, attention_mask=mask,
-                                               disable_compile=True, **extra, **kw)
-                row["reference_cache"] = cache or "default"
-                break
-            except Exception as e:
-                errors.append(_first_line(e))
-        if reference is None:
-            row.update(stage="reference", error=" / ".join(errors))
+    for strategy in strategies:
+        for batch in (1, 2):
+            row: dict[str, Any] = {"arch": model_type, "batch": batch, "strategy": strategy,
+                                   "way": "host_loop" if host_loop else "grape",
+                                   "model_class": type(model).__name__}
+            g = torch.Generator().manual_seed(100 + batch)
+            ids = torch.randint(3, vocab, (batch, PROMPT), generator=g).to(device)
+            mask = torch.ones_like(ids)
+            mask[1:, : PROMPT // 4] = 0  # left padding, as generate takes unequal prompts
+            kw = dict(STRATEGIES[strategy], max_new_tokens=NEW_TOKENS, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+            reference = _reference(model, ids, mask, kw, row)
+            if reference is not None:
+                (_host_loop_row if host_loop else _graphed_row)(model, ids, mask, kw, reference,
+                                                                 row)
             rows.append(row)
-            continue
-        if errors:
-            row["static_cache_error"] = errors[0]
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                out = grape.generate(model, ids, mask, **kw)
-                stats = last_stats()
-        except Exception as e:  # grape promises a fallback, never a traceback
-            row.update(stage="grape", error=_first_line(e),
-                       where=traceback.format_exc().strip().splitlines()[-3:])
-            rows.append(row)
-            continue
-        fell = [str(w.message).splitlines()[0] for w in caught
-                if "runs model.generate" in str(w.message)]
-        row.update(stage="done", graphed=bool(stats and stats.graphed),
-                   prefill_graphed=bool(stats and stats.prefill_graphed),
-                   fallback=fell[0][:900] if fell else None,
-                   other_warnings=sorted({str(w.message).splitlines()[0][:200]
-                                          for w in caught
-                                          if "runs model.generate" not in str(w.message)})[:3],
-                   tokens_identical=(tuple(out.shape) == tuple(reference.shape)
-                                     and bool((out == reference).all())))
-        if not row["tokens_identical"] and out.shape == reference.shape:
-            row["token_agreement"] = float((out[:, PROMPT:] == reference[:, PROMPT:])
-                                           .float().mean())
-            if row["graphed"]:  # a fallback's tokens are generate's own, with its cache
-                row.update(_which_side(model, ids, mask, kw, out, reference))
-        rows.append(row)
     for row in rows:
         row["seconds"] = round(time.perf_counter() - began, 2)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _reference(model, ids, mask, kw, row: dict[str, Any]):
+    """generate with a static cache (grape's layout, so the same kernels), else with the
+    model's own cache, said in the row (its tokens may then differ by the last bit of an
+    attention kernel, not by a wrong step); None, with the row saying why, where neither ran."""
+    errors = []
+    for cache in ("static", None):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                extra = {"cache_implementation": cache} if cache else {}
+                reference = model.generate(ids, attention_mask=mask, disable_compile=True,
+                                           **extra, **kw)
+            row["reference_cache"] = cache or "default"
+            if errors:
+                row["static_cache_error"] = errors[0]
+            return reference
+        except Exception as e:
+            errors.append(_first_line(e))
+    row.update(stage="reference", error=" / ".join(errors))
+    return None
+
+
+def _graphed_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None:
+    import grape
+    from grape.torch.api import last_stats
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = grape.generate(model, ids, mask, **kw)
+            stats = last_stats()
+    except Exception as e:  # grape promises a fallback, never a traceback
+        row.update(stage="grape", error=_first_line(e),
+                   where=traceback.format_exc().strip().splitlines()[-3:])
+        return
+    fell = [str(w.message).splitlines()[0] for w in caught
+            if "runs model.generate" in str(w.message)]
+    row.update(stage="done", graphed=bool(stats and stats.graphed),
+               prefill_graphed=bool(stats and stats.prefill_graphed),
+               fallback=fell[0][:900] if fell else None,
+               other_warnings=sorted({str(w.message).splitlines()[0][:200] for w in caught
+                                      if "runs model.generate" not in str(w.message)})[:3])
+    _compare(out, reference, row)
+    if not row["tokens_identical"] and out.shape == reference.shape and row["graphed"]:
+        # a fallback's tokens are generate's own, with its cache: only graphed rows differ
+        row.update(_which_side(model, ids, mask, kw, out, reference))
+
+
+def _host_loop_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None:
+    """grape's own step, the one it captures, driven by the host (any device, the CPU
+    included): its tokens against generate's, or the reason grape refuses the model."""
+    from grape.torch.beam import BeamDecoder
+    from grape.torch.decoding import TokenDecoder
+    from grape.torch.options import NotGraphable, resolve
+
+    try:
+        options, m = resolve(model, ids, mask, dict(kw))
+        cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = cls(model, ids.shape[0], ids.shape[1], options).generate_on_host(ids, m)
+    except NotGraphable as e:
+        row.update(stage="done", graphed=False, fallback=str(e)[:900])
+        return
+    except Exception as e:  # in grape.generate, caught only around the model's own code
+        row.update(stage="grape", error=_first_line(e),
+                   where=traceback.format_exc().strip().splitlines()[-3:])
+        return
+    row.update(stage="done", graphed=True)  # would be captured: the host loop ran it
+    _compare(out, reference, row)
+
+
+def _compare(out, reference, row: dict[str, Any]) -> None:
+    row["tokens_identical"] = _same(out, reference)
+    if not row["tokens_identical"] and out.shape == reference.shape:
+        row["token_agreement"] = float((out[:, PROMPT:] == reference[:, PROMPT:])
+                                       .float().mean())
 
 
 def _which_side(model, ids, mask, kw, graphed, reference) -> dict[str, Any]:
@@ -199,7 +240,8 @@ def _same(a, b) -> bool:
     return tuple(a.shape) == tuple(b.shape) and bool((a == b).all())
 
 
-def worker(archs: list[str], out: Path | None, dtype: str) -> None:
+def worker(archs: list[str], out: Path | None, dtype: str, strategies: list[str],
+           host_loop: bool) -> None:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -208,7 +250,7 @@ def worker(archs: list[str], out: Path | None, dtype: str) -> None:
     for arch in archs:
         _log(f"{arch} ...")
         try:
-            rows = one(arch, device, getattr(torch, dtype))
+            rows = one(arch, device, getattr(torch, dtype), strategies, host_loop)
         except Exception as e:
             rows = [{"arch": arch, "stage": "sweep", "error": _first_line(e)}]
         for row in rows:
@@ -228,7 +270,8 @@ def _share(archs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     while archs:
         p = subprocess.run([sys.executable, __file__, "--worker", "--archs", ",".join(archs),
-                            "--dtype", args.dtype,
+                            "--dtype", args.dtype, "--strategies", args.strategies,
+                            *(["--host-loop"] if args.host_loop else []),
                             *(["--out", str(args.out)] if args.out else [])],
                            stdout=subprocess.PIPE, text=True)
         mine = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
@@ -253,16 +296,18 @@ def summary(rows: list[dict[str, Any]]) -> str:
     """A short table: each outcome, with the architectures in it."""
     groups: dict[str, list[str]] = {}
     for r in rows:
+        ran = "host loop" if r.get("way") == "host_loop" else "graphed"
         if r.get("stage") != "done":
             key = f"failed at {r.get('stage')}"
         elif not r["graphed"]:
-            key = "fell back to generate"
-        elif r["tokens_identical"]:
-            key = "graphed, tokens equal"
+            key = "refused (grape.generate falls back)" if ran == "host loop" else \
+                "fell back to generate"
         else:
-            key = "graphed, tokens differ"
-        groups.setdefault(key, []).append(f"{r['arch']}" + (f"/b{r['batch']}"
-                                                            if "batch" in r else ""))
+            key = f"{ran}, tokens {'equal' if r['tokens_identical'] else 'differ'}"
+        label = r["arch"] + (f"/b{r['batch']}" if "batch" in r else "")
+        if r.get("strategy", "greedy") != "greedy":
+            label += f"/{r['strategy']}"
+        groups.setdefault(key, []).append(label)
     return "\n".join(f"{k}: {len(v)}: {' '.join(sorted(v))}" for k, v in sorted(groups.items()))
 
 
@@ -276,12 +321,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
                         help="on a GPU (the CPU runs float32); bf16 by default, as models "
                         "of these kinds ship")
+    parser.add_argument("--strategies", default="greedy", help="among: greedy, beam3")
+    parser.add_argument("--host-loop", action="store_true",
+                        help="grape's step driven by the host instead of grape.generate: "
+                        "its semantics on any device, the CPU included")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     archs = args.archs.split(",") if args.archs else architectures()
     archs = [a for a in archs if a not in set(args.skip.split(","))]
+    strategies = args.strategies.split(",")
+    if unknown := [st for st in strategies if st not in STRATEGIES]:
+        parser.error(f"expected strategies among {', '.join(STRATEGIES)}, found {unknown}")
     if args.worker:
-        worker(archs, args.out, args.dtype)
+        worker(archs, args.out, args.dtype, strategies, args.host_loop)
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     if args.out is not None and args.out.exists():
