@@ -196,6 +196,8 @@ def _host_loop_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None
 
 
 def _compare(out, reference, row: dict[str, Any]) -> None:
+    from generate import _same
+
     row["tokens_identical"] = _same(out, reference)
     if not row["tokens_identical"] and out.shape == reference.shape:
         row["token_agreement"] = float((out[:, PROMPT:] == reference[:, PROMPT:])
@@ -209,7 +211,7 @@ def _which_side(model, ids, mask, kw, graphed, reference) -> dict[str, Any]:
     a difference in the last bit breaks either way). Equal to the reference eagerly and to the
     launch under capture: the capture changed the prompt's kernels (Hugging Face picks them by
     the mask's values, which it cannot read while a capture is under way)."""
-    from generate import _first_difference, _host_loop, _margin
+    from generate import _first_difference, _host_loop, _margin, _same
 
     from grape.torch.decoding import TokenDecoder
     from grape.torch.options import resolve
@@ -234,10 +236,6 @@ def _which_side(model, ids, mask, kw, graphed, reference) -> dict[str, Any]:
     except Exception as e:
         found["diagnosis_error"] = _first_line(e)
     return found
-
-
-def _same(a, b) -> bool:
-    return tuple(a.shape) == tuple(b.shape) and bool((a == b).all())
 
 
 def worker(archs: list[str], out: Path | None, dtype: str, strategies: list[str],
