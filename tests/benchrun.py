@@ -19,3 +19,15 @@ def run_benchmark(script: str, tmp_path: Path, *args: str) -> dict:
                           env={**os.environ, "PYTHONPATH": str(path.parent.parent)})
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(out.read_text())
+
+
+def run_sweep(tmp_path: Path, *args: str) -> list[dict]:
+    """The rows ``benchmarks/arch_sweep.py ARGS --out FILE`` wrote (JSON lines), run in a
+    fresh process."""
+    out = tmp_path / "sweep.jsonl"
+    path = Path(__file__).parent.parent / "benchmarks" / "arch_sweep.py"
+    done = subprocess.run([sys.executable, str(path), *args, "--out", str(out)],
+                          capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONPATH": str(path.parent.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from grape.errors import GrapeError  # noqa: E402
-from tests.benchrun import run_benchmark  # noqa: E402
+from tests.benchrun import run_benchmark, run_sweep  # noqa: E402
 
 # Every architecture of benchmarks/generate.py (Mixtral in bf16 there: see its DTYPES).
 ARCHS = "gpt2,gptj,gpt_neox,opt,bloom,falcon,llama,mistral,qwen2,mixtral"
@@ -52,6 +52,19 @@ def test_with_deterministic_kernels_every_architecture_and_strategy_makes_genera
     syncing = [(r["arch"], r["strategy"], r["host_syncs_per_token"] * r["new_tokens"])
                for r in grape_rows if r["host_syncs_per_token"] * r["new_tokens"] > 1]
     assert not syncing
+
+
+def test_a_graphed_prompt_attends_as_generate_does_for_its_mask(cuda, tmp_path):
+    # Eagerly, Hugging Face reads an unpadded prompt's mask and runs SDPA's causal kernels;
+    # under a capture it cannot read, and built the mask (SDPA's masked kernels): these four
+    # decoders at batch 1 then made other greedy tokens than generate (bf16, arch_sweep.py's
+    # small config, in every sweep before the prompt branched on the device). Now the captured
+    # prompt takes, per launch, the kernels generate takes for its mask (grape.torch.hfmasks).
+    rows = run_sweep(tmp_path, "--archs", "bert,ernie,roc_bert,xlm-roberta-xl")
+    assert len(rows) == 4 * 2
+    wrong = [(r["arch"], r["batch"], r.get("fallback")) for r in rows
+             if not (r["graphed"] and r["prefill_graphed"] and r["tokens_identical"])]
+    assert not wrong
 
 
 def test_a_moe_model_in_fp16_falls_back_naming_the_grouped_gemm_that_reads_back(cuda):

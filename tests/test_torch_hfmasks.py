@@ -4,6 +4,7 @@ the block, and after it, transformers behaves as it does."""
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -66,3 +67,77 @@ def test_the_block_restores_transformers_as_it_was(model):
         assert masking_utils._ignore_bidirectional_mask_sdpa.grape_original is before
     assert masking_utils._ignore_bidirectional_mask_sdpa is before
     assert _masks(model, capturing=True, shortcut=False) == own
+
+
+# --- prompt_padding_on_device -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def decoder():
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=100, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _prompt(model, mask, block):
+    """The prompt's logits over an empty static cache, each SDPA call's (mask given, causal),
+    and the branches taken on the device's decision."""
+    from grape.torch import hfmasks
+
+    ids = torch.arange(2 * 6).view(2, 6) % 100
+    cache = transformers.StaticCache(config=model.config, max_cache_len=12)
+    seen, branches, sdpa, cond = [], [], torch.nn.functional.scaled_dot_product_attention, \
+        hfmasks.cond
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        seen.append((attn_mask is not None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    def counted(pred, *args):
+        branches.append(bool(pred))
+        return cond(pred, *args)
+
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy), \
+            mock.patch.object(hfmasks, "cond", counted), block, torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                       use_cache=True).logits
+    return logits, seen, branches
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no padding", "left padding"])
+def test_a_prompt_decided_on_the_device_runs_what_eager_code_runs(decoder, padded):
+    from grape.torch.hfmasks import prompt_padding_on_device
+
+    mask = torch.ones(2, 6, dtype=torch.long)
+    if padded:
+        mask[1, :2] = 0
+    eager, eager_calls, none = _prompt(decoder, mask, contextlib.nullcontext())
+    assert none == [] and eager_calls == [(padded, not padded)] * 3
+    # Deciding as under a capture: the mask is built, and each layer branches on whether it
+    # has padding, to SDPA without it (causal) or with it: the calls and bits of eager code.
+    decided, calls, branches = _prompt(decoder, mask, prompt_padding_on_device(eagerly=True))
+    assert branches == [not padded] * 3
+    assert calls == eager_calls
+    assert torch.equal(decided, eager)
+
+
+def test_the_prompt_block_restores_transformers_as_it_was():
+    from transformers import AttentionInterface
+    from transformers import masking_utils as masking
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from grape.torch.hfmasks import prompt_padding_on_device
+
+    def state():
+        return (masking.sdpa_mask, masking._ignore_causal_mask_sdpa,
+                AttentionMaskInterface._global_mapping["sdpa"],
+                AttentionInterface._global_mapping["sdpa"], masking.fast_all, masking.is_tracing)
+
+    before = state()
+    with prompt_padding_on_device(), prompt_padding_on_device():  # nested: wrapped once
+        inside = state()
+        assert inside[0].grape_original is before[0] and inside[3].grape_original is before[3]
+        assert inside[1].grape_original is before[1] and inside[4:] == before[4:]
+    assert state() == before

@@ -180,6 +180,14 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
 
     staged = [staging(), staging()]
     with _model_code(model):  # eagerly: nothing is being captured yet
+        if decoder.uses_mask and prompt_len > 1:
+            # The captured prompt holds both of its attention paths (grape.torch.hfmasks):
+            # each runs once here, with no padding and with some, so that neither meets its
+            # lazy initialisation (a kernel plan, a workspace) inside the capture.
+            padded = torch.ones_like(input_ids)
+            padded[:, 0] = 0
+            decoder.prefill(input_ids, None)
+            decoder.prefill(input_ids, padded)
         decoder.prefill(input_ids, mask)
         decoder.step()
     if exact and warn_whole and not decoder.lengths.served.get("exact"):

@@ -38,7 +38,7 @@ import torch
 from grape.errors import GrapeError, UnsupportedError
 from grape.passes.loops import check_bound
 
-__all__ = ["cond", "graph", "predicate", "while_loop"]
+__all__ = ["can_branch", "cond", "graph", "predicate", "while_loop"]
 
 # The memory pool of the capture under way, where it went through :func:`graph`.
 _POOL: ContextVar[Any] = ContextVar("grape_capture_pool", default=None)
@@ -58,6 +58,13 @@ def _check(pred: Any) -> torch.Tensor:
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def can_branch() -> bool:
+    """Whether :func:`cond` and :func:`predicate` work here: outside a capture always (they
+    read the predicate back); inside one where PyTorch captures IF nodes itself or the
+    capture's memory pool is known (:func:`graph`, ``grape.torch.capture``)."""
+    return not _capturing() or _torch_if_capture() is not None or _POOL.get() is not None
 
 
 @contextmanager

@@ -33,6 +33,7 @@ from transformers.generation.logits_process import (
 )
 
 from grape.torch.exact import Lengths, TokenMajorLayer, active
+from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.options import NotGraphable, Options
 from grape.torch.parallel import group_of
 
@@ -205,7 +206,10 @@ class Decoder:
         position.masked_fill_(mask == 0, 0)
         if self.lengths is not None:
             self.lengths.set_prompt(None if ones else mask, self.prompt_len)
-        logits = self._logits(input_ids, mask, position, first=True)
+        # Captured, the prompt attends as generate's would for this mask (its causal kernels
+        # where it has no padding), chosen on the device at each launch (grape.torch.hfmasks).
+        with prompt_padding_on_device():
+            logits = self._logits(input_ids, mask, position, first=True)
         if not any(_written(layer) for layer in self.cache.layers):
             # Each step would run without the tokens before it: a model with no cache, or one
             # that keeps its own kind of state where grape cannot see it.
