@@ -64,12 +64,47 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
+def _layer_kinds(config: Any) -> list[str] | None:
+    """Each layer's kind, where the config lists them (hybrids of attention and recurrence)."""
+    for name in ("layer_types", "layers_block_type"):
+        kinds = getattr(config, name, None)
+        if isinstance(kinds, list | tuple) and kinds and all(isinstance(k, str) for k in kinds):
+            return list(kinds)
+    return None
+
+
+def _attends(kinds: list[str]) -> bool:
+    return any(("attention" in k and "linear" not in k) or k == "hybrid" for k in kinds)
+
+
+def small_config(model_type: str) -> Any:
+    """The small config; a hybrid whose layer pattern puts its first attention layer past the
+    second (Jamba's at the fifth, Qwen3-Next's at the fourth) gets the fewest layers, up to 8,
+    that hold one: with linear layers alone Hugging Face's static cache refuses the model, so
+    two layers would test neither its attention nor grape's on it."""
+    import transformers
+
+    def config(layers: int) -> Any:
+        return transformers.AutoConfig.for_model(
+            model_type, **{**SMALL, "num_hidden_layers": layers}, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0)
+
+    small = config(SMALL["num_hidden_layers"])
+    kinds = _layer_kinds(small)
+    if kinds is None or _attends(kinds):
+        return small
+    for layers in range(SMALL["num_hidden_layers"] + 1, 9):
+        grown = config(layers)
+        if _attends(_layer_kinds(grown) or []):
+            return grown
+    return small
+
+
 def build(model_type: str, device: str, dtype: Any):
     import torch
     import transformers
 
-    config = transformers.AutoConfig.for_model(model_type, **SMALL, bos_token_id=1,
-                                               eos_token_id=2, pad_token_id=0)
+    config = small_config(model_type)
     # Counted on the meta device first: a config that names its sizes otherwise keeps its
     # full defaults (billions of parameters: two such ended the first sweep out of memory).
     with torch.device("meta"):

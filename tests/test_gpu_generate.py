@@ -183,11 +183,15 @@ def test_a_graphed_callable_reads_its_inputs_where_they_lie(cuda):
 
 def _graph_replay(fn, x):
     """``fn(x)`` as PyTorch's own graph of it computes it (eager picks other kernels for some
-    shapes, so a graph is compared bitwise with a graph, and with eager within tolerance)."""
+    shapes, so a graph is compared bitwise with a graph, and with eager within tolerance),
+    captured as grape.graphed captures: a Hugging Face model given no mask attends without one
+    (grape.torch.hfmasks; PyTorch's capture alone builds a full mask, other kernels)."""
+    from grape.torch.hfmasks import no_padding_shortcut
+
     static = x.clone()
     fn(static)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g), no_padding_shortcut():
         out = fn(static)
     g.replay()
     return out.clone()

@@ -41,6 +41,7 @@ from grape.passes.alias import repoint
 from grape.passes.delta import ShapeDelta, identity, join
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.capture import TorchCapture, capture
+from grape.torch.hfmasks import no_padding_shortcut
 
 __all__ = ["CallStats", "Graphed", "graphed"]
 
@@ -191,7 +192,10 @@ class Graphed:
             for i, t in zip(at, given, strict=True):
                 filled[i] = t
             args, kwargs = tree_unflatten(filled, spec)
-            return fn(*args, **kwargs)
+            # A Hugging Face model given no padding mask attends without one under the
+            # capture too, as it does eagerly (its fused kernels; grape.torch.hfmasks).
+            with no_padding_shortcut():
+                return fn(*args, **kwargs)
 
         captured = capture(call, *tensors, params=self.params, pool=self._pool,
                            instantiate=False, tag=tag, warmup=self.warmup)
