@@ -335,3 +335,28 @@ def test_a_function_learned_from_a_shape_captured_here_moves_the_shapes_that_run
     renamed = _chain(_kernel(7, bytes(8)), _clustered(9, 4, "g@0x5"), _kernel(1, bytes(8)))
     fresh = relocation(v.template, here)
     assert learn_functions(fresh, saved_s4, renamed) == {} and "h@0x3" not in fresh.functions
+
+
+def test_a_function_learned_by_name_from_the_kernels_a_shape_runs_here_moves_it():
+    from grape.familyio import graph_with
+    from grape.passes.relocate import learn_functions_by_name, relocate
+
+    v = _alternated()
+    here = _chain(_kernel(1, bytes(8)), _clustered(1, None), _kernel(1, bytes(8)),
+                  address=0x9000)
+    saved_s4 = graph_with(v.template, v.ops("s4"))
+    # What s4 launches here, by name (a capture never read into the IR): h is one function.
+    r = relocation(v.template, here)
+    assert learn_functions_by_name(r, saved_s4, {"f": {"f@0x1"}, "h": {"h@0x77"}}) == {
+        "h@0x3": "h@0x77"}
+    assert relocate(saved_s4.op("b"), r, "b").function == "h@0x77"
+    assert learn_functions_by_name(r, saved_s4, {"h": {"h@0x77"}}) == {}  # learned once
+    # Two functions under one name here (cuDNN builds such), or none: nothing is guessed.
+    for ambiguous in ({"h": {"h@0x77", "h@0x78"}}, {"g": {"g@0x5"}}, {}):
+        fresh = relocation(v.template, here)
+        assert learn_functions_by_name(fresh, saved_s4, ambiguous) == {}
+        assert "h@0x3" not in fresh.functions
+    # Two saved functions under one name in the shape: neither is paired.
+    twice = saved_s4.with_ops({"c": dataclasses.replace(saved_s4.op("b"), function="h@0x4")})
+    fresh = relocation(v.template, here)
+    assert learn_functions_by_name(fresh, twice, {"h": {"h@0x77"}}) == {}

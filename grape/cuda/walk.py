@@ -34,7 +34,7 @@ from grape.ir import (
 )
 
 __all__ = ["ATTRIBUTES", "EDGE_PORTS", "CreatedConditional", "created_params", "event_id",
-           "read_graph", "remember_conditional", "resolve_event"]
+           "kernel_functions", "read_graph", "remember_conditional", "resolve_event"]
 
 T = driver.CUgraphNodeType
 A = driver.CUkernelNodeAttrID
@@ -249,6 +249,35 @@ def _nodes(graph: driver.CUgraph) -> list[driver.CUgraphNode]:
     _, count = call(driver.cuGraphGetNodes, graph, 0, doing="counting graph nodes")
     nodes, _ = call(driver.cuGraphGetNodes, graph, count, doing="listing graph nodes")
     return nodes[:count]
+
+
+def _function(node: driver.CUgraphNode) -> driver.CUfunction:
+    p = call(driver.cuGraphKernelNodeGetParams, node, doing="reading a kernel node")
+    if not int(p.func) and int(p.kern):  # library kernels come as CUkernel handles
+        return call(driver.cuKernelGetFunction, p.kern, doing="resolving a library kernel")
+    return p.func
+
+
+def kernel_functions(graph: driver.CUgraph | int) -> dict[str, set[str]]:
+    """The kernel functions ``graph`` (its conditional bodies too; an integer: a
+    ``cudaGraph_t`` such as PyTorch's ``raw_cuda_graph()``) launches, by mangled name: each
+    one's identity in the IR (``function_id``, so that it resolves later). Reads nothing else
+    of a node (no arguments, no memory): a fraction of :func:`read_graph`'s cost, for a caller
+    that only needs to know which functions run."""
+    if isinstance(graph, int):
+        graph = driver.CUgraph(graph)
+    found: dict[str, set[str]] = {}
+    for node in _nodes(graph):
+        kind = call(driver.cuGraphNodeGetType, node, doing="reading a node's type")
+        if kind == T.CU_GRAPH_NODE_TYPE_KERNEL:
+            ident, name = function_id(_function(node))
+            found.setdefault(name, set()).add(ident)
+        elif kind == T.CU_GRAPH_NODE_TYPE_CONDITIONAL:
+            p = _conditional_params(node)
+            for i in range(p.size):
+                for name, idents in kernel_functions(p.phGraph_out[i]).items():
+                    found.setdefault(name, set()).update(idents)
+    return found
 
 
 def _find_handles(graph: driver.CUgraph, found: dict[int, str]) -> dict[int, str]:

@@ -49,8 +49,8 @@ from grape.ir import Buffer, Conditional, Kernel, KernelGraph, Memcpy, Memset, O
 from grape.passes.families import match
 from grape.passes.variants import NodeVersions, Variants, alternate
 
-__all__ = ["Loose", "Moved", "Relocation", "learn_functions", "relocate", "relocate_all",
-           "relocate_variants", "relocation"]
+__all__ = ["Loose", "Moved", "Relocation", "learn_functions", "learn_functions_by_name",
+           "relocate", "relocate_all", "relocate_variants", "relocation"]
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,28 @@ def learn_functions(r: Relocation, saved: KernelGraph, here: KernelGraph) -> dic
         if (isinstance(old, Kernel) and isinstance(new, Kernel) and old.name == new.name
                 and old.function not in r.functions):
             r.functions[old.function] = added[old.function] = new.function
+    return added
+
+
+def learn_functions_by_name(r: Relocation, saved: KernelGraph,
+                            here: Mapping[str, Collection[str]]) -> dict[str, str]:
+    """Kernel functions of ``saved`` (a shape's graph from the saving process) that ``r``
+    cannot move, paired with functions of this process by mangled name: ``here`` is what the
+    same shape launches here, by name (``grape.torch.capture.functions_run``, a capture never
+    read into the IR). A name pairs only where it stands for one function on each side, in
+    this shape: libraries that build several functions under one name (cuDNN) teach nothing
+    this way, and their shapes are captured whole, as :func:`learn_functions` needs. Returns
+    the pairs added to ``r`` (saved function to the function here)."""
+    theirs: dict[str, set[str]] = {}
+    for _, k in saved.kernels():
+        theirs.setdefault(k.name, set()).add(k.function)
+    added: dict[str, str] = {}
+    for name, functions in theirs.items():
+        mine = here.get(name, ())
+        if len(functions) == 1 and len(mine) == 1:
+            (function,) = functions
+            if function not in r.functions:
+                r.functions[function] = added[function] = next(iter(mine))
     return added
 
 

@@ -24,13 +24,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from grape.cuda.buffers import BufferMap
 from grape.cuda.build import Graph
 from grape.cuda.capture import captured_nodes
+from grape.cuda.walk import kernel_functions
 from grape.errors import CaptureError
 from grape.ir import BufferRole, KernelGraph
 from grape.passes.places import MARKER_BYTES, History, Mark
 from grape.torch.control import graph
 
-__all__ = ["TorchCapture", "capture", "collector_paused", "frozen_heap", "live_blocks",
-           "on_another_thread", "pool_segments"]
+__all__ = ["TorchCapture", "capture", "collector_paused", "frozen_heap", "functions_run",
+           "live_blocks", "on_another_thread", "pool_segments"]
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 
@@ -433,3 +434,39 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         history = History.of_trace(trace, segments, [m.marker for m in noted.marks])
     return TorchCapture(Graph.borrowed(g.raw_cuda_graph(), buffers), g, outputs, pool_bytes,
                         blocks, noted.marks if noted is not None else [], history)
+
+
+def functions_run(fn: Callable[[], Any], pool: Any = None) -> dict[str, set[str]]:
+    """The kernel functions ``fn()`` launches, by mangled name (``grape.cuda.walk.
+    kernel_functions``), from a capture of it that is never read into the IR nor kept: what a
+    warm start needs to pair a function another process saved with this process's, at a
+    fraction of a capture's cost (the walk into the IR is most of it). ``fn`` runs once
+    eagerly first, on the stream of every grape capture, as :func:`capture` warms up: a
+    library loads the module of a kernel it picks for a size then, outside the capture.
+    ``pool``: the memory pool the capture's temporaries come from (a family's).
+
+    Raises
+    ------
+    CaptureError
+        ``fn`` did something that cannot be captured.
+    """
+    side = capture_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    failure = None
+    try:
+        with collector_paused(), graph(g, pool=pool, stream=side):
+            fn()
+    except Exception as e:
+        failure = _failure(e)
+    if failure is not None:
+        del g
+        gc.collect()  # as capture does: the failed capture's frames hold pool memory
+        raise CaptureError(failure)
+    try:
+        return kernel_functions(g.raw_cuda_graph())
+    finally:
+        del g

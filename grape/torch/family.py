@@ -50,6 +50,7 @@ from grape.torch.capture import (
     capture,
     capture_stream,
     frozen_heap,
+    functions_run,
     on_another_thread,
     pool_segments,
 )
@@ -602,8 +603,11 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     memory its template never did, and every shape of an executable whose template does not
     move, is captured here instead (with a warning that counts them). So is a shape that runs
     a kernel function the template never ran (cuBLAS picks its kernels by size; this process
-    may not even have loaded that one), but each such capture teaches the relocation its
-    functions (``grape.passes.relocate.learn_functions``), and later shapes that run them move.
+    may not even have loaded that one), unless the functions it runs here, read from a capture
+    that is not walked into the IR (``grape.torch.capture.functions_run``), pair with the saved
+    ones by name (``learn_functions_by_name``: a name that is one function on each side); each
+    shape captured teaches the relocation its functions too
+    (``grape.passes.relocate.learn_functions``), and later shapes that run them move.
     ``prepare``, ``update`` (``"nodes"`` or ``"device"``): as for :func:`capture_family`.
 
     Raises
@@ -617,6 +621,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     from grape.familyio import load_family as read_family
     from grape.passes.relocate import (
         learn_functions,
+        learn_functions_by_name,
         relocate_all,
         relocate_variants,
         relocation,
@@ -661,6 +666,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     learned: dict[str, str] = {}
     why: dict[Hashable, str] = {}  # each shape captured here, not a template: the last reason
     moved_later = 0  # shapes that moved once a function was learned
+    looked = 0  # shapes whose kernel functions were looked up (functions_run)
     for key, template in saved.templates.items():
         try:
             moved = relocation(template, fresh[key], scratch, scratch_here)
@@ -700,6 +706,15 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
             why.update(dict.fromkeys(rest, "its template did not move"))
         tried = len(learned)  # what the functions known when the shapes failed could not move
         for shape in rest:
+            if moved is not None:
+                graph = saved.graph(shape)
+                if any(k.function not in moved.functions for _, k in graph.kernels()):
+                    # Functions not paired yet (cuBLAS picks kernels by size, and loads their
+                    # modules as it first picks them): the ones this shape runs, from a capture
+                    # never read into the IR, by name, where a name is one function each side.
+                    looked += 1
+                    learned.update(learn_functions_by_name(
+                        moved, graph, functions_run(lambda s=shape: step(s), pool=pool)))
             if moved is not None and len(learned) > tried:
                 try:  # moved after all, where what held it back was such a function
                     ops = relocate_all(saved.variants[key].ops(shape), moved)
@@ -732,8 +747,9 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
                       stacklevel=2)
     progress(f"loaded {len(saved.shapes)} shapes, {len(captured)} captured here, in "
              f"{time.perf_counter() - began:.2f} s"
-             + (f" ({len(learned)} kernel functions learned from them moved {moved_later} "
-                f"more)" if learned else ""))
+             + (f" ({len(learned)} kernel functions, learned from the kernels of {looked} "
+                f"shapes run here and from the captures, moved {moved_later} more)"
+                if learned else ""))
     torch.cuda.synchronize()
     family = Family(step, groups, group_of, variants, torch.cuda.memory_reserved() - reserved,
                     0.0, keep, update=update, captured_here=len(captured),
