@@ -77,11 +77,12 @@ def _attends(kinds: list[str]) -> bool:
     return any(("attention" in k and "linear" not in k) or k == "hybrid" for k in kinds)
 
 
-def small_config(model_type: str) -> Any:
-    """The small config; a hybrid whose layer pattern puts its first attention layer past the
-    second (Jamba's at the fifth, Qwen3-Next's at the fourth) gets the fewest layers, up to 8,
-    that hold one: with linear layers alone Hugging Face's static cache refuses the model, so
-    two layers would test neither its attention nor grape's on it."""
+def small_configs(model_type: str) -> list[Any]:
+    """The small config, and before it, for a hybrid whose layer pattern puts its first
+    attention layer past the second (Jamba's at the fifth, Qwen3-Next's at the fourth), the
+    same with the fewest layers, up to 8, that hold one: with linear layers alone Hugging
+    Face's static cache refuses most such models, so two layers would test neither their
+    attention nor grape's on it. The first that builds is used."""
     import transformers
 
     def config(layers: int) -> Any:
@@ -92,21 +93,31 @@ def small_config(model_type: str) -> Any:
     small = config(SMALL["num_hidden_layers"])
     kinds = _layer_kinds(small)
     if kinds is None or _attends(kinds):
-        return small
+        return [small]
     for layers in range(SMALL["num_hidden_layers"] + 1, 9):
         grown = config(layers)
         if _attends(_layer_kinds(grown) or []):
-            return grown
-    return small
+            return [grown, small]
+    return [small]
 
 
 def build(model_type: str, device: str, dtype: Any):
     import torch
     import transformers
 
-    config = small_config(model_type)
+    *grown, config = small_configs(model_type)
     # Counted on the meta device first: a config that names its sizes otherwise keeps its
     # full defaults (billions of parameters: two such ended the first sweep out of memory).
+    # (A grown hybrid whose attention layer cannot be built at the small size, Qwen4-exp's
+    # sparse attention, is left at two layers.)
+    for candidate in grown:
+        try:
+            with torch.device("meta"):
+                transformers.AutoModelForCausalLM.from_config(candidate)
+        except Exception:
+            continue
+        config = candidate
+        break
     with torch.device("meta"):
         count = sum(p.numel() for p in
                     transformers.AutoModelForCausalLM.from_config(config).parameters())
