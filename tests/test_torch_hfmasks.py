@@ -123,6 +123,17 @@ def test_a_prompt_decided_on_the_device_runs_what_eager_code_runs(decoder, padde
     assert torch.equal(decided, eager)
 
 
+def test_a_prompt_given_no_mask_decides_on_the_host_as_eagerly(decoder):
+    from grape.torch.hfmasks import prompt_padding_on_device
+
+    eager, eager_calls, _ = _prompt(decoder, None, contextlib.nullcontext())
+    # Nothing to ask of a mask that is not there: no branch, SDPA's causal kernels, as eagerly
+    # (no_padding_shortcut's case, which the block covers too).
+    decided, calls, branches = _prompt(decoder, None, prompt_padding_on_device(eagerly=True))
+    assert branches == [] and calls == eager_calls == [(False, True)] * 3
+    assert torch.equal(decided, eager)
+
+
 def test_the_prompt_block_restores_transformers_as_it_was():
     from transformers import AttentionInterface
     from transformers import masking_utils as masking
