@@ -706,15 +706,15 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
             why.update(dict.fromkeys(rest, "its template did not move"))
         tried = len(learned)  # what the functions known when the shapes failed could not move
         for shape in rest:
-            if moved is not None:
-                graph = saved.graph(shape)
-                if any(k.function not in moved.functions for _, k in graph.kernels()):
-                    # Functions not paired yet (cuBLAS picks kernels by size, and loads their
-                    # modules as it first picks them): the ones this shape runs, from a capture
-                    # never read into the IR, by name, where a name is one function each side.
-                    looked += 1
-                    learned.update(learn_functions_by_name(
-                        moved, graph, functions_run(lambda s=shape: step(s), pool=pool)))
+            theirs = saved.graph(shape) if moved is not None else None
+            if theirs is not None and any(k.function not in moved.functions
+                                          for _, k in theirs.kernels()):
+                # Functions not paired yet (cuBLAS picks kernels by size, and loads their
+                # modules as it first picks them): the ones this shape runs, from a capture
+                # never read into the IR, by name, where a name is one function each side.
+                looked += 1
+                learned.update(learn_functions_by_name(
+                    moved, theirs, functions_run(lambda s=shape: step(s), pool=pool)))
             if moved is not None and len(learned) > tried:
                 try:  # moved after all, where what held it back was such a function
                     ops = relocate_all(saved.variants[key].ops(shape), moved)
@@ -726,8 +726,8 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
                     why[shape] = str(e)
             ir = here(shape)
             group_of[shape] = _add_shape(groups, variants, shape, ir)
-            if moved is not None:
-                learned.update(learn_functions(moved, saved.graph(shape), ir))
+            if theirs is not None:
+                learned.update(learn_functions(moved, theirs, ir))
     progress(f"placed every shape ({looked} shapes' kernel functions looked up, "
              f"{len(captured)} captured) in {time.perf_counter() - began:.2f} s")
     if update != "device" and (rebuilt := _with_alternates(groups, variants)):

@@ -177,8 +177,8 @@ def _branching_attention(sdpa: Callable[..., Any]) -> Callable[..., Any]:
                   value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any,
                   **kwargs: Any) -> Any:
         decided = _DECIDED.get()
-        entry = (None if decided is None or attention_mask is None
-                 else decided.get(attention_mask.untyped_storage().data_ptr()))
+        entry = (decided.get(attention_mask.untyped_storage().data_ptr())
+                 if decided and isinstance(attention_mask, torch.Tensor) else None)
         if entry is None:
             return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
 
