@@ -134,6 +134,27 @@ def test_a_prompt_given_no_mask_decides_on_the_host_as_eagerly(decoder):
     assert torch.equal(decided, eager)
 
 
+def test_a_deferred_test_leaves_transformers_own_functions_in_place(decoder):
+    # While the block evaluates a shortcut test with its questions answered otherwise, another
+    # thread running transformers must still see transformers' fast_all and is_tracing: the
+    # test runs with its own globals, the module's are never swapped.
+    from transformers import masking_utils as masking
+
+    from grape.torch import hfmasks
+
+    real = masking.fast_all, masking.is_tracing
+    during = []
+
+    def not_tracing(*args, **kwargs):  # called from inside the test, in place of is_tracing
+        during.append((masking.fast_all, masking.is_tracing) == real)
+        return False
+
+    mask = torch.ones(2, 6, dtype=torch.long)
+    with mock.patch.object(hfmasks, "_not_tracing", not_tracing):
+        _, _, branches = _prompt(decoder, mask, hfmasks.prompt_padding_on_device(eagerly=True))
+    assert branches == [True] * 3 and during and all(during)
+
+
 def test_the_prompt_block_restores_transformers_as_it_was():
     from transformers import AttentionInterface
     from transformers import masking_utils as masking

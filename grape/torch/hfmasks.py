@@ -25,6 +25,12 @@ device instead: the mask is built, and each attention call that reads it becomes
 (``grape.torch.control.cond``, an IF node pair under capture) between SDPA without the mask,
 taken where the mask has no padding, and SDPA with it. The GPU picks, per launch, the kernels
 ``generate`` would have run for that prompt; nothing is read back.
+
+Both blocks replace transformers' shortcut tests (and, for the prompt, its SDPA mask and
+attention entries) while they last, with wrappers that act only in the context that entered the
+block and pass everything else through; the answers a test gets are bound into a copy of it for
+that call, never swapped into transformers' module, so another thread running a model
+meanwhile computes what it would have.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -52,17 +59,28 @@ def _capture_alone() -> bool:
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
 
 
-def _decided_without_tracing(masking: Any, test: Callable[..., bool]) -> Callable[..., bool]:
+def _not_tracing(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+def _rebound(test: Callable[..., bool], **names: Any) -> Callable[..., bool]:
+    """``test`` with some of the global names it reads bound otherwise, for this call alone:
+    its module is left as it is, so that another thread running transformers meanwhile sees
+    transformers' own functions. (A decorated test is unwrapped first: the names are read by
+    the function transformers wrote.)"""
+    test = inspect.unwrap(test)
+    fn = types.FunctionType(test.__code__, {**test.__globals__, **names}, test.__name__,
+                            test.__defaults__, test.__closure__)
+    fn.__kwdefaults__ = test.__kwdefaults__
+    return fn
+
+
+def _decided_without_tracing(test: Callable[..., bool]) -> Callable[..., bool]:
     @functools.wraps(test)
     def shortcut(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
         if padding_mask is not None or not _capture_alone():
             return test(padding_mask, *args, **kwargs)
-        tracing = masking.is_tracing
-        masking.is_tracing = lambda *a, **k: False
-        try:
-            return test(padding_mask, *args, **kwargs)
-        finally:
-            masking.is_tracing = tracing
+        return _rebound(test, is_tracing=_not_tracing)(padding_mask, *args, **kwargs)
     shortcut.grape_original = test  # type: ignore[attr-defined]
     return shortcut
 
@@ -80,7 +98,7 @@ def no_padding_shortcut() -> Iterator[None]:
     saved = {name: getattr(masking, name) for name in _SHORTCUTS if hasattr(masking, name)}
     for name, test in saved.items():
         if not hasattr(test, "grape_original"):  # not wrapped already (nested blocks)
-            setattr(masking, name, _decided_without_tracing(masking, test))
+            setattr(masking, name, _decided_without_tracing(test))
     try:
         yield
     finally:
@@ -106,7 +124,7 @@ def _deciding() -> bool:
     return (_EAGERLY.get() or _capture_alone()) and can_branch()
 
 
-def _deferred_test(masking: Any, test: Callable[..., bool]) -> Callable[..., bool]:
+def _deferred_test(test: Callable[..., bool]) -> Callable[..., bool]:
     """``test`` (a shortcut test) that, in an sdpa_mask call of the block, answers the
     questions it would ask of the padding mask's values on the device: it says "build the
     mask", and leaves the predicate under which eager code would have skipped it."""
@@ -129,12 +147,8 @@ def _deferred_test(masking: Any, test: Callable[..., bool]) -> Callable[..., boo
             read.append(t)
             return True
 
-        saved = masking.is_tracing, masking.fast_all
-        masking.is_tracing, masking.fast_all = (lambda *a, **k: False), optimistic
-        try:
-            skips = test(*bound.args, **bound.kwargs)
-        finally:
-            masking.is_tracing, masking.fast_all = saved
+        skips = _rebound(test, is_tracing=_not_tracing, fast_all=optimistic)(
+            *bound.args, **bound.kwargs)
         if not skips or not read:
             # Not skipped whatever the values say (their answers only ever allow a skip), or
             # skipped without reading any (no padding mask: no_padding_shortcut's case):
@@ -220,7 +234,7 @@ def prompt_padding_on_device(eagerly: bool = False) -> Iterator[None]:
         return
     saved = (masking.sdpa_mask, masks["sdpa"], attentions["sdpa"])
     for name, test in tests.items():
-        setattr(masking, name, _deferred_test(masking, getattr(test, "grape_original", test)))
+        setattr(masking, name, _deferred_test(getattr(test, "grape_original", test)))
     masking.sdpa_mask = _deciding_mask(saved[0])
     masks["sdpa"] = _deciding_mask(saved[1])
     attentions["sdpa"] = _branching_attention(saved[2])
