@@ -27,10 +27,11 @@ taken where the mask has no padding, and SDPA with it. The GPU picks, per launch
 ``generate`` would have run for that prompt; nothing is read back.
 
 Both blocks replace transformers' shortcut tests (and, for the prompt, its SDPA mask and
-attention entries) while they last, with wrappers that act only in the context that entered the
-block and pass everything else through; the answers a test gets are bound into a copy of it for
-that call, never swapped into transformers' module, so another thread running a model
-meanwhile computes what it would have.
+attention entries) while they last. The prompt's wrappers act only in the context that entered
+the block; ``no_padding_shortcut``'s act under any CUDA capture with no padding mask, where they
+decide as eager code does. Everything else passes through, and the answers a test gets are
+bound into a copy of it for that call, never swapped into transformers' module: another thread
+running a model meanwhile computes what it would have.
 """
 
 from __future__ import annotations
