@@ -6,7 +6,8 @@ Python integer that indexes the sequences and enters the length penalty. Here th
 the device count of tokens made, so one captured step serves every iteration of a device loop,
 and the arithmetic is ``generate``'s operation for operation (the same scores, so the same
 tokens). The cache is reordered by beam in place (``generate``'s ``reorder_cache`` makes new
-tensors, which a captured step could not follow).
+tensors, which a captured step could not follow), its tensors stacked after the first prompt
+so that the reorder is one gather (``grape.torch.rows``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 
 import torch
 
-from grape.torch.decoding import Decoder, state_tensors
+from grape.torch.decoding import Decoder
 from grape.torch.options import Options
+from grape.torch.rows import RowReorder, state_tensors
 
 __all__ = ["BeamDecoder"]
 
@@ -64,6 +66,15 @@ class BeamDecoder(Decoder):
         hypothetical = torch.full_like(lengths, new) if (
             options.early_stopping == "never" and options.length_penalty > 0) else lengths
         self.best_penalty = (hypothetical ** options.length_penalty).to(torch.float32)
+        self.reorder: RowReorder | None = None  # once the cache's tensors exist (prefill)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+        copied = super().prefill(input_ids, attention_mask)
+        if self.reorder is None and (self.mask.device.type != "cuda"
+                                     or not torch.cuda.is_current_stream_capturing()):
+            # The prompt allocated the cache's tensors; nothing captured reads them yet.
+            self.reorder = RowReorder(self.cache.layers, self.rows)
+        return copied
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """Every prompt once per beam, adjacent, as generate expands it."""
@@ -110,9 +121,12 @@ class BeamDecoder(Decoder):
         self._finish(top_tokens, top_scores, top_origins, hits)
         # The cache follows the beams (in place: a captured step reads fixed addresses).
         rows = self.running_origins.index_select(2, t).view(-1).to(torch.long)
-        for layer in self.cache.layers:
-            for state in state_tensors(layer):
-                state.copy_(state.index_select(0, rows))
+        if self.reorder is not None:
+            self.reorder(rows)
+        else:  # the first prompt's token: the cache is not stacked yet
+            for layer in self.cache.layers:
+                for state in state_tensors(layer):
+                    state.copy_(state.index_select(0, rows))
         self.next_ids.copy_(self.running_tokens.index_select(2, t).view(-1, 1))
         self.count.add_(1)
         self._stop_check(hits)

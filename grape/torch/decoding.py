@@ -37,8 +37,7 @@ from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.options import NotGraphable, Options
 from grape.torch.parallel import group_of
 
-__all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "state_tensors",
-           "static_cache"]
+__all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "static_cache"]
 
 # Cache layers that keep a recurrent state (Mamba's convolution and SSM states, linear
 # attention's): fixed-size tensors at fixed addresses, updated in place, which a graph holds as
@@ -98,16 +97,6 @@ def static_cache(model: torch.nn.Module, max_len: int,
                            f"grape does not hold in a graph (it knows static attention layers "
                            f"and recurrent states)")
     return cache
-
-
-def state_tensors(layer: Any) -> list[torch.Tensor]:
-    """Every tensor of a cache layer that holds per-row state: keys and values, convolution
-    and recurrent states (beam search reorders them all by beam, in place)."""
-    held = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-            if t is not None]
-    for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
-        held += [t for t in states.values() if t is not None]
-    return held
 
 
 def _written(layer: Any) -> bool:

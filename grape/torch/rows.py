@@ -1,0 +1,122 @@
+"""A cache's rows reordered in place in a few kernels: beam search's step, made cheap.
+
+Beam search moves the cache with the beams every token: row ``r`` of every keys, values and
+recurrent-state tensor takes the contents of row ``order[r]``. One gather and one copy back
+per tensor is 4 kernels a layer; at batch 1 those are small kernels far from the GPU's
+bandwidth (on the H200, 24 tensors of 1.6 MB took 195 us that way, against 58 to 87 us as
+one gather over the same bytes: ``.device`` probe quoted in ``benchmarks/README.md``).
+
+:class:`RowReorder` therefore gives every such tensor of one dtype and size a slice of one
+stacked buffer, ``(tensors, rows, elements per row)``, and reorders the whole stack with one
+gather and one copy. Re-homing keeps each tensor's sizes, strides and offset, so the model's
+kernels see the same layouts as before, and it re-makes every tensor attribute of a layer that
+shares a moved storage (a layer's keys may be a view of a buffer it also keeps). Tensors whose
+storage is not theirs alone, with rows outermost, keep the per-tensor gather.
+
+It must be built eagerly, after the cache's layers allocated their tensors (the prompt's
+forward allocates them) and before any capture reads their addresses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["RowReorder", "state_tensors"]
+
+# A stack's gather needs a temporary the size of the stack: stacks are cut at this many bytes
+# (a tensor larger than this is a stack of its own), so that a long cache at a large batch does
+# not hold a second copy of itself.
+CHUNK_BYTES = 64 << 20
+
+
+def state_tensors(layer: Any) -> list[torch.Tensor]:
+    """Every tensor of a cache layer that holds per-row state: keys and values, convolution
+    and recurrent states (beam search reorders them all by beam, in place)."""
+    held = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if t is not None]
+    for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+        held += [t for t in states.values() if t is not None]
+    return held
+
+
+def _owns_rows(t: torch.Tensor, rows: int) -> bool:
+    """Whether ``t``'s storage is ``rows`` equal contiguous ranges, row ``r`` of ``t`` in the
+    r-th: then reordering the storage's ranges reorders ``t``'s rows, whatever its strides."""
+    storage = t.untyped_storage()
+    return (t.ndim > 0 and t.shape[0] == rows and t.storage_offset() == 0
+            and t.stride(0) * rows * t.element_size() == storage.nbytes())
+
+
+def _attributes(layer: Any) -> Iterator[tuple[dict, Any, torch.Tensor]]:
+    """(where, key, tensor) for every tensor a layer holds, directly or in a dict attribute."""
+    for name, value in list(vars(layer).items()):
+        if isinstance(value, torch.Tensor):
+            yield vars(layer), name, value
+        elif isinstance(value, dict):
+            for key, item in list(value.items()):
+                if isinstance(item, torch.Tensor):
+                    yield value, key, item
+
+
+class RowReorder:
+    """Reorders by row, in place, every per-row state tensor of ``layers`` (see the module).
+
+    Parameters
+    ----------
+    layers
+        The cache's layers, their tensors allocated.
+    rows
+        The cache's batch: every state tensor's first dimension.
+    """
+
+    def __init__(self, layers: Iterable[Any], rows: int, chunk_bytes: int = CHUNK_BYTES) -> None:
+        layers = list(layers)
+        owned: dict[int, torch.Tensor] = {}  # storage address -> a tensor over it
+        self.loose: list[torch.Tensor] = []  # gathered one by one
+        for layer in layers:
+            for t in state_tensors(layer):
+                if _owns_rows(t, rows):
+                    owned.setdefault(t.untyped_storage().data_ptr(), t)
+                else:
+                    self.loose.append(t)
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for t in owned.values():
+            groups.setdefault((t.dtype, t.device, t.untyped_storage().nbytes()), []).append(t)
+        self.stacks: list[torch.Tensor] = []
+        moved: dict[int, torch.Tensor] = {}  # old storage address -> its flat new home
+        for (dtype, device, nbytes), members in groups.items():
+            per_stack = max(1, chunk_bytes // nbytes)
+            for start in range(0, len(members), per_stack):
+                chunk = members[start:start + per_stack]
+                numel = nbytes // chunk[0].element_size()
+                stack = torch.empty((len(chunk), rows, numel // rows), dtype=dtype, device=device)
+                for i, t in enumerate(chunk):
+                    flat = stack[i].view(-1)
+                    flat.copy_(t.as_strided((numel,), (1,), 0))
+                    moved[t.untyped_storage().data_ptr()] = flat
+                self.stacks.append(stack)
+        for layer in layers:
+            for where, key, t in _attributes(layer):
+                flat = moved.get(t.untyped_storage().data_ptr())
+                if flat is None:
+                    continue
+                # as_strided's offset counts from the storage's start, not the view's.
+                new = flat.as_strided(t.shape, t.stride(),
+                                      flat.storage_offset() + t.storage_offset())
+                if getattr(t, "_dynamo_static_input_type", None) is not None:
+                    # The cache marks its tensors for torch.compile (a fixed address):
+                    # compile=True's step must see the new ones marked alike.
+                    torch._dynamo.mark_static_address(new)
+                where[key] = new
+        self.tensors = sum(stack.shape[0] for stack in self.stacks)
+
+    def __call__(self, order: torch.Tensor) -> None:
+        """Row ``r`` of every tensor becomes its row ``order[r]`` (``order``: long, on the
+        device, one entry per row)."""
+        for stack in self.stacks:
+            stack.copy_(stack.index_select(1, order))
+        for t in self.loose:
+            t.copy_(t.index_select(0, order))

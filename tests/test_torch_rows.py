@@ -1,0 +1,107 @@
+"""grape.torch.rows: a cache's rows reordered in place, its tensors stacked."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grape.torch.rows import RowReorder, state_tensors
+
+ROWS = 5
+ORDER = torch.tensor([1, 1, 0, 4, 2])
+
+
+def _layer(heads=2, tokens=6, dim=4, dtype=torch.float32):
+    return SimpleNamespace(keys=torch.randn(ROWS, heads, tokens, dim, dtype=dtype),
+                           values=torch.randn(ROWS, heads, tokens, dim, dtype=dtype),
+                           cumulative_length=torch.tensor([3]))
+
+
+def _token_major(heads=2, tokens=6, dim=4):
+    """A layer keeping (rows, tokens, heads, dim) buffers and (rows, heads, tokens, dim) views
+    of them, as grape.torch.exact.TokenMajorLayer does."""
+    layer = SimpleNamespace(key_buffer=torch.randn(ROWS, tokens, heads, dim),
+                            value_buffer=torch.randn(ROWS, tokens, heads, dim))
+    layer.keys = layer.key_buffer.transpose(1, 2)
+    layer.values = layer.value_buffer.transpose(1, 2)
+    return layer
+
+
+def _recurrent():
+    return SimpleNamespace(conv_states={0: torch.randn(ROWS, 3, 4)},
+                           recurrent_states={0: torch.randn(ROWS, 2, 2)})
+
+
+def _snapshot(layers):
+    return [t.clone() for layer in layers for t in state_tensors(layer)]
+
+
+def test_every_state_tensor_moves_with_its_row_and_keeps_its_contents_and_layout():
+    layers = [_layer(), _layer(), _layer(dtype=torch.float16), _token_major(), _recurrent()]
+    before = _snapshot(layers)
+    layouts = [(t.shape, t.stride()) for layer in layers for t in state_tensors(layer)]
+    reorder = RowReorder(layers, ROWS)
+    assert [(t.shape, t.stride()) for layer in layers for t in state_tensors(layer)] == layouts
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(layers), before, strict=True))
+    reorder(ORDER)
+    after = _snapshot(layers)
+    assert all(torch.equal(a, b.index_select(0, ORDER)) for a, b in zip(after, before, strict=True))
+
+
+def test_tensors_of_one_dtype_and_size_share_a_stack_and_are_gathered_together():
+    layers = [_layer(), _layer(), _layer(dtype=torch.float16), _recurrent()]
+    reorder = RowReorder(layers, ROWS)
+    # float32 keys and values (4 tensors), float16 (2), the two recurrent sizes (1 each)
+    assert sorted(stack.shape[0] for stack in reorder.stacks) == [1, 1, 2, 4]
+    assert reorder.loose == []
+    four = next(stack for stack in reorder.stacks if stack.shape[0] == 4)
+    assert {t.untyped_storage().data_ptr() for layer in layers[:2]
+            for t in (layer.keys, layer.values)} == {four.untyped_storage().data_ptr()}
+
+
+def test_a_view_and_the_buffer_it_views_are_moved_together():
+    layer = _token_major()
+    RowReorder([layer], ROWS)(ORDER)
+    # the buffer and its view still share one storage, so a write to either is seen by both
+    assert layer.keys.untyped_storage().data_ptr() == layer.key_buffer.untyped_storage().data_ptr()
+    layer.key_buffer[0, 1, 0, 0] = 123.0
+    assert layer.keys[0, 0, 1, 0] == 123.0
+
+
+def test_a_tensor_that_does_not_own_its_rows_is_gathered_on_its_own():
+    storage = torch.randn(2 * ROWS, 3)
+    layer = SimpleNamespace(keys=storage[:ROWS], values=torch.randn(ROWS, 3))  # half a storage
+    before = layer.keys.clone()
+    reorder = RowReorder([layer], ROWS)
+    assert [t is layer.keys for t in reorder.loose] == [True]
+    reorder(ORDER)
+    assert torch.equal(layer.keys, before.index_select(0, ORDER))
+    assert torch.equal(storage[:ROWS], layer.keys)  # still the caller's storage
+
+
+def test_stacks_are_cut_at_the_chunk_size():
+    layers = [_layer() for _ in range(3)]
+    nbytes = layers[0].keys.untyped_storage().nbytes()
+    reorder = RowReorder(layers, ROWS, chunk_bytes=2 * nbytes)
+    assert [stack.shape[0] for stack in reorder.stacks] == [2, 2, 2]
+    before = _snapshot(layers)
+    reorder(ORDER)
+    after = _snapshot(layers)
+    assert all(torch.equal(a, b.index_select(0, ORDER)) for a, b in zip(after, before, strict=True))
+
+
+def test_marked_static_tensors_stay_marked():
+    layer = _layer()
+    torch._dynamo.mark_static_address(layer.keys)
+    RowReorder([layer], ROWS)
+    assert getattr(layer.keys, "_dynamo_static_input_type", None) is not None
+    assert getattr(layer.values, "_dynamo_static_input_type", None) is None
+
+
+@pytest.mark.parametrize("rows", [ROWS, ROWS + 1])
+def test_only_tensors_with_rows_first_are_stacked(rows):
+    layer = _layer()
+    reorder = RowReorder([layer], rows)
+    assert (len(reorder.stacks), len(reorder.loose)) == ((1, 0) if rows == ROWS else (0, 2))
