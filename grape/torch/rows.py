@@ -112,11 +112,17 @@ class RowReorder:
                     torch._dynamo.mark_static_address(new)
                 where[key] = new
         self.tensors = sum(stack.shape[0] for stack in self.stacks)
+        # A stack's rows as the rows of one matrix, gathered along its first dimension: on
+        # the H200 that kept to the bytes' pace at 5 and 40 rows, where a gather along the
+        # stack's second dimension ran 2x slower at 40. ``firsts``: each tensor's first row.
+        self._matrices = [(stack.view(-1, stack.shape[2]),
+                           torch.arange(0, stack.shape[0] * rows, rows, device=stack.device))
+                          for stack in self.stacks]
 
     def __call__(self, order: torch.Tensor) -> None:
         """Row ``r`` of every tensor becomes its row ``order[r]`` (``order``: long, on the
         device, one entry per row)."""
-        for stack in self.stacks:
-            stack.copy_(stack.index_select(1, order))
+        for matrix, firsts in self._matrices:
+            matrix.copy_(matrix.index_select(0, (firsts[:, None] + order[None, :]).view(-1)))
         for t in self.loose:
             t.copy_(t.index_select(0, order))
