@@ -380,3 +380,15 @@ def test_a_cache_layer_of_a_kind_grape_does_not_know_is_refused_by_name(monkeypa
     with pytest.raises(NotGraphable, match="cache layer 1 is a IndexedLayer, a kind of cache "
                                            "layer grape does not hold in a graph"):
         static_cache(m, 16)
+
+
+def test_a_draw_is_the_inverse_transform_of_the_normalised_distribution():
+    # sample() cumulates unnormalised weights and scales its target by their total: the token
+    # is the one a normalised cumulative distribution gives, away from its float64 rounding.
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(6, 5000, generator=g) * 4
+    scores[:, ::7] = -float("inf")
+    uniform = torch.rand((6, 1), generator=g)
+    cdf = torch.softmax(scores, dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, uniform.double() * cdf[:, -1:], right=True).squeeze(1)
+    assert torch.equal(sample(scores, uniform), expected)
