@@ -1,13 +1,15 @@
-"""grape.torch.rows: a cache's rows reordered in place, its tensors stacked."""
+"""grape.torch.rows: a cache's rows reordered in place, its tensors stacked (on the CPU, where
+torch is installed)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from grape.torch.rows import RowReorder, state_tensors
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+from grape.torch.rows import RowReorder, state_tensors  # noqa: E402
 
 ROWS = 5
 ORDER = torch.tensor([1, 1, 0, 4, 2])
