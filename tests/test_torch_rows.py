@@ -107,3 +107,47 @@ def test_only_tensors_with_rows_first_are_stacked(rows):
     layer = _layer()
     reorder = RowReorder([layer], rows)
     assert (len(reorder.stacks), len(reorder.loose)) == ((1, 0) if rows == ROWS else (0, 2))
+
+
+def test_the_old_tensors_are_let_go_as_their_stacks_are_made():
+    # A cache near the device's capacity must not need a second copy of itself: each moved
+    # tensor is let go once its layer holds the new one, before the next stack is made.
+    import gc
+    import weakref
+
+    layers = [_layer() for _ in range(3)]
+    old = [weakref.ref(t) for layer in layers for t in (layer.keys, layer.values)]
+    alive = []
+
+    class Watched(RowReorder):
+        def _stack(self, layers, chunk, rows):
+            gc.collect()
+            alive.append(sum(ref() is not None for ref in old))
+            super()._stack(layers, chunk, rows)
+
+    nbytes = layers[0].keys.untyped_storage().nbytes()
+    Watched(layers, ROWS, chunk_bytes=nbytes)  # a stack per tensor
+    gc.collect()
+    assert alive == [6, 5, 4, 3, 2, 1]
+    assert all(ref() is None for ref in old)
+
+
+def test_views_of_part_of_each_row_move_with_their_storage():
+    whole = torch.randn(ROWS, 4, 6)
+    layer = SimpleNamespace(keys=whole, values=whole[:, 1:3])  # offset into each row
+    before = whole.clone()
+    reorder = RowReorder([layer], ROWS)
+    assert len(reorder.stacks) == 1 and reorder.loose == []
+    assert layer.values.untyped_storage().data_ptr() == layer.keys.untyped_storage().data_ptr()
+    reorder(ORDER)  # the storage moves once, so each view's rows move once
+    assert torch.equal(layer.keys, before.index_select(0, ORDER))
+    assert torch.equal(layer.values, before.index_select(0, ORDER)[:, 1:3])
+
+
+def test_a_storage_that_a_loose_tensor_shares_is_not_moved():
+    whole = torch.randn(ROWS, 4, 6)
+    # a state tensor whose rows are not the storage's ranges (the first elements of all)
+    layer = SimpleNamespace(keys=whole, values=whole.view(-1)[:ROWS])
+    reorder = RowReorder([layer], ROWS)
+    assert reorder.stacks == [] and len(reorder.loose) == 2
+    assert layer.keys is whole

@@ -43,11 +43,15 @@ def state_tensors(layer: Any) -> list[torch.Tensor]:
 
 
 def _owns_rows(t: torch.Tensor, rows: int) -> bool:
-    """Whether ``t``'s storage is ``rows`` equal contiguous ranges, row ``r`` of ``t`` in the
-    r-th: then reordering the storage's ranges reorders ``t``'s rows, whatever its strides."""
-    storage = t.untyped_storage()
-    return (t.ndim > 0 and t.shape[0] == rows and t.storage_offset() == 0
-            and t.stride(0) * rows * t.element_size() == storage.nbytes())
+    """Whether ``t``'s storage is ``rows`` equal contiguous ranges with row ``r`` of ``t``
+    inside the r-th: then reordering the storage's ranges reorders ``t``'s rows, whatever its
+    other strides (a transposed view, or a view of part of each row, too)."""
+    if t.ndim == 0 or t.shape[0] != rows or t.numel() == 0 or min(t.stride()) < 0:
+        return False
+    span = t.stride(0)  # elements per range
+    last = t.storage_offset() + sum((n - 1) * stride for n, stride in
+                                    zip(t.shape[1:], t.stride()[1:], strict=True))
+    return span * rows * t.element_size() == t.untyped_storage().nbytes() and last < span
 
 
 def _attributes(layer: Any) -> Iterator[tuple[dict, Any, torch.Tensor]]:
@@ -59,6 +63,27 @@ def _attributes(layer: Any) -> Iterator[tuple[dict, Any, torch.Tensor]]:
             for key, item in list(value.items()):
                 if isinstance(item, torch.Tensor):
                     yield value, key, item
+
+
+def _grouped(layers: list[Any], rows: int) -> tuple[dict[tuple, list[torch.Tensor]],
+                                                   list[torch.Tensor]]:
+    """The state tensors to stack, one per storage (a storage two layers share moves once), by
+    (dtype, device, bytes); and the others, to be gathered one by one: those that do not own
+    their rows, and any over the same storage as one of those (moving that storage would
+    leave the other's entry behind)."""
+    states = [t for layer in layers for t in state_tensors(layer)]
+    shared = {t.untyped_storage().data_ptr() for t in states if not _owns_rows(t, rows)}
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    loose: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for t in states:
+        address = t.untyped_storage().data_ptr()
+        if address in shared:
+            loose.append(t)
+        elif address not in seen:
+            seen.add(address)
+            groups.setdefault((t.dtype, t.device, t.untyped_storage().nbytes()), []).append(t)
+    return groups, loose
 
 
 class RowReorder:
@@ -74,30 +99,36 @@ class RowReorder:
 
     def __init__(self, layers: Iterable[Any], rows: int, chunk_bytes: int = CHUNK_BYTES) -> None:
         layers = list(layers)
-        owned: dict[int, torch.Tensor] = {}  # storage address -> a tensor over it
-        self.loose: list[torch.Tensor] = []  # gathered one by one
-        for layer in layers:
-            for t in state_tensors(layer):
-                if _owns_rows(t, rows):
-                    owned.setdefault(t.untyped_storage().data_ptr(), t)
-                else:
-                    self.loose.append(t)
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for t in owned.values():
-            groups.setdefault((t.dtype, t.device, t.untyped_storage().nbytes()), []).append(t)
         self.stacks: list[torch.Tensor] = []
-        moved: dict[int, torch.Tensor] = {}  # old storage address -> its flat new home
-        for (dtype, device, nbytes), members in groups.items():
+        groups, self.loose = _grouped(layers, rows)
+        # Stack by stack, each group's tensors leaving the lists as they move: the old
+        # storages are freed as soon as their layers hold the new ones, so that a cache near
+        # the device's capacity needs one stack more at a time, not a second cache.
+        for (_, _, nbytes), members in groups.items():
             per_stack = max(1, chunk_bytes // nbytes)
-            for start in range(0, len(members), per_stack):
-                chunk = members[start:start + per_stack]
-                numel = nbytes // chunk[0].element_size()
-                stack = torch.empty((len(chunk), rows, numel // rows), dtype=dtype, device=device)
-                for i, t in enumerate(chunk):
-                    flat = stack[i].view(-1)
-                    flat.copy_(t.as_strided((numel,), (1,), 0))
-                    moved[t.untyped_storage().data_ptr()] = flat
-                self.stacks.append(stack)
+            while members:
+                self._stack(layers, [members.pop(0) for _ in range(min(per_stack, len(members)))],
+                            rows)
+        self.tensors = sum(stack.shape[0] for stack in self.stacks)
+        # A stack's rows as the rows of one matrix, gathered along its first dimension: on
+        # the H200 that kept to the bytes' pace at 5 and 40 rows, where a gather along the
+        # stack's second dimension ran 2.5x slower at 5 and 2.1x at 40 (row_reorder.py).
+        # ``firsts``: each tensor's first row in the matrix.
+        self._matrices = [(stack.view(-1, stack.shape[2]),
+                           torch.arange(0, stack.shape[0] * rows, rows, device=stack.device))
+                          for stack in self.stacks]
+
+    def _stack(self, layers: list[Any], chunk: list[torch.Tensor], rows: int) -> None:
+        """Moves ``chunk`` (tensors of one dtype and size, each owning its storage) into one
+        new stack, and re-makes every layer attribute over their storages there."""
+        numel = chunk[0].untyped_storage().nbytes() // chunk[0].element_size()
+        stack = torch.empty((len(chunk), rows, numel // rows), dtype=chunk[0].dtype,
+                            device=chunk[0].device)
+        moved: dict[int, torch.Tensor] = {}  # old storage address -> its flat new home
+        for i, t in enumerate(chunk):
+            flat = stack[i].view(-1)
+            flat.copy_(t.as_strided((numel,), (1,), 0))
+            moved[t.untyped_storage().data_ptr()] = flat
         for layer in layers:
             for where, key, t in _attributes(layer):
                 flat = moved.get(t.untyped_storage().data_ptr())
@@ -111,14 +142,7 @@ class RowReorder:
                     # compile=True's step must see the new ones marked alike.
                     torch._dynamo.mark_static_address(new)
                 where[key] = new
-        self.tensors = sum(stack.shape[0] for stack in self.stacks)
-        # A stack's rows as the rows of one matrix, gathered along its first dimension: on
-        # the H200 that kept to the bytes' pace at 5 and 40 rows, where a gather along the
-        # stack's second dimension ran 2.5x slower at 5 and 2.1x at 40 (row_reorder.py).
-        # ``firsts``: each tensor's first row in the matrix.
-        self._matrices = [(stack.view(-1, stack.shape[2]),
-                           torch.arange(0, stack.shape[0] * rows, rows, device=stack.device))
-                          for stack in self.stacks]
+        self.stacks.append(stack)
 
     def __call__(self, order: torch.Tensor) -> None:
         """Row ``r`` of every tensor becomes its row ``order[r]`` (``order``: long, on the
