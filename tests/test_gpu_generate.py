@@ -125,6 +125,36 @@ def test_the_prompt_is_read_where_it_lies_and_re_pointed_only_when_it_moves(cuda
     clear_cache(model)
 
 
+def test_the_return_dict_holds_generates_scores_from_one_launch(cuda):
+    # return_dict_in_generate with scores and logits: written on the device at each token's
+    # count inside the one launch, copied out after its one read-back.
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=500)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).cuda().eval()
+    ids = torch.randint(3, 500, (2, 8), device="cuda")
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+              output_scores=True, output_logits=True)
+    cache = transformers.StaticCache(config=config, max_cache_len=ids.shape[1] + 10)
+    want = model.generate(ids, past_key_values=cache, **kw)
+    got = grape.generate(model, ids, **kw)
+    assert last_stats().graphed and last_stats().prefill_graphed
+    assert torch.equal(got.sequences, want.sequences)
+    for name in ("scores", "logits"):
+        ours, theirs = getattr(got, name), getattr(want, name)
+        assert len(ours) == len(theirs) == 10
+        for a, b in zip(ours, theirs, strict=True):  # captured kernels: close, not bitwise
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    kept = [t.clone() for t in got.scores]
+    grape.generate(model, torch.randint(3, 500, (2, 8), device="cuda"), **kw)
+    assert all(torch.equal(a, b) for a, b in zip(kept, got.scores, strict=True))
+    clear_cache(model)
+
+
 def test_a_forward_that_syncs_falls_back_to_generate_and_leaves_the_process_usable(cuda):
     import grape
     from grape.torch.api import last_stats

@@ -164,7 +164,7 @@ def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_refus
     ({"repetition_penalty": 1.3}, "repetition_penalty=1.3"),
     ({"num_beams": 2, "do_sample": True}, "beam search with sampling"),
     ({"num_return_sequences": 2, "num_beams": 2}, "num_return_sequences=2"),
-    ({"output_scores": True, "return_dict_in_generate": True}, "output_scores=True"),
+    ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True"),
     ({"no_such_option": 3}, "arguments grape does not pass on: \\['no_such_option'\\]"),
 ])
 def test_options_grape_does_not_reproduce_are_named(kwargs, reason):
@@ -392,3 +392,66 @@ def test_a_draw_is_the_inverse_transform_of_the_normalised_distribution():
     cdf = torch.softmax(scores, dim=-1, dtype=torch.float64).cumsum(dim=-1)
     expected = torch.searchsorted(cdf, uniform.double() * cdf[:, -1:], right=True).squeeze(1)
     assert torch.equal(sample(scores, uniform), expected)
+
+
+def _same_layout(model, ids, new):
+    """A static cache as grape's decoders make it, prompt plus new tokens long (generate's own
+    holds one token fewer: attention then sums over other lengths, to other last bits)."""
+    return transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + new)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "greedy, EOS and min_new_tokens"])
+def test_the_return_dict_holds_generates_scores_and_logits(model, strategy):
+    # Bit for bit, with generate given the same cache layout: the output layer runs on the
+    # last position alone in both (logits_to_keep=1, as generate asks of the model).
+    ids, mask = _prompt()
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=12, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True)
+    reference = model.generate(ids, attention_mask=mask,
+                               past_key_values=_same_layout(model, ids, 12), **kwargs)
+    got = _host(model, ids, mask, **kwargs)
+    assert type(got) is type(reference)
+    assert torch.equal(got.sequences, reference.sequences)
+    for name in ("scores", "logits"):
+        ours, theirs = getattr(got, name), getattr(reference, name)
+        assert len(ours) == len(theirs) == got.sequences.shape[1] - ids.shape[1]
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), name
+    assert got.past_key_values is None  # grape's cache is the next call's
+
+
+def test_a_return_dict_without_scores_holds_the_tokens_alone(model):
+    ids, mask = _prompt()
+    got = _host(model, ids, mask, max_new_tokens=5, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, _host(model, ids, mask, max_new_tokens=5))
+    assert got.scores is None and got.logits is None
+    # and scores asked for without a return dict are dropped, as generate drops them
+    plain = _host(model, ids, mask, max_new_tokens=5, output_scores=True)
+    assert torch.equal(plain, got.sequences)
+
+
+def test_sampled_scores_are_the_processed_distribution_the_token_was_drawn_from(model):
+    ids, mask = _prompt()
+    kwargs = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=8,
+                  return_dict_in_generate=True, output_scores=True)
+    got = _host(model, ids, mask, seed=5, **kwargs)
+    torch.manual_seed(0)
+    reference = model.generate(ids, attention_mask=mask,
+                               past_key_values=_same_layout(model, ids, 8), **kwargs)
+    # The first token's distribution depends on the prompt alone: generate's, bit for bit.
+    assert torch.equal(got.scores[0], reference.scores[0])
+    made = got.sequences[:, ids.shape[1]:]
+    for step, scores in enumerate(got.scores):
+        drawn = scores.gather(1, made[:, step:step + 1])
+        assert torch.isfinite(drawn).all(), step  # never a token the warpers removed
+    # the buffers are the next call's: what was returned stays as it was
+    first = [s.clone() for s in got.scores]
+    _host(model, ids, mask, seed=6, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(first, got.scores, strict=True))
+
+
+def test_beam_search_with_a_return_dict_is_not_graphed():
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    with pytest.raises(NotGraphable, match="return_dict_in_generate with beam search"):
+        resolve(m, ids, mask, {"max_new_tokens": 4, "num_beams": 3,
+                               "return_dict_in_generate": True})

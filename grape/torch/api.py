@@ -256,7 +256,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              seed: int | None = None, compile: bool = False,
              exact_lengths: bool | None = None, cache_length: int | None = None,
-             **kwargs: Any) -> torch.Tensor:
+             **kwargs: Any) -> Any:
     """``model.generate(input_ids, attention_mask=..., max_new_tokens=..., **kwargs)``, graphed.
 
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
@@ -286,8 +286,14 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
 
     Returns
     -------
-    torch.Tensor
-        (batch, prompt length + new tokens), as ``generate`` returns it.
+    torch.Tensor or GenerateDecoderOnlyOutput
+        (batch, prompt length + new tokens), as ``generate`` returns it; with
+        ``return_dict_in_generate=True`` (greedy decoding and sampling), ``generate``'s
+        ``GenerateDecoderOnlyOutput``: ``sequences``, and ``scores`` and ``logits`` where
+        ``output_scores`` and ``output_logits`` ask for them (one (batch, vocabulary) float32
+        tensor per new token, the processed and the raw logits, copies the caller keeps).
+        ``past_key_values`` is None: grape's cache is the next call's. Beam search with a
+        return dict runs ``model.generate``, with a warning.
 
     Raises
     ------

@@ -31,6 +31,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
@@ -144,6 +145,9 @@ class Decoder:
                            "cache_params" if _accepts(model, "cache_params")
                            and not _accepts(model, "past_key_values") else "past_key_values")
         self.uses_mask = _accepts(model, "attention_mask")
+        # generate has the model make the last position's logits alone, where it can
+        # (logits_to_keep=1): the output layer's product then has generate's shape, and its bits.
+        self.keeps_last_logits = bool(getattr(model, "_supports_logits_to_keep", bool)())
         # Split over ranks (grape.torch.parallel): the loop condition is agreed every step.
         self.group = group_of(model)
         self._agreed = (torch.zeros(1, dtype=torch.int32, device=device)
@@ -154,6 +158,8 @@ class Decoder:
     def _logits(self, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor | None,
                 first: bool) -> torch.Tensor:
         kwargs: dict[str, Any] = {self.cache_name: self.cache, "use_cache": True}
+        if self.keeps_last_logits:
+            kwargs["logits_to_keep"] = 1
         if self.uses_mask:
             kwargs["attention_mask"] = mask
         if self.uses_positions and position is not None:
@@ -307,6 +313,10 @@ class TokenDecoder(Decoder):
             self.uniforms = torch.zeros((options.max_new_tokens, rows), dtype=torch.float32,
                                         device=device)
             self.generator = torch.Generator(device=device)
+        # What the return dict keeps, per token: (max_new_tokens, rows, vocabulary) each,
+        # made at the first token (the logits' width is the model's output's, which can be
+        # wider than its config's vocabulary), written on the device at the token's count.
+        self.kept: dict[str, torch.Tensor | None] = dict.fromkeys(options.kept)
 
     def set_seed(self, seed: int) -> None:
         """Draw this call's random numbers (sampling only): one kernel, before the loop."""
@@ -328,8 +338,18 @@ class TokenDecoder(Decoder):
             logits = warper(None, logits)
         return logits
 
+    def _keep(self, name: str, values: torch.Tensor) -> None:
+        if name not in self.kept:
+            return
+        if (held := self.kept[name]) is None:
+            held = self.kept[name] = values.new_empty((self.options.max_new_tokens,
+                                                       *values.shape))
+        held.index_copy_(0, self.count, values.unsqueeze(0))
+
     def _emit(self, logits: torch.Tensor) -> None:
         scores = self._processed(logits)
+        self._keep("scores", scores)  # as generate keeps them: processed, every row
+        self._keep("logits", logits)
         if self.options.strategy == "sample":
             token = sample(scores, self.uniforms.index_select(0, self.count).view(-1, 1))
         else:
@@ -344,10 +364,18 @@ class TokenDecoder(Decoder):
         torch.logical_and(~self.done.all(), self.count[0] < self.options.max_new_tokens,
                           out=self.running)
 
-    def result(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def result(self, input_ids: torch.Tensor) -> torch.Tensor | GenerateDecoderOnlyOutput:
         made = int(self.count.item())
         self._check_lengths()
-        return torch.cat([input_ids, self.tokens[:, :made]], dim=1)
+        sequences = torch.cat([input_ids, self.tokens[:, :made]], dim=1)
+        if not self.options.return_dict:
+            return sequences
+        # Copies: the buffers are the next call's. past_key_values is None, not grape's static
+        # cache, which the next call of this shape overwrites.
+        kept = {name: None if held is None else tuple(held[:made].clone().unbind(0))
+                for name, held in self.kept.items()}
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=kept.get("scores"),
+                                         logits=kept.get("logits"), past_key_values=None)
 
 
 def sample(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

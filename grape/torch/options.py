@@ -37,9 +37,8 @@ _HANDLED = {
     "num_beam_groups", "diversity_penalty", "low_memory",
 }
 # Of the handled fields, the values grape supports when they are set.
-_ONLY = {"num_return_sequences": (None, 1), "return_dict_in_generate": (None, False),
-         "output_scores": (None, False), "output_logits": (None, False),
-         "output_attentions": (None, False), "output_hidden_states": (None, False),
+_ONLY = {"num_return_sequences": (None, 1), "output_attentions": (None, False),
+         "output_hidden_states": (None, False),
          "use_cache": (None, True), "prefill_chunk_size": (None,), "num_beam_groups": (None, 1),
          "low_memory": (None, False), "cache_implementation": (None, "static"),
          "diversity_penalty": (None, 0.0)}
@@ -62,13 +61,17 @@ class Options:
     # Tokens the static cache holds, prompt included (None: prompt + max_new_tokens). Not a
     # generate option: grape's, for a cache sized once for generations of several lengths.
     cache_length: int | None = None
+    # return_dict_in_generate: a GenerateDecoderOnlyOutput rather than the tokens alone, with
+    # what ``kept`` names of "scores" (output_scores) and "logits" (output_logits).
+    return_dict: bool = False
+    kept: tuple[str, ...] = ()
 
     @property
     def key(self) -> tuple:
         """What the generation's graph depends on (everything but the prompt and the seed)."""
         return (self.strategy, self.max_new_tokens, self.min_new_tokens, self.eos, self.pad,
                 self.temperature, self.top_k, self.top_p, self.num_beams, self.length_penalty,
-                self.early_stopping, self.cache_length)
+                self.early_stopping, self.cache_length, self.return_dict, self.kept)
 
     def cache_tokens(self, prompt_len: int) -> int:
         """The static cache's length for a prompt of ``prompt_len`` tokens."""
@@ -191,11 +194,19 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     if strategy == "sample" and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
         raise GrapeError(f"expected temperature > 0, 0 < top_p <= 1 and top_k >= 0 for "
                          f"sampling, found {temperature}, {top_p} and {top_k}")
+    return_dict = bool(config.return_dict_in_generate)
+    # generate keeps scores and logits only in its return dict; without one it drops them.
+    kept = tuple(name for name, wanted in (("scores", config.output_scores),
+                                           ("logits", config.output_logits))
+                 if wanted and return_dict)
+    if return_dict and strategy == "beam":
+        raise NotGraphable("return_dict_in_generate with beam search (its sequences_scores "
+                           "and beam_indices are not reproduced)")
     options = Options(strategy, max_new,
                       _integer(config.min_new_tokens or 0, "min_new_tokens", 0), eos, pad,
                       temperature, top_k, top_p, beams,
                       _real(config.length_penalty, "length_penalty"), config.early_stopping,
-                      config)
+                      config, return_dict=return_dict, kept=kept)
     return options, _attention_mask(input_ids, attention_mask, pad_ids, eos)
 
 
