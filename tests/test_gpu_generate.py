@@ -125,9 +125,11 @@ def test_the_prompt_is_read_where_it_lies_and_re_pointed_only_when_it_moves(cuda
     clear_cache(model)
 
 
-def test_the_return_dict_holds_generates_scores_from_one_launch(cuda):
+@pytest.mark.parametrize("beams", [1, 3])
+def test_the_return_dict_holds_generates_scores_from_one_launch(cuda, beams):
     # return_dict_in_generate with scores and logits: written on the device at each token's
-    # count inside the one launch, copied out after its one read-back.
+    # count inside the one launch, copied out after its one read-back (grape.generate's
+    # results against generate's given the same cache layout; bit for bit on the CPU).
     import grape
     from grape.torch.api import clear_cache, last_stats
 
@@ -138,15 +140,18 @@ def test_the_return_dict_holds_generates_scores_from_one_launch(cuda):
     model = transformers.LlamaForCausalLM(config).cuda().eval()
     ids = torch.randint(3, 500, (2, 8), device="cuda")
     kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-              output_scores=True, output_logits=True)
+              output_scores=True, output_logits=True, num_beams=beams)
     cache = transformers.StaticCache(config=config, max_cache_len=ids.shape[1] + 10)
     want = model.generate(ids, past_key_values=cache, **kw)
     got = grape.generate(model, ids, **kw)
     assert last_stats().graphed and last_stats().prefill_graphed
     assert torch.equal(got.sequences, want.sequences)
+    if beams > 1:
+        assert torch.equal(got.beam_indices, want.beam_indices)
+        torch.testing.assert_close(got.sequences_scores, want.sequences_scores)
     for name in ("scores", "logits"):
         ours, theirs = getattr(got, name), getattr(want, name)
-        assert len(ours) == len(theirs) == 10
+        assert len(ours) == len(theirs) > 0
         for a, b in zip(ours, theirs, strict=True):  # captured kernels: close, not bitwise
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     kept = [t.clone() for t in got.scores]

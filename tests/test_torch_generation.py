@@ -449,9 +449,24 @@ def test_sampled_scores_are_the_processed_distribution_the_token_was_drawn_from(
     assert all(torch.equal(a, b) for a, b in zip(first, got.scores, strict=True))
 
 
-def test_beam_search_with_a_return_dict_is_not_graphed():
-    m = _built("gpt2", CONFIGS["gpt2"])
+@pytest.mark.parametrize("strategy", [k for k in STRATEGIES if k.startswith("beam")])
+def test_beam_search_s_return_dict_is_generates(model, strategy):
+    # The best beam's score, every step's processed log-probabilities and logits for every
+    # beam, and the best beam's beam indices: generate's, bit for bit, given the same layout.
     ids, mask = _prompt()
-    with pytest.raises(NotGraphable, match="return_dict_in_generate with beam search"):
-        resolve(m, ids, mask, {"max_new_tokens": 4, "num_beams": 3,
-                               "return_dict_in_generate": True})
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=12, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True)
+    reference = model.generate(ids, attention_mask=mask,
+                               past_key_values=_same_layout(model, ids, 12), **kwargs)
+    got = _host(model, ids, mask, **kwargs)
+    assert type(got) is type(reference)
+    for name in ("sequences", "sequences_scores", "beam_indices"):
+        assert torch.equal(getattr(got, name), getattr(reference, name)), name
+    for name in ("scores", "logits"):
+        ours, theirs = getattr(got, name), getattr(reference, name)
+        assert len(ours) == len(theirs) > 0
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), name
+    plain = _host(model, ids, mask, max_new_tokens=12, return_dict_in_generate=True,
+                  **STRATEGIES[strategy])
+    assert plain.sequences_scores is None and plain.scores is None
+    assert torch.equal(plain.beam_indices, got.beam_indices)

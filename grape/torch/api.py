@@ -288,12 +288,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     -------
     torch.Tensor or GenerateDecoderOnlyOutput
         (batch, prompt length + new tokens), as ``generate`` returns it; with
-        ``return_dict_in_generate=True`` (greedy decoding and sampling), ``generate``'s
-        ``GenerateDecoderOnlyOutput``: ``sequences``, and ``scores`` and ``logits`` where
-        ``output_scores`` and ``output_logits`` ask for them (one (batch, vocabulary) float32
-        tensor per new token, the processed and the raw logits, copies the caller keeps).
-        ``past_key_values`` is None: grape's cache is the next call's. Beam search with a
-        return dict runs ``model.generate``, with a warning.
+        ``return_dict_in_generate=True``, ``generate``'s ``GenerateDecoderOnlyOutput`` (beam
+        search: ``GenerateBeamDecoderOnlyOutput``, with the best beam's ``beam_indices``):
+        ``sequences``, and ``scores`` and ``logits`` where ``output_scores`` and
+        ``output_logits`` ask for them (one (rows, vocabulary) float32 tensor per step, the
+        processed scores, or log-probabilities for beams, and the raw logits: copies the
+        caller keeps), with beams ``sequences_scores`` too. ``past_key_values`` is None:
+        grape's cache is the next call's.
 
     Raises
     ------

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from grape.torch.decoding import Decoder
 from grape.torch.options import Options
@@ -98,6 +99,8 @@ class BeamDecoder(Decoder):
             early = self.count < self.options.min_new_tokens
             log_probs = torch.where(early & torch.isin(self.vocab_ids, self.eos), -float("inf"),
                                     log_probs)
+        self._keep("scores", log_probs)  # generate's: processed, before the beams' own scores
+        self._keep("logits", logits)
         log_probs = log_probs.view(batch, beams, vocab) + self.running_scores[:, :, None]
         log_probs = log_probs.reshape(batch, beams * vocab)
         # Top continuations over every beam (generate's _get_top_k_continuations).
@@ -160,7 +163,20 @@ class BeamDecoder(Decoder):
         torch.logical_and(torch.any(self.improvable) & open_beam, ~torch.all(hits),
                           out=self.running)
 
-    def result(self, input_ids: torch.Tensor) -> torch.Tensor:
-        made = int(((self.origins[:, 0] + 1).bool()).sum(dim=1).max().item())
+    def result(self, input_ids: torch.Tensor) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
+        # The best beams' length and the steps run, in one read-back.
+        made_t = ((self.origins[:, 0] + 1).bool()).sum(dim=1).max()
+        made, steps = torch.stack((made_t, self.count[0])).tolist()
         self._check_lengths()
-        return torch.cat([input_ids, self.tokens[:, 0, :made]], dim=1)
+        sequences = torch.cat([input_ids, self.tokens[:, 0, :made]], dim=1)
+        if not self.options.return_dict:
+            return sequences
+        # As generate returns it for one sequence per prompt: the best beam's score (kept with
+        # output_scores), every step's scores and logits for every beam, the best beams' beam
+        # indices; past_key_values None (grape's cache is the next call's).
+        kept = self._kept(steps)
+        return GenerateBeamDecoderOnlyOutput(
+            sequences=sequences,
+            sequences_scores=self.scores[:, 0].clone() if "scores" in self.kept else None,
+            scores=kept.get("scores"), logits=kept.get("logits"),
+            beam_indices=self.origins[:, 0, :made].clone(), past_key_values=None)

@@ -152,6 +152,10 @@ class Decoder:
         self.group = group_of(model)
         self._agreed = (torch.zeros(1, dtype=torch.int32, device=device)
                         if self.group is not None else None)
+        # What the return dict keeps, per token: (max_new_tokens, rows, vocabulary) each,
+        # made at the first token (the logits' width is the model's output's, which can be
+        # wider than its config's vocabulary), written on the device at the token's count.
+        self.kept: dict[str, torch.Tensor | None] = dict.fromkeys(options.kept)
 
     # --- the model, called as generate calls it ---------------------------------------------
 
@@ -240,6 +244,22 @@ class Decoder:
         self._emit(logits)
         self._agree()
 
+    def _keep(self, name: str, values: torch.Tensor) -> None:
+        """Writes this token's ``values`` (rows, vocabulary) where the return dict keeps
+        ``name`` ("scores" or "logits"), if it keeps it."""
+        if name not in self.kept:
+            return
+        if (held := self.kept[name]) is None:
+            held = self.kept[name] = values.new_empty((self.options.max_new_tokens,
+                                                       *values.shape))
+        held.index_copy_(0, self.count, values.unsqueeze(0))
+
+    def _kept(self, steps: int) -> dict[str, tuple[torch.Tensor, ...] | None]:
+        """The first ``steps`` tokens' kept values, as generate's tuples (copies: the buffers
+        are the next call's); None for what is not kept."""
+        return {name: None if held is None else tuple(held[:steps].clone().unbind(0))
+                for name, held in self.kept.items()}
+
     def _agree(self) -> None:
         """On a model split over ranks, go on while any rank goes on (a maximum, all-reduced on
         the device): every rank leaves a device loop on the same token, and none is left
@@ -313,10 +333,6 @@ class TokenDecoder(Decoder):
             self.uniforms = torch.zeros((options.max_new_tokens, rows), dtype=torch.float32,
                                         device=device)
             self.generator = torch.Generator(device=device)
-        # What the return dict keeps, per token: (max_new_tokens, rows, vocabulary) each,
-        # made at the first token (the logits' width is the model's output's, which can be
-        # wider than its config's vocabulary), written on the device at the token's count.
-        self.kept: dict[str, torch.Tensor | None] = dict.fromkeys(options.kept)
 
     def set_seed(self, seed: int) -> None:
         """Draw this call's random numbers (sampling only): one kernel, before the loop."""
@@ -337,14 +353,6 @@ class TokenDecoder(Decoder):
         for warper in self.warpers:
             logits = warper(None, logits)
         return logits
-
-    def _keep(self, name: str, values: torch.Tensor) -> None:
-        if name not in self.kept:
-            return
-        if (held := self.kept[name]) is None:
-            held = self.kept[name] = values.new_empty((self.options.max_new_tokens,
-                                                       *values.shape))
-        held.index_copy_(0, self.count, values.unsqueeze(0))
 
     def _emit(self, logits: torch.Tensor) -> None:
         scores = self._processed(logits)
@@ -370,10 +378,8 @@ class TokenDecoder(Decoder):
         sequences = torch.cat([input_ids, self.tokens[:, :made]], dim=1)
         if not self.options.return_dict:
             return sequences
-        # Copies: the buffers are the next call's. past_key_values is None, not grape's static
-        # cache, which the next call of this shape overwrites.
-        kept = {name: None if held is None else tuple(held[:made].clone().unbind(0))
-                for name, held in self.kept.items()}
+        # past_key_values is None, not grape's static cache, which the next call overwrites.
+        kept = self._kept(made)
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=kept.get("scores"),
                                          logits=kept.get("logits"), past_key_values=None)
 

@@ -199,9 +199,6 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     kept = tuple(name for name, wanted in (("scores", config.output_scores),
                                            ("logits", config.output_logits))
                  if wanted and return_dict)
-    if return_dict and strategy == "beam":
-        raise NotGraphable("return_dict_in_generate with beam search (its sequences_scores "
-                           "and beam_indices are not reproduced)")
     options = Options(strategy, max_new,
                       _integer(config.min_new_tokens or 0, "min_new_tokens", 0), eos, pad,
                       temperature, top_k, top_p, beams,
