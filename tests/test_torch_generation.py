@@ -395,9 +395,15 @@ def test_a_draw_is_the_inverse_transform_of_the_normalised_distribution():
 
 
 def _same_layout(model, ids, new):
-    """A static cache as grape's decoders make it, prompt plus new tokens long (generate's own
-    holds one token fewer: attention then sums over other lengths, to other last bits)."""
-    return transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + new)
+    """generate's keyword for a static cache as grape's decoders make it, prompt plus new
+    tokens long (generate's own holds one token fewer: attention then sums over other
+    lengths, to other last bits). transformers 5.2x names it ``cache``."""
+    import inspect
+
+    prepare = inspect.signature(model.prepare_inputs_for_generation).parameters
+    name = "cache" if "cache" in prepare else "past_key_values"
+    return {name: transformers.StaticCache(config=model.config,
+                                           max_cache_len=ids.shape[1] + new)}
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "greedy, EOS and min_new_tokens"])
@@ -408,7 +414,7 @@ def test_the_return_dict_holds_generates_scores_and_logits(model, strategy):
     kwargs = dict(STRATEGIES[strategy], max_new_tokens=12, return_dict_in_generate=True,
                   output_scores=True, output_logits=True)
     reference = model.generate(ids, attention_mask=mask,
-                               past_key_values=_same_layout(model, ids, 12), **kwargs)
+                               **_same_layout(model, ids, 12), **kwargs)
     got = _host(model, ids, mask, **kwargs)
     assert type(got) is type(reference)
     assert torch.equal(got.sequences, reference.sequences)
@@ -436,7 +442,7 @@ def test_sampled_scores_are_the_processed_distribution_the_token_was_drawn_from(
     got = _host(model, ids, mask, seed=5, **kwargs)
     torch.manual_seed(0)
     reference = model.generate(ids, attention_mask=mask,
-                               past_key_values=_same_layout(model, ids, 8), **kwargs)
+                               **_same_layout(model, ids, 8), **kwargs)
     # The first token's distribution depends on the prompt alone: generate's, bit for bit.
     assert torch.equal(got.scores[0], reference.scores[0])
     made = got.sequences[:, ids.shape[1]:]
@@ -457,7 +463,7 @@ def test_beam_search_s_return_dict_is_generates(model, strategy):
     kwargs = dict(STRATEGIES[strategy], max_new_tokens=12, return_dict_in_generate=True,
                   output_scores=True, output_logits=True)
     reference = model.generate(ids, attention_mask=mask,
-                               past_key_values=_same_layout(model, ids, 12), **kwargs)
+                               **_same_layout(model, ids, 12), **kwargs)
     got = _host(model, ids, mask, **kwargs)
     assert type(got) is type(reference)
     for name in ("sequences", "sequences_scores", "beam_indices"):
