@@ -476,3 +476,24 @@ def test_beam_search_s_return_dict_is_generates(model, strategy):
                   **STRATEGIES[strategy])
     assert plain.sequences_scores is None and plain.scores is None
     assert torch.equal(plain.beam_indices, got.beam_indices)
+
+
+@pytest.mark.parametrize("new", [1, 2])
+@pytest.mark.parametrize("strategy", ["greedy", "beam 4, EOS"])
+def test_one_or_two_new_tokens_leave_room_for_the_steps_before_the_capture(new, strategy):
+    # grape.torch.api._build steps twice after the prompt before it captures the loop; the
+    # per-token state used to be max_new_tokens long, so a one- or two-token generation
+    # indexed past it there (an IndexError here, a device-side assert on a GPU).
+    from grape.torch.options import STEPS_BEFORE_CAPTURE
+
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=new)
+    options, m_mask = resolve(m, ids, mask, kwargs)
+    cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
+    decoder = cls(m, ids.shape[0], ids.shape[1], options)
+    decoder.prefill(ids, m_mask)
+    for _ in range(STEPS_BEFORE_CAPTURE):
+        decoder.step()
+    reference = m.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
+    assert torch.equal(decoder.generate_on_host(ids, m_mask), reference)

@@ -195,6 +195,8 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
             "its attention does not dispatch through transformers' AttentionInterface")
         warnings.warn(f"grape.generate attends over the whole cache, not exact lengths, for "
                       f"{type(model).__name__}: {why}", stacklevel=4)
+    # The eager steps here, after the prompt's, are options.STEPS_BEFORE_CAPTURE: the
+    # decoders' buffers have room for them whatever max_new_tokens is (Options.room).
     first = capture(decoder.step, params=params, warmup=0, instantiate=False,
                     staging=staged[0])
     decoder.step()

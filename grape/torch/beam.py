@@ -41,7 +41,7 @@ class BeamDecoder(Decoder):
         device = self.mask.device
         self.batch, self.beams = batch, beams
         self.vocab = model.config.get_text_config().vocab_size
-        new = options.max_new_tokens
+        new = options.room  # per-token state's length (options.max_new_tokens, or more)
         n_eos = len(options.eos)
         self.keep = max(2, 1 + n_eos) * beams  # candidates kept per step, as generate keeps
         self.top_beams = torch.cat([torch.ones(beams, dtype=torch.bool),
@@ -64,7 +64,7 @@ class BeamDecoder(Decoder):
         # powers rounded to float32, as Python's float power is before the division.
         lengths = torch.arange(new + 1, dtype=torch.float64, device=device)
         self.penalty = (lengths ** options.length_penalty).to(torch.float32)
-        hypothetical = torch.full_like(lengths, new) if (
+        hypothetical = torch.full_like(lengths, options.max_new_tokens) if (
             options.early_stopping == "never" and options.length_penalty > 0) else lengths
         self.best_penalty = (hypothetical ** options.length_penalty).to(torch.float32)
         self.reorder: RowReorder | None = None  # once the cache's tensors exist (prefill)

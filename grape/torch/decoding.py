@@ -152,7 +152,7 @@ class Decoder:
         self.group = group_of(model)
         self._agreed = (torch.zeros(1, dtype=torch.int32, device=device)
                         if self.group is not None else None)
-        # What the return dict keeps, per token: (max_new_tokens, rows, vocabulary) each,
+        # What the return dict keeps, per token: (Options.room, rows, vocabulary) each,
         # made at the first token (the logits' width is the model's output's, which can be
         # wider than its config's vocabulary), written on the device at the token's count.
         self.kept: dict[str, torch.Tensor | None] = dict.fromkeys(options.kept)
@@ -250,8 +250,7 @@ class Decoder:
         if name not in self.kept:
             return
         if (held := self.kept[name]) is None:
-            held = self.kept[name] = values.new_empty((self.options.max_new_tokens,
-                                                       *values.shape))
+            held = self.kept[name] = values.new_empty((self.options.room, *values.shape))
         held.index_copy_(0, self.count, values.unsqueeze(0))
 
     def _kept(self, steps: int) -> dict[str, tuple[torch.Tensor, ...] | None]:
@@ -318,7 +317,7 @@ class TokenDecoder(Decoder):
                  options: Options, step_model: Any = None, exact: bool = False) -> None:
         super().__init__(model, rows, prompt_len, options, step_model, exact)
         device = self.mask.device
-        self.tokens = torch.full((rows, options.max_new_tokens), options.pad, dtype=torch.long,
+        self.tokens = torch.full((rows, options.room), options.pad, dtype=torch.long,
                                  device=device)
         self.done = torch.zeros((rows,), dtype=torch.bool, device=device)
         self.warpers = []
@@ -330,7 +329,7 @@ class TokenDecoder(Decoder):
                 self.warpers.append(TopKLogitsWarper(options.top_k))
             if options.top_p < 1.0:
                 self.warpers.append(TopPLogitsWarper(options.top_p))
-            self.uniforms = torch.zeros((options.max_new_tokens, rows), dtype=torch.float32,
+            self.uniforms = torch.zeros((options.room, rows), dtype=torch.float32,
                                         device=device)
             self.generator = torch.Generator(device=device)
 

@@ -44,6 +44,11 @@ _ONLY = {"num_return_sequences": (None, 1), "output_attentions": (None, False),
          "diversity_penalty": (None, 0.0)}
 
 
+# The steps grape.torch.api._build runs eagerly after the prompt before its loop exists (a
+# warm-up, and the audit that compares captures at two lengths).
+STEPS_BEFORE_CAPTURE = 2
+
+
 @dataclass(frozen=True)
 class Options:
     strategy: str  # "greedy", "sample" or "beam"
@@ -73,9 +78,17 @@ class Options:
                 self.temperature, self.top_k, self.top_p, self.num_beams, self.length_penalty,
                 self.early_stopping, self.cache_length, self.return_dict, self.kept)
 
+    @property
+    def room(self) -> int:
+        """Tokens a decoder's per-token state holds: ``max_new_tokens``, and at least what
+        the steps run before a capture reach (``STEPS_BEFORE_CAPTURE``, after the prompt's
+        token), so that a generation of one or two tokens does not index past its buffers
+        there (on a GPU, a device-side assert that ends the process's CUDA context)."""
+        return max(self.max_new_tokens, STEPS_BEFORE_CAPTURE + 1)
+
     def cache_tokens(self, prompt_len: int) -> int:
         """The static cache's length for a prompt of ``prompt_len`` tokens."""
-        return self.cache_length or prompt_len + self.max_new_tokens
+        return max(self.cache_length or 0, prompt_len + self.room)
 
 
 def _merged(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerationConfig:
