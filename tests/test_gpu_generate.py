@@ -160,6 +160,26 @@ def test_the_return_dict_holds_generates_scores_from_one_launch(cuda, beams):
     clear_cache(model)
 
 
+@pytest.mark.parametrize("new", [1, 2])
+def test_one_or_two_new_tokens_are_graphed_as_generate_makes_them(cuda, new):
+    # The build steps twice before its capture: buffers max_new_tokens long were indexed past
+    # there (Options.room since 426690b; found on the CPU, where it raised IndexError).
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=500)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).cuda().eval()
+    ids = torch.randint(3, 500, (2, 8), device="cuda")
+    for beams in (1, 3):
+        kw = dict(max_new_tokens=new, do_sample=False, num_beams=beams, pad_token_id=0)
+        got = grape.generate(model, ids, **kw)
+        assert last_stats().graphed
+        assert torch.equal(got, model.generate(ids, cache_implementation="static", **kw))
+    torch.cuda.synchronize()  # the context is sound: no device-side assert was raised
+    clear_cache(model)
+
+
 def test_a_forward_that_syncs_falls_back_to_generate_and_leaves_the_process_usable(cuda):
     import grape
     from grape.torch.api import last_stats
