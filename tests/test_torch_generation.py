@@ -406,10 +406,11 @@ def _same_layout(model, ids, new):
                                            max_cache_len=ids.shape[1] + new)}
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "greedy, EOS and min_new_tokens"])
-def test_the_return_dict_holds_generates_scores_and_logits(model, strategy):
-    # Bit for bit, with generate given the same cache layout: the output layer runs on the
-    # last position alone in both (logits_to_keep=1, as generate asks of the model).
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_the_return_dict_is_generates_bit_for_bit(model, strategy):
+    # Given the same cache layout: every step's scores (processed logits; log-probabilities
+    # for beams) and raw logits, and for beams the best beam's score and beam indices. The
+    # output layer runs on the last position alone on both sides (logits_to_keep=1).
     ids, mask = _prompt()
     kwargs = dict(STRATEGIES[strategy], max_new_tokens=12, return_dict_in_generate=True,
                   output_scores=True, output_logits=True)
@@ -417,21 +418,28 @@ def test_the_return_dict_holds_generates_scores_and_logits(model, strategy):
                                **_same_layout(model, ids, 12), **kwargs)
     got = _host(model, ids, mask, **kwargs)
     assert type(got) is type(reference)
-    assert torch.equal(got.sequences, reference.sequences)
+    beams = strategy.startswith("beam")
+    for name in ["sequences"] + (["sequences_scores", "beam_indices"] if beams else []):
+        assert torch.equal(getattr(got, name), getattr(reference, name)), name
+    made = got.sequences.shape[1] - ids.shape[1]  # beams: the best beam's, maybe fewer steps
     for name in ("scores", "logits"):
         ours, theirs = getattr(got, name), getattr(reference, name)
-        assert len(ours) == len(theirs) == got.sequences.shape[1] - ids.shape[1]
+        assert len(ours) == len(theirs) and (len(ours) >= made if beams else len(ours) == made)
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), name
     assert got.past_key_values is None  # grape's cache is the next call's
 
 
-def test_a_return_dict_without_scores_holds_the_tokens_alone(model):
+@pytest.mark.parametrize("strategy", ["greedy", "beam 5"])
+def test_a_return_dict_without_scores_holds_no_scores(model, strategy):
     ids, mask = _prompt()
-    got = _host(model, ids, mask, max_new_tokens=5, return_dict_in_generate=True)
-    assert torch.equal(got.sequences, _host(model, ids, mask, max_new_tokens=5))
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=5)
+    got = _host(model, ids, mask, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(got.sequences, _host(model, ids, mask, **kwargs))
     assert got.scores is None and got.logits is None
+    if strategy.startswith("beam"):
+        assert got.sequences_scores is None and got.beam_indices is not None
     # and scores asked for without a return dict are dropped, as generate drops them
-    plain = _host(model, ids, mask, max_new_tokens=5, output_scores=True)
+    plain = _host(model, ids, mask, output_scores=True, **kwargs)
     assert torch.equal(plain, got.sequences)
 
 
@@ -453,29 +461,6 @@ def test_sampled_scores_are_the_processed_distribution_the_token_was_drawn_from(
     first = [s.clone() for s in got.scores]
     _host(model, ids, mask, seed=6, **kwargs)
     assert all(torch.equal(a, b) for a, b in zip(first, got.scores, strict=True))
-
-
-@pytest.mark.parametrize("strategy", [k for k in STRATEGIES if k.startswith("beam")])
-def test_beam_search_s_return_dict_is_generates(model, strategy):
-    # The best beam's score, every step's processed log-probabilities and logits for every
-    # beam, and the best beam's beam indices: generate's, bit for bit, given the same layout.
-    ids, mask = _prompt()
-    kwargs = dict(STRATEGIES[strategy], max_new_tokens=12, return_dict_in_generate=True,
-                  output_scores=True, output_logits=True)
-    reference = model.generate(ids, attention_mask=mask,
-                               **_same_layout(model, ids, 12), **kwargs)
-    got = _host(model, ids, mask, **kwargs)
-    assert type(got) is type(reference)
-    for name in ("sequences", "sequences_scores", "beam_indices"):
-        assert torch.equal(getattr(got, name), getattr(reference, name)), name
-    for name in ("scores", "logits"):
-        ours, theirs = getattr(got, name), getattr(reference, name)
-        assert len(ours) == len(theirs) > 0
-        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), name
-    plain = _host(model, ids, mask, max_new_tokens=12, return_dict_in_generate=True,
-                  **STRATEGIES[strategy])
-    assert plain.sequences_scores is None and plain.scores is None
-    assert torch.equal(plain.beam_indices, got.beam_indices)
 
 
 @pytest.mark.parametrize("new", [1, 2])
