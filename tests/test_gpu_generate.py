@@ -181,6 +181,34 @@ def test_one_or_two_new_tokens_are_graphed_as_generate_makes_them(cuda, new):
     clear_cache(model)
 
 
+def test_prompts_of_one_bucket_share_an_executable(cuda):
+    # prompt_bucket=8: prompts of 13 and 15 tokens are both left-padded to 16 and run one
+    # executable; each result starts with the caller's own prompt, and its tokens are
+    # generate's for the padded prompt.
+    import grape
+    from grape.torch.api import bucketed, clear_cache, last_stats
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=500)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).cuda().eval()
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    captured = []
+    for length in (13, 15):
+        ids = torch.randint(3, 500, (2, length), device="cuda")
+        out = grape.generate(model, ids, prompt_bucket=8, **kw)
+        stats = last_stats()
+        assert stats.graphed and stats.copy_bytes >= ids.numel() * 8
+        captured.append(stats.captured)
+        padded_ids, padded_mask, _ = bucketed(ids, None, 8, 0)
+        want = model.generate(padded_ids, attention_mask=padded_mask, **kw)
+        assert out.shape == (2, length + 6) and torch.equal(out[:, :length], ids)
+        assert torch.equal(out[:, length:], want[:, 16:])
+    assert captured == [True, False]
+    clear_cache(model)
+
+
 def test_a_forward_that_syncs_falls_back_to_generate_and_leaves_the_process_usable(cuda):
     import grape
     from grape.torch.api import last_stats

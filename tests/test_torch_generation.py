@@ -482,3 +482,40 @@ def test_one_or_two_new_tokens_leave_room_for_the_steps_before_the_capture(new, 
         decoder.step()
     reference = m.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
     assert torch.equal(decoder.generate_on_host(ids, m_mask), reference)
+
+
+def test_a_prompt_is_left_padded_to_its_bucket_and_copied_only_then():
+    from grape.torch.api import bucketed
+
+    ids, mask = _prompt(length=7)
+    same = bucketed(ids, mask, 7, pad=0)
+    assert same[0] is ids and same[1] is mask and same[2] == 0
+    padded_ids, padded_mask, copied = bucketed(ids, mask, 4, pad=9)
+    assert padded_ids.shape == padded_mask.shape == (3, 8)
+    assert padded_ids[:, 0].tolist() == [9, 9, 9] and padded_mask[:, 0].tolist() == [0, 0, 0]
+    assert torch.equal(padded_ids[:, 1:], ids) and torch.equal(padded_mask[:, 1:], mask)
+    assert copied == ids.numel() * 8 + mask.numel() * 8
+    _, no_mask, copied = bucketed(ids, None, 4, pad=9)
+    assert no_mask[:, 1:].all() and copied == ids.numel() * 8  # no caller's mask to copy
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam 4, EOS"])
+def test_a_bucketed_prompt_makes_generates_tokens_for_the_padded_prompt(model, strategy):
+    from grape.torch.api import bucketed
+
+    ids, mask = _prompt(length=7)
+    padded_ids, padded_mask, _ = bucketed(ids, mask, 8, pad=0)
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=8)
+    reference = model.generate(padded_ids, attention_mask=padded_mask,
+                               cache_implementation="static", **kwargs)
+    assert torch.equal(_host(model, padded_ids, padded_mask, **kwargs), reference)
+
+
+@pytest.mark.parametrize("bucket", [0, -3, 2.5, True])
+def test_a_bad_prompt_bucket_is_one_line(bucket):
+    import grape
+
+    m = _built("gpt2", CONFIGS["gpt2"])
+    with pytest.raises(GrapeError, match="expected prompt_bucket to be a positive integer"):
+        grape.generate(m, torch.zeros((1, 3), dtype=torch.long), max_new_tokens=2,
+                       prompt_bucket=bucket)

@@ -35,6 +35,7 @@ bad input raises ``GrapeError``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from collections.abc import Iterator
@@ -258,7 +259,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              seed: int | None = None, compile: bool = False,
              exact_lengths: bool | None = None, cache_length: int | None = None,
-             **kwargs: Any) -> Any:
+             prompt_bucket: int | None = None, **kwargs: Any) -> Any:
     """``model.generate(input_ids, attention_mask=..., max_new_tokens=..., **kwargs)``, graphed.
 
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
@@ -284,7 +285,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     ``cache_length`` sizes the static cache (prompt and new tokens; default, their sum) as a
     server sizes it once for generations of any length up to it: the loop over the whole cache
     then attends over all of it every token, exact lengths over the keys that exist. The
-    executable is cached per cache length as well.
+    executable is cached per cache length as well. ``prompt_bucket`` (default None: every
+    prompt length its own executable) left-pads each prompt, with the pad token and a masked
+    column, to the next multiple of that many tokens, so that prompts of lengths within one
+    bucket share an executable: the padded prompt is a copy of the caller's tensors (counted
+    in ``last_stats().copy_bytes``), and its tokens are ``generate``'s for the padded prompt,
+    which can part from the unpadded prompt's where two logits nearly tie (attention then sums
+    over the masked columns too, and runs its masked kernels).
 
     Returns
     -------
@@ -317,27 +324,33 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     if compile and exact_lengths:
         raise GrapeError("expected compile=True or exact_lengths=True, found both: exact "
                          "lengths inside a compiled step are not supported yet")
+    if prompt_bucket is not None and (not isinstance(prompt_bucket, int)
+                                      or isinstance(prompt_bucket, bool) or prompt_bucket < 1):
+        raise GrapeError(f"expected prompt_bucket to be a positive integer or None, found "
+                         f"{prompt_bucket!r}")
     hf_kwargs = dict(kwargs, max_new_tokens=max_new_tokens)
     try:
         options, mask = resolve(model, input_ids, attention_mask, hf_kwargs)
-        if cache_length is not None:
+        if cache_length is not None:  # the prompt as bucketed below
+            length = input_ids.shape[1]
             options = replace(options, cache_length=_cache_length(
-                cache_length, input_ids.shape[1] + options.max_new_tokens))
+                cache_length, length + -length % (prompt_bucket or 1) + options.max_new_tokens))
         if input_ids.device.type != "cuda":
             raise NotGraphable(f"the model is on {input_ids.device}, and graphs need a CUDA "
                                f"device")
+        ids, mask, padded = bucketed(input_ids, mask, prompt_bucket or 1, options.pad)
         exact = exact_lengths if exact_lengths is not None else (
-            not compile and options.cache_tokens(input_ids.shape[1]) >= EXACT_FROM
+            not compile and options.cache_tokens(ids.shape[1]) >= EXACT_FROM
             and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
+        run = functools.partial(_graphed_generate, model, ids, mask, options, seed, compile,
+                                caller_ids=input_ids, padded_bytes=padded)
         try:
-            return _graphed_generate(model, input_ids, mask, options, seed, compile, exact,
-                                     warn_whole=exact_lengths is True)
+            return run(exact, warn_whole=exact_lengths is True)
         except ExactRefused:
             if exact_lengths is not None:  # asked for: say so (below), and run generate
                 raise
             # Chosen by grape: the loop over the whole cache takes any mask and any cache.
-            return _graphed_generate(model, input_ids, mask, options, seed, compile, False,
-                                     warn_whole=False)
+            return run(False, warn_whole=False)
     except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
         reason = str(e).splitlines()[0]
     except _COMPILE_ERRORS as e:  # only raised with compile=True
@@ -356,10 +369,30 @@ def _cache_length(value: Any, least: int) -> int:
     return value
 
 
+def bucketed(input_ids: torch.Tensor, mask: torch.Tensor | None, bucket: int,
+             pad: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``input_ids`` and ``mask`` (None: all ones) left-padded with ``pad`` and masked columns
+    to a multiple of ``bucket`` tokens, and the bytes of the caller's tensors copied into the
+    padded ones (0, and the caller's own tensors, where the length is a multiple already)."""
+    rows, length = input_ids.shape
+    extra = -length % bucket
+    if not extra:
+        return input_ids, mask, 0
+    ones = torch.ones_like(input_ids) if mask is None else mask
+    ids = torch.cat([input_ids.new_full((rows, extra), pad), input_ids], dim=1)
+    padded = torch.cat([ones.new_zeros((rows, extra)), ones], dim=1)
+    copied = input_ids.numel() * input_ids.element_size() + (
+        0 if mask is None else mask.numel() * mask.element_size())
+    return ids, padded, copied
+
+
 def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
                       mask: torch.Tensor | None, options: Options,
                       seed: int | None, compiled: bool, exact: bool,
-                      warn_whole: bool) -> torch.Tensor:
+                      warn_whole: bool, caller_ids: torch.Tensor | None = None,
+                      padded_bytes: int = 0) -> Any:
+    """``caller_ids``: the prompt as the caller gave it, before ``bucketed`` padded it
+    (``input_ids``) into ``padded_bytes`` of copies; the result starts with it."""
     global _LAST
     cache = _CACHES.setdefault(model, _Cache())
     key = (tuple(signature(t) for t in _caller_tensors(input_ids, mask)), options.key, compiled,
@@ -391,10 +424,10 @@ def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         updates = entry.inputs.point(entry.loop.graph, entry.loop.executable,
                                      _caller_tensors(input_ids, mask))
     entry.loop.launch()
-    result = decoder.result(input_ids)
+    result = decoder.result(input_ids if caller_ids is None else caller_ids)
     _LAST = GenerationStats(graphed=True, captured=captured,
                             capture_s=entry.capture_s if captured else 0.0,
-                            copy_bytes=entry.copy_bytes, pointer_updates=updates,
+                            copy_bytes=entry.copy_bytes + padded_bytes, pointer_updates=updates,
                             prefill_graphed=entry.inputs is not None, host_syncs=1,
                             launches=1, attention=entry.attention)
     return result
