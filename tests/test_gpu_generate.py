@@ -17,6 +17,15 @@ from tests.benchrun import run_benchmark, run_sweep  # noqa: E402
 ARCHS = "gpt2,gptj,gpt_neox,opt,bloom,falcon,llama,mistral,qwen2,mixtral"
 
 
+def _small_llama():
+    """A 2-layer Llama of width 64 with a 500-token vocabulary, on the GPU (seeded)."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=500)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).cuda().eval()
+
+
 @pytest.fixture(scope="module")
 def cuda():
     if not torch.cuda.is_available():
@@ -91,11 +100,7 @@ def test_the_prompt_is_read_where_it_lies_and_re_pointed_only_when_it_moves(cuda
     import grape
     from grape.torch.api import clear_cache, last_stats
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=500)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).cuda().eval()
+    model = _small_llama()
     g = torch.Generator(device="cuda").manual_seed(0)
     prompts = [torch.randint(3, 500, (2, 8), device="cuda", generator=g) for _ in range(3)]
     mask = torch.ones_like(prompts[0])
@@ -133,15 +138,11 @@ def test_the_return_dict_holds_generates_scores_from_one_launch(cuda, beams):
     import grape
     from grape.torch.api import clear_cache, last_stats
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=500)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).cuda().eval()
+    model = _small_llama()
     ids = torch.randint(3, 500, (2, 8), device="cuda")
     kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
               output_scores=True, output_logits=True, num_beams=beams)
-    cache = transformers.StaticCache(config=config, max_cache_len=ids.shape[1] + 10)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + 10)
     want = model.generate(ids, past_key_values=cache, **kw)
     got = grape.generate(model, ids, **kw)
     assert last_stats().graphed and last_stats().prefill_graphed
@@ -188,11 +189,7 @@ def test_prompts_of_one_bucket_share_an_executable(cuda):
     import grape
     from grape.torch.api import bucketed, clear_cache, last_stats
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=500)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).cuda().eval()
+    model = _small_llama()
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     captured = []
     for length in (13, 15):
