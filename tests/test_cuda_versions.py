@@ -57,3 +57,42 @@ def test_a_kernel_without_parameters_passes_none(monkeypatch):
     updates = build.version_updates("g", "handle", nv)
     assert [int(u.args[1].kernelParams) for u in updates] == [0, 0]
     assert [u.args[1].gridDimX for u in updates] == [1, 4]
+
+
+def _taking_handle() -> Kernel:
+    from grape.ir import HandleRef
+    args = (41).to_bytes(8, "little") + (3).to_bytes(8, "little")
+    return Kernel("s@0x3", "s", (1, 1, 1), (1, 1, 1), args=args,
+                  params=(Param(0, 8), Param(8, 8)), handles=(HandleRef(0, "loop"),))
+
+
+def _args(p) -> bytes:
+    slots = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint64 * 2).from_address(
+        int(p.kernelParams)))
+    return b"".join(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 8).from_address(
+        int(s))).tobytes() for s in slots)
+
+
+def test_a_kernel_taking_a_handle_keeps_the_captured_value_unless_given_another(monkeypatch):
+    monkeypatch.setattr(build, "resolve", lambda function: 7)
+    k = _taking_handle()
+    kept, _keep = build.kernel_params(k)  # the arrays it points into stay alive
+    assert _args(kept) == k.args  # read from a captured graph: its own handle's value
+    given, _keep2 = build.kernel_params(k, {"loop": 99})
+    assert _args(given) == (99).to_bytes(8, "little") + (3).to_bytes(8, "little")
+
+
+def test_an_update_to_a_built_graph_writes_the_handle_that_graph_created(monkeypatch):
+    """An executable built from IR has new conditional handles; re-pointing one of its kernels
+    that takes a handle (a setter inside a loop that reads the caller's prompt) must pass the
+    new value, not the captured one (the H200 run at 301199e failed here: no handles given)."""
+    from grape.ir import KernelGraph
+    monkeypatch.setattr(build, "resolve", lambda function: 7)
+    k = _taking_handle()
+    ir = KernelGraph()
+    ir.add("s", k)
+    graph = object.__new__(build.Graph)  # no driver: only what prepare() reads
+    graph.ir, graph.nodes, graph.handles = ir, {"s": "node"}, {"loop": 1234}
+    (update,) = graph.prepare({"s": k})
+    assert update.args[0] == "node"
+    assert _args(update.args[1])[:8] == (1234).to_bytes(8, "little")

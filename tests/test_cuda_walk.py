@@ -139,3 +139,40 @@ def test_a_build_adds_full_dependencies_with_the_node_and_programmatic_ones_with
     assert int(data[0].type) == int(
         driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
     assert int(data[0].from_port) == int(driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC)
+
+
+def _words(*values: int) -> bytes:
+    return b"".join(v.to_bytes(8, "little") for v in values)
+
+
+HANDLES = {1: "cond0", 2: "cond1"}  # as the driver numbers them: 1, 2, ... per graph
+
+
+def test_a_kernel_whose_shape_words_equal_handle_values_takes_no_handle():
+    """A copy kernel's sizes and strides are small integers, as handle values are: only a
+    setter's parameters are read as handles (a scan of every word misread three of them)."""
+    from grape.cuda.walk import _handle_refs
+    from grape.ir import Param
+    copy = "_ZN2at6native18elementwise_kernelILi128ELi2E"
+    assert _handle_refs(copy, _words(2, 1, 2), (Param(0, 24),), HANDLES) == ()
+    assert _handle_refs(copy, _words(1), (Param(0, 8),), HANDLES) == ()
+
+
+def test_a_setter_passes_its_handle_as_a_whole_parameter():
+    from grape.cuda.walk import _handle_refs
+    from grape.ir import HandleRef, Param
+    refs = _handle_refs("grape_while_bounded", _words(2, 0x7F00_0000_0000, 0x7F00_0000_0100),
+                        (Param(0, 8), Param(8, 8), Param(16, 8)), HANDLES)
+    assert refs == (HandleRef(0, "cond1"),)
+    torch_setter = "_ZN2at4cuda12_GLOBAL__N_129set_conditional_handle_kernelEyPKb"
+    assert _handle_refs(torch_setter, _words(1, 0x7F00_0000_0000), (Param(0, 8), Param(8, 8)),
+                        HANDLES) == (HandleRef(0, "cond0"),)
+
+
+def test_every_setter_kernel_grape_compiles_is_known_to_the_walk():
+    import re
+
+    from grape.cuda.conditional import SOURCE
+    from grape.cuda.walk import is_setter
+    setters = re.findall(r"__global__ void (\w+)\(cudaGraphConditionalHandle", SOURCE)
+    assert setters and all(is_setter(name) for name in setters)

@@ -49,9 +49,10 @@ def kernel_params(k: Kernel, handles: dict[str, int] | None = None
                   ) -> tuple[driver.CUDA_KERNEL_NODE_PARAMS, tuple[np.ndarray, ...]]:
     """Driver parameters for kernel ``k``, and the host arrays they point into.
 
-    ``handles`` gives the value of each conditional handle the kernel takes as an argument.
-    The arrays must outlive the call that takes the parameters (the driver copies the argument
-    values then).
+    ``handles`` gives the value of each conditional handle the kernel takes as an argument;
+    without it the arguments keep the values captured (right for the graph they were read
+    from, where the handles are the captured ones). The arrays must outlive the call that takes
+    the parameters (the driver copies the argument values then).
     """
     p = driver.CUDA_KERNEL_NODE_PARAMS()
     p.func = resolve(k.function)
@@ -59,7 +60,7 @@ def kernel_params(k: Kernel, handles: dict[str, int] | None = None
     p.blockDimX, p.blockDimY, p.blockDimZ = k.block
     p.sharedMemBytes = k.shared_mem
     args = bytearray(k.args) or bytearray(1)
-    for ref in k.handles:
+    for ref in k.handles if handles is not None else ():
         args[ref.offset:ref.offset + 8] = handles[ref.handle].to_bytes(8, "little")
     values = np.frombuffer(args, dtype=np.uint8)
     base = values.ctypes.data  # read once: each .ctypes access builds a helper object
@@ -112,6 +113,10 @@ class Graph(Resource):
         self.ir = ir
         self.handle = handle
         self.nodes: dict[str, driver.CUgraphNode] = {}  # IR node -> its node, for graphs built here
+        # Conditional handle name -> the value this graph created, for graphs built here:
+        # updates to a kernel that takes a handle must write this graph's value, not the one
+        # its IR was captured with. None: the IR's values are this graph's own.
+        self.handles: dict[str, int] | None = None
         self._ctx = current_context()
         self._own(handle, driver.cuGraphDestroy if owned else None)
 
@@ -132,7 +137,8 @@ class Graph(Resource):
         """
         ir.validate()
         graph = cls(ir, call(driver.cuGraphCreate, 0, doing="creating a graph"))
-        graph.nodes = graph._fill(graph.handle, ir, {})
+        graph.handles = {}
+        graph.nodes = graph._fill(graph.handle, ir, graph.handles)
         return graph
 
     def _fill(self, target: driver.CUgraph, ir: KernelGraph,
@@ -248,7 +254,7 @@ class Graph(Resource):
                 if op.attributes != self.ir.op(node).attributes:
                     raise UnsupportedError(f"node {node!r}: kernel attributes cannot change "
                                            f"in an executable, found {op.attributes}")
-                params, keep = kernel_params(op)
+                params, keep = kernel_params(op, self.handles)
                 updates.append(Update(node, driver.cuGraphExecKernelNodeSetParams,
                                       (handle, params), keep))
             elif isinstance(op, Memset):
@@ -272,7 +278,7 @@ class Graph(Resource):
             raise GrapeError(f"expected node {node!r} of a graph built from IR, found no such "
                              f"node")
         t = versions.template
-        if not versions.rows or t.handles:  # handles: prepare() leaves them as captured
+        if not versions.rows or t.handles:  # handles: prepare() writes this graph's values
             return [self.prepare({node: versions.op(v)})[0] for v in range(len(versions))]
         if t.attributes != self.ir.op(node).attributes:
             raise UnsupportedError(f"node {node!r}: kernel attributes cannot change in an "

@@ -8,10 +8,12 @@ no host synchronisation decides a branch or ends a loop.
 from __future__ import annotations
 
 from functools import cache
+from typing import TYPE_CHECKING
 
-from grape.cuda.nvrtc import Module
+if TYPE_CHECKING:  # nvrtc imports the builder, which imports the walk, which imports SETTERS
+    from grape.cuda.nvrtc import Module
 
-__all__ = ["SOURCE", "condition_kernels"]
+__all__ = ["SETTERS", "SOURCE", "condition_kernels"]
 
 SOURCE = r"""
 typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
@@ -40,7 +42,13 @@ extern "C" __global__ void grape_while_bounded(cudaGraphConditionalHandle h, con
 """
 
 
+# The kernels above, each of which takes the handle it sets as its first parameter.
+SETTERS = ("grape_set_from_bool", "grape_set_from_int", "grape_count_down", "grape_while_bounded")
+
+
 @cache
 def condition_kernels() -> Module:
     """The setter kernels, compiled once per process for the current device."""
+    from grape.cuda.nvrtc import Module
+
     return Module(SOURCE, name="grape_conditions.cu")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from cuda.bindings import driver
 
+from grape.cuda import conditional
 from grape.cuda.buffers import BufferMap
 from grape.cuda.check import call
 from grape.cuda.functions import function_id, param_layout
@@ -31,6 +32,7 @@ from grape.ir import (
     Memcpy,
     Memset,
     Op,
+    Param,
 )
 
 __all__ = ["ATTRIBUTES", "EDGE_PORTS", "CreatedConditional", "created_params", "event_id",
@@ -140,13 +142,31 @@ def _extra_args(extra: int, size: int) -> bytes:
     return _host_bytes(buffer, size)
 
 
-def _handle_refs(args: bytes, handles: dict[int, str]) -> tuple[HandleRef, ...]:
-    if not handles:
+# Kernels that set a conditional handle (``cudaGraphSetConditional``) take it as an 8-byte
+# parameter of their own; they are known by name: grape's setters (``grape.cuda.conditional``)
+# and PyTorch's (``at::cuda::set_conditional_handle_kernel``). A module that sets conditions
+# from kernels of its own adds their names (a substring of the mangled name) here.
+SETTERS: set[str] = {*conditional.SETTERS, "set_conditional_handle_kernel"}
+
+
+def is_setter(name: str) -> bool:
+    return any(s in name for s in SETTERS)
+
+
+def _handle_refs(name: str, args: bytes, layout: tuple[Param, ...],
+                 handles: dict[int, str]) -> tuple[HandleRef, ...]:
+    """Where a setter kernel passes a conditional handle.
+
+    Handle values are small per-graph counters (1, 2, 3 in creation order, on the H200 with
+    driver 580), so sizes and strides in any other kernel's arguments equal them: a scan of
+    every word took a copy kernel's shape for three handle arguments, which a rebuilt graph,
+    whose handles number differently, would have overwritten. Only a setter's whole 8-byte
+    parameters count.
+    """
+    if not handles or not is_setter(name):
         return ()
-    # A set lookup per word: a graph has a handle or two, and np.isin's set-up per kernel
-    # cost more than the whole scan (thousands of kernels in a training step).
-    words = np.frombuffer(args[: len(args) // 8 * 8], dtype="<u8").tolist()
-    return tuple(HandleRef(i * 8, handles[w]) for i, w in enumerate(words) if w in handles)
+    return tuple(HandleRef(q.offset, handles[w]) for q in layout if q.size == 8
+                 and (w := int.from_bytes(args[q.offset:q.offset + 8], "little")) in handles)
 
 
 def _kernel(node: driver.CUgraphNode, walk: _Walk) -> Kernel:
@@ -160,7 +180,8 @@ def _kernel(node: driver.CUgraphNode, walk: _Walk) -> Kernel:
     return Kernel(function=ident, name=name, grid=(p.gridDimX, p.gridDimY, p.gridDimZ),
                   block=(p.blockDimX, p.blockDimY, p.blockDimZ), shared_mem=p.sharedMemBytes,
                   attributes=_attributes(node), args=args, params=layout,
-                  pointers=walk.buffers.pointers(args), handles=_handle_refs(args, walk.handles))
+                  pointers=walk.buffers.pointers(args),
+                  handles=_handle_refs(name, args, layout, walk.handles))
 
 
 def _endpoint(buffers: BufferMap, kind, device, host, x: int, size: int):
