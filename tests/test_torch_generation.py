@@ -152,12 +152,13 @@ def test_top_k_and_top_p_keep_the_draws_inside_their_set():
 def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_refused():
     config = transformers.AutoConfig.for_model("mistral", **CONFIGS["mistral"], **COMMON)
     m = transformers.AutoModelForCausalLM.from_config(config)
-    from transformers.cache_utils import StaticLayer
+    from grape.torch.static_layers import CountedLayer
 
-    assert all(type(layer) is StaticLayer for layer in static_cache(m, 64).layers)
+    count = torch.zeros(1, dtype=torch.long)
+    assert all(type(layer) is CountedLayer for layer in static_cache(m, 64, count).layers)
     with pytest.raises(NotGraphable, match="keeps its position on the host, for a generation "
                                            "of 65 tokens"):
-        static_cache(m, 65)
+        static_cache(m, 65, torch.zeros(1, dtype=torch.long))
 
 
 @pytest.mark.parametrize("kwargs, reason", [
@@ -355,10 +356,11 @@ def test_exact_lengths_are_refused_for_recurrent_state_and_the_whole_cache_kept(
     from grape.torch.decoding import ExactRefused
     from grape.torch.exact import TokenMajorLayer
 
-    cache = static_cache(recurrent, 32)  # the layers as made: the states are fixed already
+    # the layers as made: the states are fixed already
+    cache = static_cache(recurrent, 32, torch.zeros(1, dtype=torch.long))
     assert any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
     with pytest.raises(ExactRefused, match="keeps a recurrent state"):
-        static_cache(recurrent, 32, TokenMajorLayer)
+        static_cache(recurrent, 32, torch.zeros(1, dtype=torch.long), TokenMajorLayer)
 
 
 def test_a_cache_layer_of_a_kind_grape_does_not_know_is_refused_by_name(monkeypatch):
@@ -379,7 +381,7 @@ def test_a_cache_layer_of_a_kind_grape_does_not_know_is_refused_by_name(monkeypa
     monkeypatch.setattr("grape.torch.decoding.StaticCache", indexed)
     with pytest.raises(NotGraphable, match="cache layer 1 is a IndexedLayer, a kind of cache "
                                            "layer grape does not hold in a graph"):
-        static_cache(m, 16)
+        static_cache(m, 16, torch.zeros(1, dtype=torch.long))
 
 
 def test_a_draw_is_the_inverse_transform_of_the_normalised_distribution():

@@ -37,6 +37,7 @@ from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.options import NotGraphable, Options
 from grape.torch.parallel import group_of
+from grape.torch.static_layers import CountedLayer
 
 __all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "static_cache"]
 
@@ -58,15 +59,18 @@ class NotLeftPadded(ExactRefused):
     """Exact lengths were asked of a prompt whose mask has a zero after a one."""
 
 
-def static_cache(model: torch.nn.Module, max_len: int,
-                 layer: type[StaticLayer] = StaticLayer) -> StaticCache:
-    """The static cache ``generate`` would make, with every layer keeping its length on the
-    device: a sliding-window layer whose window holds the whole generation is a plain static
-    layer (the same attention), since the sliding layer counts its length on the host, which a
-    captured step would freeze at its capture-time value. Layers with a recurrent state
-    (``_RECURRENT``; beside a static attention cache in hybrid models) are kept as made.
-    ``layer``: the static layer class (``grape.torch.exact.TokenMajorLayer`` for exact-length
-    attention).
+def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
+                 layer: type[CountedLayer] = CountedLayer) -> StaticCache:
+    """The static cache ``generate`` would make, with every attention layer writing at
+    ``count``, the caller's device count of tokens in the cache, which the caller advances
+    after each forward (``grape.torch.static_layers``). A sliding-window layer whose window
+    holds the whole generation is a plain static layer (the same attention), since the sliding
+    layer counts its length on the host, which a captured step would freeze at its
+    capture-time value. Layers with a recurrent state (``_RECURRENT``; beside a static
+    attention cache in hybrid models) are kept as made. ``layer``: the static layer class
+    (``grape.torch.exact.TokenMajorLayer`` for exact-length attention). Recurrent layers, and
+    static ones that also hold a recurrent state, count their own tokens; they advance their
+    count once per forward as well.
 
     Raises
     ------
@@ -81,12 +85,11 @@ def static_cache(model: torch.nn.Module, max_len: int,
     for i, made in enumerate(cache.layers):
         kind = type(made)
         if kind in (StaticLayer, StaticSlidingWindowLayer) and made.max_cache_len >= max_len:
-            if kind is not layer:
-                cache.layers[i] = layer(max_cache_len=max_len)
+            cache.layers[i] = layer(max_cache_len=max_len, count=count)
             continue
         if isinstance(made, _RECURRENT) and (not isinstance(made, StaticLayer)
                                              or kind is _HYBRID):
-            if layer is not StaticLayer:
+            if layer is not CountedLayer:
                 raise ExactRefused(f"exact lengths count attention caches alone, and cache "
                                    f"layer {i} keeps a recurrent state ({kind.__name__})")
             continue
@@ -125,16 +128,16 @@ class Decoder:
         device = next(model.parameters()).device
         # Exact lengths: attention over each row's valid keys, counted on the device.
         self.lengths = Lengths(rows, self.max_len, device) if exact else None
-        self.cache = static_cache(model, self.max_len,
-                                  TokenMajorLayer if exact else StaticLayer)
+        # Tokens in the cache, on the device: every attention layer writes at this count (its
+        # length, for transformers), and the decoder advances it once per forward; a recurrent
+        # layer counts its own, in step with it.
+        self.written = torch.zeros((1,), dtype=torch.long, device=device)
+        self.cache = static_cache(model, self.max_len, self.written,
+                                  TokenMajorLayer if exact else CountedLayer)
         self.mask = torch.zeros((rows, self.max_len), dtype=torch.long, device=device)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.position = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.count = torch.zeros((1,), dtype=torch.long, device=device)  # tokens made so far
-        # Tokens in the cache, on the device: an attention layer's own count where the model
-        # has one (set after the prompt), else this one, which the steps count themselves.
-        self.written = torch.zeros((1,), dtype=torch.long, device=device)
-        self._counted = self.written
         self.running = torch.zeros((), dtype=torch.bool, device=device)
         self.eos = torch.tensor(options.eos or [-1], dtype=torch.long, device=device)
         self.uses_positions = _accepts(model, "position_ids")
@@ -197,6 +200,7 @@ class Decoder:
         ``attention_mask`` (None: all ones) are (batch, prompt_len), read where they lie; the
         mask is copied into the loop's full-length one. Returns the bytes copied."""
         self.cache.reset()
+        self.written.zero_()  # the prompt is written from position 0
         self._reset()
         ones = attention_mask is None
         input_ids = self._rows(input_ids)
@@ -216,9 +220,6 @@ class Decoder:
                                f"it was given while reading the prompt (it keeps no cache, or "
                                f"keeps its state elsewhere)")
         self.written.fill_(self.prompt_len)
-        self._counted = next((layer.cumulative_length for layer in self.cache.layers
-                              if isinstance(layer, StaticLayer) and layer.is_initialized),
-                             self.written)
         self.mask.zero_()
         if ones:
             self.mask[:, :self.prompt_len].fill_(1)
@@ -234,12 +235,11 @@ class Decoder:
     def step(self) -> None:
         """The next token for every row, at fixed shapes, with no host sync."""
         # The new token's column of the mask: where the cache writes it (its device length).
-        self.mask.index_fill_(1, self._counted.view(1), 1)
+        self.mask.index_fill_(1, self.written, 1)
         if self.lengths is not None:
-            self.lengths.before_step(self._counted)
+            self.lengths.before_step(self.written)
         logits = self._logits(self.next_ids, self.mask, self.position, first=False)
-        if self._counted is self.written:  # no attention layer counts for us
-            self.written.add_(1)
+        self.written.add_(1)
         self.position.add_(1)
         self._emit(logits)
         self._agree()

@@ -51,8 +51,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers.cache_utils import StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from grape.torch.static_layers import CountedLayer
 
 __all__ = ["NAME", "Lengths", "TokenMajorLayer", "active", "attention", "register"]
 
@@ -64,8 +65,8 @@ _INERT = {"position_ids", "cache_position", "output_attentions", "is_causal", "l
           "position_embeddings", "use_cache", "past_key_values", "cache"}
 
 
-class TokenMajorLayer(StaticLayer):
-    """``StaticLayer`` with (batch, tokens, heads, dim) buffers, seen as (batch, heads, tokens,
+class TokenMajorLayer(CountedLayer):
+    """``CountedLayer`` with (batch, tokens, heads, dim) buffers, seen as (batch, heads, tokens,
     dim): flattening batch and tokens then makes each row's keys one contiguous range."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -79,7 +80,7 @@ class TokenMajorLayer(StaticLayer):
                                         device=self.device)
         self.keys = self.key_buffer.transpose(1, 2)
         self.values = self.value_buffer.transpose(1, 2)
-        self.cumulative_length = self.cumulative_length.to(self.device)
+        self._take_count()
         self.is_initialized = True
 
 

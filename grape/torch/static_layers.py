@@ -1,0 +1,63 @@
+"""Static cache layers that write at one token count, kept by the decoder, not one per layer.
+
+transformers' ``StaticLayer`` counts the tokens it holds in a device tensor of its own, and
+every ``update`` turns that count into the positions to write (``arange(n) + count``) and
+advances it: three kernels a layer, every token, which in a captured decode step are about a
+tenth of a small model's kernels (GPT-2 at 12 layers: 36 of 350). All layers hold the same
+count at the start of a step, and nothing reads it between one layer's update and the next
+forward.
+
+:class:`CountedLayer` writes at a count it is given instead (``count``, the decoder's device
+count of tokens in the cache, shared by every layer): a single token is written at the count
+itself, with no kernel to compute where; a prompt at ``arange(n) + count``, as before. No layer
+advances it; the decoder does, once per forward. ``cumulative_length``, which transformers'
+code reads as the length (``get_seq_length``, the mask's offsets), is a 0-dim view of the same
+count, as transformers keeps it, so it reads the same value at every layer that a
+transformers layer would hold at the start of the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import StaticLayer
+
+__all__ = ["CountedLayer"]
+
+
+class CountedLayer(StaticLayer):
+    """``StaticLayer`` writing at ``count``, a (1,) long device tensor its owner advances."""
+
+    def __init__(self, max_cache_len: int, count: torch.Tensor) -> None:
+        super().__init__(max_cache_len=max_cache_len)
+        if count.shape != (1,) or count.dtype != torch.long:
+            raise ValueError(f"expected a token count of shape (1,) and dtype long, found "
+                             f"shape {tuple(count.shape)} and {count.dtype}")
+        self.count = count
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._take_count()
+
+    def _take_count(self) -> None:
+        """After the buffers are made: read the length from the shared count. A layer on
+        another device than the count (a model split over devices) keeps a count of its own
+        and advances it as transformers' does, once per forward too."""
+        if self.count.device == self.device:
+            self.cumulative_length = self.count.view(())  # what transformers reads as the length
+        else:
+            self.count = None
+            self.cumulative_length = self.cumulative_length.to(self.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.count is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        n = key_states.shape[-2]
+        at = self.count if n == 1 else torch.arange(n, device=self.device) + self.count
+        self.keys.index_copy_(2, at, key_states)
+        self.values.index_copy_(2, at, value_states)
+        return self.keys, self.values
