@@ -19,6 +19,7 @@ temperature, top-k and top-p from a seeded random stream drawn before the loop);
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -37,6 +38,7 @@ from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.options import NotGraphable, Options
 from grape.torch.parallel import group_of
+from grape.torch.sdpa_mask import convert_once
 from grape.torch.static_layers import CountedLayer
 
 __all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "static_cache"]
@@ -171,10 +173,15 @@ class Decoder:
             kwargs["attention_mask"] = mask
         if self.uses_positions and position is not None:
             kwargs["position_ids"] = position
+        # A step on the model's own kernels converts its boolean mask for SDPA once, not in
+        # every layer (grape.torch.sdpa_mask); compiled, Inductor fuses the conversion itself.
+        once = (convert_once() if not first and self.step_model is self.model
+                else contextlib.nullcontext())
         if first or self.lengths is None:
             inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
                                                               **kwargs)
-            out = (self.model if first else self.step_model)(**inputs, return_dict=True)
+            with once:
+                out = (self.model if first else self.step_model)(**inputs, return_dict=True)
         else:
             # Once a step has run every layer's attention exactly (Lengths.mask_unread), the
             # inputs too are prepared with exact lengths on, so that the 4D mask no exact call
@@ -185,7 +192,7 @@ class Decoder:
             if not unread:
                 inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
                                                                   **kwargs)
-            with active(self.lengths, self.model):
+            with active(self.lengths, self.model), once:
                 if unread:
                     inputs = self.model.prepare_inputs_for_generation(
                         ids, is_first_iteration=first, **kwargs)
