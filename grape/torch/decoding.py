@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from grape.torch.decode_mask import running_mask
 from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.options import NotGraphable, Options
@@ -173,14 +175,11 @@ class Decoder:
             kwargs["attention_mask"] = mask
         if self.uses_positions and position is not None:
             kwargs["position_ids"] = position
-        # A step on the model's own kernels converts its boolean mask for SDPA once, not in
-        # every layer (grape.torch.sdpa_mask); compiled, Inductor fuses the conversion itself.
-        once = (convert_once() if not first and self.step_model is self.model
-                else contextlib.nullcontext())
         if first or self.lengths is None:
-            inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
-                                                              **kwargs)
-            with once:
+            # (transformers may build the step's 4D mask while preparing the inputs)
+            with self._step_masks(first):
+                inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
+                                                                  **kwargs)
                 out = (self.model if first else self.step_model)(**inputs, return_dict=True)
         else:
             # Once a step has run every layer's attention exactly (Lengths.mask_unread), the
@@ -192,7 +191,7 @@ class Decoder:
             if not unread:
                 inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
                                                                   **kwargs)
-            with active(self.lengths, self.model), once:
+            with active(self.lengths, self.model), self._step_masks(first):
                 if unread:
                     inputs = self.model.prepare_inputs_for_generation(
                         ids, is_first_iteration=first, **kwargs)
@@ -200,6 +199,19 @@ class Decoder:
                         inputs["attention_mask"] = mask
                 out = self.step_model(**inputs, return_dict=True)
         return out.logits[:, -1, :].to(dtype=torch.float32)
+
+    @contextlib.contextmanager
+    def _step_masks(self, first: bool) -> Iterator[None]:
+        """Around a step on the model's own kernels: its boolean mask converted for SDPA once,
+        not in every layer (grape.torch.sdpa_mask), and under capture its causal mask over the
+        padded cache taken as the running 2D mask's view (grape.torch.decode_mask). Compiled,
+        Inductor fuses both itself; the prompt runs once a generation."""
+        with contextlib.ExitStack() as stack:
+            if not first and self.step_model is self.model:
+                stack.enter_context(convert_once())
+                if self.lengths is None:
+                    stack.enter_context(running_mask(tuple(self.mask.shape)))
+            yield
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:

@@ -1,0 +1,99 @@
+"""A decode step's causal mask over grape's padded cache is its running 2D mask, as it stands.
+
+Under a CUDA capture transformers cannot look at the 2D mask to skip the 4D one, so a captured
+decode step builds it every token: positions for the batch, the heads, the query and the keys
+(``arange`` and offsets), the causal test, the padding lookup and their conjunction, about
+eleven kernels a token. Over grape's static cache the result is known without them. The
+decoder's 2D mask (``grape.torch.decoding.Decoder.mask``) is one where a row's prompt token is
+real and where a token has been written, up to and including the column the step writes, and
+zero past it; the causal test keeps exactly the keys up to the query's position, which is that
+column. So for one query, ``causal(kv <= q) & padding[b, kv]`` is ``padding[b, kv]``: the
+boolean 2D mask transformers has already made of the decoder's, seen as (batch, 1, 1, keys).
+
+:func:`running_mask` wraps transformers' ``sdpa`` mask entry for the block and returns that view
+where, and only where, the equality holds by construction: the plain causal mask function
+(not a sliding window, chunks, bidirectional or packed-sequence one, whose functions differ),
+one query, keys the decoder's full width from offset 0, and a boolean 2D mask of the decoder's
+shape. Everything else, and every call outside a CUDA capture (eagerly transformers may skip
+the mask altogether, and the block keeps that), goes to transformers as it is. The wrapper acts
+in the context that entered the block alone. Tests check the view against the mask
+transformers builds at every step of generations on several architectures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+__all__ = ["running_mask"]
+
+# Inside running_mask: the shape of the decoder's 2D mask, (rows, keys).
+_SHAPE: ContextVar[tuple[int, int] | None] = ContextVar("grape_running_mask", default=None)
+# Whether to act outside a capture too: for checking the view against transformers' mask
+# without a GPU.
+_EAGERLY: ContextVar[bool] = ContextVar("grape_running_mask_eagerly", default=False)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _viewing(build: Callable[..., Any], causal: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(build)
+
+    @functools.wraps(build)
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        shape = _SHAPE.get()
+        if shape is None or not (_EAGERLY.get() or _capturing()):
+            return build(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        padding = a.get("attention_mask")
+        if (a.get("mask_function") is not causal or a.get("q_length") != 1
+                or isinstance(a.get("kv_offset"), torch.Tensor) or a.get("kv_offset") != 0
+                or a.get("kv_length") != shape[1] or a.get("batch_size") != shape[0]
+                or not isinstance(padding, torch.Tensor) or padding.dtype != torch.bool
+                or tuple(padding.shape) != shape):
+            return build(*args, **kwargs)
+        return padding[:, None, None, :]
+    mask.grape_original = build  # type: ignore[attr-defined]
+    return mask
+
+
+@contextlib.contextmanager
+def running_mask(shape: tuple[int, int], eagerly: bool = False) -> Iterator[None]:
+    """Inside the block, a captured decode step's causal mask over a decoder's cache of
+    ``shape`` (its 2D mask's: rows, keys) is that 2D mask's view (see the module). ``eagerly``:
+    outside a capture too, for tests. A no-op where transformers lacks the ``sdpa`` mask entry
+    or its causal mask function (another version), and when nested."""
+    try:
+        from transformers import masking_utils as masking
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # pragma: no cover - transformers without masking_utils
+        yield
+        return
+    entries = AttentionMaskInterface._global_mapping
+    causal = getattr(masking, "causal_mask_function", None)
+    if ("sdpa" not in entries or not hasattr(masking, "sdpa_mask") or causal is None
+            or _SHAPE.get() is not None):
+        yield
+        return
+    # The entry serves SDPA attention; the module's function also serves eager attention's
+    # mask (transformers' eager_mask builds through it, then makes it additive).
+    saved = masking.sdpa_mask, entries["sdpa"]
+    masking.sdpa_mask = _viewing(saved[0], causal)
+    entries["sdpa"] = _viewing(saved[1], causal)
+    tokens = _SHAPE.set(tuple(shape)), _EAGERLY.set(eagerly)
+    try:
+        yield
+    finally:
+        _EAGERLY.reset(tokens[1])
+        _SHAPE.reset(tokens[0])
+        masking.sdpa_mask, entries["sdpa"] = saved
