@@ -18,12 +18,15 @@ N processes on the one GPU (the models are small: correctness, not speed, is mea
 Run on a GPU: python benchmarks/arch_sweep.py --out FILE [--archs a,b] [--workers N]
 [--strategies greedy,beam3]. ``--host-loop`` runs grape's step (the one it captures) driven by
 the host instead of ``grape.generate``: its tokens against ``generate``'s on any device, the CPU
-included, where ``grape.generate`` itself would only fall back.
+included, where ``grape.generate`` itself would only fall back; with ``--check-decode-masks``
+every decode step's mask is also taken as under a capture and held to ``transformers``'
+(``grape.torch.decode_mask.checked``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -220,6 +223,7 @@ def _graphed_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None:
 def _host_loop_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None:
     """grape's own step, the one it captures, driven by the host (any device, the CPU
     included): its tokens against generate's, or the reason grape refuses the model."""
+    from grape.torch import decode_mask
     from grape.torch.beam import BeamDecoder
     from grape.torch.decoding import TokenDecoder
     from grape.torch.options import NotGraphable, resolve
@@ -227,9 +231,12 @@ def _host_loop_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None
     try:
         options, m = resolve(model, ids, mask, dict(kw))
         cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), (decode_mask.checked() if CHECK_MASKS[0]
+                                         else contextlib.nullcontext()) as counts:
             warnings.simplefilter("ignore")
             out = cls(model, ids.shape[0], ids.shape[1], options).generate_on_host(ids, m)
+        if counts is not None:
+            row.update(decode_masks_viewed=counts["viewed"], decode_masks_built=counts["built"])
     except NotGraphable as e:
         row.update(stage="done", graphed=False, fallback=str(e)[:900])
         return
@@ -284,6 +291,11 @@ def _which_side(model, ids, mask, kw, graphed, reference) -> dict[str, Any]:
     return found
 
 
+# --check-decode-masks: the host loop acts as under a capture for grape.torch.decode_mask
+# and holds every decode step's mask view to the one transformers builds.
+CHECK_MASKS = [False]
+
+
 def worker(archs: list[str], out: Path | None, dtype: str, strategies: list[str],
            host_loop: bool) -> None:
     import torch
@@ -316,6 +328,7 @@ def _share(archs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
         p = subprocess.run([sys.executable, __file__, "--worker", "--archs", ",".join(archs),
                             "--dtype", args.dtype, "--strategies", args.strategies,
                             *(["--host-loop"] if args.host_loop else []),
+                            *(["--check-decode-masks"] if args.check_decode_masks else []),
                             *(["--out", str(args.out)] if args.out else [])],
                            stdout=subprocess.PIPE, text=True)
         mine = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
@@ -352,7 +365,15 @@ def summary(rows: list[dict[str, Any]]) -> str:
         if r.get("strategy", "greedy") != "greedy":
             label += f"/{r['strategy']}"
         groups.setdefault(key, []).append(label)
-    return "\n".join(f"{k}: {len(v)}: {' '.join(sorted(v))}" for k, v in sorted(groups.items()))
+    lines = [f"{k}: {len(v)}: {' '.join(sorted(v))}" for k, v in sorted(groups.items())]
+    checked = [r for r in rows if "decode_masks_viewed" in r]
+    if checked:
+        viewed = [r for r in checked if r["decode_masks_viewed"]]
+        lines.append(f"decode masks checked in {len(checked)} rows: "
+                     f"{sum(r['decode_masks_viewed'] for r in checked)} views equal to "
+                     f"transformers' masks in {len(viewed)} rows, "
+                     f"{sum(r['decode_masks_built'] for r in checked)} masks left to it")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -369,8 +390,15 @@ def main() -> None:
     parser.add_argument("--host-loop", action="store_true",
                         help="grape's step driven by the host instead of grape.generate: "
                         "its semantics on any device, the CPU included")
+    parser.add_argument("--check-decode-masks", action="store_true",
+                        help="with --host-loop: every decode step's causal mask taken as the "
+                        "running 2D mask's view, as under a capture, and held element for "
+                        "element to the one transformers builds (grape.torch.decode_mask)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.check_decode_masks and not args.host_loop:
+        parser.error("expected --check-decode-masks with --host-loop, found it alone")
+    CHECK_MASKS[0] = args.check_decode_masks
     archs = args.archs.split(",") if args.archs else architectures()
     archs = [a for a in archs if a not in set(args.skip.split(","))]
     strategies = args.strategies.split(",")

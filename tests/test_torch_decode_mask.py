@@ -6,7 +6,6 @@ transformers' own."""
 
 from __future__ import annotations
 
-import inspect
 from unittest import mock
 
 import pytest
@@ -15,43 +14,23 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 import grape.torch.decode_mask as decode_mask  # noqa: E402
+from grape.errors import GrapeError  # noqa: E402
 from grape.torch.beam import BeamDecoder  # noqa: E402
 from grape.torch.decoding import TokenDecoder  # noqa: E402
 from grape.torch.options import resolve  # noqa: E402
 from tests.test_torch_generation import CONFIGS, _built, _prompt, _same_layout  # noqa: E402
 
 
-def _checking(viewed_as, seen):
-    """decode_mask._viewing whose masks are held to the one transformers builds (its skip
-    turned off, as under a capture): ``seen`` counts views and masks left to transformers."""
-    def viewing(build, causal):
-        viewed = viewed_as(build, causal)
-        signature = inspect.signature(build)
-
-        def mask(*args, **kwargs):
-            got = viewed(*args, **kwargs)
-            bound = signature.bind(*args, **kwargs)
-            padding = bound.arguments.get("attention_mask")
-            if (isinstance(got, torch.Tensor) and isinstance(padding, torch.Tensor)
-                    and got.untyped_storage().data_ptr() == padding.untyped_storage().data_ptr()):
-                bound.arguments["allow_is_causal_skip"] = False
-                built = build(*bound.args, **bound.kwargs)
-                assert got.shape == built.shape and torch.equal(got, built)
-                seen["viewed"] += 1
-            else:
-                seen["built"] += 1
-            return got
-        return mask
-    return viewing
-
-
 def _generate(model, ids, mask, seen, **kwargs):
+    """The host loop's tokens, every decode mask held to transformers' (decode_mask.checked):
+    ``seen`` gets the counts of views and of masks left to transformers."""
     options, m = resolve(model, ids, mask, kwargs)
     cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
     decoder = cls(model, ids.shape[0], ids.shape[1], options)
-    with mock.patch.object(decode_mask, "_capturing", lambda: True), \
-            mock.patch.object(decode_mask, "_viewing", _checking(decode_mask._viewing, seen)):
-        return decoder.generate_on_host(ids, m)
+    with decode_mask.checked() as counts:
+        out = decoder.generate_on_host(ids, m)
+    seen.update(counts)
+    return out
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
@@ -88,6 +67,13 @@ def test_outside_a_capture_and_outside_the_block_transformers_builds_its_own():
         assert masking.sdpa_mask is not before[0]
         # No capture: transformers' own answer (here: no mask at all, its causal skip).
         assert masking.sdpa_mask(2, 1, 5, q_offset=4, attention_mask=padding) is None
+        with decode_mask.checked() as counts:  # the view, held to the mask built
+            masking.sdpa_mask(2, 1, 5, q_offset=4, attention_mask=padding)
+        assert counts == {"viewed": 1}
+        # A mask with a one past the query's position (not grape's): the check catches it.
+        past = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.bool)
+        with decode_mask.checked(), pytest.raises(GrapeError, match="1 of 10 elements"):
+            masking.sdpa_mask(2, 1, 5, q_offset=3, attention_mask=past)
         with mock.patch.object(decode_mask, "_capturing", lambda: True):
             view = masking.sdpa_mask(2, 1, 5, q_offset=4, attention_mask=padding)
             assert view.shape == (2, 1, 1, 5) and view.data_ptr() == padding.data_ptr()

@@ -16,8 +16,9 @@ where, and only where, the equality holds by construction: the plain causal mask
 one query, keys the decoder's full width from offset 0, and a boolean 2D mask of the decoder's
 shape. Everything else, and every call outside a CUDA capture (eagerly transformers may skip
 the mask altogether, and the block keeps that), goes to transformers as it is. The wrapper acts
-in the context that entered the block alone. Tests check the view against the mask
-transformers builds at every step of generations on several architectures.
+in the context that entered the block alone. :func:`checked` holds every view to the mask
+transformers builds, without a GPU: the tests do, on several architectures, and so can
+``benchmarks/arch_sweep.py --host-loop --check-decode-masks`` on every one.
 """
 
 from __future__ import annotations
@@ -25,19 +26,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
 import torch
 
-__all__ = ["running_mask"]
+from grape.errors import GrapeError
+
+__all__ = ["checked", "running_mask"]
 
 # Inside running_mask: the shape of the decoder's 2D mask, (rows, keys).
 _SHAPE: ContextVar[tuple[int, int] | None] = ContextVar("grape_running_mask", default=None)
-# Whether to act outside a capture too: for checking the view against transformers' mask
-# without a GPU.
-_EAGERLY: ContextVar[bool] = ContextVar("grape_running_mask_eagerly", default=False)
+# Inside checked(): act outside a capture too, and count views held to transformers' masks.
+_CHECKS: ContextVar[Counter[str] | None] = ContextVar("grape_running_mask_checks", default=None)
 
 
 def _capturing() -> bool:
@@ -49,8 +52,8 @@ def _viewing(build: Callable[..., Any], causal: Callable[..., Any]) -> Callable[
 
     @functools.wraps(build)
     def mask(*args: Any, **kwargs: Any) -> Any:
-        shape = _SHAPE.get()
-        if shape is None or not (_EAGERLY.get() or _capturing()):
+        shape, checks = _SHAPE.get(), _CHECKS.get()
+        if shape is None or not (checks is not None or _capturing()):
             return build(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -61,18 +64,43 @@ def _viewing(build: Callable[..., Any], causal: Callable[..., Any]) -> Callable[
                 or a.get("kv_length") != shape[1] or a.get("batch_size") != shape[0]
                 or not isinstance(padding, torch.Tensor) or padding.dtype != torch.bool
                 or tuple(padding.shape) != shape):
+            if checks is not None:
+                checks["built"] += 1
             return build(*args, **kwargs)
-        return padding[:, None, None, :]
+        view = padding[:, None, None, :]
+        if checks is not None:
+            a["allow_is_causal_skip"] = False  # as under a capture: always built
+            built = build(*bound.args, **bound.kwargs)
+            if view.shape != built.shape or not torch.equal(view, built):
+                raise GrapeError(f"expected the running mask to equal the causal mask "
+                                 f"transformers builds, found {int((view != built).sum())} of "
+                                 f"{built.numel()} elements differing")
+            checks["viewed"] += 1
+        return view
     mask.grape_original = build  # type: ignore[attr-defined]
     return mask
 
 
 @contextlib.contextmanager
-def running_mask(shape: tuple[int, int], eagerly: bool = False) -> Iterator[None]:
+def checked() -> Iterator[Counter[str]]:
+    """Inside the block, :func:`running_mask` acts without a capture too, and holds each view
+    to the mask transformers builds (its skip turned off, as under a capture), raising
+    ``GrapeError`` where an element differs: for tests and sweeps on any device. Yields the
+    counts of masks ``viewed`` and of masks ``built`` by transformers as they were."""
+    counts: Counter[str] = Counter()
+    token = _CHECKS.set(counts)
+    try:
+        yield counts
+    finally:
+        _CHECKS.reset(token)
+
+
+@contextlib.contextmanager
+def running_mask(shape: tuple[int, int]) -> Iterator[None]:
     """Inside the block, a captured decode step's causal mask over a decoder's cache of
-    ``shape`` (its 2D mask's: rows, keys) is that 2D mask's view (see the module). ``eagerly``:
-    outside a capture too, for tests. A no-op where transformers lacks the ``sdpa`` mask entry
-    or its causal mask function (another version), and when nested."""
+    ``shape`` (its 2D mask's: rows, keys) is that 2D mask's view (see the module). A no-op where
+    transformers lacks the ``sdpa`` mask entry or its causal mask function (another version),
+    and when nested."""
     try:
         from transformers import masking_utils as masking
         from transformers.masking_utils import AttentionMaskInterface
@@ -90,10 +118,9 @@ def running_mask(shape: tuple[int, int], eagerly: bool = False) -> Iterator[None
     saved = masking.sdpa_mask, entries["sdpa"]
     masking.sdpa_mask = _viewing(saved[0], causal)
     entries["sdpa"] = _viewing(saved[1], causal)
-    tokens = _SHAPE.set(tuple(shape)), _EAGERLY.set(eagerly)
+    token = _SHAPE.set(tuple(shape))
     try:
         yield
     finally:
-        _EAGERLY.reset(tokens[1])
-        _SHAPE.reset(tokens[0])
+        _SHAPE.reset(token)
         masking.sdpa_mask, entries["sdpa"] = saved
