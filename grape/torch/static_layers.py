@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import StaticLayer
 
+from grape.errors import GrapeError
+
 __all__ = ["CountedLayer"]
 
 
@@ -32,7 +34,7 @@ class CountedLayer(StaticLayer):
     def __init__(self, max_cache_len: int, count: torch.Tensor) -> None:
         super().__init__(max_cache_len=max_cache_len)
         if count.shape != (1,) or count.dtype != torch.long:
-            raise ValueError(f"expected a token count of shape (1,) and dtype long, found "
+            raise GrapeError(f"expected a token count of shape (1,) and dtype long, found "
                              f"shape {tuple(count.shape)} and {count.dtype}")
         self.count = count
 
