@@ -9,7 +9,11 @@ strategy (greedy, sampling, 5-beam search) and batch, side by side in one proces
 - ``hf_static_compiled``: ``model.generate`` with a static cache and its own compilation
   (transformers compiles the decoding forward itself for a static cache);
 - ``grape``: ``grape.generate`` (the first call of a shape captures; timed on later calls);
-- ``grape_compiled``: ``grape.generate(compile=True)``: Inductor's kernels in grape's loop.
+- ``grape_compiled``: ``grape.generate(compile=True)``: Inductor's kernels in grape's loop;
+- ``grape_concurrent``: ``grape.generate(concurrent=True)``: grape's loop with the step's
+  independent operations side by side (``grape.passes.concurrency``); its rows add
+  ``step_nodes`` and ``step_depth`` (nodes on the step's longest path) and
+  ``tokens_equal_to_grape``.
 
 Each entry: ``ms_per_token`` (a whole call's wall time over the new tokens, median of
 ``--repeats`` calls), ``host_syncs_per_token`` (synchronising PyTorch operations the call made,
@@ -167,7 +171,8 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                 seconds, out, syncs = _timed(hf[way], args.repeats)
             stats = None
         else:
-            call = dict(kw, compile=way == "grape_compiled")
+            call = dict(kw, compile=way == "grape_compiled",
+                        concurrent=way == "grape_concurrent")
             with warnings.catch_warnings(record=True) as fell:
                 warnings.simplefilter("always")
                 grape.generate(model, ids, mask, seed=7, **call)  # captures
@@ -185,11 +190,12 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
             row.update(copy_bytes_per_call=stats.copy_bytes, capture_s=first.capture_s,
                        graphed=stats.graphed, fallback=fallback[0] if fallback else None,
                        prefill_graphed=stats.prefill_graphed,
-                       pointer_updates_per_call=stats.pointer_updates)
+                       pointer_updates_per_call=stats.pointer_updates,
+                       step_nodes=stats.step_nodes, step_depth=stats.step_depth)
         rows.append(row)
     if "hf_static" in tokens and strategy != "sample":
         for row in rows:
-            if row["way"] in ("grape", "hf_static"):
+            if row["way"] in ("grape", "grape_concurrent", "hf_static"):
                 row["tokens_identical"] = _same(tokens[row["way"]], tokens["hf_static"])
                 if not row["tokens_identical"]:  # where, and how much, for the note
                     row["token_agreement"] = _agreement(tokens[row["way"]],
@@ -203,6 +209,9 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
             elif row["way"] in ("grape_compiled", "hf_static_compiled"):
                 row["token_agreement"] = _agreement(tokens[row["way"]], tokens["hf_static"],
                                                     args.prompt)
+    if "grape" in tokens and "grape_concurrent" in tokens:
+        row = next(r for r in rows if r["way"] == "grape_concurrent")
+        row["tokens_equal_to_grape"] = _same(tokens["grape_concurrent"], tokens["grape"])
     if strategy == "greedy" and "grape" in tokens:
         row = next(r for r in rows if r["way"] == "grape")
         if row["tokens_identical"] is False:  # grape's own step on the host, prompt captured

@@ -92,6 +92,10 @@ class GenerationStats:
     launches: int = 0
     # exact_lengths: how the step's attention calls ran ("exact", or "sdpa: <why not>")
     attention: dict[str, int] = field(default_factory=dict)
+    # the step's nodes, and how many lie on its longest path: all of them in the captured
+    # chain; fewer where concurrent=True let independent operations run side by side
+    step_nodes: int = 0
+    step_depth: int = 0
 
 
 @dataclass
@@ -163,7 +167,7 @@ class _NoStaging:
 @frozen_heap()  # three captures: the collection before each costs only what was made since
 def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None,
            options: Options, step_model: Any = None, exact: bool = False,
-           warn_whole: bool = False) -> _Entry:
+           warn_whole: bool = False, concurrent: bool = False) -> _Entry:
     """The decoder and its loop for this shape: warmed up eagerly (lazy initialisation, and
     compilation where asked, stay out of the capture), the step audited for host-side state,
     then captured in a loop."""
@@ -221,13 +225,14 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
         # The prompt runs the model itself, never the compiled forward: it is staged always.
         loop = DeviceLoop(decoder.step, decoder.running, options.max_new_tokens, params=params,
                           prologue=prefill, prologue_args=tensors, staging=staging(),
-                          prologue_staging=HostConstants(arena, device))
+                          prologue_staging=HostConstants(arena, device),
+                          concurrent=concurrent)
     except GrapeError as e:  # a capture that breaks, views sharing memory: the prompt waits
         warnings.warn(f"grape.generate runs the prompt eagerly, before each launch: "
                       f"{str(e).splitlines()[0]}", stacklevel=4)
         inputs = None
         loop = DeviceLoop(decoder.step, decoder.running, options.max_new_tokens,
-                          params=params, staging=staging())
+                          params=params, staging=staging(), concurrent=concurrent)
     attention = dict(decoder.lengths.served) if exact else {}
     return _Entry(decoder, loop, time.perf_counter() - began, arena, inputs, copy_bytes,
                   attention)
@@ -259,7 +264,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              seed: int | None = None, compile: bool = False,
              exact_lengths: bool | None = None, cache_length: int | None = None,
-             prompt_bucket: int | None = None, **kwargs: Any) -> Any:
+             prompt_bucket: int | None = None, concurrent: bool = False, **kwargs: Any) -> Any:
     """``model.generate(input_ids, attention_mask=..., max_new_tokens=..., **kwargs)``, graphed.
 
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
@@ -291,7 +296,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     bucket share an executable: the padded prompt is a copy of the caller's tensors (counted
     in ``last_stats().copy_bytes``), and its tokens are ``generate``'s for the padded prompt,
     which can part from the unpadded prompt's where two logits nearly tie (attention then sums
-    over the masked columns too, and runs its masked kernels).
+    over the masked columns too, and runs its masked kernels). ``concurrent=True`` lets the
+    step's operations that share no memory run side by side (``grape.passes.concurrency``:
+    the same kernels, ordered by what they read and write rather than by the order the
+    forward issued them); ``last_stats()`` gives the step's nodes and its longest path.
 
     Returns
     -------
@@ -316,8 +324,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
             and hasattr(model, "prepare_inputs_for_generation")):
         raise GrapeError(f"expected a Hugging Face generative model, found "
                          f"{type(model).__name__}")
-    if not isinstance(compile, bool):
-        raise GrapeError(f"expected compile to be True or False, found {compile!r}")
+    for name, value in (("compile", compile), ("concurrent", concurrent)):
+        if not isinstance(value, bool):
+            raise GrapeError(f"expected {name} to be True or False, found {value!r}")
     if exact_lengths is not None and not isinstance(exact_lengths, bool):
         raise GrapeError(f"expected exact_lengths to be True, False or None, found "
                          f"{exact_lengths!r}")
@@ -343,7 +352,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
             not compile and options.cache_tokens(ids.shape[1]) >= EXACT_FROM
             and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
         run = functools.partial(_graphed_generate, model, ids, mask, options, seed, compile,
-                                caller_ids=input_ids, padded_bytes=padded)
+                                caller_ids=input_ids, padded_bytes=padded,
+                                concurrent=concurrent)
         try:
             return run(exact, warn_whole=exact_lengths is True)
         except ExactRefused:
@@ -390,13 +400,13 @@ def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
                       mask: torch.Tensor | None, options: Options,
                       seed: int | None, compiled: bool, exact: bool,
                       warn_whole: bool, caller_ids: torch.Tensor | None = None,
-                      padded_bytes: int = 0) -> Any:
+                      padded_bytes: int = 0, concurrent: bool = False) -> Any:
     """``caller_ids``: the prompt as the caller gave it, before ``bucketed`` padded it
     (``input_ids``) into ``padded_bytes`` of copies; the result starts with it."""
     global _LAST
     cache = _CACHES.setdefault(model, _Cache())
     key = (tuple(signature(t) for t in _caller_tensors(input_ids, mask)), options.key, compiled,
-           exact)
+           exact, concurrent)
     entry = cache.entries.get(key)
     captured = entry is None
     if entry is None:
@@ -404,7 +414,7 @@ def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         group = group_of(model)
         try:
             built, failure = _build(model, input_ids, mask, options, step_model, exact,
-                                    warn_whole), None
+                                    warn_whole, concurrent), None
         except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
             built, failure = None, e
         # Split over ranks: every rank graphs, or every rank falls back together (a rank
@@ -429,5 +439,8 @@ def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
                             capture_s=entry.capture_s if captured else 0.0,
                             copy_bytes=entry.copy_bytes + padded_bytes, pointer_updates=updates,
                             prefill_graphed=entry.inputs is not None, host_syncs=1,
-                            launches=1, attention=entry.attention)
+                            launches=1, attention=entry.attention,
+                            step_nodes=len(entry.loop.capture.ir),
+                            step_depth=(entry.loop.concurrency[0].depth if entry.loop.concurrency
+                                        else len(entry.loop.capture.ir)))
     return result

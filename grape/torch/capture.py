@@ -8,6 +8,7 @@ roles; every other address the kernels use becomes an internal buffer.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import linecache
@@ -27,6 +28,7 @@ from grape.cuda.capture import captured_nodes
 from grape.cuda.walk import kernel_functions
 from grape.errors import CaptureError
 from grape.ir import BufferRole, KernelGraph
+from grape.passes.concurrency import OpAccess
 from grape.passes.places import MARKER_BYTES, History, Mark
 from grape.torch.control import graph
 
@@ -47,6 +49,8 @@ class TorchCapture:
     # marks=True: the allocator's acts in the graph's pool during the capture (None where the
     # process records the allocator's history itself)
     history: History | None = None
+    # accesses=True: what each operation read and wrote (grape.passes.concurrency)
+    accesses: list[OpAccess] = field(default_factory=list)
 
     @property
     def ir(self) -> KernelGraph:
@@ -300,18 +304,65 @@ class _Marks(TorchDispatchMode):
     needs to tell which block a reused place meant. The marker takes a free small block and
     gives it back, where it merges as it was. Its host cost was not measured apart (an
     earlier form, noting each operation's outputs, and the history together doubled a GPT-2
-    shape's capture on the H200: benchmarks/README.md, run 24)."""
+    shape's capture on the H200: benchmarks/README.md, run 24). With ``accesses``, also the
+    memory each operation's tensors span, read or written (:func:`_accessed`)."""
 
-    def __init__(self, stream: int, device: torch.device) -> None:
+    def __init__(self, stream: int, device: torch.device, accesses: bool = False) -> None:
         super().__init__()
         self.stream, self.device = stream, device
         self.marks: list[Mark] = []
+        self.accesses: list[tuple[str, list, list]] | None = [] if accesses else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         marker = torch.empty(MARKER_BYTES, dtype=torch.uint8, device=self.device)
         self.marks.append(Mark(captured_nodes(self.stream), marker.data_ptr()))
         del marker
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if self.accesses is not None:
+            self.accesses.append(_accessed(func, args, kwargs or {}, out))
+        return out
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes a tensor's elements span, as (address, size); None for no elements."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), (last + 1) * t.element_size()
+
+
+def _accessed(func: Any, args: tuple, kwargs: Mapping, out: Any) -> tuple[str, list, list]:
+    """An operation's name and the extents it read and wrote: its tensor arguments (written
+    where the schema marks them mutable, ``Tensor(a!)``), and the tensors it returned that
+    are not views of its arguments (written)."""
+    schema = func._schema
+    reads, writes = [], []
+    named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | dict(kwargs)
+    for a in schema.arguments:
+        if a.name in named:
+            mutated = a.alias_info is not None and a.alias_info.is_write
+            (writes if mutated else reads).extend(
+                e for t in _tensors(named[a.name]) if (e := _extent(t)) is not None)
+    returns = out if isinstance(out, tuple) and len(schema.returns) > 1 else (out,)
+    for r, value in zip(schema.returns, returns, strict=False):
+        if r.alias_info is None:  # fresh; an alias is a view, or an argument counted above
+            writes.extend(e for t in _tensors(value) if (e := _extent(t)) is not None)
+    return str(func), reads, writes
+
+
+def _op_accesses(noted: _Marks, history: History | None) -> list[OpAccess]:
+    """Each operation's accesses, its temporaries (the pool blocks the allocator made while
+    it ran, where the capture recorded the allocator's history) among its writes."""
+    made: list[list[tuple[int, int]]] = [[] for _ in noted.marks]
+    if history is not None and len(history.marks) == len(noted.marks):
+        at = list(history.marks)
+        for b, when in enumerate(history.made):
+            i = bisect.bisect_right(at, when) - 1
+            if i >= 0:
+                made[i].append((history.address[b], history.size[b]))
+    return [OpAccess(m.nodes, tuple(reads), tuple(writes + made[i]), name)
+            for i, (m, (name, reads, writes)) in enumerate(
+                zip(noted.marks, noted.accesses, strict=True))]
 
 
 @contextlib.contextmanager
@@ -341,8 +392,8 @@ def _history(found: list, pool: Any) -> Iterator[None]:
 def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tensor] | None = None,
             pool: Any = None, warmup: int = 1, instantiate: bool = True,
             collect: bool = True, staging: Any = None, tag: str = "",
-            blocks: Iterable[tuple[int, int]] | bool = False, marks: bool = False
-            ) -> TorchCapture:
+            blocks: Iterable[tuple[int, int]] | bool = False, marks: bool = False,
+            accesses: bool = False) -> TorchCapture:
     """Capture ``fn(*args)`` into a CUDA graph and read it into the IR.
 
     Tensors in ``args`` become input placeholders, ``params`` (for instance
@@ -364,7 +415,8 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     tensor by tensor there, where the allocator laid the same tensors out differently within
     its segments. ``marks``: mark where each operation starts (``TorchCapture.marks``) and
     record the allocator's acts in the graph's pool during the capture (``.history``), for
-    ``grape.passes.places``.
+    ``grape.passes.places``. ``accesses`` (implies ``marks``): note what each operation read
+    and wrote (``.accesses``), for ``grape.passes.concurrency``.
 
     Raises
     ------
@@ -395,7 +447,7 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         buffers.block(address, size)
     reserved = torch.cuda.memory_reserved()
     g = torch.cuda.CUDAGraph(keep_graph=True)
-    noted = _Marks(side.cuda_stream, side.device) if marks else None
+    noted = _Marks(side.cuda_stream, side.device, accesses) if marks or accesses else None
     recorded: list = []  # with marks: the allocator's history of the capture (_history)
     if noted is not None and pool is None:
         pool = torch.cuda.graph_pool_handle()  # named here, to find its blocks in the history
@@ -433,7 +485,8 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         trace, segments = recorded[0]
         history = History.of_trace(trace, segments, [m.marker for m in noted.marks])
     return TorchCapture(Graph.borrowed(g.raw_cuda_graph(), buffers), g, outputs, pool_bytes,
-                        blocks, noted.marks if noted is not None else [], history)
+                        blocks, noted.marks if noted is not None else [], history,
+                        _op_accesses(noted, history) if accesses else [])
 
 
 def functions_run(fn: Callable[[], Any], pool: Any = None) -> dict[str, set[str]]:

@@ -15,6 +15,10 @@ captured too and runs first in the same graph, so that a whole generation is one
 called with ``prologue_args``, tensors of the caller's that a later launch may find elsewhere
 (``grape.torch.aliasing`` points the loop at them).
 
+``concurrent=True`` rebuilds the body and the prologue as the DAG their memory demands
+(``grape.passes.concurrency``): operations that touch no common memory run side by side
+instead of one after another, which a small decode step's few-SM kernels leave room for.
+
 The body is captured as it is called, so it must have run eagerly at least once before (lazy
 initialisation, such as cuBLAS handles, cannot happen inside a capture), and its tensors must
 keep their shapes and addresses: an in-place state, such as ``grape.torch.generate``'s.
@@ -33,8 +37,10 @@ from grape.cuda.conditional import condition_kernels
 from grape.cuda.nvrtc import kernel_op
 from grape.errors import GrapeError
 from grape.ir import Buffer, BufferRole, HandleRef, Kernel
+from grape.passes.concurrency import Concurrency
+from grape.passes.concurrency import concurrent as concurrent_dag
 from grape.passes.loops import check_bound, while_loop_graph
-from grape.torch.capture import capture
+from grape.torch.capture import TorchCapture, capture
 
 __all__ = ["DeviceLoop"]
 
@@ -55,7 +61,7 @@ class DeviceLoop:
                  params: Mapping[str, torch.Tensor] | None = None,
                  prologue: Callable[..., Any] | None = None,
                  prologue_args: Sequence[torch.Tensor] = (), staging: Any = None,
-                 prologue_staging: Any = None) -> None:
+                 prologue_staging: Any = None, concurrent: bool = False) -> None:
         if not (isinstance(running, torch.Tensor) and running.is_cuda
                 and running.dtype == torch.bool and running.numel() == 1):
             found = (f"{running.dtype} of shape {tuple(running.shape)} on {running.device}"
@@ -69,22 +75,34 @@ class DeviceLoop:
         # staging: host constants the body copies to the device, through pinned memory
         # (grape.torch.staging), which the caller keeps alive as long as the loop.
         self.capture = capture(body, params=params, warmup=0, instantiate=False,
-                               staging=staging)
+                               staging=staging, accesses=concurrent)
         # prologue_args: the caller's tensors the prologue reads, named input<i> in the IR so
         # that later launches can be pointed at other tensors (grape.torch.aliasing).
         self.prologue = None if prologue is None else capture(
             prologue, *prologue_args, params=params, warmup=0, instantiate=False,
-            staging=staging if prologue_staging is None else prologue_staging)
+            staging=staging if prologue_staging is None else prologue_staging,
+            accesses=concurrent)
+        # body's and prologue's DAGs (concurrent=True), with what they cost in precision
+        self.concurrency: list[Concurrency] = []
+        body_ir, prologue_ir = (self._dag(c) if c is not None else None
+                                for c in (self.capture, self.prologue))
         go = Buffer("grape:running", 1, BufferRole.INTERNAL, address=running.data_ptr())
         left = Buffer("grape:remaining", 4, BufferRole.INTERNAL,
                       address=self.remaining.data_ptr())
         self.ir = while_loop_graph(
-            self.capture.ir, left, max_iterations, handle=_HANDLE, extra=(go,),
+            body_ir, left, max_iterations, handle=_HANDLE, extra=(go,),
             start=_setter("grape_set_from_bool", go.address),
             step=_setter("grape_while_bounded", go.address, left.address),
-            prologue=None if self.prologue is None else self.prologue.ir)
+            prologue=prologue_ir)
         self.graph = Graph.build(self.ir)
         self.executable: Executable = self.graph.instantiate()
+
+    def _dag(self, captured: TorchCapture) -> Any:
+        if not captured.accesses:
+            return captured.ir
+        dag = concurrent_dag(captured.ir, captured.accesses)
+        self.concurrency.append(dag)
+        return dag.graph
 
     def launch(self, stream: int | None = None) -> None:
         self.executable.launch(torch.cuda.current_stream().cuda_stream

@@ -1,0 +1,195 @@
+"""A captured stream's chain of operations remade as the DAG of what depends on what.
+
+A capture of one stream is a chain: every node waits for the one before, although most
+operations of a small decode step touch memory no neighbour touches (a layer's query, key and
+value projections read one input and write three outputs; the rotary embedding of the queries
+and of the keys share nothing). At batch 1 such kernels fill a few of the GPU's SMs each and
+last a few microseconds, so a chain runs them one after another on a mostly idle GPU. This
+pass keeps only the orderings that memory demands, so that the graph runs independent
+operations side by side.
+
+What each operation touched comes from the capture (``grape.torch.capture(..., accesses=
+True)``): the storages of its tensor arguments (read, or written where its schema says it
+mutates them), of the tensors it returned (written, unless they are views), and the blocks the
+caching allocator made for it during the operation (its temporaries, written). Two operations
+are ordered where one writes memory the other reads or writes (``numpy`` finds the overlaps;
+``networkx.transitive_reduction`` drops orderings that others already imply). The kernels of one
+operation keep the order they were captured in.
+
+What a kernel may touch beyond those declarations is widened, never trusted:
+
+* every pointer among a node's arguments that lies outside its operation's declared memory (a
+  library's workspace, a stale word PyTorch left in an unused argument slot, a kernel launched
+  outside PyTorch's dispatcher and so attributed to the operation before it) adds the whole
+  buffer it points into as written by the operation;
+* a node that is neither a kernel, a copy nor a set (a conditional, an event, an empty join) and
+  the nodes captured before the first operation order everything: they depend on all before
+  them and all after them on them.
+
+What it cannot see: memory a kernel reaches through a pointer held in device memory rather than
+in its arguments, and ``__device__`` globals of a module that two launches share. PyTorch's own
+kernels take their pointers as arguments (``TensorInfo``, the ``cat`` and ``foreach`` metadata
+passed by value); a custom extension that does otherwise should not use this pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from grape.errors import UnsupportedError
+from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op
+
+__all__ = ["Concurrency", "OpAccess", "concurrent"]
+
+Range = tuple[int, int]  # (address, size)
+_EVERYTHING = (0, 1 << 62)  # device and host addresses lie below 2**48
+
+
+@dataclass(frozen=True)
+class OpAccess:
+    """One operation of a capture: ``start``, the number of nodes the graph held when it began
+    (its nodes are those up to the next operation's start), and the memory it read and wrote,
+    as (address, size) ranges."""
+
+    start: int
+    reads: tuple[Range, ...] = ()
+    writes: tuple[Range, ...] = ()
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Concurrency:
+    """The DAG and what it cost in precision: ``groups`` (operations that made nodes),
+    ``barriers`` (groups that order everything), ``widened`` (groups whose nodes pointed
+    outside their declarations), ``depth`` (nodes on the longest path, against ``nodes`` in the
+    chain)."""
+
+    graph: KernelGraph
+    nodes: int
+    groups: int
+    barriers: int
+    widened: int
+    depth: int
+    edges: int
+
+
+@dataclass
+class _Group:
+    nodes: list[str]
+    reads: list[Range]
+    writes: list[Range]
+    name: str
+    barrier: bool = False
+    widened: bool = False
+
+
+def _inside(address: int, ranges: Sequence[Range]) -> bool:
+    return any(lo <= address < lo + size for lo, size in ranges)
+
+
+def _targets(graph: KernelGraph, op: Op) -> list[tuple[int, Range]]:
+    """Each address ``op`` points at, with the buffer that holds it."""
+    found = []
+    for span in op.spans():
+        buffer = graph.buffers[span.buffer]
+        if buffer.address is None:
+            raise UnsupportedError(f"expected buffers that keep their capture addresses, found "
+                                   f"{buffer.id!r} without one (a graph loaded from a file)")
+        found.append((buffer.address + span.offset, (buffer.address, buffer.size)))
+    return found
+
+
+def _groups(graph: KernelGraph, ops: Sequence[OpAccess]) -> list[_Group]:
+    nodes = list(graph.dag)  # in the order the capture made them
+    starts = [op.start for op in ops]
+    if any(b < a for a, b in itertools.pairwise(starts)) or (
+            starts and not 0 <= starts[0] <= starts[-1] <= len(nodes)):
+        raise UnsupportedError(f"expected operations starting in order within the graph's "
+                               f"{len(nodes)} nodes, found starts from {starts[:1]} to "
+                               f"{starts[-1:]}")
+    groups = [_Group(nodes[:starts[0] if ops else len(nodes)], [], [_EVERYTHING],
+                     "before the first operation", barrier=True)]
+    for i, op in enumerate(ops):
+        end = starts[i + 1] if i + 1 < len(ops) else len(nodes)
+        groups.append(_Group(nodes[op.start:end], list(op.reads), list(op.writes), op.name))
+    for g in groups:
+        declared = g.reads + g.writes
+        for node in g.nodes:
+            op = graph.op(node)
+            if not isinstance(op, (Kernel, Memcpy, Memset)):
+                g.barrier = True
+                continue
+            for address, held in _targets(graph, op):
+                if not _inside(address, declared):
+                    g.writes.append(held)
+                    g.widened = True
+        if g.barrier:
+            g.writes = [_EVERYTHING]
+    return [g for g in groups if g.nodes]
+
+
+def _dependencies(groups: Sequence[_Group]) -> nx.DiGraph:
+    """Group j after group i where one writes what the other reads or writes."""
+    lo, hi, owner, wrote = [], [], [], []
+    order = nx.DiGraph()
+    order.add_nodes_from(range(len(groups)))
+    for j, g in enumerate(groups):
+        if lo:
+            a, b = np.array(lo, dtype=np.int64), np.array(hi, dtype=np.int64)
+            w, who = np.array(wrote), np.array(owner)
+            for ranges, writing in ((g.reads, False), (g.writes, True)):
+                for start, size in ranges:
+                    clash = (a < start + size) & (start < b)
+                    if not writing:
+                        clash &= w
+                    order.add_edges_from((int(i), j) for i in np.unique(who[clash]))
+        for ranges, writing in ((g.reads, False), (g.writes, True)):
+            for start, size in ranges:
+                lo.append(start)
+                hi.append(start + size)
+                owner.append(j)
+                wrote.append(writing)
+    return nx.transitive_reduction(order)
+
+
+def concurrent(graph: KernelGraph, ops: Sequence[OpAccess]) -> Concurrency:
+    """``graph`` (one stream's capture, nodes in capture order) with each operation's nodes
+    ordered only after the operations whose memory theirs overlaps (see the module).
+
+    Raises
+    ------
+    UnsupportedError
+        ``ops`` do not fit the graph's nodes, or a buffer has no address to compare.
+    """
+    groups = _groups(graph, ops)
+    order = _dependencies(groups)
+    out = KernelGraph()
+    for buffer in graph.buffers.values():
+        out.add_buffer(buffer)
+    home: dict[str, int] = {}
+    for gi, g in enumerate(groups):
+        for node in g.nodes:
+            out.dag.add_node(node, op=graph.op(node))
+            home[node] = gi
+    ends: list[tuple[list[str], list[str]]] = []  # each group's (first nodes, last nodes)
+    for g in groups:
+        inside = graph.dag.subgraph(g.nodes)
+        for u, v, kind in inside.edges(data="kind"):
+            out.add_edge(u, v, kind)
+        ends.append(([n for n in g.nodes if inside.in_degree(n) == 0],
+                     [n for n in g.nodes if inside.out_degree(n) == 0]))
+    for i, j in order.edges:
+        for u in ends[i][1]:
+            for v in ends[j][0]:
+                kind = graph.dag.edges[u, v].get("kind") if graph.dag.has_edge(u, v) else None
+                out.add_edge(u, v, kind)
+    out.validate()
+    return Concurrency(out, len(home), len(groups), sum(g.barrier for g in groups),
+                       sum(g.widened for g in groups),
+                       nx.dag_longest_path_length(out.dag) + 1 if len(out) else 0,
+                       out.dag.number_of_edges())

@@ -1,0 +1,56 @@
+"""What each operation of a capture reads and writes, as the dispatcher tells it
+(grape.torch.capture._accessed, for grape.passes.concurrency), on CPU tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+from grape.torch.capture import _accessed, _extent  # noqa: E402
+
+
+def _span(t):
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+def _run(func, *args, **kwargs):
+    out = func(*args, **kwargs)
+    return _accessed(func, args, kwargs, out), out
+
+
+def test_an_in_place_operation_writes_its_first_argument_and_reads_the_second():
+    a, b = torch.zeros(4, 8), torch.ones(4, 8)
+    (name, reads, writes), _ = _run(torch.ops.aten.add_.Tensor, a, b)
+    assert name == "aten.add_.Tensor"
+    assert reads == [_span(b)] and writes == [_span(a)]
+
+
+def test_a_fresh_result_is_written_and_a_view_is_not():
+    a, b = torch.zeros(3, 4), torch.ones(5, 4)
+    (_, reads, writes), out = _run(torch.ops.aten.cat.default, [a, b])
+    assert reads == [_span(a), _span(b)] and writes == [_span(out)]
+    (_, reads, writes), _ = _run(torch.ops.aten.view.default, a, [12])
+    assert reads == [_span(a)] and writes == []
+    (_, reads, writes), _ = _run(torch.ops.aten.split.Tensor, b, 2)
+    assert reads == [_span(b)] and writes == []
+
+
+def test_an_out_argument_is_written():
+    a, b, out = torch.ones(2, 3), torch.ones(3, 4), torch.empty(2, 4)
+    (_, reads, writes), _ = _run(torch.ops.aten.mm.out, a, b, out=out)
+    assert reads == [_span(a), _span(b)] and writes == [_span(out)]
+
+
+def test_several_results_are_each_written():
+    x = torch.randn(4, 6)
+    (_, reads, writes), (values, indices) = _run(torch.ops.aten.topk.default, x, 2)
+    assert reads == [_span(x)] and writes == [_span(values), _span(indices)]
+
+
+def test_a_views_extent_is_the_bytes_its_elements_span():
+    base = torch.zeros(8, 16)
+    column = base[2:6, 3]  # four floats, 16 apart, from row 2
+    assert _extent(column) == (base.data_ptr() + (2 * 16 + 3) * 4, (3 * 16 + 1) * 4)
+    assert _extent(base.t()) == _span(base)
+    assert _extent(base[:0]) is None
