@@ -64,16 +64,16 @@ class OpAccess:
 
 @dataclass(frozen=True)
 class Concurrency:
-    """The DAG and what it cost in precision: ``groups`` (operations that made nodes),
-    ``barriers`` (groups that order everything), ``widened`` (groups whose nodes pointed
-    outside their declarations), ``depth`` (nodes on the longest path, against ``nodes`` in the
-    chain)."""
+    """The DAG and what it cost in precision: ``groups`` (operations that made nodes), the
+    names of ``barriers`` (groups that order everything) and of ``widened`` groups (whose
+    nodes pointed outside their declarations), ``depth`` (nodes on the longest path, against
+    ``nodes`` in the chain)."""
 
     graph: KernelGraph
     nodes: int
     groups: int
-    barriers: int
-    widened: int
+    barriers: tuple[str, ...]
+    widened: tuple[str, ...]
     depth: int
     edges: int
 
@@ -189,7 +189,8 @@ def concurrent(graph: KernelGraph, ops: Sequence[OpAccess]) -> Concurrency:
                 kind = graph.dag.edges[u, v].get("kind") if graph.dag.has_edge(u, v) else None
                 out.add_edge(u, v, kind)
     out.validate()
-    return Concurrency(out, len(home), len(groups), sum(g.barrier for g in groups),
-                       sum(g.widened for g in groups),
+    return Concurrency(out, len(home), len(groups),
+                       tuple(g.name for g in groups if g.barrier),
+                       tuple(g.name for g in groups if g.widened and not g.barrier),
                        nx.dag_longest_path_length(out.dag) + 1 if len(out) else 0,
                        out.dag.number_of_edges())
