@@ -90,6 +90,18 @@ def test_a_pointer_outside_the_declarations_widens_to_its_whole_buffer():
     assert not _reaches(concurrent(g, honest).graph, "op0.0", "op1.0")
 
 
+def test_a_stale_word_naming_a_declared_tensor_widens_to_that_tensor_alone():
+    # PyTorch's offset calculators keep stale slots: op2's kernel carries a word inside the
+    # tensor op0 wrote (slot 1). op2 is ordered after op0 (whose tensor the word may mean),
+    # not after op1, which touches nothing of it.
+    g, starts = _chain([[_kernel("a", 1)], [_kernel("b", 2)], [_kernel("c", 5, 1)]])
+    ops = [OpAccess(starts[0], writes=(_at(1),)), OpAccess(starts[1], writes=(_at(2),)),
+           OpAccess(starts[2], writes=(_at(5),), name="c")]
+    c = concurrent(g, ops)
+    assert _reaches(c.graph, "op0.0", "op2.0") and not _reaches(c.graph, "op1.0", "op2.0")
+    assert c.widened == ("c",)
+
+
 def test_an_operations_kernels_keep_their_order_and_their_edge_kinds():
     g, starts = _chain([[_kernel("a1", 1), _kernel("a2", 1)], [_kernel("b", 2)]])
     g.dag.edges["op0.0", "op0.1"]["kind"] = "programmatic"

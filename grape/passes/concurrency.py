@@ -20,8 +20,10 @@ What a kernel may touch beyond those declarations is widened, never trusted:
 
 * every pointer among a node's arguments that lies outside its operation's declared memory (a
   library's workspace, a stale word PyTorch left in an unused argument slot, a kernel launched
-  outside PyTorch's dispatcher and so attributed to the operation before it) adds the whole
-  buffer it points into as written by the operation;
+  outside PyTorch's dispatcher and so attributed to the operation before it) adds what it may
+  mean as written by the operation: every range some operation of the capture declared that
+  holds it (a stale word names an earlier tensor), or where none does, the whole buffer it
+  points into (a workspace);
 * a node that is neither a kernel, a copy nor a set (a conditional, an event, an empty join) and
   the nodes captured before the first operation order everything: they depend on all before
   them and all after them on them.
@@ -117,8 +119,15 @@ def _groups(graph: KernelGraph, ops: Sequence[OpAccess]) -> list[_Group]:
     for i, op in enumerate(ops):
         end = starts[i + 1] if i + 1 < len(ops) else len(nodes)
         groups.append(_Group(nodes[op.start:end], list(op.reads), list(op.writes), op.name))
+    # Every range any operation declared: an undeclared word inside some is widened to those
+    # (a stale slot of PyTorch's offset calculators names an earlier tensor: ordering against
+    # that tensor's users is enough); a word inside none, to its whole buffer.
+    known = [r for g in groups[1:] for r in g.reads + g.writes]
+    lo = np.array([a for a, _ in known], dtype=np.int64)
+    hi = lo + np.array([n for _, n in known], dtype=np.int64)
     for g in groups:
         declared = g.reads + g.writes
+        extra: set[Range] = set()
         for node in g.nodes:
             op = graph.op(node)
             if not isinstance(op, (Kernel, Memcpy, Memset)):
@@ -126,8 +135,10 @@ def _groups(graph: KernelGraph, ops: Sequence[OpAccess]) -> list[_Group]:
                 continue
             for address, held in _targets(graph, op):
                 if not _inside(address, declared):
-                    g.writes.append(held)
-                    g.widened = True
+                    hits = np.flatnonzero((lo <= address) & (address < hi))
+                    extra.update((known[k] for k in hits) if len(hits) else (held,))
+        g.widened = bool(extra)
+        g.writes += sorted(extra)
         if g.barrier:
             g.writes = [_EVERYTHING]
     return [g for g in groups if g.nodes]
