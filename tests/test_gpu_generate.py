@@ -67,17 +67,15 @@ def test_a_concurrent_step_makes_the_chains_tokens_across_architectures(cuda, tm
     # grape.passes.concurrency reorders the step's kernels by what they read and write: the
     # same kernels on the same memory, so the same bits, for every strategy (sampling's random
     # offsets are fixed at capture). And it must have found something to run side by side.
+    # (grape's own tokens against generate's: the every-architecture test above.)
     doc = run_benchmark("generate.py", tmp_path, "--small", "--deterministic", "--new", "48",
                         "--batches", "1,4", "--later-batch-strategies", "greedy,sample,beam5",
-                        "--ways", "hf_static,grape,grape_concurrent", "--repeats", "1",
-                        "--archs", ARCHS)
+                        "--ways", "grape,grape_concurrent", "--repeats", "1", "--archs", ARCHS)
     assert not [r for r in doc["results"] if "failed" in r]
     rows = [r for r in doc["results"] if r["way"] == "grape_concurrent"]
     assert len(rows) == 10 * 3 * 2
     assert not [(r["arch"], r["fallback"]) for r in rows if not r["graphed"] or r["fallback"]]
-    wrong = [(r["arch"], r["strategy"], r["batch"]) for r in rows
-             if not r["tokens_equal_to_grape"]
-             or (r["strategy"] != "sample" and not r["tokens_identical"])]
+    wrong = [(r["arch"], r["strategy"], r["batch"]) for r in rows if not r["tokens_equal_to_grape"]]
     assert not wrong
     assert all(r["step_depth"] < r["step_nodes"] for r in rows)
 
