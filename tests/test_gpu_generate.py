@@ -67,13 +67,15 @@ def test_a_concurrent_step_makes_the_chains_tokens_across_architectures(cuda, tm
     # grape.passes.concurrency reorders the step's kernels by what they read and write: the
     # same kernels on the same memory, so the same bits, for every strategy (sampling's random
     # offsets are fixed at capture). And it must have found something to run side by side.
-    # (grape's own tokens against generate's: the every-architecture test above.)
+    # (grape's own tokens against generate's: the every-architecture test above.) Five of
+    # the ten architectures: the ten ran past four minutes on the H200.
+    archs = "gpt2,llama,bloom,gptj,opt"
     doc = run_benchmark("generate.py", tmp_path, "--small", "--deterministic", "--new", "48",
                         "--batches", "1,4", "--later-batch-strategies", "greedy,sample,beam5",
-                        "--ways", "grape,grape_concurrent", "--repeats", "1", "--archs", ARCHS)
+                        "--ways", "grape,grape_concurrent", "--repeats", "1", "--archs", archs)
     assert not [r for r in doc["results"] if "failed" in r]
     rows = [r for r in doc["results"] if r["way"] == "grape_concurrent"]
-    assert len(rows) == 10 * 3 * 2
+    assert len(rows) == 5 * 3 * 2
     assert not [(r["arch"], r["fallback"]) for r in rows if not r["graphed"] or r["fallback"]]
     wrong = [(r["arch"], r["strategy"], r["batch"]) for r in rows if not r["tokens_equal_to_grape"]]
     assert not wrong

@@ -19,7 +19,7 @@ from grape.ir import (
     Pointer,
     Span,
 )
-from grape.passes.concurrency import OpAccess, concurrent
+from grape.passes.concurrency import Allocations, OpAccess, concurrent
 
 BASE = 0x7F00_0000_0000
 SLOT = 0x100  # each tensor of the tests: 256 bytes of one pool buffer
@@ -100,6 +100,25 @@ def test_a_stale_word_naming_a_declared_tensor_widens_to_that_tensor_alone():
     c = concurrent(g, ops)
     assert _reaches(c.graph, "op0.0", "op2.0") and not _reaches(c.graph, "op1.0", "op2.0")
     assert c.widened == ("c",)
+
+
+def test_the_allocators_view_tells_workspaces_from_stale_words():
+    # The pool is one allocator segment. op1 and op2 point at slot 9, a block some tensor
+    # held during the capture that no operation declared (a library's workspace): they are
+    # ordered against each other, and only so. op3 points at slot 12, which no tensor held
+    # (a stale word): nothing orders it. op0 writes slot 1 and meets none of them.
+    g, starts = _chain([[_kernel("a", 1)], [_kernel("b", 2, 9)], [_kernel("c", 3, 9)],
+                        [_kernel("d", 4, 12)]])
+    ops = [OpAccess(s, writes=(_at(i + 1),), name=f"op{i}") for i, s in enumerate(starts)]
+    seen = Allocations(segments=((BASE, 16 * SLOT),), held=(_at(9),))
+    c = concurrent(g, ops, seen)
+    assert _reaches(c.graph, "op1.0", "op2.0")
+    assert not any(_reaches(c.graph, a, b) for a, b in [("op0.0", "op1.0"), ("op0.0", "op2.0"),
+                                                         ("op0.0", "op3.0"), ("op2.0", "op3.0")])
+    assert c.widened == ("op1", "op2")
+    # memory the allocator does not manage (a library's own allocation): its whole buffer
+    c = concurrent(g, ops, Allocations(segments=(), held=(_at(9),)))
+    assert _reaches(c.graph, "op0.0", "op3.0")
 
 
 def test_an_operations_kernels_keep_their_order_and_their_edge_kinds():

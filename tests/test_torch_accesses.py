@@ -54,3 +54,19 @@ def test_a_views_extent_is_the_bytes_its_elements_span():
     assert _extent(column) == (base.data_ptr() + (2 * 16 + 3) * 4, (3 * 16 + 1) * 4)
     assert _extent(base.t()) == _span(base)
     assert _extent(base[:0]) is None
+
+
+def test_the_allocators_view_holds_every_block_a_tensor_held_during_the_capture():
+    from grape.torch.capture import _allocations
+
+    trace = [{"action": "alloc", "addr": 0x1000, "size": 512},
+             {"action": "free_requested", "addr": 0x3000, "size": 1024},  # alive at the start
+             {"action": "free_completed", "addr": 0x3000, "size": 1024},
+             {"action": "segment_alloc", "addr": 0x8000, "size": 4096}]
+    segments = [{"address": 0x1000, "total_size": 0x4000,
+                 "blocks": [{"size": 512, "state": "inactive"},
+                            {"size": 0x1000 - 512, "state": "active_allocated"},
+                            {"size": 0x3000, "state": "inactive"}]}]
+    seen = _allocations(trace, segments)
+    assert seen.segments == ((0x1000, 0x4000),)
+    assert seen.held == ((0x1000, 512), (0x1200, 0x1000 - 512), (0x3000, 1024))

@@ -22,8 +22,11 @@ What a kernel may touch beyond those declarations is widened, never trusted:
   library's workspace, a stale word PyTorch left in an unused argument slot, a kernel launched
   outside PyTorch's dispatcher and so attributed to the operation before it) adds what it may
   mean as written by the operation: every range some operation of the capture declared that
-  holds it (a stale word names an earlier tensor), or where none does, the whole buffer it
-  points into (a workspace);
+  holds it (a stale word names an earlier tensor); where none does, every block the
+  allocator gave a tensor during the capture that holds it (a library's workspace); where
+  none does but the allocator manages the memory, nothing (no tensor lived there while the
+  graph was captured, so no kernel of it can use it: a stale word); elsewhere (memory a
+  library allocated itself, or no :class:`Allocations` given), the whole buffer it points into;
 * a node that is neither a kernel, a copy nor a set (a conditional, an event, an empty join) and
   the nodes captured before the first operation order everything: they depend on all before
   them and all after them on them.
@@ -46,7 +49,7 @@ import numpy as np
 from grape.errors import UnsupportedError
 from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op
 
-__all__ = ["Concurrency", "OpAccess", "concurrent"]
+__all__ = ["Allocations", "Concurrency", "OpAccess", "concurrent"]
 
 Range = tuple[int, int]  # (address, size)
 _EVERYTHING = (0, 1 << 62)  # device and host addresses lie below 2**48
@@ -62,6 +65,16 @@ class OpAccess:
     reads: tuple[Range, ...] = ()
     writes: tuple[Range, ...] = ()
     name: str = ""
+
+
+@dataclass(frozen=True)
+class Allocations:
+    """The caching allocator's view of a capture: ``segments``, the memory it manages, and
+    ``held``, every block a tensor held at some point of the capture (alive at its start or
+    end, or allocated or freed during it), as (address, size) ranges."""
+
+    segments: tuple[Range, ...] = ()
+    held: tuple[Range, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,7 +119,21 @@ def _targets(graph: KernelGraph, op: Op) -> list[tuple[int, Range]]:
     return found
 
 
-def _groups(graph: KernelGraph, ops: Sequence[OpAccess]) -> list[_Group]:
+class _Index:
+    """Ranges, and which of them hold an address."""
+
+    def __init__(self, ranges: Sequence[Range]) -> None:
+        self.ranges = list(ranges)
+        self.lo = np.array([a for a, _ in self.ranges], dtype=np.int64)
+        self.hi = self.lo + np.array([n for _, n in self.ranges], dtype=np.int64)
+
+    def holding(self, address: int) -> list[Range]:
+        return [self.ranges[k] for k in np.flatnonzero((self.lo <= address)
+                                                       & (address < self.hi))]
+
+
+def _groups(graph: KernelGraph, ops: Sequence[OpAccess],
+            allocations: Allocations | None) -> list[_Group]:
     nodes = list(graph.dag)  # in the order the capture made them
     starts = [op.start for op in ops]
     if any(b < a for a, b in itertools.pairwise(starts)) or (
@@ -119,12 +146,11 @@ def _groups(graph: KernelGraph, ops: Sequence[OpAccess]) -> list[_Group]:
     for i, op in enumerate(ops):
         end = starts[i + 1] if i + 1 < len(ops) else len(nodes)
         groups.append(_Group(nodes[op.start:end], list(op.reads), list(op.writes), op.name))
-    # Every range any operation declared: an undeclared word inside some is widened to those
-    # (a stale slot of PyTorch's offset calculators names an earlier tensor: ordering against
-    # that tensor's users is enough); a word inside none, to its whole buffer.
-    known = [r for g in groups[1:] for r in g.reads + g.writes]
-    lo = np.array([a for a, _ in known], dtype=np.int64)
-    hi = lo + np.array([n for _, n in known], dtype=np.int64)
+    # What an undeclared word may mean (the module's list): a stale slot of PyTorch's offset
+    # calculators names an earlier tensor, or memory no tensor held during the capture.
+    declared_anywhere = _Index([r for g in groups[1:] for r in g.reads + g.writes])
+    held = _Index(allocations.held if allocations else ())
+    managed = _Index(allocations.segments if allocations else ())
     for g in groups:
         declared = g.reads + g.writes
         extra: set[Range] = set()
@@ -133,10 +159,11 @@ def _groups(graph: KernelGraph, ops: Sequence[OpAccess]) -> list[_Group]:
             if not isinstance(op, (Kernel, Memcpy, Memset)):
                 g.barrier = True
                 continue
-            for address, held in _targets(graph, op):
+            for address, buffer in _targets(graph, op):
                 if not _inside(address, declared):
-                    hits = np.flatnonzero((lo <= address) & (address < hi))
-                    extra.update((known[k] for k in hits) if len(hits) else (held,))
+                    meant = declared_anywhere.holding(address) or held.holding(address)
+                    if meant or not managed.holding(address):
+                        extra.update(meant or (buffer,))
         g.widened = bool(extra)
         g.writes += sorted(extra)
         if g.barrier:
@@ -168,16 +195,18 @@ def _dependencies(groups: Sequence[_Group]) -> nx.DiGraph:
     return nx.transitive_reduction(order)
 
 
-def concurrent(graph: KernelGraph, ops: Sequence[OpAccess]) -> Concurrency:
+def concurrent(graph: KernelGraph, ops: Sequence[OpAccess],
+               allocations: Allocations | None = None) -> Concurrency:
     """``graph`` (one stream's capture, nodes in capture order) with each operation's nodes
-    ordered only after the operations whose memory theirs overlaps (see the module).
+    ordered only after the operations whose memory theirs overlaps (see the module);
+    ``allocations`` tells stale words from workspaces more finely than buffers do.
 
     Raises
     ------
     UnsupportedError
         ``ops`` do not fit the graph's nodes, or a buffer has no address to compare.
     """
-    groups = _groups(graph, ops)
+    groups = _groups(graph, ops, allocations)
     order = _dependencies(groups)
     out = KernelGraph()
     for buffer in graph.buffers.values():

@@ -28,7 +28,7 @@ from grape.cuda.capture import captured_nodes
 from grape.cuda.walk import kernel_functions
 from grape.errors import CaptureError
 from grape.ir import BufferRole, KernelGraph
-from grape.passes.concurrency import OpAccess
+from grape.passes.concurrency import Allocations, OpAccess
 from grape.passes.places import MARKER_BYTES, History, Mark
 from grape.torch.control import graph
 
@@ -49,8 +49,11 @@ class TorchCapture:
     # marks=True: the allocator's acts in the graph's pool during the capture (None where the
     # process records the allocator's history itself)
     history: History | None = None
-    # accesses=True: what each operation read and wrote (grape.passes.concurrency)
+    # accesses=True: what each operation read and wrote, and what the allocator held during
+    # the capture (None where the process records the allocator's history itself), for
+    # grape.passes.concurrency
     accesses: list[OpAccess] = field(default_factory=list)
+    allocations: Allocations | None = None
 
     @property
     def ir(self) -> KernelGraph:
@@ -350,6 +353,19 @@ def _accessed(func: Any, args: tuple, kwargs: Mapping, out: Any) -> tuple[str, l
     return str(func), reads, writes
 
 
+def _allocations(trace: Iterable[Mapping], segments: Iterable[Mapping]) -> Allocations:
+    """The allocator's segments on this device and every block a tensor held during a capture:
+    those its trace allocated or freed, and those alive when it ended (which include every
+    block alive when it began and not freed since)."""
+    segments = list(segments)
+    held = {(e["addr"], e["size"]) for e in trace
+            if e["action"] in ("alloc", "free_requested", "free_completed")}
+    held.update((address, size) for s in segments for address, size, state in _blocks(s)
+                if state != "inactive")
+    return Allocations(tuple((s["address"], s["total_size"]) for s in segments),
+                       tuple(sorted(held)))
+
+
 def _op_accesses(noted: _Marks, history: History | None) -> list[OpAccess]:
     """Each operation's accesses, its temporaries (the pool blocks the allocator made while
     it ran, where the capture recorded the allocator's history) among its writes."""
@@ -384,9 +400,10 @@ def _history(found: list, pool: Any) -> Iterator[None]:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     device = torch.cuda.current_device()
-    found.append((snapshot["device_traces"][device],
-                  [(s["address"], s["total_size"]) for s in snapshot["segments"]
-                   if s["device"] == device and tuple(s["segment_pool_id"]) == tuple(pool)]))
+    segments = [s for s in snapshot["segments"] if s["device"] == device]
+    trace = snapshot["device_traces"][device]
+    found.append((trace, [(s["address"], s["total_size"]) for s in segments
+                          if tuple(s["segment_pool_id"]) == tuple(pool)], segments))
 
 
 def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tensor] | None = None,
@@ -480,13 +497,15 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     pool_bytes = torch.cuda.memory_reserved() - reserved
     _name(buffers, f"{tag}output", ((str(i), t) for i, t in enumerate(_tensors(outputs))),
           BufferRole.OUTPUT)
-    history = None
+    history, allocations = None, None
     if recorded and recorded[0] is not None:
-        trace, segments = recorded[0]
+        trace, segments, every_segment = recorded[0]
         history = History.of_trace(trace, segments, [m.marker for m in noted.marks])
+        allocations = _allocations(trace, every_segment)
     return TorchCapture(Graph.borrowed(g.raw_cuda_graph(), buffers), g, outputs, pool_bytes,
                         blocks, noted.marks if noted is not None else [], history,
-                        _op_accesses(noted, history) if accesses else [])
+                        _op_accesses(noted, history) if accesses else [],
+                        allocations if accesses else None)
 
 
 def functions_run(fn: Callable[[], Any], pool: Any = None) -> dict[str, set[str]]:

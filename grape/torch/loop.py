@@ -100,7 +100,7 @@ class DeviceLoop:
     def _dag(self, captured: TorchCapture) -> Any:
         if not captured.accesses:
             return captured.ir
-        dag = concurrent_dag(captured.ir, captured.accesses)
+        dag = concurrent_dag(captured.ir, captured.accesses, captured.allocations)
         self.concurrency.append(dag)
         return dag.graph
 
