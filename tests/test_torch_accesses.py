@@ -70,3 +70,11 @@ def test_the_allocators_view_holds_every_block_a_tensor_held_during_the_capture(
     seen = _allocations(trace, segments)
     assert seen.segments == ((0x1000, 0x4000),)
     assert seen.held == ((0x1000, 512), (0x1200, 0x1000 - 512), (0x3000, 1024))
+
+
+def test_a_foreach_operation_writes_every_tensor_of_its_list():
+    a, b = torch.zeros(3), torch.zeros(5)
+    (_, reads, writes), _ = _run(torch.ops.aten._foreach_add_.Scalar, [a, b], 1.0)
+    assert reads == [] and writes == [_span(a), _span(b)]
+    (_, reads, writes), out = _run(torch.ops.aten._foreach_mul.Scalar, [a, b], 2.0)
+    assert reads == [_span(a), _span(b)] and writes == [_span(t) for t in out]
