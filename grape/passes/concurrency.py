@@ -9,12 +9,12 @@ pass keeps only the orderings that memory demands, so that the graph runs indepe
 operations side by side.
 
 What each operation touched comes from the capture (``grape.torch.capture(..., accesses=
-True)``): the storages of its tensor arguments (read, or written where its schema says it
-mutates them), of the tensors it returned (written, unless they are views), and the blocks the
-caching allocator made for it during the operation (its temporaries, written). Two operations
-are ordered where one writes memory the other reads or writes (``numpy`` finds the overlaps;
-``networkx.transitive_reduction`` drops orderings that others already imply). The kernels of one
-operation keep the order they were captured in.
+True)``): the bytes its tensor arguments span (read, or written where its schema says it
+mutates them), those of the tensors it returned (written, unless they are views), and the
+blocks the caching allocator made for it during the operation (its temporaries, written).
+Two operations are ordered where one writes memory the other reads or writes (``numpy`` finds
+the overlaps; ``networkx.transitive_reduction`` drops orderings that others already imply).
+The kernels of one operation keep the order they were captured in.
 
 What a kernel may touch beyond those declarations is widened, never trusted:
 
