@@ -20,7 +20,10 @@ Run on a GPU: python benchmarks/arch_sweep.py --out FILE [--archs a,b] [--worker
 the host instead of ``grape.generate``: its tokens against ``generate``'s on any device, the CPU
 included, where ``grape.generate`` itself would only fall back; with ``--check-decode-masks``
 every decode step's mask is also taken as under a capture and held to ``transformers``'
-(``grape.torch.decode_mask.checked``).
+(``grape.torch.decode_mask.checked``). ``--concurrent`` runs ``grape.generate(concurrent=True)``
+(the step's independent operations side by side, ``grape.passes.concurrency``): its tokens
+against ``generate``'s say whether the reordering kept every dependency, and each row gives the
+step's ``step_nodes`` and ``step_depth`` (nodes on its longest path).
 """
 
 from __future__ import annotations
@@ -151,7 +154,8 @@ def one(model_type: str, device: str, dtype: Any, strategies: list[str],
     for strategy in strategies:
         for batch in (1, 2):
             row: dict[str, Any] = {"arch": model_type, "batch": batch, "strategy": strategy,
-                                   "way": "host_loop" if host_loop else "grape",
+                                   "way": "host_loop" if host_loop else
+                                   "grape_concurrent" if CONCURRENT[0] else "grape",
                                    "model_class": type(model).__name__}
             g = torch.Generator().manual_seed(100 + batch)
             ids = torch.randint(3, vocab, (batch, PROMPT), generator=g).to(device)
@@ -201,7 +205,7 @@ def _graphed_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = grape.generate(model, ids, mask, **kw)
+            out = grape.generate(model, ids, mask, concurrent=CONCURRENT[0], **kw)
             stats = last_stats()
     except Exception as e:  # grape promises a fallback, never a traceback
         row.update(stage="grape", error=_first_line(e),
@@ -214,6 +218,8 @@ def _graphed_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None:
                fallback=fell[0][:900] if fell else None,
                other_warnings=sorted({str(w.message).splitlines()[0][:200] for w in caught
                                       if "runs model.generate" not in str(w.message)})[:3])
+    if CONCURRENT[0] and stats is not None and stats.graphed:
+        row.update(step_nodes=stats.step_nodes, step_depth=stats.step_depth)
     _compare(out, reference, row)
     if not row["tokens_identical"] and out.shape == reference.shape and row["graphed"]:
         # a fallback's tokens are generate's own, with its cache: only graphed rows differ
@@ -294,6 +300,7 @@ def _which_side(model, ids, mask, kw, graphed, reference) -> dict[str, Any]:
 # --check-decode-masks: the host loop acts as under a capture for grape.torch.decode_mask
 # and holds every decode step's mask view to the one transformers builds.
 CHECK_MASKS = [False]
+CONCURRENT = [False]  # --concurrent: grape.generate(concurrent=True)
 
 
 def worker(archs: list[str], out: Path | None, dtype: str, strategies: list[str],
@@ -329,6 +336,7 @@ def _share(archs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
                             "--dtype", args.dtype, "--strategies", args.strategies,
                             *(["--host-loop"] if args.host_loop else []),
                             *(["--check-decode-masks"] if args.check_decode_masks else []),
+                            *(["--concurrent"] if args.concurrent else []),
                             *(["--out", str(args.out)] if args.out else [])],
                            stdout=subprocess.PIPE, text=True)
         mine = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
@@ -394,11 +402,18 @@ def main() -> None:
                         help="with --host-loop: every decode step's causal mask taken as the "
                         "running 2D mask's view, as under a capture, and held element for "
                         "element to the one transformers builds (grape.torch.decode_mask)")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="grape.generate(concurrent=True): the step's independent "
+                        "operations side by side (grape.passes.concurrency)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.check_decode_masks and not args.host_loop:
         parser.error("expected --check-decode-masks with --host-loop, found it alone")
+    if args.concurrent and args.host_loop:
+        parser.error("expected --concurrent or --host-loop, found both: the host loop captures "
+                     "nothing to reorder")
     CHECK_MASKS[0] = args.check_decode_masks
+    CONCURRENT[0] = args.concurrent
     archs = args.archs.split(",") if args.archs else architectures()
     archs = [a for a in archs if a not in set(args.skip.split(","))]
     strategies = args.strategies.split(",")
