@@ -78,3 +78,28 @@ def test_a_foreach_operation_writes_every_tensor_of_its_list():
     assert reads == [] and writes == [_span(a), _span(b)]
     (_, reads, writes), out = _run(torch.ops.aten._foreach_mul.Scalar, [a, b], 2.0)
     assert reads == [_span(a), _span(b)] and writes == [_span(t) for t in out]
+
+
+def test_temporaries_are_written_by_the_operation_that_made_them():
+    # Three operations, marked at acts 0, 2 and 3 of the allocator's history: blocks made at
+    # acts 0 and 1 belong to the first, at act 2 to the second, none to the third.
+    from types import SimpleNamespace
+
+    from grape.passes.places import History, Mark
+    from grape.torch.capture import _op_accesses
+
+    history = History(address=(0x100, 0x200, 0x300), size=(512, 512, 1024), made=(0, 1, 2),
+                      freed=(1, 3, 4), acts=(), marks=(0, 2, 3))
+    noted = SimpleNamespace(marks=[Mark(0, 1), Mark(2, 2), Mark(5, 3)],
+                            accesses=[("a", [(0x900, 8)], [(0x100, 512)]), ("b", [], []),
+                                      ("c", [(0x300, 4)], [])])
+    ops = _op_accesses(noted, history)
+    assert [op.start for op in ops] == [0, 2, 5]
+    assert ops[0].writes == ((0x100, 512), (0x100, 512), (0x200, 512))
+    assert ops[1].writes == ((0x300, 1024),) and ops[2].writes == ()
+    assert ops[0].reads == ((0x900, 8),) and ops[2].name == "c"
+    # A history whose markers do not match the marks adds no temporaries (the pass then widens
+    # what the kernels point at by the allocator's blocks instead).
+    short = History(address=(0x100,), size=(512,), made=(0,), freed=(1,), acts=(), marks=(0,))
+    assert all(op.writes == tuple(w) for op, (_, _, w) in zip(_op_accesses(noted, short),
+                                                             noted.accesses, strict=True))
