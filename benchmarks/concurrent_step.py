@@ -96,7 +96,7 @@ def measure(model, arch: str, strategy: str, args) -> dict[str, Any]:
                            "tokens_equal": bool(torch.equal(tokens["chain"], tokens["dag"]))}
     for way in loops:
         row[f"{way}_gpu_us_per_token"] = statistics.median(times[way]) / args.new
-    dag = loops["dag"].loop.concurrency[0]  # the body's
+    dag = loops["dag"].loop.concurrency["body"]
     row.update(ratio=row["chain_gpu_us_per_token"] / row["dag_gpu_us_per_token"],
                nodes=dag.nodes, depth=dag.depth, groups=dag.groups, edges=dag.edges,
                barriers=dict(collections.Counter(dag.barriers).most_common()),

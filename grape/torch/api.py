@@ -441,6 +441,7 @@ def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
                             prefill_graphed=entry.inputs is not None, host_syncs=1,
                             launches=1, attention=entry.attention,
                             step_nodes=len(entry.loop.capture.ir),
-                            step_depth=(entry.loop.concurrency[0].depth if entry.loop.concurrency
+                            step_depth=(entry.loop.concurrency["body"].depth
+                                        if "body" in entry.loop.concurrency
                                         else len(entry.loop.capture.ir)))
     return result

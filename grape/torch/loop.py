@@ -36,7 +36,7 @@ from grape.cuda.build import Executable, Graph
 from grape.cuda.conditional import condition_kernels
 from grape.cuda.nvrtc import kernel_op
 from grape.errors import GrapeError
-from grape.ir import Buffer, BufferRole, HandleRef, Kernel
+from grape.ir import Buffer, BufferRole, HandleRef, Kernel, KernelGraph
 from grape.passes.concurrency import Concurrency
 from grape.passes.concurrency import concurrent as concurrent_dag
 from grape.passes.loops import check_bound, while_loop_graph
@@ -82,10 +82,10 @@ class DeviceLoop:
             prologue, *prologue_args, params=params, warmup=0, instantiate=False,
             staging=staging if prologue_staging is None else prologue_staging,
             accesses=concurrent)
-        # body's and prologue's DAGs (concurrent=True), with what they cost in precision
-        self.concurrency: list[Concurrency] = []
-        body_ir, prologue_ir = (self._dag(c) if c is not None else None
-                                for c in (self.capture, self.prologue))
+        # "body" and "prologue": their DAGs (concurrent=True), with what they cost in precision
+        self.concurrency: dict[str, Concurrency] = {}
+        body_ir = self._dag("body", self.capture)
+        prologue_ir = None if self.prologue is None else self._dag("prologue", self.prologue)
         go = Buffer("grape:running", 1, BufferRole.INTERNAL, address=running.data_ptr())
         left = Buffer("grape:remaining", 4, BufferRole.INTERNAL,
                       address=self.remaining.data_ptr())
@@ -97,11 +97,11 @@ class DeviceLoop:
         self.graph = Graph.build(self.ir)
         self.executable: Executable = self.graph.instantiate()
 
-    def _dag(self, captured: TorchCapture) -> Any:
+    def _dag(self, name: str, captured: TorchCapture) -> KernelGraph:
         if not captured.accesses:
             return captured.ir
-        dag = concurrent_dag(captured.ir, captured.accesses, captured.allocations)
-        self.concurrency.append(dag)
+        dag = self.concurrency[name] = concurrent_dag(captured.ir, captured.accesses,
+                                                      captured.allocations)
         return dag.graph
 
     def launch(self, stream: int | None = None) -> None:
