@@ -85,7 +85,7 @@ def test_a_pointer_outside_the_declarations_widens_to_its_whole_buffer():
     declared = [OpAccess(starts[0], writes=(_at(1),)),
                 OpAccess(starts[1], writes=(_at(5),), name="b")]
     c = concurrent(g, declared)
-    assert _reaches(c.graph, "op0.0", "op1.0") and c.widened == ("b",)
+    assert _reaches(c.graph, "op0.0", "op1.0") and c.widened == ("b (buffer)",)
     honest = [declared[0], OpAccess(starts[1], writes=(_at(5), _at(9)))]
     assert not _reaches(concurrent(g, honest).graph, "op0.0", "op1.0")
 
@@ -99,7 +99,7 @@ def test_a_stale_word_naming_a_declared_tensor_widens_to_that_tensor_alone():
            OpAccess(starts[2], writes=(_at(5),), name="c")]
     c = concurrent(g, ops)
     assert _reaches(c.graph, "op0.0", "op2.0") and not _reaches(c.graph, "op1.0", "op2.0")
-    assert c.widened == ("c",)
+    assert c.widened == ("c (tensor)",)
 
 
 def test_the_allocators_view_tells_workspaces_from_stale_words():
@@ -115,7 +115,7 @@ def test_the_allocators_view_tells_workspaces_from_stale_words():
     assert _reaches(c.graph, "op1.0", "op2.0")
     assert not any(_reaches(c.graph, a, b) for a, b in [("op0.0", "op1.0"), ("op0.0", "op2.0"),
                                                          ("op0.0", "op3.0"), ("op2.0", "op3.0")])
-    assert c.widened == ("op1", "op2")
+    assert c.widened == ("op1 (block)", "op2 (block)")
     # memory the allocator does not manage (a library's own allocation): its whole buffer
     c = concurrent(g, ops, Allocations(segments=(), held=(_at(9),)))
     assert _reaches(c.graph, "op0.0", "op3.0")

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
@@ -81,8 +81,9 @@ class Allocations:
 class Concurrency:
     """The DAG and what it cost in precision: ``groups`` (operations that made nodes), the
     names of ``barriers`` (groups that order everything) and of ``widened`` groups (whose
-    nodes pointed outside their declarations), ``depth`` (nodes on the longest path, against
-    ``nodes`` in the chain)."""
+    nodes pointed outside their declarations; each name followed by what the words were
+    widened to: declared tensors, allocator blocks, whole buffers), ``depth`` (nodes on the
+    longest path, against ``nodes`` in the chain)."""
 
     graph: KernelGraph
     nodes: int
@@ -100,7 +101,7 @@ class _Group:
     writes: list[Range]
     name: str
     barrier: bool = False
-    widened: bool = False
+    widened: set[str] = field(default_factory=set)  # to what: "tensor", "block", "buffer"
 
 
 def _inside(address: int, ranges: Sequence[Range]) -> bool:
@@ -160,11 +161,17 @@ def _groups(graph: KernelGraph, ops: Sequence[OpAccess],
                 g.barrier = True
                 continue
             for address, buffer in _targets(graph, op):
-                if not _inside(address, declared):
-                    meant = declared_anywhere.holding(address) or held.holding(address)
-                    if meant or not managed.holding(address):
-                        extra.update(meant or (buffer,))
-        g.widened = bool(extra)
+                if _inside(address, declared):
+                    continue
+                if tensors := declared_anywhere.holding(address):
+                    extra.update(tensors)
+                    g.widened.add("tensor")
+                elif blocks := held.holding(address):
+                    extra.update(blocks)
+                    g.widened.add("block")
+                elif not managed.holding(address):
+                    extra.add(buffer)
+                    g.widened.add("buffer")
         g.writes += sorted(extra)
         if g.barrier:
             g.writes = [_EVERYTHING]
@@ -231,6 +238,7 @@ def concurrent(graph: KernelGraph, ops: Sequence[OpAccess],
     out.validate()
     return Concurrency(out, len(home), len(groups),
                        tuple(g.name for g in groups if g.barrier),
-                       tuple(g.name for g in groups if g.widened and not g.barrier),
+                       tuple(f"{g.name} ({', '.join(sorted(g.widened))})" for g in groups
+                             if g.widened and not g.barrier),
                        nx.dag_longest_path_length(out.dag) + 1 if len(out) else 0,
                        out.dag.number_of_edges())
