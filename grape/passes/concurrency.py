@@ -180,25 +180,22 @@ def _groups(graph: KernelGraph, ops: Sequence[OpAccess],
 
 def _dependencies(groups: Sequence[_Group]) -> nx.DiGraph:
     """Group j after group i where one writes what the other reads or writes."""
-    lo, hi, owner, wrote = [], [], [], []
+    total = sum(len(g.reads) + len(g.writes) for g in groups)
+    lo, hi = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    owner, wrote = np.empty(total, dtype=np.int64), np.empty(total, dtype=bool)
     order = nx.DiGraph()
     order.add_nodes_from(range(len(groups)))
+    n = 0  # the accesses of the groups before j, in lo[:n] and the others
     for j, g in enumerate(groups):
-        if lo:
-            a, b = np.array(lo, dtype=np.int64), np.array(hi, dtype=np.int64)
-            w, who = np.array(wrote), np.array(owner)
-            for ranges, writing in ((g.reads, False), (g.writes, True)):
-                for start, size in ranges:
-                    clash = (a < start + size) & (start < b)
-                    if not writing:
-                        clash &= w
-                    order.add_edges_from((int(i), j) for i in np.unique(who[clash]))
-        for ranges, writing in ((g.reads, False), (g.writes, True)):
-            for start, size in ranges:
-                lo.append(start)
-                hi.append(start + size)
-                owner.append(j)
-                wrote.append(writing)
+        accesses = [(r, False) for r in g.reads] + [(r, True) for r in g.writes]
+        for (start, size), writing in accesses:
+            clash = (lo[:n] < start + size) & (start < hi[:n])
+            if not writing:
+                clash &= wrote[:n]
+            order.add_edges_from((int(i), j) for i in np.unique(owner[:n][clash]))
+        for k, ((start, size), writing) in enumerate(accesses, n):
+            lo[k], hi[k], owner[k], wrote[k] = start, start + size, j, writing
+        n += len(accesses)
     return nx.transitive_reduction(order)
 
 
