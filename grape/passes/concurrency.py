@@ -215,11 +215,8 @@ def concurrent(graph: KernelGraph, ops: Sequence[OpAccess],
     out = KernelGraph()
     for buffer in graph.buffers.values():
         out.add_buffer(buffer)
-    home: dict[str, int] = {}
-    for gi, g in enumerate(groups):
-        for node in g.nodes:
-            out.dag.add_node(node, op=graph.op(node))
-            home[node] = gi
+    for node in graph.dag:  # every node is in one group; the capture's order kept
+        out.dag.add_node(node, op=graph.op(node))
     ends: list[tuple[list[str], list[str]]] = []  # each group's (first nodes, last nodes)
     for g in groups:
         inside = graph.dag.subgraph(g.nodes)
@@ -233,7 +230,7 @@ def concurrent(graph: KernelGraph, ops: Sequence[OpAccess],
                 kind = graph.dag.edges[u, v].get("kind") if graph.dag.has_edge(u, v) else None
                 out.add_edge(u, v, kind)
     out.validate()
-    return Concurrency(out, len(home), len(groups),
+    return Concurrency(out, len(out), len(groups),
                        tuple(g.name for g in groups if g.barrier),
                        tuple(f"{g.name} ({', '.join(sorted(g.widened))})" for g in groups
                              if g.widened and not g.barrier),
