@@ -183,7 +183,8 @@ _programs = st.lists(
 @given(_programs)
 def test_an_operation_waits_exactly_for_the_ones_it_conflicts_with(program):
     """Sound and no more than needed: operation j's first node is reachable from operation
-    i's last exactly where the conflict relation's transitive closure orders i before j."""
+    i's last exactly where the conflict relation's transitive closure orders i before j, and
+    the edges between operations are networkx's transitive reduction of that relation."""
     kernels = [[_kernel(f"{i}.{n}", *reads, *writes) for n in range(count)]
                for i, (reads, writes, count) in enumerate(program)]
     g, starts = _chain(kernels)
@@ -205,3 +206,7 @@ def test_an_operation_waits_exactly_for_the_ones_it_conflicts_with(program):
             if a < b:
                 last, first = f"op{a}.{program[a][2] - 1}", f"op{b}.0"
                 assert _reaches(c.graph, last, first) == closure.has_edge(a, b), (a, b)
+    lasts = {a: f"op{a}.{program[a][2] - 1}" for a in made}
+    firsts = {b: f"op{b}.0" for b in made}
+    between = {(u, v) for u, v in c.graph.dag.edges if u.split(".")[0] != v.split(".")[0]}
+    assert between == {(lasts[a], firsts[b]) for a, b in nx.transitive_reduction(conflicts).edges}

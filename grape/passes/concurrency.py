@@ -13,7 +13,8 @@ True)``): the bytes its tensor arguments span (read, or written where its schema
 mutates them), those of the tensors it returned (written, unless they are views), and the
 blocks the caching allocator made for it during the operation (its temporaries, written).
 Two operations are ordered where one writes memory the other reads or writes (``numpy`` finds
-the overlaps; ``networkx.transitive_reduction`` drops orderings that others already imply).
+the overlaps), less the orderings that others already imply (a transitive reduction, made in
+the capture's order).
 The kernels of one operation keep the order they were captured in.
 
 What a kernel may touch beyond those declarations is widened, never trusted:
@@ -179,24 +180,50 @@ def _groups(graph: KernelGraph, ops: Sequence[OpAccess],
 
 
 def _dependencies(groups: Sequence[_Group]) -> nx.DiGraph:
-    """Group j after group i where one writes what the other reads or writes."""
+    """Group j after group i where one writes what the other reads or writes, without the
+    orderings others already imply (the transitive reduction)."""
     total = sum(len(g.reads) + len(g.writes) for g in groups)
     lo, hi = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
     owner, wrote = np.empty(total, dtype=np.int64), np.empty(total, dtype=bool)
-    order = nx.DiGraph()
-    order.add_nodes_from(range(len(groups)))
+    reduction = _Reduction(len(groups))
     n = 0  # the accesses of the groups before j, in lo[:n] and the others
     for j, g in enumerate(groups):
         accesses = [(r, False) for r in g.reads] + [(r, True) for r in g.writes]
+        clash = np.zeros(n, dtype=bool)
         for (start, size), writing in accesses:
-            clash = (lo[:n] < start + size) & (start < hi[:n])
-            if not writing:
-                clash &= wrote[:n]
-            order.add_edges_from((int(i), j) for i in np.unique(owner[:n][clash]))
+            overlaps = (lo[:n] < start + size) & (start < hi[:n])
+            clash |= overlaps if writing else overlaps & wrote[:n]
+        reduction.add(j, np.unique(owner[:n][clash]))
         for k, ((start, size), writing) in enumerate(accesses, n):
             lo[k], hi[k], owner[k], wrote[k] = start, start + size, j, writing
         n += len(accesses)
-    return nx.transitive_reduction(order)
+    return reduction.graph
+
+
+class _Reduction:
+    """The transitive reduction of a DAG built one node at a time, each node after all its
+    predecessors (here, the capture's order). ``networkx.transitive_reduction`` searches from
+    every node of a finished graph; on a decode step's conflicts (most operations clash with
+    many before them) that took seconds for a thousand operations. Known as they arrive, the
+    reduction needs only each node's ancestors: a predecessor is kept unless it is an ancestor
+    of a later predecessor, and, taken latest first, of one kept already. Ancestor sets are
+    rows of bits, 64 nodes a word."""
+
+    def __init__(self, n: int) -> None:
+        self.graph = nx.DiGraph()
+        self.graph.add_nodes_from(range(n))
+        self.ancestors = np.zeros((n, (n + 63) // 64), dtype=np.uint64)
+
+    def add(self, j: int, before: np.ndarray) -> None:
+        """Node ``j`` after each of ``before`` (earlier nodes, ascending)."""
+        row = self.ancestors[j]
+        while before.size:
+            i = int(before[-1])
+            self.graph.add_edge(i, j)
+            row |= self.ancestors[i]
+            row[i >> 6] |= np.uint64(1 << (i & 63))
+            known = (row[before >> 6] >> (before & 63).astype(np.uint64)) & np.uint64(1)
+            before = before[known == 0]
 
 
 def concurrent(graph: KernelGraph, ops: Sequence[OpAccess],
