@@ -7,7 +7,11 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
-from grape.torch.capture import _accessed, _extent  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from grape.torch.beam import BeamDecoder  # noqa: E402
+from grape.torch.capture import _accessed, _extent, _tensors  # noqa: E402
+from grape.torch.decoding import TokenDecoder  # noqa: E402
 
 
 def _span(t):
@@ -103,3 +107,118 @@ def test_temporaries_are_written_by_the_operation_that_made_them():
     short = History(address=(0x100,), size=(512,), made=(0,), freed=(1,), acts=(), marks=(0,))
     assert all(op.writes == tuple(w) for op, (_, _, w) in zip(_op_accesses(noted, short),
                                                              noted.accesses, strict=True))
+
+
+# --- A real decode step reordered as the pass allows --------------------------------------------
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A storage's bytes, as a tensor over the same memory."""
+    return torch.tensor(storage, dtype=torch.uint8)
+
+
+class _Recorded(TorchDispatchMode):
+    """Every operation of a block with its arguments, its result and what ``_accessed`` says
+    it touched; the state each storage the block found already made had before the block
+    first touched it, and the storages the block made. Holding every tensor keeps the
+    allocator from reusing memory, so that the block can be replayed over its own storages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+        self.before: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}
+        self.made: dict[int, torch.UntypedStorage] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _tensors((args, kwargs)):
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self.made and key not in self.before and storage.nbytes():
+                self.before[key] = storage, _bytes(storage).clone()
+        out = func(*args, **kwargs)
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self.before:
+                self.made[storage.data_ptr()] = storage
+        self.ops.append((func, args, kwargs, out, _accessed(func, args, kwargs, out)))
+        return out
+
+    def state(self) -> list[torch.Tensor]:
+        """The bytes, now, of every storage the block found made."""
+        return [_bytes(s).clone() for s, _ in self.before.values()]
+
+    def restore(self) -> None:
+        """The state the block found, and every storage it made filled with 0xff bytes (NaN,
+        -1): an operation run before the one that writes what it reads reads those."""
+        for storage, saved in self.before.values():
+            _bytes(storage).copy_(saved)
+        for storage in self.made.values():
+            _bytes(storage).fill_(0xFF)
+
+    def replay(self, order) -> None:
+        """Each operation again, in ``order``, its fresh results copied over the recorded ones
+        (which later operations read)."""
+        for i in order:
+            func, args, kwargs, out, _ = self.ops[i]
+            again = func(*args, **kwargs)
+            schema = func._schema
+            olds, news = ((out,), (again,)) if len(schema.returns) == 1 else (out, again)
+            for r, old, new in zip(schema.returns, olds, news, strict=True):
+                if r.alias_info is None:  # fresh; an alias is a view over memory written above
+                    for o, n in zip(_tensors(old), _tensors(new), strict=True):
+                        o.copy_(n)
+
+
+def _dag(recorded: _Recorded):
+    """The pass's DAG over the recorded operations, one node each."""
+    from grape.ir import Kernel, KernelGraph
+    from grape.passes.concurrency import OpAccess, concurrent
+
+    graph, last, ops = KernelGraph(), [], []
+    for i, (*_, (name, reads, writes)) in enumerate(recorded.ops):
+        ops.append(OpAccess(i, tuple(reads), tuple(writes), name))
+        last = [graph.add(str(i), Kernel(name, name, (1, 1, 1), (1, 1, 1)), after=last)]
+    return concurrent(graph, ops)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bloom", "opt", "gptj", "falcon",
+                                  "mixtral"])
+@pytest.mark.parametrize("kwargs", [{}, {"num_beams": 3}], ids=["greedy", "beam 3"])
+def test_a_decode_step_reordered_as_the_dag_allows_leaves_the_same_state(arch, kwargs):
+    """What the dispatcher says each operation of a real step touched (cache writes, masks,
+    beam bookkeeping, the selected tokens) is all the ordering the step needs: replayed
+    latest-ready-first, as far from the capture's order as the DAG lets it, the step leaves
+    every byte of the decoder's state as it did in capture order."""
+    import networkx as nx
+
+    from grape.torch.options import resolve
+    from tests.test_torch_generation import CONFIGS, _built, _prompt
+
+    model = _built(arch, CONFIGS[arch])
+    ids, mask = _prompt()
+    options, m = resolve(model, ids, mask, dict(kwargs, max_new_tokens=6))
+    decoder = (BeamDecoder if options.strategy == "beam" else TokenDecoder)(
+        model, ids.shape[0], ids.shape[1], options)
+    decoder.prefill(ids, m)
+    decoder.step()
+    recorded = _Recorded()
+    with torch.no_grad(), recorded:
+        decoder.step()
+    after = recorded.state()
+    dag = _dag(recorded).graph.dag
+    latest = list(nx.lexicographical_topological_sort(dag, key=lambda n: -int(n)))
+    assert latest != sorted(latest, key=int)  # the DAG allows another order
+    moved = sum(a != b for a, b in zip(latest, sorted(latest, key=int), strict=True))
+    with torch.no_grad():
+        for order in (range(len(recorded.ops)), [int(n) for n in latest]):
+            recorded.restore()
+            try:
+                recorded.replay(order)
+            except (RuntimeError, IndexError) as e:  # read what no operation had written yet
+                pytest.fail(f"{arch}: replaying in the DAG's order failed: {e}")
+            state = recorded.state()
+            assert len(state) == len(after) and all(
+                torch.equal(a, b) for a, b in zip(state, after, strict=True)), (
+                f"{arch}: {sum(not torch.equal(a, b) for a, b in zip(state, after, strict=True))}"
+                f" storages differ after replaying {len(recorded.ops)} operations, {moved} moved")
