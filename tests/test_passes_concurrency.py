@@ -102,6 +102,28 @@ def test_a_stale_word_naming_a_declared_tensor_widens_to_that_tensor_alone():
     assert c.widened == ("c (tensor)",)
 
 
+def test_an_operations_own_kernel_naming_another_operations_tensor_holds_a_stale_word():
+    # The same words, where the capture says op2's kernel ran inside op2's dispatch (end):
+    # PyTorch's contract is that it touches op2's tensors alone, so the word in op0's tensor
+    # is stale and orders nothing. A kernel after the dispatch returned (launched outside the
+    # dispatcher, so attributed to op2) is still widened. A word in no declared tensor (here
+    # a whole buffer: no allocations given) is widened even inside the dispatch.
+    g, starts = _chain([[_kernel("a", 1)], [_kernel("b", 2)], [_kernel("c", 5, 1)],
+                        [_kernel("d", 6, 2), _kernel("outside", 7, 1)]])
+    ops = [OpAccess(starts[0], writes=(_at(1),), end=starts[0] + 1),
+           OpAccess(starts[1], writes=(_at(2),), end=starts[1] + 1),
+           OpAccess(starts[2], writes=(_at(5),), name="c", end=starts[2] + 1),
+           OpAccess(starts[3], writes=(_at(6), _at(7)), name="d", end=starts[3] + 1)]
+    c = concurrent(g, ops)
+    assert not _reaches(c.graph, "op0.0", "op2.0")
+    assert _reaches(c.graph, "op0.0", "op3.1") and not _reaches(c.graph, "op1.0", "op3.0")
+    assert c.stale == ("c", "d") and c.widened == ("d (tensor)",)
+    g, starts = _chain([[_kernel("a", 1)], [_kernel("b", 5, 9)]])
+    c = concurrent(g, [OpAccess(starts[0], writes=(_at(1),), end=1),
+                       OpAccess(starts[1], writes=(_at(5),), name="b", end=2)])
+    assert _reaches(c.graph, "op0.0", "op1.0") and c.widened == ("b (buffer)",)
+
+
 def test_the_allocators_view_tells_workspaces_from_stale_words():
     # The pool is one allocator segment. op1 and op2 point at slot 9, a block some tensor
     # held during the capture that no operation declared (a library's workspace): they are

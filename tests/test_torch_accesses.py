@@ -96,17 +96,22 @@ def test_temporaries_are_written_by_the_operation_that_made_them():
                       freed=(1, 3, 4), acts=(), marks=(0, 2, 3))
     noted = SimpleNamespace(marks=[Mark(0, 1), Mark(2, 2), Mark(5, 3)],
                             accesses=[("a", [(0x900, 8)], [(0x100, 512)]), ("b", [], []),
-                                      ("c", [(0x300, 4)], [])])
+                                      ("c", [(0x300, 4)], [])],
+                            ends=[1, 5, 6])  # the first operation's second node outside it
     ops = _op_accesses(noted, history)
     assert [op.start for op in ops] == [0, 2, 5]
     assert ops[0].writes == ((0x100, 512), (0x100, 512), (0x200, 512))
     assert ops[1].writes == ((0x300, 1024),) and ops[2].writes == ()
     assert ops[0].reads == ((0x900, 8),) and ops[2].name == "c"
+    assert [op.end for op in ops] == [1, 5, 6]
     # A history whose markers do not match the marks adds no temporaries (the pass then widens
     # what the kernels point at by the allocator's blocks instead).
     short = History(address=(0x100,), size=(512,), made=(0,), freed=(1,), acts=(), marks=(0,))
     assert all(op.writes == tuple(w) for op, (_, _, w) in zip(_op_accesses(noted, short),
                                                              noted.accesses, strict=True))
+    # Nor does it say where dispatches ended: without the temporaries, a stale word inside
+    # one cannot be told from a temporary the history would have named.
+    assert all(op.end is None for op in _op_accesses(noted, short))
 
 
 # --- A real decode step reordered as the pass allows --------------------------------------------

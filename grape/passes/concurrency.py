@@ -22,12 +22,21 @@ What a kernel may touch beyond those declarations is widened, never trusted:
 * every pointer among a node's arguments that lies outside its operation's declared memory (a
   library's workspace, a stale word PyTorch left in an unused argument slot, a kernel launched
   outside PyTorch's dispatcher and so attributed to the operation before it) adds what it may
-  mean as written by the operation: every range some operation of the capture declared that
-  holds it (a stale word names an earlier tensor); where none does, every block the
-  allocator gave a tensor during the capture that holds it (a library's workspace); where
-  none does but the allocator manages the memory, nothing (no tensor lived there while the
-  graph was captured, so no kernel of it can use it: a stale word); elsewhere (memory a
-  library allocated itself, or no :class:`Allocations` given), the whole buffer it points into;
+  mean, as written by the operation: every range some operation of the capture declared that
+  holds it (a stale word names an earlier tensor); where none does, every block the allocator
+  gave a tensor during the capture that holds it (a library's workspace); where none does but
+  the allocator manages the memory, nothing (no tensor lived there while the graph was
+  captured, so no kernel of it can use it: a stale word); elsewhere (memory a library
+  allocated itself, or no :class:`Allocations` given), the whole buffer it points into;
+* except where the node is the operation's own (launched inside its dispatch, with the
+  operation's temporaries known: ``OpAccess.end``) and the word lies in another operation's
+  tensor. There the dispatcher's contract holds: an operation's kernels touch the tensors its
+  schema names, the temporaries it makes, and library state (workspaces, a generator's
+  offsets), never another operation's tensors, so the word is stale (unused slots of PyTorch's
+  fixed-size argument arrays keep what the host's stack held, which can be an earlier
+  launch's pointers) and is left out: as a write it would order the operation after
+  whatever that earlier launch touched. ``tests/test_torch_accesses.py`` replays real decode
+  steps in the order the DAG allows and holds every byte of their state to capture order's;
 * a node that is neither a kernel, a copy nor a set (a conditional, an event, an empty join) and
   the nodes captured before the first operation order everything: they depend on all before
   them and all after them on them.
@@ -60,12 +69,16 @@ _EVERYTHING = (0, 1 << 62)  # device and host addresses lie below 2**48
 class OpAccess:
     """One operation of a capture: ``start``, the number of nodes the graph held when it began
     (its nodes are those up to the next operation's start), and the memory it read and wrote,
-    as (address, size) ranges."""
+    as (address, size) ranges, its temporaries among the writes. ``end``: the node count
+    when its dispatch returned, where its temporaries are known (None where not): the nodes
+    before it are the operation's own kernels, the others were launched outside PyTorch's
+    dispatcher before the next operation began."""
 
     start: int
     reads: tuple[Range, ...] = ()
     writes: tuple[Range, ...] = ()
     name: str = ""
+    end: int | None = None
 
 
 @dataclass(frozen=True)
@@ -84,7 +97,8 @@ class Concurrency:
     names of ``barriers`` (groups that order everything) and of ``widened`` groups (whose
     nodes pointed outside their declarations; each name followed by what the words were
     widened to: declared tensors, allocator blocks, whole buffers), ``depth`` (nodes on the
-    longest path, against ``nodes`` in the chain)."""
+    longest path, against ``nodes`` in the chain); ``stale``, the names of groups whose own
+    kernels held a word naming another operation's tensor, left out (the module says why)."""
 
     graph: KernelGraph
     nodes: int
@@ -93,6 +107,7 @@ class Concurrency:
     widened: tuple[str, ...]
     depth: int
     edges: int
+    stale: tuple[str, ...] = ()
 
 
 @dataclass
@@ -103,6 +118,8 @@ class _Group:
     name: str
     barrier: bool = False
     widened: set[str] = field(default_factory=set)  # to what: "tensor", "block", "buffer"
+    dispatched: int = 0  # its first nodes launched inside the operation's dispatch
+    stale: bool = False  # a word of those named another operation's tensor
 
 
 def _inside(address: int, ranges: Sequence[Range]) -> bool:
@@ -147,7 +164,9 @@ def _groups(graph: KernelGraph, ops: Sequence[OpAccess],
                      "before the first operation", barrier=True)]
     for i, op in enumerate(ops):
         end = starts[i + 1] if i + 1 < len(ops) else len(nodes)
-        groups.append(_Group(nodes[op.start:end], list(op.reads), list(op.writes), op.name))
+        inside = 0 if op.end is None else min(max(op.end, op.start), end) - op.start
+        groups.append(_Group(nodes[op.start:end], list(op.reads), list(op.writes), op.name,
+                             dispatched=inside))
     # What an undeclared word may mean (the module's list): a stale slot of PyTorch's offset
     # calculators names an earlier tensor, or memory no tensor held during the capture.
     declared_anywhere = _Index([r for g in groups[1:] for r in g.reads + g.writes])
@@ -156,7 +175,7 @@ def _groups(graph: KernelGraph, ops: Sequence[OpAccess],
     for g in groups:
         declared = g.reads + g.writes
         extra: set[Range] = set()
-        for node in g.nodes:
+        for k, node in enumerate(g.nodes):
             op = graph.op(node)
             if not isinstance(op, (Kernel, Memcpy, Memset)):
                 g.barrier = True
@@ -165,6 +184,9 @@ def _groups(graph: KernelGraph, ops: Sequence[OpAccess],
                 if _inside(address, declared):
                     continue
                 if tensors := declared_anywhere.holding(address):
+                    if k < g.dispatched:  # the operation's own kernel: a stale word
+                        g.stale = True
+                        continue
                     extra.update(tensors)
                     g.widened.add("tensor")
                 elif blocks := held.holding(address):
@@ -262,4 +284,5 @@ def concurrent(graph: KernelGraph, ops: Sequence[OpAccess],
                        tuple(f"{g.name} ({', '.join(sorted(g.widened))})" for g in groups
                              if g.widened and not g.barrier),
                        nx.dag_longest_path_length(out.dag) + 1 if len(out) else 0,
-                       out.dag.number_of_edges())
+                       out.dag.number_of_edges(),
+                       tuple(g.name for g in groups if g.stale and not g.barrier))

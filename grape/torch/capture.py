@@ -315,6 +315,7 @@ class _Marks(TorchDispatchMode):
         self.stream, self.device = stream, device
         self.marks: list[Mark] = []
         self.accesses: list[tuple[str, list, list]] | None = [] if accesses else None
+        self.ends: list[int] = []  # with accesses: the graph's node count as each returned
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         marker = torch.empty(MARKER_BYTES, dtype=torch.uint8, device=self.device)
@@ -322,6 +323,7 @@ class _Marks(TorchDispatchMode):
         del marker
         out = func(*args, **(kwargs or {}))
         if self.accesses is not None:
+            self.ends.append(captured_nodes(self.stream))
             self.accesses.append(_accessed(func, args, kwargs or {}, out))
         return out
 
@@ -368,15 +370,18 @@ def _allocations(trace: Iterable[Mapping], segments: Iterable[Mapping]) -> Alloc
 
 def _op_accesses(noted: _Marks, history: History | None) -> list[OpAccess]:
     """Each operation's accesses, its temporaries (the pool blocks the allocator made while
-    it ran, where the capture recorded the allocator's history) among its writes."""
+    it ran, where the capture recorded the allocator's history) among its writes, and where
+    its dispatch ended (only with its temporaries known: ``OpAccess.end`` says why)."""
     made: list[list[tuple[int, int]]] = [[] for _ in noted.marks]
-    if history is not None and len(history.marks) == len(noted.marks):
+    known = history is not None and len(history.marks) == len(noted.marks)
+    if known:
         at = list(history.marks)
         for b, when in enumerate(history.made):
             i = bisect.bisect_right(at, when) - 1
             if i >= 0:
                 made[i].append((history.address[b], history.size[b]))
-    return [OpAccess(m.nodes, tuple(reads), tuple(writes + made[i]), name)
+    ends = noted.ends if known and len(noted.ends) == len(noted.marks) else [None] * len(made)
+    return [OpAccess(m.nodes, tuple(reads), tuple(writes + made[i]), name, ends[i])
             for i, (m, (name, reads, writes)) in enumerate(
                 zip(noted.marks, noted.accesses, strict=True))]
 
