@@ -11,7 +11,8 @@ captured chain (``chain``) and the same with the step remade as the DAG its memo
 - ``tokens_equal``: the DAG's generation against the chain's, token for token;
 - the step's ``nodes``, ``depth`` (nodes on its longest path), ``groups``, and which operations
   were ``barriers`` or ``widened`` (pointers outside what the dispatcher declared), counted by
-  name: why a step stayed serial;
+  name: why a step stayed serial; and whose own kernels held ``stale`` words (another
+  operation's tensor, left out);
 - with ``--traces DIR``: each launch's IR (``<arch>_<strategy>_<way>.ir.json.gz``) and a
   torch.profiler trace of one launch (``.kineto.json.gz``, open it in Perfetto), the kernels'
   overlap in it (``kernel_busy_us`` summed against ``kernel_span_us`` covered, over the kernels
@@ -100,7 +101,8 @@ def measure(model, arch: str, strategy: str, args) -> dict[str, Any]:
     row.update(ratio=row["chain_gpu_us_per_token"] / row["dag_gpu_us_per_token"],
                nodes=dag.nodes, depth=dag.depth, groups=dag.groups, edges=dag.edges,
                barriers=dict(collections.Counter(dag.barriers).most_common()),
-               widened=dict(collections.Counter(dag.widened).most_common()))
+               widened=dict(collections.Counter(dag.widened).most_common()),
+               stale=dict(collections.Counter(dag.stale).most_common()))
     if args.traces:
         args.traces.mkdir(parents=True, exist_ok=True)
         irs = {}
