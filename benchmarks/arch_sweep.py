@@ -252,6 +252,28 @@ def _host_loop_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None
         return
     row.update(stage="done", graphed=True)  # would be captured: the host loop ran it
     _compare(out, reference, row)
+    if CHECK_REORDERING[0]:
+        row.update(_reordering(cls, model, ids, m, options))
+
+
+def _reordering(cls, model, ids, mask, options) -> dict[str, Any]:
+    """One decode step replayed in the order grape.passes.concurrency allows furthest from
+    its own (grape.torch.reordering): whether every byte it touched ends the same."""
+    from grape.torch.reordering import check_reordering
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            decoder = cls(model, ids.shape[0], ids.shape[1], options)
+            decoder.prefill(ids, mask)
+            decoder.step()
+            found = check_reordering(decoder.step)
+    except Exception as e:
+        return {"reordering_error": _first_line(e)}
+    return {"reordering_held": found.held, "reordering_operations": found.operations,
+            "reordering_moved": found.moved, "reordering_depth": found.depth,
+            "reordering_differing": found.differing,
+            **({"reordering_error": found.error[:400]} if found.error else {})}
 
 
 def _compare(out, reference, row: dict[str, Any]) -> None:
@@ -301,6 +323,9 @@ def _which_side(model, ids, mask, kw, graphed, reference) -> dict[str, Any]:
 # and holds every decode step's mask view to the one transformers builds.
 CHECK_MASKS = [False]
 CONCURRENT = [False]  # --concurrent: grape.generate(concurrent=True)
+# --check-reordering: each host-loop row also replays a decode step reordered as the
+# concurrency pass allows (grape.torch.reordering).
+CHECK_REORDERING = [False]
 
 
 def worker(archs: list[str], out: Path | None, dtype: str, strategies: list[str],
@@ -336,6 +361,7 @@ def _share(archs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
                             "--dtype", args.dtype, "--strategies", args.strategies,
                             *(["--host-loop"] if args.host_loop else []),
                             *(["--check-decode-masks"] if args.check_decode_masks else []),
+                            *(["--check-reordering"] if args.check_reordering else []),
                             *(["--concurrent"] if args.concurrent else []),
                             *(["--out", str(args.out)] if args.out else [])],
                            stdout=subprocess.PIPE, text=True)
@@ -381,7 +407,25 @@ def summary(rows: list[dict[str, Any]]) -> str:
                      f"{sum(r['decode_masks_viewed'] for r in checked)} views equal to "
                      f"transformers' masks in {len(viewed)} rows, "
                      f"{sum(r['decode_masks_built'] for r in checked)} masks left to it")
+    reordered = [r for r in rows if "reordering_held" in r or "reordering_error" in r]
+    if reordered:
+        held = [r for r in reordered if r.get("reordering_held")]
+        lines.append(f"decode steps reordered as the concurrency DAG allows in "
+                     f"{len(reordered)} rows: the state held in {len(held)}, moving a median "
+                     f"{_median([r['reordering_moved'] for r in held])} operations of "
+                     f"{_median([r['reordering_operations'] for r in held])}")
+        for r in reordered:
+            if not r.get("reordering_held"):
+                lines.append(f"  not held: {r['arch']}/b{r['batch']}/{r['strategy']}: "
+                             f"{r.get('reordering_differing', '')} storages differ; "
+                             f"{r.get('reordering_error', '')}")
     return "\n".join(lines)
+
+
+def _median(values: list[int]) -> str:
+    import statistics
+
+    return f"{statistics.median(values):g}" if values else "-"
 
 
 def main() -> None:
@@ -402,6 +446,10 @@ def main() -> None:
                         help="with --host-loop: every decode step's causal mask taken as the "
                         "running 2D mask's view, as under a capture, and held element for "
                         "element to the one transformers builds (grape.torch.decode_mask)")
+    parser.add_argument("--check-reordering", action="store_true",
+                        help="with --host-loop: each row also replays one decode step in the "
+                        "order grape.passes.concurrency allows furthest from its own, and says "
+                        "whether every byte it touched ends the same (grape.torch.reordering)")
     parser.add_argument("--concurrent", action="store_true",
                         help="grape.generate(concurrent=True): the step's independent "
                         "operations side by side (grape.passes.concurrency)")
@@ -412,7 +460,10 @@ def main() -> None:
     if args.concurrent and args.host_loop:
         parser.error("expected --concurrent or --host-loop, found both: the host loop captures "
                      "nothing to reorder")
+    if args.check_reordering and not args.host_loop:
+        parser.error("expected --check-reordering with --host-loop, found it alone")
     CHECK_MASKS[0] = args.check_decode_masks
+    CHECK_REORDERING[0] = args.check_reordering
     CONCURRENT[0] = args.concurrent
     archs = args.archs.split(",") if args.archs else architectures()
     archs = [a for a in archs if a not in set(args.skip.split(","))]
