@@ -119,11 +119,13 @@ def test_temporaries_are_written_by_the_operation_that_made_them():
                                   "mixtral"])
 @pytest.mark.parametrize("kwargs", [{}, {"do_sample": True, "top_k": 5, "top_p": 0.9},
                                     {"num_beams": 3}], ids=["greedy", "sample", "beam 3"])
-def test_a_decode_step_reordered_as_the_dag_allows_leaves_the_same_state(arch, kwargs):
+@pytest.mark.parametrize("block", ["prefill", "step"])
+def test_a_decode_step_reordered_as_the_dag_allows_leaves_the_same_state(arch, kwargs, block):
     """What the dispatcher says each operation of a real step touched (cache writes, masks,
     beam bookkeeping, the selected tokens) is all the ordering the step needs: replayed
-    latest-ready-first, as far from the capture's order as the DAG lets it, the step leaves
-    every byte of the decoder's state as it did in capture order."""
+    latest-ready-first, as far from the capture's order as the DAG lets it, the step (and the
+    prompt's pass, the device loop's prologue) leaves every byte of the decoder's state as it
+    did in capture order."""
     from grape.torch.options import resolve
     from grape.torch.reordering import check_reordering
     from tests.test_torch_generation import CONFIGS, _built, _prompt
@@ -135,7 +137,8 @@ def test_a_decode_step_reordered_as_the_dag_allows_leaves_the_same_state(arch, k
         model, ids.shape[0], ids.shape[1], options)
     decoder.prefill(ids, m)
     decoder.step()
-    found = check_reordering(decoder.step)
+    found = (check_reordering(decoder.prefill, ids, m) if block == "prefill"
+             else check_reordering(decoder.step))
     assert found.held, found
     assert found.moved > found.operations // 2 and found.depth < found.operations
     assert found.storages > 10  # the cache, the mask, positions, tokens, beam state
