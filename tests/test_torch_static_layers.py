@@ -49,3 +49,42 @@ def test_the_count_must_be_one_long_element():
     with pytest.raises(GrapeError, match=r"shape \(1,\) and dtype long, found shape \(\) "
                                          r"and torch.int32"):
         CountedLayer(max_cache_len=4, count=torch.zeros((), dtype=torch.int32))
+
+
+def test_a_write_of_other_than_the_tokens_given_is_refused_before_it_lands():
+    # A forward given two tokens that writes three (a prefix of the model's own) would write
+    # past what the decoder counts; at the cache's end, past the cache itself (on a GPU, a
+    # device-side assert that ends the CUDA context). It is refused, the cache untouched.
+    from grape.torch.options import NotGraphable
+    from grape.torch.static_layers import Tokens
+
+    given, count = Tokens(), torch.zeros(1, dtype=torch.long)
+    layer = CountedLayer(max_cache_len=4, count=count, tokens=given)
+    given.n = 2
+    layer.update(_states(2, 1.0), _states(2, 1.0))
+    with pytest.raises(NotGraphable, match="wrote 3 tokens to the cache for the 2 it was given"):
+        layer.update(_states(3, 5.0), _states(3, 5.0))
+    assert not (layer.keys == 5.0).any()
+    given.n = None  # no forward under way: no check
+    layer.update(_states(3, 1.0), _states(3, 1.0))
+
+
+def test_a_model_that_adds_tokens_of_its_own_is_refused_with_the_reason():
+    # CPM-Ant prepends a prompt of its own (config.prompt_length) to every input: 16 tokens
+    # given, 48 written, into a cache of 40.
+    transformers = pytest.importorskip("transformers")
+    from grape.torch.decoding import TokenDecoder
+    from grape.torch.options import NotGraphable, resolve
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(
+        "cpmant", hidden_size=64, num_hidden_layers=2, num_attention_heads=2, dim_head=32,
+        dim_ff=128, prompt_length=32, vocab_size=300)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 300, (1, 16))
+    options, mask = resolve(model, ids, None, dict(max_new_tokens=24, do_sample=False,
+                                                   eos_token_id=None, pad_token_id=0))
+    decoder = TokenDecoder(model, 1, 16, options)
+    with pytest.raises(NotGraphable, match="wrote 48 tokens to the cache for the 16"):
+        decoder.prefill(ids, mask)

@@ -41,7 +41,7 @@ from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.options import NotGraphable, Options
 from grape.torch.parallel import group_of
 from grape.torch.sdpa_mask import convert_once
-from grape.torch.static_layers import CountedLayer
+from grape.torch.static_layers import CountedLayer, Tokens
 
 __all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "static_cache"]
 
@@ -64,7 +64,8 @@ class NotLeftPadded(ExactRefused):
 
 
 def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
-                 layer: type[CountedLayer] = CountedLayer) -> StaticCache:
+                 layer: type[CountedLayer] = CountedLayer,
+                 tokens: Tokens | None = None) -> StaticCache:
     """The static cache ``generate`` would make, with every attention layer writing at
     ``count``, the caller's device count of tokens in the cache, which the caller advances
     after each forward (``grape.torch.static_layers``). A sliding-window layer whose window
@@ -74,7 +75,8 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
     attention cache in hybrid models) are kept as made. ``layer``: the static layer class
     (``grape.torch.exact.TokenMajorLayer`` for exact-length attention). Recurrent layers, and
     static ones that also hold a recurrent state, count their own tokens; they advance their
-    count once per forward as well.
+    count once per forward as well. ``tokens``: what each forward is given, which the
+    attention layers hold their writes to (``grape.torch.static_layers.Tokens``).
 
     Raises
     ------
@@ -89,7 +91,7 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
     for i, made in enumerate(cache.layers):
         kind = type(made)
         if kind in (StaticLayer, StaticSlidingWindowLayer) and made.max_cache_len >= max_len:
-            cache.layers[i] = layer(max_cache_len=max_len, count=count)
+            cache.layers[i] = layer(max_cache_len=max_len, count=count, tokens=tokens)
             continue
         if isinstance(made, _RECURRENT) and (not isinstance(made, StaticLayer)
                                              or kind is _HYBRID):
@@ -136,8 +138,9 @@ class Decoder:
         # length, for transformers), and the decoder advances it once per forward; a recurrent
         # layer counts its own, in step with it.
         self.written = torch.zeros((1,), dtype=torch.long, device=device)
+        self.given = Tokens()  # given to each forward: the layers write that many
         self.cache = static_cache(model, self.max_len, self.written,
-                                  TokenMajorLayer if exact else CountedLayer)
+                                  TokenMajorLayer if exact else CountedLayer, self.given)
         self.mask = torch.zeros((rows, self.max_len), dtype=torch.long, device=device)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.position = torch.zeros((rows, 1), dtype=torch.long, device=device)
@@ -169,6 +172,7 @@ class Decoder:
     def _logits(self, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor | None,
                 first: bool) -> torch.Tensor:
         kwargs: dict[str, Any] = {self.cache_name: self.cache, "use_cache": True}
+        self.given.n = ids.shape[-1]  # what the attention layers may write (Tokens)
         if self.keeps_last_logits:
             kwargs["logits_to_keep"] = 1
         if self.uses_mask:

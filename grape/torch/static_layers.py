@@ -14,6 +14,11 @@ advances it; the decoder does, once per forward. ``cumulative_length``, which tr
 code reads as the length (``get_seq_length``, the mask's offsets), is a 0-dim view of the same
 count, as transformers keeps it, so it reads the same value at every layer that a
 transformers layer would hold at the start of the step.
+
+The decoder advances the count by the tokens it gave the forward (:class:`Tokens`). A forward
+that writes others (a prompt prefix of the model's own, as CPM-Ant adds) is refused before its
+write, which would land past the cache: on a GPU, a device-side assert that ends the process's
+CUDA context.
 """
 
 from __future__ import annotations
@@ -24,19 +29,31 @@ import torch
 from transformers.cache_utils import StaticLayer
 
 from grape.errors import GrapeError
+from grape.torch.options import NotGraphable
 
-__all__ = ["CountedLayer"]
+__all__ = ["CountedLayer", "Tokens"]
+
+
+class Tokens:
+    """The tokens given to the forward under way (None: no check), set by the decoder; every
+    layer sharing it holds its writes to that many."""
+
+    def __init__(self) -> None:
+        self.n: int | None = None
 
 
 class CountedLayer(StaticLayer):
-    """``StaticLayer`` writing at ``count``, a (1,) long device tensor its owner advances."""
+    """``StaticLayer`` writing at ``count``, a (1,) long device tensor its owner advances by
+    ``tokens`` a forward (:class:`Tokens`)."""
 
-    def __init__(self, max_cache_len: int, count: torch.Tensor) -> None:
+    def __init__(self, max_cache_len: int, count: torch.Tensor,
+                 tokens: Tokens | None = None) -> None:
         super().__init__(max_cache_len=max_cache_len)
         if count.shape != (1,) or count.dtype != torch.long:
             raise GrapeError(f"expected a token count of shape (1,) and dtype long, found "
                              f"shape {tuple(count.shape)} and {count.dtype}")
         self.count = count
+        self.tokens = tokens
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -59,6 +76,10 @@ class CountedLayer(StaticLayer):
         if self.count is None:
             return super().update(key_states, value_states, *args, **kwargs)
         n = key_states.shape[-2]
+        if self.tokens is not None and self.tokens.n is not None and n != self.tokens.n:
+            raise NotGraphable(f"the forward wrote {n} tokens to the cache for the "
+                               f"{self.tokens.n} it was given (it adds tokens of its own), "
+                               f"where grape's cache holds one per token given")
         at = self.count if n == 1 else torch.arange(n, device=self.device) + self.count
         self.keys.index_copy_(2, at, key_states)
         self.values.index_copy_(2, at, value_states)
