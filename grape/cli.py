@@ -193,11 +193,13 @@ def _parser() -> argparse.ArgumentParser:
     sim.set_defaults(run=_simulate)
     val = sub.add_parser(
         "validate", help="predict every recorded trace and compare with the GPU's measurement",
-        description="For every grape trace under the directories given: predict its own wall "
+        description="For every grape trace given, or under the directories given: predict "
+                    "its own wall "
                     "time from the trace alone, and for workloads recorded eagerly and graphed, "
                     "the graphed time from the eager trace and the device profile. Prints each "
                     "error and the median; exits 1 past the bounds.")
-    val.add_argument("dirs", nargs="+", type=Path, metavar="DIR")
+    val.add_argument("dirs", nargs="+", type=Path, metavar="PATH",
+                     help="a directory (its traces, recursively) or a trace file")
     val.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="FILE")
     val.add_argument("--median-bound", type=_amount, default=5.0, metavar="PCT")
     val.add_argument("--max-bound", type=_amount, default=15.0, metavar="PCT")
@@ -687,7 +689,9 @@ def _validate(args: argparse.Namespace) -> None:
     from grape.profile import load_profile
     from grape.sim.validate import validate
 
-    paths = [p for d in args.dirs for p in sorted(Path(d).rglob("*.json.gz"))]
+    if missing := [str(d) for d in args.dirs if not d.exists()]:
+        raise GrapeError(f"expected directories or trace files, found nothing at {missing}")
+    paths = [p for d in args.dirs for p in (sorted(d.rglob("*.json.gz")) if d.is_dir() else [d])]
     failures: list[str] = []
 
     def failed(path: Path, error: GrapeError) -> None:  # reported at once, counted at the end

@@ -140,6 +140,17 @@ def test_validate_command_exits_by_its_bounds(capsys, tmp_path):
     assert info.value.code == 1
 
 
+def test_validate_takes_trace_files_as_well_as_directories(capsys, tmp_path):
+    for path in (EAGER, GRAPH):
+        shutil.copy(path, tmp_path)
+    files = sorted(str(p) for p in tmp_path.iterdir())
+    assert main(["validate", *files, "--median-bound", "1000", "--max-bound", "1000"]) == 0
+    assert "4 predictions" in capsys.readouterr().out
+    # A path that is neither: said, not taken for a folder without traces.
+    assert main(["validate", str(tmp_path / "missing.json.gz")]) == 2
+    assert "expected directories or trace files, found nothing at" in capsys.readouterr().err
+
+
 def test_simulate_command_prints_side_by_side_and_writes_a_grape_trace(capsys, tmp_path):
     out_path = tmp_path / "sim.json"
     assert main(["simulate", str(EAGER), "--graph", "--chrome", str(out_path)]) == 0
