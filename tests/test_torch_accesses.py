@@ -176,6 +176,26 @@ def test_a_mutation_the_schema_does_not_declare_is_caught():
     assert check_reordering(honest).held
 
 
+def test_operations_of_every_kind_of_result_replay():
+    # In place with no result (_foreach_add_), several results (topk), a list of fresh
+    # results (_foreach_mul), views (split), an out= argument.
+    from grape.torch.reordering import check_reordering
+
+    a, b = torch.arange(6.0), torch.ones(4)
+    out = torch.empty(4)
+
+    def block():
+        torch._foreach_add_([a, b], 1.0)
+        values, indices = torch.topk(a, 2)
+        doubled = torch._foreach_mul([a, b], 2.0)
+        left, _ = torch.split(a, 3)
+        torch.add(b, 1.0, out=out)
+        return values + indices + doubled[0][:2] + left[:2] + out[:2]
+
+    found = check_reordering(block)
+    assert found.held and found.moved, found
+
+
 def test_a_block_with_state_outside_its_tensors_is_not_judged():
     from grape.torch.reordering import check_reordering
 

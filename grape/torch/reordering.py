@@ -116,6 +116,8 @@ class _Recorded(TorchDispatchMode):
             func, args, kwargs, out, _ = self.ops[i]
             again = func(*args, **kwargs)
             returns = func._schema.returns
+            if not returns:  # in place alone (the _foreach_*_ operations)
+                continue
             olds, news = ((out,), (again,)) if len(returns) == 1 else (out, again)
             for r, old, new in zip(returns, olds, news, strict=True):
                 if r.alias_info is None:  # fresh; an alias views memory written in place
