@@ -122,6 +122,15 @@ def test_an_operations_own_kernel_naming_another_operations_tensor_holds_a_stale
     c = concurrent(g, [OpAccess(starts[0], writes=(_at(1),), end=1),
                        OpAccess(starts[1], writes=(_at(5),), name="b", end=2)])
     assert _reaches(c.graph, "op0.0", "op1.0") and c.widened == ("b (buffer)",)
+    # A copy's ends are exact, not words that may be stale: one inside the dispatch that
+    # reaches another operation's tensor is widened.
+    g = KernelGraph()
+    g.add_buffer(_pool())
+    g.add("a", _kernel("a", 1))
+    g.add("copy", Memcpy(Span("pool", 1 * SLOT), Span("pool", 6 * SLOT), SLOT), after=["a"])
+    c = concurrent(g, [OpAccess(0, writes=(_at(1),), end=1),
+                       OpAccess(1, reads=(_at(6),), writes=(_at(7),), name="copy", end=2)])
+    assert _reaches(c.graph, "a", "copy") and c.stale == () and c.widened == ("copy (tensor)",)
 
 
 def test_the_allocators_view_tells_workspaces_from_stale_words():

@@ -28,10 +28,10 @@ What a kernel may touch beyond those declarations is widened, never trusted:
   the allocator manages the memory, nothing (no tensor lived there while the graph was
   captured, so no kernel of it can use it: a stale word); elsewhere (memory a library
   allocated itself, or no :class:`Allocations` given), the whole buffer it points into;
-* except where the node is the operation's own (launched inside its dispatch, with the
-  operation's temporaries known: ``OpAccess.end``) and the word lies in another operation's
-  tensor. There the dispatcher's contract holds: an operation's kernels touch the tensors its
-  schema names, the temporaries it makes, and library state (workspaces, a generator's
+* except where the node is a kernel of the operation's own (launched inside its dispatch,
+  with the operation's temporaries known: ``OpAccess.end``) and the word lies in another
+  operation's tensor. There the dispatcher's contract holds: an operation's kernels touch the
+  tensors its schema names, the temporaries it makes, and library state (workspaces, a generator's
   offsets), never another operation's tensors, so the word is stale (unused slots of PyTorch's
   fixed-size argument arrays keep what the host's stack held, which can be an earlier
   launch's pointers) and is left out: as a write it would order the operation after
@@ -184,9 +184,9 @@ def _groups(graph: KernelGraph, ops: Sequence[OpAccess],
                 if _inside(address, declared):
                     continue
                 if tensors := declared_anywhere.holding(address):
-                    if k < g.dispatched:  # the operation's own kernel: a stale word
-                        g.stale = True
-                        continue
+                    if k < g.dispatched and isinstance(op, Kernel):
+                        g.stale = True  # a word of the operation's own kernel (a copy's
+                        continue  # or a set's ends are exact, never stale)
                     extra.update(tensors)
                     g.widened.add("tensor")
                 elif blocks := held.holding(address):
