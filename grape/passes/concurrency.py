@@ -35,8 +35,9 @@ What a kernel may touch beyond those declarations is widened, never trusted:
   offsets), never another operation's tensors, so the word is stale (unused slots of PyTorch's
   fixed-size argument arrays keep what the host's stack held, which can be an earlier
   launch's pointers) and is left out: as a write it would order the operation after
-  whatever that earlier launch touched. ``tests/test_torch_accesses.py`` replays real decode
-  steps in the order the DAG allows and holds every byte of their state to capture order's;
+  whatever that earlier launch touched. The declarations themselves are checked by running
+  real decode steps in the order the DAG allows (``grape.torch.reordering``, on the CPU for
+  every architecture: ``benchmarks/arch_sweep.py --host-loop --check-reordering``);
 * a node that is neither a kernel, a copy nor a set (a conditional, an event, an empty join) and
   the nodes captured before the first operation order everything: they depend on all before
   them and all after them on them.
