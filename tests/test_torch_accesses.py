@@ -144,6 +144,31 @@ def test_a_decode_step_reordered_as_the_dag_allows_leaves_the_same_state(arch, k
     assert found.storages > 10  # the cache, the mask, positions, tokens, beam state
 
 
+def test_an_encoder_and_a_speech_model_reordered_hold_their_results():
+    """grape.graphed's workloads: BERT over a padded batch, Wav2Vec2 over raw audio
+    (convolutions, group norm, positional convolution)."""
+    transformers = pytest.importorskip("transformers")
+    from grape.torch.reordering import check_reordering
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=300)).eval()
+    ids = torch.randint(3, 300, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    speech = transformers.Wav2Vec2Model(transformers.Wav2Vec2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4)).eval()
+    audio = torch.randn(1, 4000)
+    for name, block in (("bert", lambda: bert(ids, attention_mask=mask)),
+                        ("wav2vec2", lambda: speech(audio))):
+        found = check_reordering(block)
+        assert found.held and found.moved > found.operations // 2, (name, found)
+
+
 def test_a_mutation_the_schema_does_not_declare_is_caught():
     """An operator whose schema omits that it writes its argument (a custom operator's
     mistake): moved ahead of a reader of what it writes, the replay leaves other bytes."""
