@@ -252,6 +252,30 @@ def test_a_forward_that_syncs_falls_back_to_generate_and_leaves_the_process_usab
     torch.randint(0, 10, (4,), device="cuda")  # the generator is out of capture mode
 
 
+def test_a_model_that_adds_tokens_of_its_own_falls_back_and_leaves_the_context_usable(cuda):
+    # CPM-Ant prepends a prompt of its own: written into grape's cache it landed past its
+    # end, a device-side assert that ended the process's CUDA context (every H200 sweep's
+    # cpmant row). Refused before the write now: the documented fallback, the GPU usable.
+    import grape
+
+    config = transformers.AutoConfig.for_model(
+        "cpmant", hidden_size=64, num_hidden_layers=2, num_attention_heads=2, dim_head=32,
+        dim_ff=128, prompt_length=32, vocab_size=300)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).cuda().eval()
+    ids = torch.randint(3, 300, (1, 16), device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            grape.generate(model, ids, max_new_tokens=8)
+        except Exception as e:  # generate's own refusal of this model is not grape's concern
+            assert "CUDA" not in str(e), e
+    message = [str(w.message) for w in caught if "runs model.generate" in str(w.message)]
+    assert len(message) == 1 and "wrote 48 tokens to the cache for the 16" in message[0]
+    torch.cuda.synchronize()  # no device-side assert pending
+    assert torch.arange(4, device="cuda").sum().item() == 6
+
+
 def test_a_graphed_callable_reads_its_inputs_where_they_lie(cuda):
     import grape
 
