@@ -88,3 +88,56 @@ def test_a_model_that_adds_tokens_of_its_own_is_refused_with_the_reason():
     decoder = TokenDecoder(model, 1, 16, options)
     with pytest.raises(NotGraphable, match="wrote 48 tokens to the cache for the 16"):
         decoder.prefill(ids, mask)
+
+
+def test_a_layer_written_twice_in_one_forward_is_refused():
+    # transformers' layers append a second write after the first; grape's would write it over
+    # the first (a model running its layers more than once a forward, as Dory's small configs).
+    from grape.torch.options import NotGraphable
+    from grape.torch.static_layers import Tokens
+
+    given, count = Tokens(), torch.zeros(1, dtype=torch.long)
+    layer = CountedLayer(max_cache_len=8, count=count, tokens=given)
+    given.begin(2)
+    layer.update(_states(2, 1.0), _states(2, 1.0))
+    with pytest.raises(NotGraphable, match="wrote a cache layer twice"):
+        layer.update(_states(2, 2.0), _states(2, 2.0))
+    given.begin(2)  # the next forward writes it again, once
+    layer.update(_states(2, 3.0), _states(2, 3.0))
+
+
+def _hf_and_grape_logits(model_type, sizes, **kwargs):
+    transformers = pytest.importorskip("transformers")
+    from grape.torch.decoding import TokenDecoder
+    from grape.torch.options import resolve
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(model_type, **sizes)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, sizes["vocab_size"], (1, 12),
+                        generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0,
+              output_logits=True, return_dict_in_generate=True, **kwargs)
+    reference = model.generate(ids, cache_implementation="static", **kw)
+    options, mask = resolve(model, ids, None, dict(kw))
+    ours = TokenDecoder(model, 1, 12, options).generate_on_host(ids, mask)
+    return reference.logits, ours.logits
+
+
+def test_a_sliding_layer_held_whole_keeps_its_flag_for_transformers_mask_sizes():
+    # RecurrentGemma: two recurrent layers (their state in the model's modules, the cache
+    # layers never written) and a sliding-window attention layer whose window holds the whole
+    # generation. transformers takes a sliding mask's sizes from the first layer flagged
+    # sliding, else from layer 0: under 5.25 a recurrent layer counting no token, and every
+    # decode step attended over one key.
+    reference, ours = _hf_and_grape_logits(
+        "recurrent_gemma", {"hidden_size": 64, "intermediate_size": 128,
+                            "num_hidden_layers": 3, "num_attention_heads": 4,
+                            "num_key_value_heads": 1, "head_dim": 16, "lru_width": 64,
+                            "attention_window_size": 64, "vocab_size": 300})
+    assert len(reference) == len(ours) == 5
+    # Equal to float32 rounding (the prompt's attention kernel may differ with the mask);
+    # attending over one key instead of all moved logits by units.
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(reference, ours,
+                                                                        strict=True))

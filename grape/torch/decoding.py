@@ -92,6 +92,10 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
         kind = type(made)
         if kind in (StaticLayer, StaticSlidingWindowLayer) and made.max_cache_len >= max_len:
             cache.layers[i] = layer(max_cache_len=max_len, count=count, tokens=tokens)
+            # transformers finds the layer whose sizes a sliding window's mask takes by this
+            # flag, else takes layer 0, which in a hybrid model can be a recurrent layer that
+            # never counts a token (RecurrentGemma under transformers 5.25: a mask over one key).
+            cache.layers[i].is_sliding = bool(getattr(made, "is_sliding", False))
             continue
         if isinstance(made, _RECURRENT) and (not isinstance(made, StaticLayer)
                                              or kind is _HYBRID):
@@ -172,7 +176,7 @@ class Decoder:
     def _logits(self, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor | None,
                 first: bool) -> torch.Tensor:
         kwargs: dict[str, Any] = {self.cache_name: self.cache, "use_cache": True}
-        self.given.n = ids.shape[-1]  # what the attention layers may write (Tokens)
+        self.given.begin(ids.shape[-1])  # what the attention layers may write (Tokens)
         if self.keeps_last_logits:
             kwargs["logits_to_keep"] = 1
         if self.uses_mask:

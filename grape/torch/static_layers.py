@@ -15,10 +15,15 @@ code reads as the length (``get_seq_length``, the mask's offsets), is a 0-dim vi
 count, as transformers keeps it, so it reads the same value at every layer that a
 transformers layer would hold at the start of the step.
 
-The decoder advances the count by the tokens it gave the forward (:class:`Tokens`). A forward
-that writes others (a prompt prefix of the model's own, as CPM-Ant adds) is refused before its
-write, which would land past the cache: on a GPU, a device-side assert that ends the process's
-CUDA context.
+The decoder advances the count by the tokens it gave the forward (:class:`Tokens`), once: a
+forward must write each layer once, with those tokens. One that writes others (a prompt prefix
+of the model's own, as CPM-Ant adds) is refused before its write, which would land past the
+cache: on a GPU, a device-side assert that ends the process's CUDA context. One that writes a
+layer twice (a model that runs its layers more than once a forward, as Dory's small configs
+do) is refused too: transformers' layers append the second write after the first, grape's
+would write it over the first, and the tokens would part from ``generate``'s unannounced. The
+checks run on the host where the model's own code runs (the prompt is never compiled), not
+inside ``torch.compile``'s trace, whose guards would take a count that changes every forward.
 """
 
 from __future__ import annotations
@@ -35,11 +40,18 @@ __all__ = ["CountedLayer", "Tokens"]
 
 
 class Tokens:
-    """The tokens given to the forward under way (None: no check), set by the decoder; every
-    layer sharing it holds its writes to that many."""
+    """The tokens given to the forward under way (``n``; None: no check) and which forward it is
+    (``forward``, counted), set by the decoder; every layer sharing it holds its writes to one
+    of ``n`` tokens a forward."""
 
     def __init__(self) -> None:
         self.n: int | None = None
+        self.forward = 0
+
+    def begin(self, n: int) -> None:
+        """A forward given ``n`` tokens begins."""
+        self.n = n
+        self.forward += 1
 
 
 class CountedLayer(StaticLayer):
@@ -54,6 +66,7 @@ class CountedLayer(StaticLayer):
                              f"shape {tuple(count.shape)} and {count.dtype}")
         self.count = count
         self.tokens = tokens
+        self.written_in = -1  # the forward that last wrote this layer (Tokens.forward)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -76,11 +89,22 @@ class CountedLayer(StaticLayer):
         if self.count is None:
             return super().update(key_states, value_states, *args, **kwargs)
         n = key_states.shape[-2]
-        if self.tokens is not None and self.tokens.n is not None and n != self.tokens.n:
-            raise NotGraphable(f"the forward wrote {n} tokens to the cache for the "
-                               f"{self.tokens.n} it was given (it adds tokens of its own), "
-                               f"where grape's cache holds one per token given")
+        if self.tokens is not None and self.tokens.n is not None and not (
+                torch.compiler.is_compiling()):
+            self._check(n)
         at = self.count if n == 1 else torch.arange(n, device=self.device) + self.count
         self.keys.index_copy_(2, at, key_states)
         self.values.index_copy_(2, at, value_states)
         return self.keys, self.values
+
+    def _check(self, n: int) -> None:
+        """Refuse, before it lands, a write other than one of the forward's tokens."""
+        if n != self.tokens.n:
+            raise NotGraphable(f"the forward wrote {n} tokens to the cache for the "
+                               f"{self.tokens.n} it was given (it adds tokens of its own), "
+                               f"where grape's cache holds one per token given")
+        if self.written_in == self.tokens.forward:
+            raise NotGraphable("the forward wrote a cache layer twice (it runs a layer more "
+                               "than once), where grape's cache takes one write per layer and "
+                               "forward")
+        self.written_in = self.tokens.forward
