@@ -141,3 +141,17 @@ def test_a_sliding_layer_held_whole_keeps_its_flag_for_transformers_mask_sizes()
     # attending over one key instead of all moved logits by units.
     assert all(torch.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(reference, ours,
                                                                         strict=True))
+
+
+def test_a_cache_layer_that_holds_nothing_is_kept_and_the_logits_are_generates():
+    # Nemotron-H: a Mamba layer, an MLP layer and an attention layer. Under transformers 5.2x
+    # the MLP layer's cache layer is a DummyLayer, which holds nothing (grape refused it as a
+    # kind of layer it did not know, so the model fell back).
+    reference, ours = _hf_and_grape_logits(
+        "nemotron_h", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                       "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16,
+                       "n_groups": 1, "hybrid_override_pattern": "M-*", "vocab_size": 300})
+    assert len(reference) == len(ours) == 5
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(reference, ours,
+                                                                        strict=True))

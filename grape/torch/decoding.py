@@ -53,6 +53,9 @@ __all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "static_c
 _RECURRENT: Any = getattr(hf_cache, "LinearAttentionCacheLayerMixin", ())
 # A recurrent state beside a static attention cache, in one layer (hybrid models).
 _HYBRID: Any = getattr(hf_cache, "LinearAttentionAndStaticFullAttentionLayer", ())
+# A layer that holds nothing (a layer without attention, or one reading another's cache):
+# nothing to keep in place, no position on the host. transformers 5.2x makes them.
+_EMPTY: Any = getattr(hf_cache, "DummyLayer", ())
 
 
 class ExactRefused(NotGraphable):
@@ -72,8 +75,9 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
     holds the whole generation is a plain static layer (the same attention), since the sliding
     layer counts its length on the host, which a captured step would freeze at its
     capture-time value. Layers with a recurrent state (``_RECURRENT``; beside a static
-    attention cache in hybrid models) are kept as made. ``layer``: the static layer class
-    (``grape.torch.exact.TokenMajorLayer`` for exact-length attention). Recurrent layers, and
+    attention cache in hybrid models), and layers that hold nothing, are kept as made.
+    ``layer``: the static layer class (``grape.torch.exact.TokenMajorLayer`` for exact-length
+    attention). Recurrent layers, and
     static ones that also hold a recurrent state, count their own tokens; they advance their
     count once per forward as well. ``tokens``: what each forward is given, which the
     attention layers hold their writes to (``grape.torch.static_layers.Tokens``).
@@ -96,6 +100,8 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
             # flag, else takes layer 0, which in a hybrid model can be a recurrent layer that
             # never counts a token (RecurrentGemma under transformers 5.25: a mask over one key).
             cache.layers[i].is_sliding = bool(getattr(made, "is_sliding", False))
+            continue
+        if isinstance(made, _EMPTY):
             continue
         if isinstance(made, _RECURRENT) and (not isinstance(made, StaticLayer)
                                              or kind is _HYBRID):
