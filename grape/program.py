@@ -23,7 +23,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from grape.ir import KernelGraph
-from grape.records import GpuRecord, Iteration, WaitRecord, alone_times, span, union_length
+from grape.records import (
+    GpuRecord,
+    Iteration,
+    WaitRecord,
+    alone_times,
+    sm_share,
+    span,
+    union_length,
+)
 from grape.trace import Trace
 
 __all__ = [
@@ -51,6 +59,8 @@ class GpuWork:
     ``alone``: where the work ran beside other streams' work in the recording, the part of
     ``dur`` the GPU spent on it, its duration divided among what ran with it
     (``grape.records.alone_times``); None where it ran by itself (``alone`` is ``dur``).
+    ``share``: the share of the GPU's SMs it holds while it runs (``grape.records.sm_share``),
+    which prices work that overlaps other streams' (``grape.sim.sharing``).
     """
 
     kind: str
@@ -58,6 +68,7 @@ class GpuWork:
     dur: float
     stream: int
     alone: float | None = None
+    share: float = 1.0
 
     @property
     def work(self) -> float:
@@ -152,8 +163,10 @@ class Program:
         return Program(self.name, iterations, list(self.approximations), list(self.blockers))
 
 
-def _work(ops: tuple[GpuRecord, ...], alone: dict[int, float]) -> tuple[GpuWork, ...]:
-    return tuple(GpuWork(op.kind, op.name, op.dur, op.stream, _shared(op, alone))
+def _work(ops: tuple[GpuRecord, ...], alone: dict[int, float], sms: int | None
+          ) -> tuple[GpuWork, ...]:
+    return tuple(GpuWork(op.kind, op.name, op.dur, op.stream, _shared(op, alone),
+                         sm_share(op, sms))
                  for op in sorted(ops, key=lambda o: o.ts))
 
 
@@ -169,8 +182,8 @@ def _count(sorted_ts: list[float], lo: float, hi: float) -> int:
 
 
 def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
-               tids: set[int], waits: dict[int, StreamWait], alone: dict[int, float]
-               ) -> tuple[Step, ...]:
+               tids: set[int], waits: dict[int, StreamWait], alone: dict[int, float],
+               sms: int | None) -> tuple[Step, ...]:
     launches = {launch.call.correlation: launch for launch in it.launches}
     steps: list[Step] = []
     cursor = it.start
@@ -188,10 +201,10 @@ def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
             # Under the profiler a graph launch call lasts as long as CUPTI takes to instrument
             # its nodes; the unprofiled cost is the device profile's (set by the caller).
             steps.append(GraphLaunch(cost=cost, nodes=len(kernels), gpu_time=span(launch.ops),
-                                     stream=min(streams), work=_work(launch.ops, alone),
+                                     stream=min(streams), work=_work(launch.ops, alone, sms),
                                      busy=union_length([(op.ts, op.end) for op in launch.ops])))
         elif launch is not None:
-            steps.append(Launch(call.name, cost, _work(launch.ops, alone)))
+            steps.append(Launch(call.name, cost, _work(launch.ops, alone, sms)))
         elif call.is_sync:
             steps.append(Sync(call.name, 0.0))
         else:
@@ -288,6 +301,7 @@ def program_from_trace(trace: Trace, overhead: ProfilerOverhead | None = None) -
     tids, beside = _host_threads(trace)
     ops_ts = sorted(op.ts for op in trace.ops if op.tid in tids)
     records = {w.correlation: w for w in trace.waits}
+    sms = trace.device.get("numSms")  # the first GPU's: a trace's GPUs are taken to be alike
     alone = {}
     for device in {op.device for op in trace.gpu_ops}:  # each GPU shared by its own work
         ops = [op for op in trace.gpu_ops if op.device == device]
@@ -295,7 +309,7 @@ def program_from_trace(trace: Trace, overhead: ProfilerOverhead | None = None) -
     iterations, inferred, unmatched = [], 0, 0
     for it in trace.iterations:
         waits, missed = _stream_waits(it, records)
-        iterations.append(_iteration(it, ops_ts, overhead, tids, waits, alone))
+        iterations.append(_iteration(it, ops_ts, overhead, tids, waits, alone, sms))
         inferred += sum(1 for c in waits if records[c].on_stream < 0)
         unmatched += missed
     program = Program(trace.workload, iterations)

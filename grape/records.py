@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 __all__ = ["GRAPH_LAUNCH_CALLS", "SYNC_CALLS", "GpuRecord", "HostCall", "Iteration",
-           "LaunchRecord", "WaitRecord", "busy_time", "graph_kernel_gap", "span", "top_level",
-           "union_length"]
+           "LaunchRecord", "WaitRecord", "alone_times", "busy_time", "graph_kernel_gap", "sm_share",
+           "span", "top_level", "union_length"]
 
 # Host calls that block until the GPU (or a stream, or an event) has caught up.
 SYNC_CALLS = frozenset({
@@ -145,6 +145,25 @@ def graph_kernel_gap(ops: Iterable[GpuRecord], least: int = 16) -> float | None:
             ordered.sort(key=lambda op: op.ts)
             gaps += [b.ts - a.end for a, b in itertools.pairwise(ordered) if b.ts >= a.end]
     return statistics.median(gaps) if len(gaps) >= least else None
+
+
+def sm_share(op: GpuRecord, sms: int | None) -> float:
+    """The share of the GPU's streaming multiprocessors ``op`` holds while it runs, taking a
+    kernel of b blocks to spread them over min(b, SMs) of them (blocks dealt across SMs before
+    any takes a second): one of 88 blocks on a 132-SM H200 holds two thirds of it. Work of
+    unknown extent (a copy, a memset, a kernel without its launch configuration, or a GPU whose
+    SM count the trace does not give) is taken to hold the whole GPU.
+
+    Whether two kernels' blocks could share an SM (registers and shared memory left over) is
+    not asked. On the H200, two towers of 88-block GEMMs and 256-block elementwise kernels,
+    forked onto two streams under a graph, ran their GEMMs 1.22x and their elementwise kernels
+    2.6x slower than alone (medians over 48 and 51 kernels, ``traces/h200_unseen/
+    two_streams_*``): the elementwise kernels did not fit beside the GEMMs' blocks, whose
+    shared memory and registers fill an SM."""
+    if op.kind != "kernel" or op.grid is None or not sms:
+        return 1.0
+    grid = op.grid
+    return min(1.0, grid[0] * grid[1] * grid[2] / sms)
 
 
 def alone_times(ops: Sequence[GpuRecord]) -> list[float]:

@@ -242,6 +242,10 @@ def _device(properties: Any, path: str | Path) -> dict[str, Any]:
     if not isinstance(name, str):
         raise TraceFormatError(f"{path}: expected the device's 'name' a string, found "
                                f"{name!r:.60}")
+    sms = properties[0].get("numSms")  # prices work that overlaps other streams' (sm_share)
+    if sms is not None and not (isinstance(sms, int) and not isinstance(sms, bool) and sms > 0):
+        raise TraceFormatError(f"{path}: expected the device's 'numSms' a positive integer, "
+                               f"found {sms!r:.60}")
     return properties[0]
 
 

@@ -420,8 +420,8 @@ def test_simulate_prices_placeholder_copies(capsys):
     assert "expected graph launches to copy inputs in front of" in capsys.readouterr().err
 
 
-def _kernel(stream, dur, name="k"):
-    return Launch("cudaLaunchKernel", 5.0, (GpuWork("kernel", name, dur, stream),))
+def _kernel(stream, dur, name="k", share=1.0):
+    return Launch("cudaLaunchKernel", 5.0, (GpuWork("kernel", name, dur, stream, share=share),))
 
 
 def test_graphing_flags_what_a_capture_would_refuse_with_the_iterations():
@@ -445,12 +445,23 @@ def test_graphing_flags_what_a_capture_would_refuse_with_the_iterations():
 
 def test_a_graph_overlaps_streams_as_the_recorded_waits_allow():
     costs = Costs(graph_node_overhead=0.5)
-    forked = (_kernel(7, 10.0), StreamWait(13, 7), _kernel(13, 30.0), _kernel(7, 20.0),
-              StreamWait(7, 13), _kernel(7, 5.0), Sync("cudaStreamSynchronize", 1.0))
+    forked = (_kernel(7, 10.0), StreamWait(13, 7), _kernel(13, 30.0, share=0.25),
+              _kernel(7, 20.0, share=0.5), StreamWait(7, 13), _kernel(7, 5.0),
+              Sync("cudaStreamSynchronize", 1.0))
     (launch, _), = graph_iterations(Program("p", [forked]), costs).iterations
-    # 13 waits for 7's first kernel (10.5), runs 30.5; 7 runs on (20.5) then waits for 13.
+    # 13 waits for 7's first kernel (10.5), runs 30.5; 7 runs on (20.5) then waits for 13. The
+    # two in the middle fit the GPU together, so neither slows the other.
     assert launch.gpu_time == pytest.approx(10.5 + 30.5 + 5.5)
     assert launch.nodes == 4
+    # Kernels that fill the GPU share it while they overlap: both at half pace until the 20 us
+    # one ends (40 us), then the other's last 10 us alone.
+    full = tuple(_kernel(s.work[0].stream, s.work[0].dur) if isinstance(s, Launch) else s
+                 for s in forked)
+    (launch, _), = graph_iterations(Program("p", [full]), costs).iterations
+    assert launch.gpu_time == pytest.approx(10.5 + 0.5 + 40.0 + 10.0 + 0.5 + 5.0)
+    (launch, _), = graph_iterations(Program("p", [full]), costs,
+                                    branches="overlapped").iterations
+    assert launch.gpu_time == pytest.approx(10.5 + 30.5 + 5.5)
     unordered = tuple(s for s in forked if not isinstance(s, StreamWait))
     graphed = graph_iterations(Program("p", [unordered]), costs)
     assert graphed.iterations[0][0].gpu_time == pytest.approx(10.5 + 30.5 + 20.5 + 5.5)

@@ -78,7 +78,8 @@ def test_the_what_if_from_the_eager_trace_alone_says_where_capture_changed_the_k
 def test_work_on_several_streams_is_priced_as_it_shared_the_gpu(recording, predictions):
     # Wav2Vec2's eager forward runs on up to nine streams, whose kernels' recorded durations
     # overlap (summed, 2.4 to 4.9 times the GPU's busy time). Where the recording holds stream
-    # waits, the graph runs the longest chain they order; where it does not, each kernel one
+    # waits, the graph runs the branches they order side by side, sharing the GPU's SMs (where
+    # they overlap, these fit the GPU together); where it does not, each kernel one
     # after another at its share of the stretches it ran in: near the graph either way (summed
     # back to back at their recorded durations, as before, 116 to 299% slow).
     wav2vec2 = [p for p in predictions
@@ -216,9 +217,10 @@ def test_every_eager_replay_states_an_interval_around_its_prediction(predictions
     assert len(eager) == 19
     assert all(p.low <= p.predicted <= p.high for p in eager)
     # The what-if states one where branches on several streams may overlap (Wav2Vec2's, in the
-    # second recording): from overlapped, its point, to one after the other.
+    # second recording): from overlapped at their alone speed to one after the other, its point
+    # (the branches sharing the GPU's SMs) between.
     branched = [p for p in predictions if p.question == ALONE and p.inside is not None]
-    assert all(p.low == p.predicted <= p.high and "several streams" in p.note for p in branched)
+    assert all(p.low <= p.predicted <= p.high and "several streams" in p.note for p in branched)
     others = [p for p in predictions if p.question != "replay eager" and p not in branched]
     assert all(p.inside is None for p in others)
 
@@ -252,15 +254,11 @@ def test_graphed_training_steps_are_predicted_from_their_recordings():
 # --- Workloads the simulator was not calibrated on (traces/h200_unseen) -----------------------
 
 UNSEEN_MULTI_STREAM = (
-    "measured: two-streams:b64:w4096:d8 (two towers of eight 64x4096x4096 GEMMs, memory-bound, "
-    "on two streams) ran its graph in 0.175 ms; the replay from the graphed trace predicts "
-    "0.192 (+9.9%: the graph's kernels as CUPTI timed them already cover 0.178 ms, and the "
-    "model adds the launch's fixed cost and the per-node gaps of its longer branch, 17 of 33 "
-    "nodes; with every node's gap it predicted 0.197, +12.7%), and the "
-    "what-if from the eager trace 0.128 (-26.9%): eagerly the towers ran one after the other "
-    "(host-bound), and the what-if runs them side by side at the speed each had alone, where "
-    "under the graph they share the GPU's memory bandwidth. Traces carry no bytes moved, so "
-    "the model cannot tell which concurrent kernels contend")
+    "measured: two-streams:b64:w4096:d8 (two towers of eight 64x4096x4096 GEMMs on two "
+    "streams) ran its graph in 0.175 ms; the replay from the graphed trace predicts 0.192 "
+    "(+9.9%: the graph's kernels as CUPTI timed them already cover 0.178 ms, and the model "
+    "adds the launch's fixed cost and the per-node gaps of its longer branch, 17 of 33 nodes; "
+    "with every node's gap it predicted 0.197, +12.7%)")
 
 
 @pytest.fixture(scope="module")
@@ -278,17 +276,28 @@ def test_graphed_runs_of_unseen_workloads_are_replayed_within_3_percent(unseen, 
 
 
 @pytest.mark.xfail(strict=True, reason=UNSEEN_MULTI_STREAM)
-@pytest.mark.parametrize("question", ["replay graph", "eager -> graph"])
-def test_a_model_forked_onto_two_streams_is_predicted_graphed(unseen, question):
-    bound = 0.03 if question == "replay graph" else 0.10
-    assert abs(unseen["two_streams_b64_w4096_d8", question].error) <= bound
+def test_a_model_forked_onto_two_streams_is_replayed_graphed_within_3_percent(unseen):
+    assert abs(unseen["two_streams_b64_w4096_d8", "replay graph"].error) <= 0.03
+
+
+@pytest.mark.parametrize("folder", ["h200_unseen", "h200_calibrated", "h200_calibrated_median3"])
+def test_a_model_forked_onto_two_streams_is_predicted_graphed_from_its_eager_trace(folder):
+    # Eagerly the host ran the towers one after the other; graphed, they overlap, and their
+    # 88-block GEMMs (two thirds of the H200's 132 SMs each) slow each other down. Priced as
+    # the branches share the SMs (grape.sim.sharing): -3.3%, -2.2% and -7.2% in the three
+    # processes that recorded it; side by side at the speed each had alone, as before: -26.9%,
+    # -26.5% and -30.3%.
+    paths = sorted((TRACES / folder).glob("two_streams_*.json.gz"))
+    found = [p for p in validate(paths, load_profile(DEFAULT_PROFILE)) if p.question == ALONE]
+    assert len(found) == 1 and abs(found[0].error) <= 0.10, f"{found[0].error:+.1%}"
 
 
 def test_the_two_stream_what_if_states_the_range_its_branches_can_cost(unseen):
-    # Overlapped at solo speed (the point, -26.9%) to one after the other: the graph's 0.175 ms
-    # lies between; the trace cannot say how much the branches contend.
+    # From overlapped at their alone speed to one after the other, the point between: the
+    # trace cannot say how much the branches contend beyond the SMs their grids ask for.
     p = unseen["two_streams_b64_w4096_d8", ALONE]
-    assert p.low == pytest.approx(p.predicted) and p.high > p.measured > p.low and p.inside
+    assert p.low < p.predicted < p.high and p.low < p.measured < p.high and p.inside
+    assert p.low == pytest.approx(0.128, abs=0.001)  # the old point, -26.9%
     assert "from overlapped to one after the other" in p.note
 
 

@@ -184,12 +184,13 @@ def _eager_to_graph(trace: Trace, program, graph: Trace, profile: DeviceProfile,
     alone = simulate(graphed, costs).per_iteration
     low = high = None
     if _overlapping_branches(program):
-        # Branches the waits let overlap ran at their own speed when recorded, and the model
-        # runs them side by side at it; how much they slow each other down once they do
-        # overlap (sharing memory bandwidth, SMs) the trace cannot say: state the range, from
-        # fully overlapped to one after the other.
-        serial = simulate(graph_iterations(program, costs, serialize=True), costs).per_iteration
-        low, high = min(alone, serial) / 1000, max(alone, serial) / 1000
+        # Branches the waits let overlap are priced as they share the GPU's SMs; how much
+        # more or less they slow each other down (memory bandwidth, blocks sharing an SM) the
+        # trace cannot say: state the range, from overlapped at their alone speed to one after
+        # the other.
+        low, high = (simulate(graph_iterations(program, costs, branches=way), costs)
+                     .per_iteration / 1000 for way in ("overlapped", "serial"))
+        low, high = min(low, alone / 1000), max(high, alone / 1000)
         note = "; ".join(filter(None, [note, "branches on several streams: the interval runs "
                                              "from overlapped to one after the other"]))
     borrowed = simulate(graph_iterations(program, costs,

@@ -25,6 +25,7 @@ from grape.program import (
     program_from_trace,
 )
 from grape.sim.engine import Costs
+from grape.sim.sharing import branch_time
 from grape.trace import SIMULATED, Trace
 
 __all__ = [
@@ -176,30 +177,31 @@ def set_launch_cost(program: Program, cost: float) -> Program:
                                           for s in it) for it in program.iterations])
 
 
+# How branches that the stream waits let overlap are priced (``_graph_gpu_time``).
+BRANCHES = ("shared", "overlapped", "serial")
+
+
 def _graph_gpu_time(steps: tuple[Step, ...] | list[Step], per_node: float,
-                    serialize: bool = False) -> tuple[float, int, set[int]]:
+                    branches: str = "shared") -> tuple[float, int, set[int]]:
     """GPU time of ``steps``' eager work captured as one graph, each operation plus the graph's
-    per-node overhead. Where the trace's stream waits say what waited for what, the longest
-    chain of work they order (capture turns an event wait between streams into a dependency
-    between branches; the streams run concurrently otherwise), each operation at its recorded
-    time. Without waits, the work one after another, each operation costing the GPU what it
-    did when recorded (``GpuWork.work``: work that ran beside other streams' shared the GPU with
-    it, so a stretch where n ran together costs its length once, not n times); ``serialize``
-    prices it so even where waits say branches may overlap (the bound for branches that contend
-    for the GPU as much as work can: one after the other). Returns (GPU time, nodes, streams).
+    per-node overhead. Where the trace's stream waits say what waited for what, the streams'
+    work runs as branches that overlap as far as the waits allow (capture turns an event wait
+    between streams into a dependency between branches), each operation at its alone time and
+    ``branches``: ``"shared"``, slowed where overlapping work asks for more SMs than the GPU
+    has (``grape.sim.sharing``); ``"overlapped"``, never slowed (the bound for branches that
+    do not contend); ``"serial"``, one after the other (the bound for branches that contend as
+    much as work can). Without waits, the work one after another, each operation costing the
+    GPU what it did when recorded (``GpuWork.work``: work that ran beside other streams'
+    shared the GPU with it). Returns (GPU time, nodes, streams).
     """
+    if branches not in BRANCHES:
+        raise GrapeError(f"expected branches priced one of {', '.join(BRANCHES)}, found "
+                         f"{branches!r}")
     work = [w for s in steps if isinstance(s, Launch) for w in s.work]
     streams = {w.stream for w in work}
-    if serialize or not any(isinstance(s, StreamWait) for s in steps):
+    if branches == "serial" or not any(isinstance(s, StreamWait) for s in steps):
         return sum(w.work for w in work) + per_node * len(work), len(work), streams
-    ready: dict[int, float] = {}  # when each stream's work so far finishes
-    for step in steps:
-        if isinstance(step, Launch):
-            for w in step.work:
-                ready[w.stream] = ready.get(w.stream, 0.0) + w.dur + per_node
-        elif isinstance(step, StreamWait):
-            ready[step.stream] = max(ready.get(step.stream, 0.0), ready.get(step.on, 0.0))
-    return max((ready[s] for s in streams), default=0.0), len(work), streams
+    return branch_time(steps, per_node, shared=branches == "shared"), len(work), streams
 
 
 def capture_blockers(steps: tuple[Step, ...] | list[Step]) -> list[str]:
@@ -222,7 +224,7 @@ def capture_blockers(steps: tuple[Step, ...] | list[Step]) -> list[str]:
 
 
 def graph_iterations(program: Program, costs: Costs, captured: Program | None = None,
-                     serialize: bool = False) -> Program:
+                     branches: str = "shared") -> Program:
     """Each iteration captured as one graph and replayed: what graphs would buy.
 
     The host keeps only the graph launch (the profile's cost) and the iteration's syncs; the
@@ -232,9 +234,9 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
     work with the graph's per-node overhead, its streams concurrent as far as the trace's stream
     waits allow. What capture would refuse as the iteration stands (:func:`capture_blockers`)
     is listed in the program's ``blockers``, each once with the iterations it occurs in: the
-    prediction then holds for the iteration once those are made capturable. ``serialize``
-    prices branches that the waits let overlap one after the other instead (see
-    :func:`_graph_gpu_time`): the other end of what concurrent branches can cost.
+    prediction then holds for the iteration once those are made capturable. ``branches`` says
+    how branches that the waits let overlap are priced (:func:`_graph_gpu_time`): sharing the
+    GPU's SMs, or either bound of what concurrent branches can cost.
     """
     captured_times = []
     if captured is not None:
@@ -254,7 +256,7 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
         if not launches:  # already graphed, or nothing to launch: as it is
             out.iterations.append(steps)
             continue
-        gpu, nodes, streams = _graph_gpu_time(steps, costs.graph_node_overhead, serialize)
+        gpu, nodes, streams = _graph_gpu_time(steps, costs.graph_node_overhead, branches)
         if captured_times:
             gpu = captured_times[i % len(captured_times)]
         elif len(streams) > 1 and not any(isinstance(s, StreamWait) for s in steps):
