@@ -448,17 +448,25 @@ def test_a_graph_overlaps_streams_as_the_recorded_waits_allow():
     forked = (_kernel(7, 10.0), StreamWait(13, 7), _kernel(13, 30.0, share=0.25),
               _kernel(7, 20.0, share=0.5), StreamWait(7, 13), _kernel(7, 5.0),
               Sync("cudaStreamSynchronize", 1.0))
-    (launch, _), = graph_iterations(Program("p", [forked]), costs).iterations
+    graphed = graph_iterations(Program("p", [forked]), costs)
+    (launch, _), = graphed.iterations
     # 13 waits for 7's first kernel (10.5), runs 30.5; 7 runs on (20.5) then waits for 13. The
     # two in the middle fit the GPU together, so neither slows the other.
     assert launch.gpu_time == pytest.approx(10.5 + 30.5 + 5.5)
     assert launch.nodes == 4
+    assert graphed.approximations == []
     # Kernels that fill the GPU share it while they overlap: both at half pace until the 20 us
     # one ends (40 us), then the other's last 10 us alone.
     full = tuple(_kernel(s.work[0].stream, s.work[0].dur) if isinstance(s, Launch) else s
                  for s in forked)
-    (launch, _), = graph_iterations(Program("p", [full]), costs).iterations
+    graphed = graph_iterations(Program("p", [full, full]), costs)
+    (launch, _), _ = graphed.iterations
     assert launch.gpu_time == pytest.approx(10.5 + 0.5 + 40.0 + 10.0 + 0.5 + 5.0)
+    # Said once, with the iterations and how much slower than overlapped at alone speed.
+    assert graphed.approximations == [
+        "iterations 0-1: branches on several streams priced as they share the GPU's SMs where "
+        "they overlap, 43% slower than side by side at their alone speed (grape.sim.sharing; "
+        "memory bandwidth and blocks sharing an SM are not modelled)"]
     (launch, _), = graph_iterations(Program("p", [full]), costs,
                                     branches="overlapped").iterations
     assert launch.gpu_time == pytest.approx(10.5 + 30.5 + 5.5)

@@ -174,7 +174,7 @@ def _eager_to_graph(trace: Trace, program, graph: Trace, profile: DeviceProfile,
             f"capture runs {graph_kernels} kernels against {eager_kernels} eagerly: the "
             f"what-if prices the eager ones")
     graphed = graph_iterations(program, costs)
-    if len(graphed.approximations) > len(program.approximations):
+    if any("holds no stream waits" in a for a in graphed.approximations):
         note = "; ".join(filter(None, [note, "streams priced as they shared the GPU when "
                                              "recorded: the trace holds no stream waits"]))
     if graphed.blockers:

@@ -247,6 +247,7 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
                              f"{captured.name!r}, found none")
     out = program.with_iterations([])
     seen: dict[str, list[int]] = {}
+    slowed: dict[int, float] = {}  # iteration -> how much sharing the SMs slowed its branches
     for i, steps in enumerate(program.iterations):
         launches = [s for s in steps if isinstance(s, Launch)]
         graphed = any(isinstance(s, GraphLaunch) for s in steps)
@@ -257,6 +258,10 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
             out.iterations.append(steps)
             continue
         gpu, nodes, streams = _graph_gpu_time(steps, costs.graph_node_overhead, branches)
+        if branches == "shared" and not captured_times and len(streams) > 1:
+            apart, _, _ = _graph_gpu_time(steps, costs.graph_node_overhead, "overlapped")
+            if gpu > apart * 1.001:
+                slowed[i] = gpu / apart - 1
         if captured_times:
             gpu = captured_times[i % len(captured_times)]
         elif len(streams) > 1 and not any(isinstance(s, StreamWait) for s in steps):
@@ -273,6 +278,14 @@ def graph_iterations(program: Program, costs: Costs, captured: Program | None = 
         out.iterations.append((launch, *syncs))
     out.blockers.extend(f"{blocker}, in iteration{'s' if len(at) > 1 else ''} "
                         f"{_ranges(at)}" for blocker, at in seen.items())
+    if slowed:
+        low, high = (f"{100 * f(slowed.values()):.0f}" for f in (min, max))
+        out.approximations.append(
+            f"iteration{'s' if len(slowed) > 1 else ''} {_ranges(list(slowed))}: branches on "
+            f"several streams priced as they share the GPU's SMs where they overlap, "
+            f"{low if low == high else f'{low}-{high}'}% slower than "
+            f"side by side at their alone speed (grape.sim.sharing; memory bandwidth and "
+            f"blocks sharing an SM are not modelled)")
     return out
 
 
