@@ -250,6 +250,46 @@ def test_a_model_grape_cannot_graph_runs_through_generate_with_one_warning():
     assert not last_stats().graphed and "CUDA" in last_stats().reason
 
 
+ENCODER_DECODERS = {
+    "t5": ({"d_model": 32, "d_ff": 64, "num_layers": 2, "num_heads": 2, "d_kv": 16,
+            "decoder_start_token_id": 0}, lambda: _prompt()),
+    # A speech model: its first input is a spectrogram, not token ids.
+    "whisper": ({"d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+                 "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+                 "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "num_mel_bins": 16,
+                 "max_source_positions": 50, "max_target_positions": 32,
+                 "decoder_start_token_id": 1, "begin_suppress_tokens": None,
+                 "suppress_tokens": None},
+                lambda: (torch.randn(2, 16, 100, generator=torch.Generator().manual_seed(0)),
+                         None)),
+}
+
+
+@pytest.mark.parametrize("model_type", list(ENCODER_DECODERS))
+def test_an_encoder_decoder_model_runs_through_generate_with_one_warning(model_type):
+    import grape
+    from grape.torch.api import last_stats
+
+    sizes, inputs = ENCODER_DECODERS[model_type]
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(model_type, **sizes, **COMMON)
+    torch.manual_seed(0)
+    auto = (transformers.AutoModelForSpeechSeq2Seq if model_type == "whisper"
+            else transformers.AutoModelForSeq2SeqLM)
+    m = auto.from_config(config).eval()
+    first, mask = inputs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = grape.generate(m, first, mask, max_new_tokens=5)
+    ours = [str(w.message) for w in caught
+            if "grape.generate runs model.generate instead" in str(w.message)]
+    assert ours == [f"grape.generate runs model.generate instead: {type(m).__name__} is an "
+                    f"encoder-decoder model, and grape graphs the generation of decoder-only "
+                    f"models"]
+    assert torch.equal(out, m.generate(first, attention_mask=mask, max_new_tokens=5))
+    assert not last_stats().graphed and "encoder-decoder" in last_stats().reason
+
+
 def test_the_attention_mask_is_inferred_from_pad_tokens_as_generate_infers_it():
     config = transformers.AutoConfig.for_model("llama", **CONFIGS["llama"], **COMMON)
     torch.manual_seed(0)

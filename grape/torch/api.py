@@ -27,7 +27,8 @@ The compiled forward is built once per model and compiled once per step shape (t
 of a shape pays for it, minutes with autotuning on large models); its kernels differ from the
 eager ones by design, so its tokens are compared with a tolerance, not for equality.
 
-Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, a
+Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, an
+encoder-decoder model such as T5 or Whisper, whose first input may be its audio features, a
 forward that cannot be captured) runs through ``model.generate`` after one warning saying why;
 bad input raises ``GrapeError``.
 """
@@ -339,6 +340,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
                          f"{prompt_bucket!r}")
     hf_kwargs = dict(kwargs, max_new_tokens=max_new_tokens)
     try:
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            # Before the inputs are checked: a speech model's first input is its features.
+            raise NotGraphable(f"{type(model).__name__} is an encoder-decoder model, and grape "
+                               f"graphs the generation of decoder-only models")
         options, mask = resolve(model, input_ids, attention_mask, hf_kwargs)
         if cache_length is not None:  # the prompt as bucketed below
             length = input_ids.shape[1]
