@@ -23,7 +23,9 @@ every decode step's mask is also taken as under a capture and held to ``transfor
 (``grape.torch.decode_mask.checked``). ``--concurrent`` runs ``grape.generate(concurrent=True)``
 (the step's independent operations side by side, ``grape.passes.concurrency``): its tokens
 against ``generate``'s say whether the reordering kept every dependency, and each row gives the
-step's ``step_nodes`` and ``step_depth`` (nodes on its longest path).
+step's ``step_nodes`` and ``step_depth`` (nodes on its longest path). ``--seq2seq`` sweeps the
+encoder-decoder models of ``transformers``' sequence-to-sequence mapping instead (T5, BART,
+Marian...), at the same small size with the encoder's and decoder's own fields set alike.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ SMALL = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
 # Configs that name their sizes otherwise keep their defaults: up to hundreds of millions of
 # parameters are still quick on a GPU; billions are refused (two ended the first CPU sweep).
 MAX_PARAMETERS = {"cuda": 1_000_000_000, "cpu": 100_000_000}
+# Encoder-decoder configs' own names for the same sizes (each config keeps those it knows).
+SEQ2SEQ_SMALL = {"encoder_layers": 2, "decoder_layers": 2, "num_layers": 2,
+                 "num_decoder_layers": 2, "encoder_attention_heads": 4,
+                 "decoder_attention_heads": 4, "encoder_ffn_dim": 512, "decoder_ffn_dim": 512,
+                 "d_model": 256, "d_ff": 512, "d_kv": 64, "num_heads": 4}
 STRATEGIES = {"greedy": {}, "beam3": {"num_beams": 3}}
 CONTEXT_LOST = 3  # a worker's exit status after a CUDA error
 NEW_TOKENS = 24
@@ -59,10 +66,25 @@ def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def architectures() -> list[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+SEQ2SEQ = [False]  # --seq2seq: encoder-decoder models
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+def architectures() -> list[str]:
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    return sorted(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if SEQ2SEQ[0]
+                  else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _auto() -> Any:
+    """The Auto class that builds the swept kind of model."""
+    import transformers
+
+    return (transformers.AutoModelForSeq2SeqLM if SEQ2SEQ[0]
+            else transformers.AutoModelForCausalLM)
 
 
 def _first_line(e: BaseException) -> str:
@@ -92,9 +114,9 @@ def small_configs(model_type: str) -> list[Any]:
     import transformers
 
     def config(layers: int) -> Any:
-        return transformers.AutoConfig.for_model(
-            model_type, **{**SMALL, "num_hidden_layers": layers}, bos_token_id=1,
-            eos_token_id=2, pad_token_id=0)
+        sizes = {**SMALL, **(SEQ2SEQ_SMALL if SEQ2SEQ[0] else {}), "num_hidden_layers": layers}
+        return transformers.AutoConfig.for_model(model_type, **sizes, bos_token_id=1,
+                                                 eos_token_id=2, pad_token_id=0)
 
     small = config(SMALL["num_hidden_layers"])
     kinds = _layer_kinds(small)
@@ -109,7 +131,6 @@ def small_configs(model_type: str) -> list[Any]:
 
 def build(model_type: str, device: str, dtype: Any):
     import torch
-    import transformers
 
     *grown, config = small_configs(model_type)
     # Counted on the meta device first: a config that names its sizes otherwise keeps its
@@ -119,22 +140,21 @@ def build(model_type: str, device: str, dtype: Any):
     for candidate in grown:
         try:
             with torch.device("meta"):
-                transformers.AutoModelForCausalLM.from_config(candidate)
+                _auto().from_config(candidate)
         except Exception:
             continue
         config = candidate
         break
     with torch.device("meta"):
         count = sum(p.numel() for p in
-                    transformers.AutoModelForCausalLM.from_config(config).parameters())
+                    _auto().from_config(config).parameters())
     most = MAX_PARAMETERS[device]
     if count > most:
         raise ValueError(f"expected at most {most:,} parameters at the small size, found "
                          f"{count:,} (the config names its sizes otherwise)")
     torch.manual_seed(0)
     with torch.device(device):  # made where it runs: a large one initialises fast there
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=dtype if device == "cuda" else torch.float32)
+        model = _auto().from_config(config, dtype=dtype if device == "cuda" else torch.float32)
     return model.eval()
 
 
@@ -240,7 +260,9 @@ def _host_loop_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None
         with warnings.catch_warnings(), (decode_mask.checked() if CHECK_MASKS[0]
                                          else contextlib.nullcontext()) as counts:
             warnings.simplefilter("ignore")
-            out = cls(model, ids.shape[0], ids.shape[1], options).generate_on_host(ids, m)
+            decoder = cls(model, ids.shape[0], ids.shape[1], options)
+            decoder.check_written_only(ids, m)  # as grape.generate checks before capture
+            out = decoder.generate_on_host(ids, m)
         if counts is not None:
             row.update(decode_masks_viewed=counts["viewed"], decode_masks_built=counts["built"])
     except NotGraphable as e:
@@ -363,6 +385,7 @@ def _share(archs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
                             *(["--check-decode-masks"] if args.check_decode_masks else []),
                             *(["--check-reordering"] if args.check_reordering else []),
                             *(["--concurrent"] if args.concurrent else []),
+                            *(["--seq2seq"] if args.seq2seq else []),
                             *(["--out", str(args.out)] if args.out else [])],
                            stdout=subprocess.PIPE, text=True)
         mine = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
@@ -453,6 +476,9 @@ def main() -> None:
     parser.add_argument("--concurrent", action="store_true",
                         help="grape.generate(concurrent=True): the step's independent "
                         "operations side by side (grape.passes.concurrency)")
+    parser.add_argument("--seq2seq", action="store_true",
+                        help="the encoder-decoder models of transformers' sequence-to-sequence "
+                        "mapping, instead of its causal LMs")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.check_decode_masks and not args.host_loop:
@@ -465,6 +491,7 @@ def main() -> None:
     CHECK_MASKS[0] = args.check_decode_masks
     CHECK_REORDERING[0] = args.check_reordering
     CONCURRENT[0] = args.concurrent
+    SEQ2SEQ[0] = args.seq2seq
     archs = args.archs.split(",") if args.archs else architectures()
     archs = [a for a in archs if a not in set(args.skip.split(","))]
     strategies = args.strategies.split(",")

@@ -250,44 +250,148 @@ def test_a_model_grape_cannot_graph_runs_through_generate_with_one_warning():
     assert not last_stats().graphed and "CUDA" in last_stats().reason
 
 
-ENCODER_DECODERS = {
-    "t5": ({"d_model": 32, "d_ff": 64, "num_layers": 2, "num_heads": 2, "d_kv": 16,
-            "decoder_start_token_id": 0}, lambda: _prompt()),
-    # A speech model: its first input is a spectrogram, not token ids.
-    "whisper": ({"d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+SEQ2SEQ_SMALL = {"d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
                  "encoder_attention_heads": 2, "decoder_attention_heads": 2,
-                 "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "num_mel_bins": 16,
-                 "max_source_positions": 50, "max_target_positions": 32,
-                 "decoder_start_token_id": 1, "begin_suppress_tokens": None,
-                 "suppress_tokens": None},
-                lambda: (torch.randn(2, 16, 100, generator=torch.Generator().manual_seed(0)),
-                         None)),
+                 "encoder_ffn_dim": 64, "decoder_ffn_dim": 64}
+SEQ2SEQ = {
+    "t5": {"d_model": 32, "d_ff": 64, "num_layers": 2, "num_heads": 2, "d_kv": 16,
+           "decoder_start_token_id": 0},
+    # BART's default config forces EOS as the last token, and starts from the EOS token.
+    "bart": dict(SEQ2SEQ_SMALL, decoder_start_token_id=2),
+    "marian": dict(SEQ2SEQ_SMALL, decoder_start_token_id=0),
+    "pegasus": dict(SEQ2SEQ_SMALL, decoder_start_token_id=0),
 }
 
 
-@pytest.mark.parametrize("model_type", list(ENCODER_DECODERS))
-def test_an_encoder_decoder_model_runs_through_generate_with_one_warning(model_type):
+def _seq2seq(model_type, **extra):
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(model_type, **SEQ2SEQ.get(model_type, {}),
+                                               **extra, **COMMON)
+    torch.manual_seed(0)
+    return transformers.AutoModelForSeq2SeqLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module", params=list(SEQ2SEQ))
+def seq2seq(request):
+    return _seq2seq(request.param)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_an_encoder_decoder_host_loop_makes_generates_tokens(seq2seq, strategy):
+    # The encoder over the prompt, the decoder from its start token over a static cache of
+    # the new tokens, cross-attention read from a cache written once: generate's tokens,
+    # starting with the start token, for prompts of different lengths.
+    ids, mask = _prompt()
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=12)
+    reference = seq2seq.generate(ids, attention_mask=mask, cache_implementation="static",
+                                 **kwargs)
+    out = _host(seq2seq, ids, mask, **kwargs)
+    assert torch.equal(out, reference)
+    assert bool((out[:, 0] == resolve(seq2seq, ids, mask, {"max_new_tokens": 1})[0].start).all())
+    # And with the default cache, as grape.generate's users compare: the same tokens.
+    assert torch.equal(out, seq2seq.generate(ids, attention_mask=mask, **kwargs))
+
+
+def test_an_encoder_decoder_decoder_runs_again_on_another_source():
+    # The second prompt's cross-attention keys are its own: transformers' is_updated flags
+    # turn back with the cache's reset, and the encoder's output lands at the same address.
+    m = _seq2seq("t5")
+    ids, mask = _prompt()
+    options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 8, "num_beams": 3})
+    decoder = BeamDecoder(m, ids.shape[0], ids.shape[1], options)
+    first = decoder.generate_on_host(ids, m_mask)
+    held = decoder.encoded.data_ptr()
+    other = ids.flip(1)
+    again = decoder.generate_on_host(other, None)
+    assert decoder.encoded.data_ptr() == held
+    assert torch.equal(again, m.generate(other, max_new_tokens=8, num_beams=3))
+    assert torch.equal(decoder.generate_on_host(ids, m_mask), first)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam 3, length penalty, early stopping"])
+def test_an_encoder_decoder_returns_generates_dict(strategy):
+    m = _seq2seq("bart")
+    ids, mask = _prompt()
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=6, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True)
+    reference = m.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
+    out = _host(m, ids, mask, **kwargs)
+    assert type(out) is type(reference)
+    assert torch.equal(out.sequences, reference.sequences)
+    for mine, theirs in ((out.scores, reference.scores), (out.logits, reference.logits)):
+        assert len(mine) == len(theirs)
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_forced_first_and_last_tokens_are_generates(num_beams):
+    # ForcedBOSTokenLogitsProcessor (an encoder-decoder's first token) and
+    # ForcedEOSTokenLogitsProcessor (the last token allowed), with the count on the device.
+    m = _seq2seq("mbart", **SEQ2SEQ_SMALL, decoder_start_token_id=2)
+    ids, mask = _prompt()
+    kwargs = dict(max_new_tokens=7, num_beams=num_beams, forced_bos_token_id=42,
+                  forced_eos_token_id=[43, 44], eos_token_id=None)
+    out = _host(m, ids, mask, **kwargs)
+    assert torch.equal(out, m.generate(ids, attention_mask=mask, **kwargs))
+    assert bool((out[:, 1] == 42).all()) and set(out[:, -1].tolist()) <= {43, 44}
+    # A decoder-only model: forced EOS at the last token, no forced BOS after a long prompt.
+    gpt2 = _built("gpt2", CONFIGS["gpt2"])
+    out = _host(gpt2, ids, mask, **kwargs)
+    assert torch.equal(out, gpt2.generate(ids, attention_mask=mask, **kwargs))
+    assert set(out[:, -1].tolist()) <= {43, 44} and not bool((out[:, 7] == 42).all())
+
+
+def test_a_model_that_reads_cache_positions_it_has_not_written_is_refused():
+    # FSMT's decoder builds its causal mask over the tokens it is given, not the static
+    # cache's length, so it attends over the cache's unused tail (generate with a static cache
+    # does too, and parts from its own default cache); T5 masks it.
+    fsmt = _seq2seq("fsmt", **SEQ2SEQ_SMALL, decoder_start_token_id=2, src_vocab_size=VOCAB,
+                    tgt_vocab_size=VOCAB, langs=["en", "de"])
+    ids, mask = _prompt()
+    for model, refused in ((fsmt, True), (_seq2seq("t5"), False),
+                           (_built("llama", CONFIGS["llama"]), False)):
+        options, m_mask = resolve(model, ids, mask, {"max_new_tokens": 4, "num_beams": 1})
+        decoder = TokenDecoder(model, ids.shape[0], ids.shape[1], options)
+        if refused:
+            with pytest.raises(NotGraphable, match="FSMTForConditionalGeneration reads cache "
+                                                   "positions it has not written .the "
+                                                   "prompt's logits moved by"):
+                decoder.check_written_only(ids, m_mask)
+        else:
+            decoder.check_written_only(ids, m_mask)
+        assert decoder._poison is None and decoder._audit is None  # left as it was
+
+
+def test_a_speech_model_runs_through_generate_with_one_warning():
     import grape
     from grape.torch.api import last_stats
 
-    sizes, inputs = ENCODER_DECODERS[model_type]
     transformers.logging.set_verbosity_error()
-    config = transformers.AutoConfig.for_model(model_type, **sizes, **COMMON)
+    config = transformers.AutoConfig.for_model(
+        "whisper", d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+        max_source_positions=50, max_target_positions=32, decoder_start_token_id=1,
+        begin_suppress_tokens=None, suppress_tokens=None, **COMMON)
     torch.manual_seed(0)
-    auto = (transformers.AutoModelForSpeechSeq2Seq if model_type == "whisper"
-            else transformers.AutoModelForSeq2SeqLM)
-    m = auto.from_config(config).eval()
-    first, mask = inputs()
+    m = transformers.AutoModelForSpeechSeq2Seq.from_config(config).eval()
+    features = torch.randn(2, 16, 100, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = grape.generate(m, first, mask, max_new_tokens=5)
+        out = grape.generate(m, features, max_new_tokens=5)
     ours = [str(w.message) for w in caught
             if "grape.generate runs model.generate instead" in str(w.message)]
-    assert ours == [f"grape.generate runs model.generate instead: {type(m).__name__} is an "
-                    f"encoder-decoder model, and grape graphs the generation of decoder-only "
-                    f"models"]
-    assert torch.equal(out, m.generate(first, attention_mask=mask, max_new_tokens=5))
-    assert not last_stats().graphed and "encoder-decoder" in last_stats().reason
+    assert ours == ["grape.generate runs model.generate instead: WhisperForConditionalGeneration "
+                    "generates from input_features, and grape graphs generation from token ids"]
+    assert torch.equal(out, m.generate(features, max_new_tokens=5))
+    assert not last_stats().graphed and "input_features" in last_stats().reason
+
+
+def test_an_encoder_decoder_with_a_start_token_grape_cannot_take_falls_back():
+    m = _seq2seq("t5")
+    m.generation_config.decoder_start_token_id = [0, 1]
+    ids, mask = _prompt()
+    with pytest.raises(NotGraphable, match="decoder starts from one token id"):
+        resolve(m, ids, mask, {"max_new_tokens": 4})
 
 
 def test_the_attention_mask_is_inferred_from_pad_tokens_as_generate_infers_it():

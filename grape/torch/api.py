@@ -27,8 +27,8 @@ The compiled forward is built once per model and compiled once per step shape (t
 of a shape pays for it, minutes with autotuning on large models); its kernels differ from the
 eager ones by design, so its tokens are compared with a tolerance, not for equality.
 
-Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, an
-encoder-decoder model such as T5 or Whisper, whose first input may be its audio features, a
+Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, a
+model that generates from other inputs than token ids, such as Whisper from audio features, a
 forward that cannot be captured) runs through ``model.generate`` after one warning saying why;
 bad input raises ``GrapeError``.
 """
@@ -186,6 +186,7 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
 
     staged = [staging(), staging()]
     with _model_code(model):  # eagerly: nothing is being captured yet
+        decoder.check_written_only(input_ids, mask)
         if decoder.uses_mask and prompt_len > 1:
             # The captured prompt holds both of its attention paths (grape.torch.hfmasks):
             # each runs once here, with no padding and with some, so that neither meets its
@@ -302,10 +303,19 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     the same kernels, ordered by what they read and write rather than by the order the
     forward issued them); ``last_stats()`` gives the step's nodes and its longest path.
 
+    Encoder-decoder models (T5, BART, Marian, Pegasus...) generate the same way: the prompt is
+    the encoder's source, run once per call, and the decoder starts from its start token
+    (``grape.torch.decoding``); their outputs start with that token, as ``generate``'s do.
+    A model that attends to cache positions it has not written (its attention does not mask
+    the static cache's unused tail, so that its tokens with a static cache are not those of
+    its default cache) runs through ``model.generate``, found before anything is captured
+    (``Decoder.check_written_only``).
+
     Returns
     -------
     torch.Tensor or GenerateDecoderOnlyOutput
-        (batch, prompt length + new tokens), as ``generate`` returns it; with
+        (batch, prompt length + new tokens), as ``generate`` returns it (encoder-decoder
+        models: (batch, 1 + new tokens), and ``generate``'s encoder-decoder outputs); with
         ``return_dict_in_generate=True``, ``generate``'s ``GenerateDecoderOnlyOutput`` (beam
         search: ``GenerateBeamDecoderOnlyOutput``, with the best beam's ``beam_indices``):
         ``sequences``, and ``scores`` and ``logits`` where ``output_scores`` and
@@ -340,10 +350,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
                          f"{prompt_bucket!r}")
     hf_kwargs = dict(kwargs, max_new_tokens=max_new_tokens)
     try:
-        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        if getattr(model, "main_input_name", "input_ids") != "input_ids":
             # Before the inputs are checked: a speech model's first input is its features.
-            raise NotGraphable(f"{type(model).__name__} is an encoder-decoder model, and grape "
-                               f"graphs the generation of decoder-only models")
+            raise NotGraphable(f"{type(model).__name__} generates from {model.main_input_name}, "
+                               f"and grape graphs generation from token ids")
         options, mask = resolve(model, input_ids, attention_mask, hf_kwargs)
         if cache_length is not None:  # the prompt as bucketed below
             length = input_ids.shape[1]

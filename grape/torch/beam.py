@@ -7,7 +7,9 @@ the device count of tokens made, so one captured step serves every iteration of 
 and the arithmetic is ``generate``'s operation for operation (the same scores, so the same
 tokens). The cache is reordered by beam in place (``generate``'s ``reorder_cache`` makes new
 tensors, which a captured step could not follow), its tensors stacked after the first prompt
-so that the reorder is one gather (``grape.torch.rows``).
+so that the reorder is one gather (``grape.torch.rows``). An encoder-decoder model's
+cross-attention cache is not reordered: every beam of a prompt holds the same source, so a
+reorder, which moves rows among a prompt's beams, would leave it as it is.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
+from transformers.generation.utils import (
+    GenerateBeamDecoderOnlyOutput,
+    GenerateBeamEncoderDecoderOutput,
+)
 
 from grape.torch.decoding import Decoder
 from grape.torch.options import Options
@@ -83,7 +88,7 @@ class BeamDecoder(Decoder):
         if self.reorder is None and (self.mask.device.type != "cuda"
                                      or not torch.cuda.is_current_stream_capturing()):
             # The prompt allocated the cache's tensors; nothing captured reads them yet.
-            self.reorder = RowReorder(self.cache.layers, self.rows)
+            self.reorder = RowReorder(self.layers, self.rows)
         return copied
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -108,6 +113,7 @@ class BeamDecoder(Decoder):
             early = self.count < self.options.min_new_tokens
             log_probs = torch.where(early & torch.isin(self.vocab_ids, self.eos), -float("inf"),
                                     log_probs)
+        log_probs = self._forced(log_probs)
         self._keep("scores", log_probs)  # generate's: processed, before the beams' own scores
         self._keep("logits", logits)
         log_probs = log_probs.view(batch, beams, vocab) + self.running_scores[:, :, None]
@@ -136,7 +142,7 @@ class BeamDecoder(Decoder):
         if self.reorder is not None:
             self.reorder(rows)
         else:  # the first prompt's token: the cache is not stacked yet
-            for layer in self.cache.layers:
+            for layer in self.layers:
                 for state in state_tensors(layer):
                     state.copy_(state.index_select(0, rows))
         self.next_ids.copy_(self.running_tokens.index_select(2, t).view(-1, 1))
@@ -172,19 +178,22 @@ class BeamDecoder(Decoder):
         torch.logical_and(torch.any(self.improvable) & open_beam, ~torch.all(hits),
                           out=self.running)
 
-    def result(self, input_ids: torch.Tensor) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
+    def result(self, input_ids: torch.Tensor
+               ) -> torch.Tensor | GenerateBeamDecoderOnlyOutput | GenerateBeamEncoderDecoderOutput:
         # The best beams' length and the steps run, in one read-back.
         made_t = ((self.origins[:, 0] + 1).bool()).sum(dim=1).max()
         made, steps = torch.stack((made_t, self.count[0])).tolist()
         self._check_lengths()
-        sequences = torch.cat([input_ids, self.tokens[:, 0, :made]], dim=1)
+        sequences = torch.cat([self.head(input_ids), self.tokens[:, 0, :made]], dim=1)
         if not self.options.return_dict:
             return sequences
         # As generate returns it for one sequence per prompt: the best beam's score (kept with
         # output_scores), every step's scores and logits for every beam, the best beams' beam
         # indices; past_key_values None (grape's cache is the next call's).
         kept = self._kept(steps)
-        return GenerateBeamDecoderOnlyOutput(
+        output = (GenerateBeamEncoderDecoderOutput if self.seq2seq
+                  else GenerateBeamDecoderOnlyOutput)
+        return output(
             sequences=sequences,
             sequences_scores=self.scores[:, 0].clone() if "scores" in self.kept else None,
             scores=kept.get("scores"), logits=kept.get("logits"),

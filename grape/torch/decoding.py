@@ -15,25 +15,33 @@ model's own ``prepare_inputs_for_generation`` (which builds its 4D mask), with t
 Strategies: :class:`TokenDecoder` picks one token per sequence (greedy, or sampling with
 temperature, top-k and top-p from a seeded random stream drawn before the loop);
 ``grape.torch.beam.BeamDecoder`` runs beam search.
+
+Encoder-decoder models (T5, BART, Marian, Pegasus: ``config.is_encoder_decoder``) run the same
+way, as ``generate`` runs them with a static cache: ``prefill`` runs the encoder over the
+prompt (the source) and the decoder over its start token, which writes every cross-attention
+layer's keys and values once; ``step`` runs the decoder alone, over a self-attention cache
+sized to the new tokens, reading the cross-attention cache and the source's mask at fixed
+addresses. Their outputs start with the decoder's start token, not the prompt.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import transformers.cache_utils as hf_cache
-from transformers import StaticCache
+from transformers import EncoderDecoderCache, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from grape.torch.decode_mask import running_mask
 from grape.torch.exact import Lengths, TokenMajorLayer, active
@@ -44,6 +52,10 @@ from grape.torch.sdpa_mask import convert_once
 from grape.torch.static_layers import CountedLayer, Tokens
 
 __all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "static_cache"]
+
+# What check_written_only writes where the cache holds nothing yet: large enough that any
+# weight on it moves the logits far past kernels' noise, small enough for fp16.
+POISON = 1000.0
 
 # Cache layers that keep a recurrent state (Mamba's convolution and SSM states, linear
 # attention's): fixed-size tensors at fixed addresses, updated in place, which a graph holds as
@@ -140,7 +152,13 @@ class Decoder:
         # shape, always runs the model itself).
         self.step_model = model if step_model is None else step_model
         self.rows, self.prompt_len = rows, prompt_len
-        self.max_len = options.cache_tokens(prompt_len)
+        # An encoder-decoder model: the prompt is the encoder's source, and the decoder's own
+        # prompt is its start token (Options.start).
+        self.seq2seq = options.start is not None
+        if self.seq2seq and exact:
+            raise ExactRefused("exact lengths count the decoder's own cache, and an "
+                               "encoder-decoder model's cross-attention reads the source's")
+        self.max_len = options.cache_tokens(1 if self.seq2seq else prompt_len)
         device = next(model.parameters()).device
         # Exact lengths: attention over each row's valid keys, counted on the device.
         self.lengths = Lengths(rows, self.max_len, device) if exact else None
@@ -151,13 +169,31 @@ class Decoder:
         self.given = Tokens()  # given to each forward: the layers write that many
         self.cache = static_cache(model, self.max_len, self.written,
                                   TokenMajorLayer if exact else CountedLayer, self.given)
+        self.layers = self.cache.layers  # the decoder's own, which follow beams
+        if self.seq2seq:
+            # Cross-attention keys and values, written once by the prompt's forward (which
+            # turns transformers' host-side is_updated flags, the same at every step after).
+            source = StaticCache(config=model.config, max_cache_len=prompt_len)
+            self.cache = EncoderDecoderCache(self.cache, source)
+            self.source_mask = torch.zeros((rows, prompt_len), dtype=torch.long, device=device)
+            self.encoded: torch.Tensor | None = None  # the encoder's output, made by the prompt
+            self.encoder_outputs: Any = None  # and the rest it returned, as the decoder takes it
         self.mask = torch.zeros((rows, self.max_len), dtype=torch.long, device=device)
         self.next_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.position = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.count = torch.zeros((1,), dtype=torch.long, device=device)  # tokens made so far
         self.running = torch.zeros((), dtype=torch.bool, device=device)
         self.eos = torch.tensor(options.eos or [-1], dtype=torch.long, device=device)
-        self.uses_positions = _accepts(model, "position_ids")
+        # generate's ForcedBOSTokenLogitsProcessor (the first token, where the decoder's prompt
+        # is one token long) and ForcedEOSTokenLogitsProcessor (the last token allowed), in its
+        # order: (token ids on the device, the count of tokens made where they are forced).
+        self.forced: list[tuple[torch.Tensor, int]] = [
+            (torch.tensor(ids, dtype=torch.long, device=device), at) for ids, at in (
+                ((options.forced_bos,) if options.forced_bos is not None
+                 and (self.seq2seq or prompt_len == 1) else (), 0),
+                (options.forced_eos, options.max_new_tokens - 1)) if ids]
+        # (encoder-decoder models: generate gives their decoders no positions)
+        self.uses_positions = _accepts(model, "position_ids") and not self.seq2seq
         # transformers 5.2x renames past_key_values to cache (the old name warns until 5.40);
         # Mamba-like models take theirs as cache_params (generate tells them by class name).
         prepare = inspect.signature(model.prepare_inputs_for_generation).parameters
@@ -176,6 +212,10 @@ class Decoder:
         # made at the first token (the logits' width is the model's output's, which can be
         # wider than its config's vocabulary), written on the device at the token's count.
         self.kept: dict[str, torch.Tensor | None] = dict.fromkeys(options.kept)
+        # check_written_only: what the cache's layers hold before the prompt writes them, and
+        # the logits each forward made, while it runs.
+        self._poison: float | None = None
+        self._audit: list[torch.Tensor] | None = None
 
     # --- the model, called as generate calls it ---------------------------------------------
 
@@ -185,7 +225,10 @@ class Decoder:
         self.given.begin(ids.shape[-1])  # what the attention layers may write (Tokens)
         if self.keeps_last_logits:
             kwargs["logits_to_keep"] = 1
-        if self.uses_mask:
+        if self.seq2seq:
+            kwargs.update(encoder_outputs=self.encoder_outputs, attention_mask=self.source_mask,
+                          decoder_attention_mask=mask)
+        elif self.uses_mask:
             kwargs["attention_mask"] = mask
         if self.uses_positions and position is not None:
             kwargs["position_ids"] = position
@@ -212,7 +255,10 @@ class Decoder:
                     if self.uses_mask and inputs.get("attention_mask") is None:
                         inputs["attention_mask"] = mask
                 out = self.step_model(**inputs, return_dict=True)
-        return out.logits[:, -1, :].to(dtype=torch.float32)
+        logits = out.logits[:, -1, :].to(dtype=torch.float32)
+        if self._audit is not None:
+            self._audit.append(logits.clone())
+        return logits
 
     @contextlib.contextmanager
     def _step_masks(self, first: bool) -> Iterator[None]:
@@ -233,8 +279,14 @@ class Decoder:
         ``attention_mask`` (None: all ones) are (batch, prompt_len), read where they lie; the
         mask is copied into the loop's full-length one. Returns the bytes copied."""
         self.cache.reset()
+        if self._poison is not None:
+            for layer in self.layers:
+                if isinstance(layer, CountedLayer) and layer.is_initialized:
+                    layer.values.fill_(self._poison)  # the keys stay: the same weights
         self.written.zero_()  # the prompt is written from position 0
         self._reset()
+        if self.seq2seq:
+            return self._prefill_source(input_ids, attention_mask)
         ones = attention_mask is None
         input_ids = self._rows(input_ids)
         mask = torch.ones_like(input_ids) if ones else self._rows(attention_mask)
@@ -263,6 +315,57 @@ class Decoder:
         self._emit(logits)
         self._agree()
         return 0 if ones else mask.numel() * mask.element_size()
+
+    def _prefill_source(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+                        ) -> int:
+        """``prefill`` for an encoder-decoder model: the encoder over the source, as generate
+        runs it (once per prompt, its output then repeated per beam), kept at a fixed address
+        with the source's mask; then the decoder over its start token."""
+        ones = attention_mask is None
+        mask = torch.ones_like(input_ids) if ones else attention_mask
+        with prompt_padding_on_device():
+            outputs = self.model.get_encoder()(input_ids=input_ids, attention_mask=mask,
+                                               return_dict=True)
+        # As generate expands them per beam: every tensor the encoder returned (some decoders
+        # read more than its states: a mixture of experts' router logits).
+        for name, value in outputs.items():
+            if isinstance(value, torch.Tensor):
+                outputs[name] = self._rows(value)
+        encoded = outputs.last_hidden_state
+        if self.encoded is None or self.encoded.shape != encoded.shape:
+            self.encoded = torch.empty_like(encoded)
+        self.encoded.copy_(encoded)
+        outputs["last_hidden_state"] = self.encoded
+        self.encoder_outputs = outputs
+        self.source_mask.copy_(self._rows(mask))
+        self.mask.zero_()
+        self.mask[:, 0] = 1
+        self.next_ids.fill_(self.options.start)
+        logits = self._logits(self.next_ids, self.mask, None, first=True)
+        if not any(_written(layer) for layer in self.cache.cross_attention_cache.layers):
+            raise NotGraphable(f"{type(self.model).__name__} did not write the static "
+                               f"cross-attention cache it was given while reading the start "
+                               f"token")
+        self.written.fill_(1)
+        self.count.zero_()
+        self._emit(logits)
+        self._agree()
+        return 0 if ones else mask.numel() * mask.element_size()
+
+    def _forced(self, scores: torch.Tensor) -> torch.Tensor:
+        """generate's forced tokens, with the count on the device (``forced``): every score
+        -inf but the forced token's, 0, at the token where it is forced."""
+        for ids, at in self.forced:
+            only = torch.full_like(scores, -math.inf).index_fill_(1, ids, 0.0)
+            scores = torch.where(self.count == at, only, scores)
+        return scores
+
+    def head(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """What ``generate``'s sequences hold before the new tokens: the prompt, or for an
+        encoder-decoder model the decoder's start token."""
+        if not self.seq2seq:
+            return input_ids
+        return input_ids.new_full((input_ids.shape[0], 1), self.options.start)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -303,6 +406,45 @@ class Decoder:
         self._agreed.copy_(self.running)
         dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX, group=self.group)
         torch.ne(self._agreed[0], 0, out=self.running)
+
+    @torch.no_grad()
+    def check_written_only(self, input_ids: torch.Tensor,
+                           attention_mask: torch.Tensor | None) -> None:
+        """Refuse a model whose prompt or step reads cache positions it has not written.
+
+        The prompt and a step run over a cache of zeros twice, and once with the values at its
+        unwritten positions set to ``POISON``. Masked positions weigh exactly nothing, so a
+        model that masks them makes the same logits, up to the run-to-run noise of kernels
+        that accumulate in no fixed order (the first two runs measure it); one that reads them
+        (its attention does not mask a static cache's unused tail, as FSMT's and LED's do not)
+        moves its logits by about as much as it weighs the poison, and would make tokens that
+        depend on what the cache held, which ``generate`` with its default cache does not make.
+
+        Raises
+        ------
+        NotGraphable
+            The poison moved the logits by more than a thousandth of their scale and ten
+            times the noise.
+        """
+        runs = []
+        try:
+            for poison in (None, None, POISON):  # the first run also makes the cache's tensors
+                self._poison, self._audit = poison, []
+                self.prefill(input_ids, attention_mask)
+                self.step()
+                runs.append(self._audit)
+        finally:
+            self._poison = self._audit = None
+        for forward, (clean, again, poisoned) in enumerate(zip(*runs, strict=True)):
+            noise = (again - clean).abs().nan_to_num(posinf=0.0).max().item()
+            moved = (poisoned - clean).abs().nan_to_num(posinf=0.0).max().item()
+            scale = clean.abs().nan_to_num(posinf=0.0).max().item()
+            if moved > max(1e-3 * max(scale, 1.0), 10 * noise):
+                raise NotGraphable(
+                    f"{type(self.model).__name__} reads cache positions it has not written "
+                    f"({'the prompt' if forward == 0 else 'a step'}'s logits moved by "
+                    f"{moved:.3g} with other values there): its attention does not mask the "
+                    f"static cache's unused tail")
 
     def generate_on_host(self, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -382,6 +524,7 @@ class TokenDecoder(Decoder):
             early = self.count < self.options.min_new_tokens
             is_eos = torch.isin(torch.arange(logits.shape[-1], device=logits.device), self.eos)
             logits = torch.where(early & is_eos, -float("inf"), logits)
+        logits = self._forced(logits)
         for warper in self.warpers:
             logits = warper(None, logits)
         return logits
@@ -407,13 +550,14 @@ class TokenDecoder(Decoder):
     def result(self, input_ids: torch.Tensor) -> torch.Tensor | GenerateDecoderOnlyOutput:
         made = int(self.count.item())
         self._check_lengths()
-        sequences = torch.cat([input_ids, self.tokens[:, :made]], dim=1)
+        sequences = torch.cat([self.head(input_ids), self.tokens[:, :made]], dim=1)
         if not self.options.return_dict:
             return sequences
         # past_key_values is None, not grape's static cache, which the next call overwrites.
         kept = self._kept(made)
-        return GenerateDecoderOnlyOutput(sequences=sequences, scores=kept.get("scores"),
-                                         logits=kept.get("logits"), past_key_values=None)
+        output = GenerateEncoderDecoderOutput if self.seq2seq else GenerateDecoderOnlyOutput
+        return output(sequences=sequences, scores=kept.get("scores"), logits=kept.get("logits"),
+                      past_key_values=None)
 
 
 def sample(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

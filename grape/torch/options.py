@@ -34,7 +34,8 @@ _HANDLED = {
     "num_return_sequences", "return_dict_in_generate", "output_scores", "output_logits",
     "output_attentions", "output_hidden_states", "transformers_version", "_from_model_config",
     "compile_config", "disable_compile", "prefill_chunk_size", "is_assistant",
-    "num_beam_groups", "diversity_penalty", "low_memory",
+    "num_beam_groups", "diversity_penalty", "low_memory", "forced_bos_token_id",
+    "forced_eos_token_id",
 }
 # Of the handled fields, the values grape supports when they are set.
 _ONLY = {"num_return_sequences": (None, 1), "output_attentions": (None, False),
@@ -70,13 +71,21 @@ class Options:
     # what ``kept`` names of "scores" (output_scores) and "logits" (output_logits).
     return_dict: bool = False
     kept: tuple[str, ...] = ()
+    # An encoder-decoder model's decoder start token (generate's decoder_start_token_id, else
+    # its bos_token_id); None for a decoder-only model.
+    start: int | None = None
+    # generate's ForcedBOSTokenLogitsProcessor and ForcedEOSTokenLogitsProcessor: the first
+    # token where the decoder's prompt is one token long, and the last token allowed.
+    forced_bos: int | None = None
+    forced_eos: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple:
         """What the generation's graph depends on (everything but the prompt and the seed)."""
         return (self.strategy, self.max_new_tokens, self.min_new_tokens, self.eos, self.pad,
                 self.temperature, self.top_k, self.top_p, self.num_beams, self.length_penalty,
-                self.early_stopping, self.cache_length, self.return_dict, self.kept)
+                self.early_stopping, self.cache_length, self.return_dict, self.kept,
+                self.start, self.forced_bos, self.forced_eos)
 
     @property
     def room(self) -> int:
@@ -212,11 +221,25 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     kept = tuple(name for name, wanted in (("scores", config.output_scores),
                                            ("logits", config.output_logits))
                  if wanted and return_dict)
+    start = None
+    if getattr(model.config, "is_encoder_decoder", False):
+        start = (config.decoder_start_token_id if config.decoder_start_token_id is not None
+                 else config.bos_token_id)
+        if not (isinstance(start, int) and not isinstance(start, bool) and start >= 0):
+            raise NotGraphable(f"an encoder-decoder model's decoder starts from one token id, "
+                               f"and its decoder_start_token_id (or bos_token_id) is "
+                               f"{start!r}")
+    forced_bos = _ids(config.forced_bos_token_id, "forced_bos_token_id")
+    if len(forced_bos) > 1:
+        raise GrapeError(f"expected forced_bos_token_id to be one token id, found "
+                         f"{config.forced_bos_token_id!r}")
     options = Options(strategy, max_new,
                       _integer(config.min_new_tokens or 0, "min_new_tokens", 0), eos, pad,
                       temperature, top_k, top_p, beams,
                       _real(config.length_penalty, "length_penalty"), config.early_stopping,
-                      config, return_dict=return_dict, kept=kept)
+                      config, return_dict=return_dict, kept=kept, start=start,
+                      forced_bos=forced_bos[0] if forced_bos else None,
+                      forced_eos=_ids(config.forced_eos_token_id, "forced_eos_token_id"))
     return options, _attention_mask(input_ids, attention_mask, pad_ids, eos)
 
 
