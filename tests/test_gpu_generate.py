@@ -276,6 +276,62 @@ def test_a_model_that_adds_tokens_of_its_own_falls_back_and_leaves_the_context_u
     assert torch.arange(4, device="cuda").sum().item() == 6
 
 
+def _small_seq2seq(model_type, **sizes):
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=300, bos_token_id=1, eos_token_id=2, pad_token_id=0, **sizes)
+    torch.manual_seed(0)
+    return transformers.AutoModelForSeq2SeqLM.from_config(config).cuda().eval()
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+def test_an_encoder_decoder_generation_is_one_launch_with_generates_tokens(cuda, beams):
+    # T5 (relative position bias, a cross-attention cache written once by the prompt): the
+    # encoder and the decoder's first token inside the launch, then the device loop; a second
+    # source of the same shape re-points the launch and pays no capture. fp32, so that the
+    # comparison with generate's static cache does not hang on fp16 near-ties.
+    import grape
+    from grape.torch.api import last_stats
+
+    model = _small_seq2seq("t5", d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+                           decoder_start_token_id=0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (3, 12), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    kwargs = dict(max_new_tokens=16, num_beams=beams)
+    for call in range(2):
+        source = ids if call == 0 else ids.roll(1, dims=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            out = grape.generate(model, source, mask, **kwargs)
+        stats = last_stats()
+        assert stats.graphed and stats.launches == 1 and stats.prefill_graphed
+        assert stats.captured == (call == 0)
+        reference = model.generate(source, attention_mask=mask, cache_implementation="static",
+                                   **kwargs)
+        assert torch.equal(out, reference), call
+
+
+def test_a_model_that_reads_cache_positions_it_never_wrote_falls_back(cuda):
+    # FSMT attends over the static cache's unused tail (its causal mask spans the tokens it is
+    # given): found before capture, the documented fallback, the GPU usable after.
+    import grape
+
+    model = _small_seq2seq("fsmt", d_model=64, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=4, decoder_attention_heads=4,
+                           encoder_ffn_dim=128, decoder_ffn_dim=128, src_vocab_size=300,
+                           tgt_vocab_size=300, langs=["en", "de"], decoder_start_token_id=2)
+    ids = torch.randint(3, 300, (2, 10), device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = grape.generate(model, ids, max_new_tokens=6, num_beams=1)
+    message = [str(w.message) for w in caught if "runs model.generate" in str(w.message)]
+    assert len(message) == 1 and "reads cache positions it has not written" in message[0]
+    assert torch.equal(out, model.generate(ids, max_new_tokens=6, num_beams=1))
+    torch.cuda.synchronize()
+    assert torch.arange(4, device="cuda").sum().item() == 6
+
+
 def test_a_graphed_callable_reads_its_inputs_where_they_lie(cuda):
     import grape
 
