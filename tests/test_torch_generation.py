@@ -162,7 +162,9 @@ def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_refus
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    ({"repetition_penalty": 1.3}, "repetition_penalty=1.3"),
+    ({"no_repeat_ngram_size": 3}, "no_repeat_ngram_size=3"),
+    ({"bad_words_ids": [[5], [6, 7]]},
+     "bad_words_ids with words of several tokens \\(\\[6, 7\\]\\)"),
     ({"num_beams": 2, "do_sample": True}, "beam search with sampling"),
     ({"num_return_sequences": 2, "num_beams": 2}, "num_return_sequences=2"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True"),
@@ -339,6 +341,51 @@ def test_forced_first_and_last_tokens_are_generates(num_beams):
     out = _host(gpt2, ids, mask, **kwargs)
     assert torch.equal(out, gpt2.generate(ids, attention_mask=mask, **kwargs))
     assert set(out[:, -1].tolist()) <= {43, 44} and not bool((out[:, 7] == 42).all())
+
+
+PROCESSORS = {
+    "repetition penalty": {"repetition_penalty": 1.3},
+    "repetition penalty below 1": {"repetition_penalty": 0.7},
+    "banned tokens": {"bad_words_ids": [[40], [41], [2]], "suppress_tokens": [42, 43]},
+    "minimum length, suppressed at the first token": {
+        "min_length": 12, "eos_token_id": EOS, "begin_suppress_tokens": EOS[:3]},
+    "all at once": {"repetition_penalty": 1.2, "bad_words_ids": [[40]], "min_length": 9,
+                    "eos_token_id": EOS, "suppress_tokens": [42], "forced_eos_token_id": 2,
+                    "begin_suppress_tokens": [44]},
+}
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("processors", list(PROCESSORS))
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_generates_other_processors_make_its_tokens_and_scores(kind, processors, num_beams):
+    # Real checkpoints ship these in their generation configs (Qwen2's chat models a
+    # repetition penalty, Marian's a banned pad token, BART's summarisers a minimum length):
+    # each was a fallback. Processed scores are held bit for bit where generate keeps them.
+    m = _built("llama", CONFIGS["llama"]) if kind == "llama" else _seq2seq("t5")
+    ids, mask = _prompt()
+    kwargs = dict(PROCESSORS[processors], max_new_tokens=10, num_beams=num_beams,
+                  return_dict_in_generate=True, output_scores=True)
+    reference = m.generate(ids, attention_mask=mask, **_same_layout(m, ids, 10), **kwargs)
+    out = _host(m, ids, mask, **kwargs)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert len(out.scores) == len(reference.scores)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, reference.scores, strict=True))
+    if PROCESSORS[processors].get("repetition_penalty", 1.0) != 1.0:
+        # It must have acted: without it, other scores from the second token on.
+        plain = _host(m, ids, mask, **dict(kwargs, repetition_penalty=1.0))
+        assert not torch.equal(plain.scores[1], out.scores[1])
+
+
+def test_sampling_takes_the_processors_before_its_warpers():
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    kwargs = {"do_sample": True, "max_new_tokens": 12, "repetition_penalty": 1.5,
+              "suppress_tokens": list(range(30, 200)), "top_k": 50}
+    out = _host(m, ids, mask, seed=5, **kwargs)
+    new = out[:, ids.shape[1]:]
+    assert not bool(((new >= 30) & (new < 200)).any())
+    assert torch.equal(out, _host(m, ids, mask, seed=5, **kwargs))
 
 
 def test_a_model_that_reads_cache_positions_it_has_not_written_is_refused():
@@ -548,6 +595,10 @@ def _same_layout(model, ids, new):
 
     prepare = inspect.signature(model.prepare_inputs_for_generation).parameters
     name = "cache" if "cache" in prepare else "past_key_values"
+    if model.config.is_encoder_decoder:  # the decoder's start token and new tokens; the source
+        return {name: transformers.EncoderDecoderCache(
+            transformers.StaticCache(config=model.config, max_cache_len=1 + new),
+            transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1]))}
     return {name: transformers.StaticCache(config=model.config,
                                            max_cache_len=ids.shape[1] + new)}
 

@@ -73,7 +73,6 @@ class BeamDecoder(Decoder):
         self.running_origins = torch.empty((*shape, new), dtype=torch.int32, device=device)
         self.origins = torch.empty_like(self.running_origins)
         self.batch_offset = (torch.arange(batch, device=device) * beams).view(-1, 1)
-        self.vocab_ids = torch.arange(self.vocab, device=device)
         # generate's length penalty divisor, (tokens made) ** length_penalty, per count: float64
         # powers rounded to float32, as Python's float power is before the division.
         lengths = torch.arange(new + 1, dtype=torch.float64, device=device)
@@ -108,12 +107,7 @@ class BeamDecoder(Decoder):
 
     def _emit(self, logits: torch.Tensor) -> None:
         batch, beams, vocab, t = self.batch, self.beams, self.vocab, self.count
-        log_probs = torch.nn.functional.log_softmax(logits, dim=-1)
-        if self.options.min_new_tokens and self.options.eos:
-            early = self.count < self.options.min_new_tokens
-            log_probs = torch.where(early & torch.isin(self.vocab_ids, self.eos), -float("inf"),
-                                    log_probs)
-        log_probs = self._forced(log_probs)
+        log_probs = self._process(torch.nn.functional.log_softmax(logits, dim=-1))
         self._keep("scores", log_probs)  # generate's: processed, before the beams' own scores
         self._keep("logits", logits)
         log_probs = log_probs.view(batch, beams, vocab) + self.running_scores[:, :, None]
@@ -146,6 +140,9 @@ class BeamDecoder(Decoder):
                 for state in state_tensors(layer):
                     state.copy_(state.index_select(0, rows))
         self.next_ids.copy_(self.running_tokens.index_select(2, t).view(-1, 1))
+        if self.seen is not None:  # each beam's tokens are its origin's and its new one
+            self.seen.copy_(self.seen.index_select(0, rows))
+            self.seen.scatter_(1, self.next_ids, True)
         self.count.add_(1)
         self._stop_check(hits)
 

@@ -212,6 +212,17 @@ class Decoder:
         # made at the first token (the logits' width is the model's output's, which can be
         # wider than its config's vocabulary), written on the device at the token's count.
         self.kept: dict[str, torch.Tensor | None] = dict.fromkeys(options.kept)
+        # generate's logits processors (``_process``): the tokens before the new ones, which
+        # the processors count lengths from (a decoder's start token, or the prompt), the
+        # tokens each row has seen (repetition_penalty; made with the first logits, whose width
+        # can exceed the config's vocabulary), and masks over the vocabulary by name.
+        head = 1 if self.seq2seq else prompt_len
+        self.min_new = max(options.min_new_tokens, options.min_length - head)
+        # The count at which SuppressTokensAtBegin acts: generate's begin index (the prompt's
+        # length, one more after a one-token prompt whose first token is forced) less the prompt.
+        self.begin = int(head == 1 and options.forced_bos is not None)
+        self.seen: torch.Tensor | None = None
+        self._masks: dict[str, torch.Tensor] = {}
         # check_written_only: what the cache's layers hold before the prompt writes them, and
         # the logits each forward made, while it runs.
         self._poison: float | None = None
@@ -312,6 +323,7 @@ class Decoder:
             self.mask[:, :self.prompt_len].copy_(mask)
         self.position.copy_(position[:, -1:] + 1)
         self.count.zero_()
+        self._remember(input_ids, logits.shape[-1])
         self._emit(logits)
         self._agree()
         return 0 if ones else mask.numel() * mask.element_size()
@@ -348,17 +360,57 @@ class Decoder:
                                f"token")
         self.written.fill_(1)
         self.count.zero_()
+        self._remember(self.next_ids, logits.shape[-1])
         self._emit(logits)
         self._agree()
         return 0 if ones else mask.numel() * mask.element_size()
 
-    def _forced(self, scores: torch.Tensor) -> torch.Tensor:
-        """generate's forced tokens, with the count on the device (``forced``): every score
-        -inf but the forced token's, 0, at the token where it is forced."""
+    def _process(self, scores: torch.Tensor) -> torch.Tensor:
+        """generate's logits processors that grape reproduces, in generate's order, with the
+        count of tokens made on the device: repetition penalty over the tokens each row has
+        seen, banned words of one token, EOS held back below the minimum length, forced first
+        and last tokens (every score -inf but the forced token's, 0), suppressed tokens, and
+        those suppressed at the first token. Each mask is made once, eagerly, with the first
+        logits (the prompt's)."""
+        options = self.options
+        if self.seen is not None:
+            penalty = options.repetition_penalty
+            scores = torch.where(self.seen, torch.where(scores < 0, scores * penalty,
+                                                        scores / penalty), scores)
+        if options.bad_words:
+            scores = scores.masked_fill(self._mask("bad_words", scores), -math.inf)
+        if self.min_new > 0 and options.eos:
+            early = self.count < self.min_new
+            scores = torch.where(early & self._mask("eos", scores), -math.inf, scores)
         for ids, at in self.forced:
             only = torch.full_like(scores, -math.inf).index_fill_(1, ids, 0.0)
             scores = torch.where(self.count == at, only, scores)
+        if options.suppressed:
+            scores = scores.masked_fill(self._mask("suppressed", scores), -math.inf)
+        if options.begin_suppressed:
+            first = self.count == self.begin
+            scores = torch.where(first & self._mask("begin_suppressed", scores), -math.inf,
+                                 scores)
         return scores
+
+    def _mask(self, name: str, scores: torch.Tensor) -> torch.Tensor:
+        """Which of the vocabulary's tokens ``Options.<name>`` lists, as (width,) booleans."""
+        mask = self._masks.get(name)
+        if mask is None or mask.shape[-1] != scores.shape[-1]:
+            ids = torch.tensor(getattr(self.options, name), dtype=torch.long,
+                               device=scores.device)
+            mask = self._masks[name] = torch.isin(
+                torch.arange(scores.shape[-1], device=scores.device), ids)
+        return mask
+
+    def _remember(self, ids: torch.Tensor, width: int) -> None:
+        """The tokens before the new ones, as each row's seen set (repetition_penalty)."""
+        if self.options.repetition_penalty == 1.0:
+            return
+        if self.seen is None or self.seen.shape[-1] != width:
+            self.seen = torch.zeros((self.rows, width), dtype=torch.bool, device=ids.device)
+        self.seen.zero_()
+        self.seen.scatter_(1, ids, True)
 
     def head(self, input_ids: torch.Tensor) -> torch.Tensor:
         """What ``generate``'s sequences hold before the new tokens: the prompt, or for an
@@ -519,12 +571,7 @@ class TokenDecoder(Decoder):
         self.tokens.fill_(self.options.pad)
 
     def _processed(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.options.min_new_tokens and self.options.eos:
-            # generate's MinNewTokensLengthLogitsProcessor, with the count on the device.
-            early = self.count < self.options.min_new_tokens
-            is_eos = torch.isin(torch.arange(logits.shape[-1], device=logits.device), self.eos)
-            logits = torch.where(early & is_eos, -float("inf"), logits)
-        logits = self._forced(logits)
+        logits = self._process(logits)
         for warper in self.warpers:
             logits = warper(None, logits)
         return logits
@@ -542,6 +589,8 @@ class TokenDecoder(Decoder):
         self.tokens.index_copy_(1, self.count, token.unsqueeze(1))
         if self.options.eos:
             self.done.logical_or_(torch.isin(token, self.eos))
+        if self.seen is not None:
+            self.seen.scatter_(1, token.unsqueeze(1), True)
         self.next_ids.copy_(token.unsqueeze(1))
         self.count.add_(1)
         torch.logical_and(~self.done.all(), self.count[0] < self.options.max_new_tokens,

@@ -35,7 +35,8 @@ _HANDLED = {
     "output_attentions", "output_hidden_states", "transformers_version", "_from_model_config",
     "compile_config", "disable_compile", "prefill_chunk_size", "is_assistant",
     "num_beam_groups", "diversity_penalty", "low_memory", "forced_bos_token_id",
-    "forced_eos_token_id",
+    "forced_eos_token_id", "repetition_penalty", "bad_words_ids", "suppress_tokens",
+    "begin_suppress_tokens",
 }
 # Of the handled fields, the values grape supports when they are set.
 _ONLY = {"num_return_sequences": (None, 1), "output_attentions": (None, False),
@@ -78,6 +79,15 @@ class Options:
     # token where the decoder's prompt is one token long, and the last token allowed.
     forced_bos: int | None = None
     forced_eos: tuple[int, ...] = ()
+    # generate's other processors grape reproduces: RepetitionPenaltyLogitsProcessor,
+    # NoBadWordsLogitsProcessor for words of one token, MinLengthLogitsProcessor (min_length
+    # counts the prompt, as generate's does), SuppressTokensLogitsProcessor and
+    # SuppressTokensAtBeginLogitsProcessor.
+    repetition_penalty: float = 1.0
+    bad_words: tuple[int, ...] = ()
+    min_length: int = 0
+    suppressed: tuple[int, ...] = ()
+    begin_suppressed: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple:
@@ -85,7 +95,8 @@ class Options:
         return (self.strategy, self.max_new_tokens, self.min_new_tokens, self.eos, self.pad,
                 self.temperature, self.top_k, self.top_p, self.num_beams, self.length_penalty,
                 self.early_stopping, self.cache_length, self.return_dict, self.kept,
-                self.start, self.forced_bos, self.forced_eos)
+                self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
+                self.bad_words, self.min_length, self.suppressed, self.begin_suppressed)
 
     @property
     def room(self) -> int:
@@ -197,8 +208,6 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     if unsupported := _unsupported(config):
         raise NotGraphable(f"generation options grape does not reproduce: "
                            f"{', '.join(unsupported)}")
-    if config.min_length not in (0, None):
-        raise NotGraphable(f"min_length={config.min_length} (use min_new_tokens)")
     eos = _ids(config.eos_token_id, "eos_token_id")
     pad_ids = _ids(config.pad_token_id, "pad_token_id")
     pad = pad_ids[0] if pad_ids else (eos[0] if eos else 0)
@@ -229,6 +238,11 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
             raise NotGraphable(f"an encoder-decoder model's decoder starts from one token id, "
                                f"and its decoder_start_token_id (or bos_token_id) is "
                                f"{start!r}")
+    penalty = _real(1.0 if config.repetition_penalty is None else config.repetition_penalty,
+                    "repetition_penalty")
+    if not 0 < penalty < float("inf"):
+        raise GrapeError(f"expected repetition_penalty to be a positive number, found "
+                         f"{config.repetition_penalty!r}")
     forced_bos = _ids(config.forced_bos_token_id, "forced_bos_token_id")
     if len(forced_bos) > 1:
         raise GrapeError(f"expected forced_bos_token_id to be one token id, found "
@@ -239,8 +253,29 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       _real(config.length_penalty, "length_penalty"), config.early_stopping,
                       config, return_dict=return_dict, kept=kept, start=start,
                       forced_bos=forced_bos[0] if forced_bos else None,
-                      forced_eos=_ids(config.forced_eos_token_id, "forced_eos_token_id"))
+                      forced_eos=_ids(config.forced_eos_token_id, "forced_eos_token_id"),
+                      repetition_penalty=penalty, bad_words=_bad_words(config.bad_words_ids, eos),
+                      min_length=_integer(config.min_length or 0, "min_length", 0),
+                      suppressed=_ids(config.suppress_tokens, "suppress_tokens"),
+                      begin_suppressed=_ids(config.begin_suppress_tokens,
+                                            "begin_suppress_tokens"))
     return options, _attention_mask(input_ids, attention_mask, pad_ids, eos)
+
+
+def _bad_words(value: Any, eos: tuple[int, ...]) -> tuple[int, ...]:
+    """The tokens generate's NoBadWordsLogitsProcessor bans at every step: ``bad_words_ids``
+    less the words that are an EOS token alone (which it drops too). A word of several tokens,
+    banned only after its prefix, is not reproduced."""
+    if value is None:
+        return ()
+    if not (isinstance(value, list | tuple) and value
+            and all(isinstance(w, list | tuple) and w for w in value)):
+        raise GrapeError(f"expected bad_words_ids to be a non-empty list of non-empty lists of "
+                         f"token ids, found {value!r}")
+    words = [_ids(list(w), "bad_words_ids") for w in value]
+    if longer := [w for w in words if len(w) > 1]:
+        raise NotGraphable(f"bad_words_ids with words of several tokens ({list(longer[0])})")
+    return tuple(w[0] for w in words if w[0] not in eos)
 
 
 def _attention_mask(input_ids: torch.Tensor, given: torch.Tensor | None,
