@@ -41,7 +41,11 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
+from transformers.generation.utils import (
+    GenerateDecoderOnlyOutput,
+    GenerateEncoderDecoderOutput,
+    GenerationMixin,
+)
 
 from grape.torch.decode_mask import running_mask
 from grape.torch.exact import Lengths, TokenMajorLayer, active
@@ -52,6 +56,12 @@ from grape.torch.sdpa_mask import convert_once
 from grape.torch.static_layers import CountedLayer, Tokens
 
 __all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "static_cache"]
+
+# Whether generate leaves a prompt's left padding out of its repetition penalty (transformers
+# 5.2x passes the padding's length to RepetitionPenaltyLogitsProcessor; 5.17 penalises the pad
+# tokens too). Read from generate's own code, where the choice is made.
+PENALTY_SKIPS_PADDING = "prompt_ignore_length" in inspect.getsource(
+    GenerationMixin._get_logits_processor)
 
 # What check_written_only writes where the cache holds nothing yet: large enough that any
 # weight on it moves the logits far past kernels' noise, small enough for fp16.
@@ -323,7 +333,7 @@ class Decoder:
             self.mask[:, :self.prompt_len].copy_(mask)
         self.position.copy_(position[:, -1:] + 1)
         self.count.zero_()
-        self._remember(input_ids, logits.shape[-1])
+        self._remember(input_ids, logits.shape[-1], mask)
         self._emit(logits)
         self._agree()
         return 0 if ones else mask.numel() * mask.element_size()
@@ -375,8 +385,8 @@ class Decoder:
         options = self.options
         if self.seen is not None:
             penalty = options.repetition_penalty
-            scores = torch.where(self.seen, torch.where(scores < 0, scores * penalty,
-                                                        scores / penalty), scores)
+            scores = torch.where(self.seen[:, :-1], torch.where(scores < 0, scores * penalty,
+                                                                scores / penalty), scores)
         if options.bad_words:
             scores = scores.masked_fill(self._mask("bad_words", scores), -math.inf)
         if self.min_new > 0 and options.eos:
@@ -403,13 +413,20 @@ class Decoder:
                 torch.arange(scores.shape[-1], device=scores.device), ids)
         return mask
 
-    def _remember(self, ids: torch.Tensor, width: int) -> None:
-        """The tokens before the new ones, as each row's seen set (repetition_penalty)."""
+    def _remember(self, ids: torch.Tensor, width: int, mask: torch.Tensor | None = None) -> None:
+        """The tokens before the new ones, as each row's seen set (repetition_penalty). Where
+        ``generate`` leaves a prompt's left padding out of the penalty (transformers 5.2x:
+        ``PENALTY_SKIPS_PADDING``), the padding's tokens land in a column past the vocabulary,
+        which the penalty never reads."""
         if self.options.repetition_penalty == 1.0:
             return
-        if self.seen is None or self.seen.shape[-1] != width:
-            self.seen = torch.zeros((self.rows, width), dtype=torch.bool, device=ids.device)
+        if self.seen is None or self.seen.shape[-1] != width + 1:
+            self.seen = torch.zeros((self.rows, width + 1), dtype=torch.bool, device=ids.device)
         self.seen.zero_()
+        if mask is not None and PENALTY_SKIPS_PADDING:
+            first = (mask != 0).int().argmax(dim=1, keepdim=True)  # generate's padding length
+            positions = torch.arange(ids.shape[1], device=ids.device)
+            ids = ids.masked_fill(positions < first, width)
         self.seen.scatter_(1, ids, True)
 
     def head(self, input_ids: torch.Tensor) -> torch.Tensor:
