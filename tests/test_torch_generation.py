@@ -433,6 +433,17 @@ def test_a_speech_model_runs_through_generate_with_one_warning():
     assert not last_stats().graphed and "input_features" in last_stats().reason
 
 
+def test_exact_lengths_are_refused_for_an_encoder_decoder_model():
+    # Exact lengths count the decoder's own cache; cross-attention reads the source's.
+    from grape.torch.decoding import ExactRefused
+
+    m = _seq2seq("t5")
+    ids, mask = _prompt()
+    options, _ = resolve(m, ids, mask, {"max_new_tokens": 4})
+    with pytest.raises(ExactRefused, match="cross-attention reads the source's"):
+        TokenDecoder(m, ids.shape[0], ids.shape[1], options, exact=True)
+
+
 def test_an_encoder_decoder_with_a_start_token_grape_cannot_take_falls_back():
     m = _seq2seq("t5")
     m.generation_config.decoder_start_token_id = [0, 1]

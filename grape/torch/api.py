@@ -364,7 +364,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
                                f"device")
         ids, mask, padded = bucketed(input_ids, mask, prompt_bucket or 1, options.pad)
         exact = exact_lengths if exact_lengths is not None else (
-            not compile and options.cache_tokens(ids.shape[1]) >= EXACT_FROM
+            not compile and options.start is None  # (an encoder-decoder's are refused)
+            and options.cache_tokens(ids.shape[1]) >= EXACT_FROM
             and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
         run = functools.partial(_graphed_generate, model, ids, mask, options, seed, compile,
                                 caller_ids=input_ids, padded_bytes=padded,
