@@ -162,7 +162,7 @@ def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_refus
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    ({"no_repeat_ngram_size": 3}, "no_repeat_ngram_size=3"),
+    ({"encoder_no_repeat_ngram_size": 3}, "encoder_no_repeat_ngram_size=3"),
     ({"bad_words_ids": [[5], [6, 7]]},
      "bad_words_ids with words of several tokens \\(\\[6, 7\\]\\)"),
     ({"num_beams": 2, "do_sample": True}, "beam search with sampling"),
@@ -346,10 +346,13 @@ def test_forced_first_and_last_tokens_are_generates(num_beams):
 PROCESSORS = {
     "repetition penalty": {"repetition_penalty": 1.3},
     "repetition penalty below 1": {"repetition_penalty": 0.7},
+    "no repeated bigrams": {"no_repeat_ngram_size": 2},
+    "no repeated trigrams, EOS": {"no_repeat_ngram_size": 3, "eos_token_id": EOS},
     "banned tokens": {"bad_words_ids": [[40], [41], [2]], "suppress_tokens": [42, 43]},
     "minimum length, suppressed at the first token": {
         "min_length": 12, "eos_token_id": EOS, "begin_suppress_tokens": EOS[:3]},
-    "all at once": {"repetition_penalty": 1.2, "bad_words_ids": [[40]], "min_length": 9,
+    "all at once": {"repetition_penalty": 1.2, "no_repeat_ngram_size": 2,
+                    "bad_words_ids": [[40]], "min_length": 9,
                     "eos_token_id": EOS, "suppress_tokens": [42], "forced_eos_token_id": 2,
                     "begin_suppress_tokens": [44]},
 }
@@ -371,10 +374,13 @@ def test_generates_other_processors_make_its_tokens_and_scores(kind, processors,
     assert torch.equal(out.sequences, reference.sequences)
     assert len(out.scores) == len(reference.scores)
     assert all(torch.equal(a, b) for a, b in zip(out.scores, reference.scores, strict=True))
-    if PROCESSORS[processors].get("repetition_penalty", 1.0) != 1.0:
-        # It must have acted: without it, other scores from the second token on.
-        plain = _host(m, ids, mask, **dict(kwargs, repetition_penalty=1.0))
-        assert not torch.equal(plain.scores[1], out.scores[1])
+    for name, off in (("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0)):
+        if PROCESSORS[processors].get(name, off) != off and processors != "all at once":
+            # It must have acted: without it, other scores at some token. (All at once, the
+            # penalty can leave no n-gram to repeat.)
+            plain = _host(m, ids, mask, **dict(kwargs, **{name: off}))
+            pairs = zip(plain.scores, out.scores, strict=False)  # EOS may end one sooner
+            assert not all(torch.equal(a, b) for a, b in pairs), name
 
 
 def test_sampling_takes_the_processors_before_its_warpers():

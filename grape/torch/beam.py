@@ -143,6 +143,9 @@ class BeamDecoder(Decoder):
         if self.seen is not None:  # each beam's tokens are its origin's and its new one
             self.seen.copy_(self.seen.index_select(0, rows))
             self.seen.scatter_(1, self.next_ids, True)
+        if self.history is not None:
+            self.history.copy_(self.history.index_select(0, rows))
+            self.history.index_copy_(1, t + self.head_len, self.next_ids)
         self.count.add_(1)
         self._stop_check(hits)
 

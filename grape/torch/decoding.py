@@ -226,8 +226,11 @@ class Decoder:
         # the processors count lengths from (a decoder's start token, or the prompt), the
         # tokens each row has seen (repetition_penalty; made with the first logits, whose width
         # can exceed the config's vocabulary), and masks over the vocabulary by name.
-        head = 1 if self.seq2seq else prompt_len
+        head = self.head_len = 1 if self.seq2seq else prompt_len
         self.min_new = max(options.min_new_tokens, options.min_length - head)
+        # no_repeat_ngram_size: every row's tokens so far, the prompt's and the new ones.
+        self.history = (torch.zeros((rows, head + options.room), dtype=torch.long,
+                                    device=device) if options.no_repeat_ngram else None)
         # The count at which SuppressTokensAtBegin acts: generate's begin index (the prompt's
         # length, one more after a one-token prompt whose first token is forced) less the prompt.
         self.begin = int(head == 1 and options.forced_bos is not None)
@@ -387,6 +390,8 @@ class Decoder:
             penalty = options.repetition_penalty
             scores = torch.where(self.seen[:, :-1], torch.where(scores < 0, scores * penalty,
                                                                 scores / penalty), scores)
+        if self.history is not None:
+            scores = scores.masked_fill(self._repeating(scores.shape[-1]), -math.inf)
         if options.bad_words:
             scores = scores.masked_fill(self._mask("bad_words", scores), -math.inf)
         if self.min_new > 0 and options.eos:
@@ -403,6 +408,24 @@ class Decoder:
                                  scores)
         return scores
 
+    def _repeating(self, width: int) -> torch.Tensor:
+        """generate's NoRepeatNGramLogitsProcessor over the history, with its length on the
+        device: each window of n tokens that lies inside what was written and whose first n - 1
+        match the last n - 1 written bans its last token ((rows, width) booleans; windows that
+        do not match land in a column past the vocabulary, as generate's do)."""
+        n, history = self.options.no_repeat_ngram, self.history
+        written = self.count + self.head_len  # tokens in the history, as a (1,) tensor
+        offsets = torch.arange(n - 1, device=history.device)
+        prefix = history.index_select(1, (written - (n - 1) + offsets).clamp_(min=0))
+        windows = history.unfold(1, n, 1)
+        starts = torch.arange(windows.shape[1], device=history.device)
+        matches = (windows[..., :-1] == prefix.unsqueeze(1)).all(dim=-1) & (
+            starts <= written - n)
+        banned = torch.zeros((history.shape[0], width + 1), dtype=torch.bool,
+                             device=history.device)
+        banned.scatter_(1, torch.where(matches, windows[..., -1], width), True)
+        return banned[:, :width]
+
     def _mask(self, name: str, scores: torch.Tensor) -> torch.Tensor:
         """Which of the vocabulary's tokens ``Options.<name>`` lists, as (width,) booleans."""
         mask = self._masks.get(name)
@@ -414,10 +437,13 @@ class Decoder:
         return mask
 
     def _remember(self, ids: torch.Tensor, width: int, mask: torch.Tensor | None = None) -> None:
-        """The tokens before the new ones, as each row's seen set (repetition_penalty). Where
+        """The tokens before the new ones, as each row's history (no_repeat_ngram_size) and
+        seen set (repetition_penalty). Where
         ``generate`` leaves a prompt's left padding out of the penalty (transformers 5.2x:
         ``PENALTY_SKIPS_PADDING``), the padding's tokens land in a column past the vocabulary,
         which the penalty never reads."""
+        if self.history is not None:
+            self.history[:, :ids.shape[1]].copy_(ids)
         if self.options.repetition_penalty == 1.0:
             return
         if self.seen is None or self.seen.shape[-1] != width + 1:
@@ -608,6 +634,8 @@ class TokenDecoder(Decoder):
             self.done.logical_or_(torch.isin(token, self.eos))
         if self.seen is not None:
             self.seen.scatter_(1, token.unsqueeze(1), True)
+        if self.history is not None:
+            self.history.index_copy_(1, self.count + self.head_len, token.unsqueeze(1))
         self.next_ids.copy_(token.unsqueeze(1))
         self.count.add_(1)
         torch.logical_and(~self.done.all(), self.count[0] < self.options.max_new_tokens,

@@ -36,7 +36,7 @@ _HANDLED = {
     "compile_config", "disable_compile", "prefill_chunk_size", "is_assistant",
     "num_beam_groups", "diversity_penalty", "low_memory", "forced_bos_token_id",
     "forced_eos_token_id", "repetition_penalty", "bad_words_ids", "suppress_tokens",
-    "begin_suppress_tokens",
+    "begin_suppress_tokens", "no_repeat_ngram_size",
 }
 # Of the handled fields, the values grape supports when they are set.
 _ONLY = {"num_return_sequences": (None, 1), "output_attentions": (None, False),
@@ -80,10 +80,11 @@ class Options:
     forced_bos: int | None = None
     forced_eos: tuple[int, ...] = ()
     # generate's other processors grape reproduces: RepetitionPenaltyLogitsProcessor,
-    # NoBadWordsLogitsProcessor for words of one token, MinLengthLogitsProcessor (min_length
-    # counts the prompt, as generate's does), SuppressTokensLogitsProcessor and
-    # SuppressTokensAtBeginLogitsProcessor.
+    # NoRepeatNGramLogitsProcessor, NoBadWordsLogitsProcessor for words of one token,
+    # MinLengthLogitsProcessor (min_length counts the prompt, as generate's does),
+    # SuppressTokensLogitsProcessor and SuppressTokensAtBeginLogitsProcessor.
     repetition_penalty: float = 1.0
+    no_repeat_ngram: int = 0
     bad_words: tuple[int, ...] = ()
     min_length: int = 0
     suppressed: tuple[int, ...] = ()
@@ -96,7 +97,8 @@ class Options:
                 self.temperature, self.top_k, self.top_p, self.num_beams, self.length_penalty,
                 self.early_stopping, self.cache_length, self.return_dict, self.kept,
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
-                self.bad_words, self.min_length, self.suppressed, self.begin_suppressed)
+                self.no_repeat_ngram, self.bad_words, self.min_length, self.suppressed,
+                self.begin_suppressed)
 
     @property
     def room(self) -> int:
@@ -254,7 +256,10 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       config, return_dict=return_dict, kept=kept, start=start,
                       forced_bos=forced_bos[0] if forced_bos else None,
                       forced_eos=_ids(config.forced_eos_token_id, "forced_eos_token_id"),
-                      repetition_penalty=penalty, bad_words=_bad_words(config.bad_words_ids, eos),
+                      repetition_penalty=penalty,
+                      no_repeat_ngram=_integer(config.no_repeat_ngram_size or 0,
+                                               "no_repeat_ngram_size", 0),
+                      bad_words=_bad_words(config.bad_words_ids, eos),
                       min_length=_integer(config.min_length or 0, "min_length", 0),
                       suppressed=_ids(config.suppress_tokens, "suppress_tokens"),
                       begin_suppressed=_ids(config.begin_suppress_tokens,
