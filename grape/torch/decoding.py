@@ -381,10 +381,10 @@ class Decoder:
     def _process(self, scores: torch.Tensor) -> torch.Tensor:
         """generate's logits processors that grape reproduces, in generate's order, with the
         count of tokens made on the device: repetition penalty over the tokens each row has
-        seen, banned words of one token, EOS held back below the minimum length, forced first
-        and last tokens (every score -inf but the forced token's, 0), suppressed tokens, and
-        those suppressed at the first token. Each mask is made once, eagerly, with the first
-        logits (the prompt's)."""
+        seen, repeated n-grams banned, banned words of one token, EOS held back below the
+        minimum length, forced first and last tokens (every score -inf but the forced token's,
+        0), suppressed tokens, and those suppressed at the first token. Each mask over the
+        vocabulary is made once, eagerly, with the first logits (the prompt's)."""
         options = self.options
         if self.seen is not None:
             penalty = options.repetition_penalty
@@ -438,10 +438,9 @@ class Decoder:
 
     def _remember(self, ids: torch.Tensor, width: int, mask: torch.Tensor | None = None) -> None:
         """The tokens before the new ones, as each row's history (no_repeat_ngram_size) and
-        seen set (repetition_penalty). Where
-        ``generate`` leaves a prompt's left padding out of the penalty (transformers 5.2x:
-        ``PENALTY_SKIPS_PADDING``), the padding's tokens land in a column past the vocabulary,
-        which the penalty never reads."""
+        seen set (repetition_penalty). Where ``generate`` leaves a prompt's left padding out of
+        the penalty (transformers 5.2x: ``PENALTY_SKIPS_PADDING``), the padding's tokens land
+        in a column past the vocabulary, which the penalty never reads."""
         if self.history is not None:
             self.history[:, :ids.shape[1]].copy_(ids)
         if self.options.repetition_penalty == 1.0:
