@@ -163,8 +163,6 @@ def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_refus
 
 @pytest.mark.parametrize("kwargs, reason", [
     ({"encoder_no_repeat_ngram_size": 3}, "encoder_no_repeat_ngram_size=3"),
-    ({"bad_words_ids": [[5], [6, 7]]},
-     "bad_words_ids with words of several tokens \\(\\[6, 7\\]\\)"),
     ({"num_beams": 2, "do_sample": True}, "beam search with sampling"),
     ({"num_return_sequences": 2, "num_beams": 2}, "num_return_sequences=2"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True"),
@@ -381,6 +379,25 @@ def test_generates_other_processors_make_its_tokens_and_scores(kind, processors,
             plain = _host(m, ids, mask, **dict(kwargs, **{name: off}))
             pairs = zip(plain.scores, out.scores, strict=False)  # EOS may end one sooner
             assert not all(torch.equal(a, b) for a, b in pairs), name
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_banned_words_of_several_tokens_are_banned_after_their_prefix(kind, num_beams):
+    # Words taken from what the model makes unbanned, so that they bite: a bigram and a
+    # trigram of the first row's new tokens.
+    m = _built("llama", CONFIGS["llama"]) if kind == "llama" else _seq2seq("t5")
+    ids, mask = _prompt()
+    free = _host(m, ids, mask, max_new_tokens=10, num_beams=num_beams)
+    new = free[0, -10:].tolist()
+    words = [new[2:4], new[4:7], [299]]
+    kwargs = dict(max_new_tokens=10, num_beams=num_beams, bad_words_ids=words,
+                  return_dict_in_generate=True, output_scores=True)
+    reference = m.generate(ids, attention_mask=mask, **_same_layout(m, ids, 10), **kwargs)
+    out = _host(m, ids, mask, **kwargs)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, reference.scores, strict=True))
+    assert not torch.equal(out.sequences, free)
 
 
 def test_sampling_takes_the_processors_before_its_warpers():

@@ -228,9 +228,18 @@ class Decoder:
         # can exceed the config's vocabulary), and masks over the vocabulary by name.
         head = self.head_len = 1 if self.seq2seq else prompt_len
         self.min_new = max(options.min_new_tokens, options.min_length - head)
-        # no_repeat_ngram_size: every row's tokens so far, the prompt's and the new ones.
-        self.history = (torch.zeros((rows, head + options.room), dtype=torch.long,
-                                    device=device) if options.no_repeat_ngram else None)
+        # no_repeat_ngram_size and banned words of several tokens: every row's tokens so far,
+        # the prompt's and the new ones.
+        self.history = (torch.zeros((rows, head + options.room), dtype=torch.long, device=device)
+                        if options.no_repeat_ngram or options.bad_sequences else None)
+        # Banned words of several tokens by length: (their prefixes, their last tokens).
+        by_length: dict[int, list[tuple[int, ...]]] = {}
+        for word in options.bad_sequences:
+            by_length.setdefault(len(word), []).append(word)
+        self.bad_sequences = {
+            k: (torch.tensor([w[:-1] for w in words], dtype=torch.long, device=device),
+                torch.tensor([w[-1] for w in words], dtype=torch.long, device=device))
+            for k, words in by_length.items()}
         # The count at which SuppressTokensAtBegin acts: generate's begin index (the prompt's
         # length, one more after a one-token prompt whose first token is forced) less the prompt.
         self.begin = int(head == 1 and options.forced_bos is not None)
@@ -381,19 +390,22 @@ class Decoder:
     def _process(self, scores: torch.Tensor) -> torch.Tensor:
         """generate's logits processors that grape reproduces, in generate's order, with the
         count of tokens made on the device: repetition penalty over the tokens each row has
-        seen, repeated n-grams banned, banned words of one token, EOS held back below the
-        minimum length, forced first and last tokens (every score -inf but the forced token's,
-        0), suppressed tokens, and those suppressed at the first token. Each mask over the
-        vocabulary is made once, eagerly, with the first logits (the prompt's)."""
+        seen, repeated n-grams banned, banned words (of several tokens, after their prefix),
+        EOS held back below the minimum length, forced first and last tokens (every score -inf
+        but the forced token's, 0), suppressed tokens, and those suppressed at the first token.
+        Each mask over the vocabulary is made once, eagerly, with the first logits (the
+        prompt's)."""
         options = self.options
         if self.seen is not None:
             penalty = options.repetition_penalty
             scores = torch.where(self.seen[:, :-1], torch.where(scores < 0, scores * penalty,
                                                                 scores / penalty), scores)
-        if self.history is not None:
+        if options.no_repeat_ngram:
             scores = scores.masked_fill(self._repeating(scores.shape[-1]), -math.inf)
         if options.bad_words:
             scores = scores.masked_fill(self._mask("bad_words", scores), -math.inf)
+        if self.bad_sequences:
+            scores = scores.masked_fill(self._completing(scores.shape[-1]), -math.inf)
         if self.min_new > 0 and options.eos:
             early = self.count < self.min_new
             scores = torch.where(early & self._mask("eos", scores), -math.inf, scores)
@@ -424,6 +436,22 @@ class Decoder:
         banned = torch.zeros((history.shape[0], width + 1), dtype=torch.bool,
                              device=history.device)
         banned.scatter_(1, torch.where(matches, windows[..., -1], width), True)
+        return banned[:, :width]
+
+    def _completing(self, width: int) -> torch.Tensor:
+        """generate's SequenceBiasLogitsProcessor for banned words of several tokens, with the
+        length on the device: a word of k tokens bans its last where the last k - 1 written
+        are its first, once k tokens are written ((rows, width) booleans)."""
+        history = self.history
+        written = self.count + self.head_len
+        banned = torch.zeros((history.shape[0], width + 1), dtype=torch.bool,
+                             device=history.device)
+        for k, (prefixes, lasts) in self.bad_sequences.items():
+            offsets = torch.arange(k - 1, device=history.device)
+            prefix = history.index_select(1, (written - (k - 1) + offsets).clamp_(min=0))
+            matches = (prefix.unsqueeze(1) == prefixes.unsqueeze(0)).all(dim=-1) & (
+                written >= k)
+            banned.scatter_(1, torch.where(matches, lasts, width), True)
         return banned[:, :width]
 
     def _mask(self, name: str, scores: torch.Tensor) -> torch.Tensor:

@@ -80,12 +80,13 @@ class Options:
     forced_bos: int | None = None
     forced_eos: tuple[int, ...] = ()
     # generate's other processors grape reproduces: RepetitionPenaltyLogitsProcessor,
-    # NoRepeatNGramLogitsProcessor, NoBadWordsLogitsProcessor for words of one token,
+    # NoRepeatNGramLogitsProcessor, NoBadWordsLogitsProcessor,
     # MinLengthLogitsProcessor (min_length counts the prompt, as generate's does),
     # SuppressTokensLogitsProcessor and SuppressTokensAtBeginLogitsProcessor.
     repetition_penalty: float = 1.0
     no_repeat_ngram: int = 0
-    bad_words: tuple[int, ...] = ()
+    bad_words: tuple[int, ...] = ()  # words of one token
+    bad_sequences: tuple[tuple[int, ...], ...] = ()  # words of several, banned after their prefix
     min_length: int = 0
     suppressed: tuple[int, ...] = ()
     begin_suppressed: tuple[int, ...] = ()
@@ -97,8 +98,8 @@ class Options:
                 self.temperature, self.top_k, self.top_p, self.num_beams, self.length_penalty,
                 self.early_stopping, self.cache_length, self.return_dict, self.kept,
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
-                self.no_repeat_ngram, self.bad_words, self.min_length, self.suppressed,
-                self.begin_suppressed)
+                self.no_repeat_ngram, self.bad_words, self.bad_sequences, self.min_length,
+                self.suppressed, self.begin_suppressed)
 
     @property
     def room(self) -> int:
@@ -245,6 +246,7 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     if not 0 < penalty < float("inf"):
         raise GrapeError(f"expected repetition_penalty to be a positive number, found "
                          f"{config.repetition_penalty!r}")
+    bad = _bad_words(config.bad_words_ids, eos)
     forced_bos = _ids(config.forced_bos_token_id, "forced_bos_token_id")
     if len(forced_bos) > 1:
         raise GrapeError(f"expected forced_bos_token_id to be one token id, found "
@@ -259,7 +261,8 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       repetition_penalty=penalty,
                       no_repeat_ngram=_integer(config.no_repeat_ngram_size or 0,
                                                "no_repeat_ngram_size", 0),
-                      bad_words=_bad_words(config.bad_words_ids, eos),
+                      bad_words=tuple(w[0] for w in bad if len(w) == 1),
+                      bad_sequences=tuple(w for w in bad if len(w) > 1),
                       min_length=_integer(config.min_length or 0, "min_length", 0),
                       suppressed=_ids(config.suppress_tokens, "suppress_tokens"),
                       begin_suppressed=_ids(config.begin_suppress_tokens,
@@ -267,10 +270,9 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     return options, _attention_mask(input_ids, attention_mask, pad_ids, eos)
 
 
-def _bad_words(value: Any, eos: tuple[int, ...]) -> tuple[int, ...]:
-    """The tokens generate's NoBadWordsLogitsProcessor bans at every step: ``bad_words_ids``
-    less the words that are an EOS token alone (which it drops too). A word of several tokens,
-    banned only after its prefix, is not reproduced."""
+def _bad_words(value: Any, eos: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The words generate's NoBadWordsLogitsProcessor bans: ``bad_words_ids`` less the words
+    that are an EOS token alone (which it drops too), each once."""
     if value is None:
         return ()
     if not (isinstance(value, list | tuple) and value
@@ -278,9 +280,7 @@ def _bad_words(value: Any, eos: tuple[int, ...]) -> tuple[int, ...]:
         raise GrapeError(f"expected bad_words_ids to be a non-empty list of non-empty lists of "
                          f"token ids, found {value!r}")
     words = [_ids(list(w), "bad_words_ids") for w in value]
-    if longer := [w for w in words if len(w) > 1]:
-        raise NotGraphable(f"bad_words_ids with words of several tokens ({list(longer[0])})")
-    return tuple(w[0] for w in words if w[0] not in eos)
+    return tuple(dict.fromkeys(w for w in words if not (len(w) == 1 and w[0] in eos)))
 
 
 def _attention_mask(input_ids: torch.Tensor, given: torch.Tensor | None,
