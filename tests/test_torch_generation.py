@@ -162,7 +162,7 @@ def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_refus
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    ({"encoder_no_repeat_ngram_size": 3}, "encoder_no_repeat_ngram_size=3"),
+    ({"exponential_decay_length_penalty": (2, 1.1)}, "exponential_decay_length_penalty="),
     ({"num_beams": 2, "do_sample": True}, "beam search with sampling"),
     ({"num_return_sequences": 2, "num_beams": 2}, "num_return_sequences=2"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True"),
@@ -398,6 +398,35 @@ def test_banned_words_of_several_tokens_are_banned_after_their_prefix(kind, num_
     assert torch.equal(out.sequences, reference.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.scores, reference.scores, strict=True))
     assert not torch.equal(out.sequences, free)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("n", [1, 2, 9])
+def test_n_grams_of_the_source_are_not_repeated(n, num_beams):
+    # encoder_no_repeat_ngram_size (Blenderbot's configs set 3): the decoder's last n - 1
+    # tokens against every window of the source. n = 1 bans every source token, so it bites;
+    # 9 is longer than the source: nothing to ban.
+    m = _seq2seq("t5")
+    ids, mask = _prompt()
+    # The start token (0), then tokens near the model's own picks: after the start, n = 2
+    # bans the first of them at the first token already.
+    ids[:, 0] = 0
+    ids[:, 1:] = torch.arange(6)[None, :] + torch.tensor([[225], [65], [223]])
+    kwargs = dict(max_new_tokens=8, num_beams=num_beams, encoder_no_repeat_ngram_size=n,
+                  return_dict_in_generate=True, output_scores=True)
+    reference = m.generate(ids, attention_mask=mask, **_same_layout(m, ids, 8), **kwargs)
+    out = _host(m, ids, mask, **kwargs)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, reference.scores, strict=True))
+    if n == 1:
+        assert not torch.isin(out.sequences[:, 1:], ids).any()
+
+
+def test_the_source_n_gram_option_means_nothing_to_a_decoder_only_model():
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    options, _ = resolve(m, ids, mask, {"max_new_tokens": 4, "encoder_no_repeat_ngram_size": 2})
+    assert options.source_ngram == 0  # generate ignores it there, with a warning
 
 
 def test_sampling_takes_the_processors_before_its_warpers():

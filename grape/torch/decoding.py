@@ -231,7 +231,11 @@ class Decoder:
         # no_repeat_ngram_size and banned words of several tokens: every row's tokens so far,
         # the prompt's and the new ones.
         self.history = (torch.zeros((rows, head + options.room), dtype=torch.long, device=device)
-                        if options.no_repeat_ngram or options.bad_sequences else None)
+                        if options.no_repeat_ngram or options.bad_sequences
+                        or options.source_ngram else None)
+        # encoder_no_repeat_ngram_size: the source's tokens, per row (a copy: read every step).
+        self.source_ids = (torch.zeros((rows, prompt_len), dtype=torch.long, device=device)
+                           if options.source_ngram else None)
         # Banned words of several tokens by length: (their prefixes, their last tokens).
         by_length: dict[int, list[tuple[int, ...]]] = {}
         for word in options.bad_sequences:
@@ -372,6 +376,10 @@ class Decoder:
         outputs["last_hidden_state"] = self.encoded
         self.encoder_outputs = outputs
         self.source_mask.copy_(self._rows(mask))
+        copied = 0 if ones else mask.numel() * mask.element_size()
+        if self.source_ids is not None:
+            self.source_ids.copy_(self._rows(input_ids))
+            copied += input_ids.numel() * input_ids.element_size()
         self.mask.zero_()
         self.mask[:, 0] = 1
         self.next_ids.fill_(self.options.start)
@@ -385,7 +393,7 @@ class Decoder:
         self._remember(self.next_ids, logits.shape[-1])
         self._emit(logits)
         self._agree()
-        return 0 if ones else mask.numel() * mask.element_size()
+        return copied
 
     def _process(self, scores: torch.Tensor) -> torch.Tensor:
         """generate's logits processors that grape reproduces, in generate's order, with the
@@ -402,6 +410,9 @@ class Decoder:
                                                                 scores / penalty), scores)
         if options.no_repeat_ngram:
             scores = scores.masked_fill(self._repeating(scores.shape[-1]), -math.inf)
+        if options.source_ngram:
+            scores = scores.masked_fill(self._repeating(scores.shape[-1], self.source_ids),
+                                        -math.inf)
         if options.bad_words:
             scores = scores.masked_fill(self._mask("bad_words", scores), -math.inf)
         if self.bad_sequences:
@@ -420,19 +431,25 @@ class Decoder:
                                  scores)
         return scores
 
-    def _repeating(self, width: int) -> torch.Tensor:
+    def _repeating(self, width: int, source: torch.Tensor | None = None) -> torch.Tensor:
         """generate's NoRepeatNGramLogitsProcessor over the history, with its length on the
         device: each window of n tokens that lies inside what was written and whose first n - 1
         match the last n - 1 written bans its last token ((rows, width) booleans; windows that
-        do not match land in a column past the vocabulary, as generate's do)."""
-        n, history = self.options.no_repeat_ngram, self.history
+        do not match land in a column past the vocabulary, as generate's do). With ``source``,
+        EncoderNoRepeatNGramLogitsProcessor: the windows are the source's, every one of them,
+        once n - 1 tokens are written."""
+        history = self.history
+        n = self.options.source_ngram if source is not None else self.options.no_repeat_ngram
+        if (history if source is None else source).shape[1] < n:  # no n-gram fits: none banned
+            return torch.zeros((history.shape[0], width), dtype=torch.bool,
+                               device=history.device)
         written = self.count + self.head_len  # tokens in the history, as a (1,) tensor
         offsets = torch.arange(n - 1, device=history.device)
         prefix = history.index_select(1, (written - (n - 1) + offsets).clamp_(min=0))
-        windows = history.unfold(1, n, 1)
+        windows = (history if source is None else source).unfold(1, n, 1)
         starts = torch.arange(windows.shape[1], device=history.device)
-        matches = (windows[..., :-1] == prefix.unsqueeze(1)).all(dim=-1) & (
-            starts <= written - n)
+        inside = written >= n - 1 if source is not None else starts <= written - n
+        matches = (windows[..., :-1] == prefix.unsqueeze(1)).all(dim=-1) & inside
         banned = torch.zeros((history.shape[0], width + 1), dtype=torch.bool,
                              device=history.device)
         banned.scatter_(1, torch.where(matches, windows[..., -1], width), True)

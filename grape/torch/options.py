@@ -36,7 +36,7 @@ _HANDLED = {
     "compile_config", "disable_compile", "prefill_chunk_size", "is_assistant",
     "num_beam_groups", "diversity_penalty", "low_memory", "forced_bos_token_id",
     "forced_eos_token_id", "repetition_penalty", "bad_words_ids", "suppress_tokens",
-    "begin_suppress_tokens", "no_repeat_ngram_size",
+    "begin_suppress_tokens", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
 }
 # Of the handled fields, the values grape supports when they are set.
 _ONLY = {"num_return_sequences": (None, 1), "output_attentions": (None, False),
@@ -80,11 +80,12 @@ class Options:
     forced_bos: int | None = None
     forced_eos: tuple[int, ...] = ()
     # generate's other processors grape reproduces: RepetitionPenaltyLogitsProcessor,
-    # NoRepeatNGramLogitsProcessor, NoBadWordsLogitsProcessor,
+    # NoRepeatNGramLogitsProcessor, EncoderNoRepeatNGramLogitsProcessor, NoBadWordsLogitsProcessor,
     # MinLengthLogitsProcessor (min_length counts the prompt, as generate's does),
     # SuppressTokensLogitsProcessor and SuppressTokensAtBeginLogitsProcessor.
     repetition_penalty: float = 1.0
     no_repeat_ngram: int = 0
+    source_ngram: int = 0  # encoder_no_repeat_ngram_size (encoder-decoder models)
     bad_words: tuple[int, ...] = ()  # words of one token
     bad_sequences: tuple[tuple[int, ...], ...] = ()  # words of several, banned after their prefix
     min_length: int = 0
@@ -98,7 +99,8 @@ class Options:
                 self.temperature, self.top_k, self.top_p, self.num_beams, self.length_penalty,
                 self.early_stopping, self.cache_length, self.return_dict, self.kept,
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
-                self.no_repeat_ngram, self.bad_words, self.bad_sequences, self.min_length,
+                self.no_repeat_ngram, self.source_ngram, self.bad_words, self.bad_sequences,
+                self.min_length,
                 self.suppressed, self.begin_suppressed)
 
     @property
@@ -261,6 +263,10 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       repetition_penalty=penalty,
                       no_repeat_ngram=_integer(config.no_repeat_ngram_size or 0,
                                                "no_repeat_ngram_size", 0),
+                      # generate ignores it, with a warning, for a decoder-only model
+                      source_ngram=_integer(config.encoder_no_repeat_ngram_size or 0,
+                                            "encoder_no_repeat_ngram_size", 0) if start is not None
+                      else 0,
                       bad_words=tuple(w[0] for w in bad if len(w) == 1),
                       bad_sequences=tuple(w for w in bad if len(w) > 1),
                       min_length=_integer(config.min_length or 0, "min_length", 0),
