@@ -88,11 +88,21 @@ def test_a_graphed_prompt_attends_as_generate_does_for_its_mask(cuda, tmp_path):
     # decoders at batch 1 then made other greedy tokens than generate (bf16, arch_sweep.py's
     # small config, in every sweep before the prompt branched on the device). Now the captured
     # prompt takes, per launch, the kernels generate takes for its mask (grape.torch.hfmasks).
+    # Built without is_decoder they attend both ways, and at batch 1 (no padding) over the
+    # static cache's unused tail too: Decoder.check_written_only may refuse them there (on the
+    # CPU it refuses all four; on the H200 in bf16 it refused BERT alone, 2026-12-05), the
+    # documented fallback. With padding (batch 2) each graphs, prompt included.
     rows = run_sweep(tmp_path, "--archs", "bert,ernie,roc_bert,xlm-roberta-xl")
     assert len(rows) == 4 * 2
-    wrong = [(r["arch"], r["batch"], r.get("fallback")) for r in rows
-             if not (r["graphed"] and r["prefill_graphed"] and r["tokens_identical"])]
+
+    def fine(r):
+        return ((r["graphed"] and r["prefill_graphed"] and r["tokens_identical"])
+                or (r["batch"] == 1 and "reads cache positions it has not written"
+                    in (r.get("fallback") or "")))
+
+    wrong = [(r["arch"], r["batch"], r.get("fallback")) for r in rows if not fine(r)]
     assert not wrong
+    assert all(r["graphed"] for r in rows if r["batch"] == 2)
 
 
 def test_a_moe_model_in_fp16_falls_back_naming_the_grouped_gemm_that_reads_back(cuda):

@@ -173,3 +173,35 @@ def test_the_prompt_block_restores_transformers_as_it_was():
         assert inside[0].grape_original is before[0] and inside[3].grape_original is before[3]
         assert inside[1].grape_original is before[1] and inside[4:] == before[4:]
     assert state() == before
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no padding", "left padding"])
+def test_an_encoders_bidirectional_mask_is_decided_on_the_device_too(padded):
+    # transformers' bidirectional test asks the mask's values through padding_mask.all(), not
+    # fast_all: under a capture that read broke the captured prompt of every encoder-decoder
+    # model on the H200. Its question is now deferred to the device as the causal test's is.
+    from grape.torch import hfmasks
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, vocab_size=100,
+                                     attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = torch.arange(2 * 6).view(2, 6) % 100
+    mask = torch.ones(2, 6, dtype=torch.long)
+    if padded:
+        mask[1, :2] = 0
+    branches, cond = [], hfmasks.cond
+
+    def counted(pred, *args):
+        branches.append(bool(pred))
+        return cond(pred, *args)
+
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        with mock.patch.object(hfmasks, "cond", counted), \
+                hfmasks.prompt_padding_on_device(eagerly=True):
+            decided = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert branches == [not padded] * 2
+    assert torch.equal(decided, eager)

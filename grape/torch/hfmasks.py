@@ -125,6 +125,23 @@ def _deciding() -> bool:
     return (_EAGERLY.get() or _capture_alone()) and can_branch()
 
 
+class _Values:
+    """The padding mask, for a shortcut test that asks its values through the mask's own
+    methods rather than ``fast_all`` (transformers' bidirectional test calls
+    ``padding_mask.all()``): each question is answered "yes" and noted, as ``fast_all``'s are;
+    anything else is the mask's."""
+
+    def __init__(self, mask: torch.Tensor, read: list[torch.Tensor]) -> None:
+        self._mask, self._read = mask, read
+
+    def all(self, *args: Any, **kwargs: Any) -> bool:
+        self._read.append(self._mask)
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mask, name)
+
+
 def _deferred_test(test: Callable[..., bool]) -> Callable[..., bool]:
     """``test`` (a shortcut test) that, in an sdpa_mask call of the block, answers the
     questions it would ask of the padding mask's values on the device: it says "build the
@@ -148,6 +165,8 @@ def _deferred_test(test: Callable[..., bool]) -> Callable[..., bool]:
             read.append(t)
             return True
 
+        if isinstance(padding_mask, torch.Tensor) and "fast_all" not in test.__code__.co_names:
+            bound.arguments["padding_mask"] = _Values(padding_mask, read)
         skips = _rebound(test, is_tracing=_not_tracing, fast_all=optimistic)(
             *bound.args, **bound.kwargs)
         if not skips or not read:
