@@ -293,10 +293,6 @@ def _small_seq2seq(model_type, **sizes):
     return transformers.AutoModelForSeq2SeqLM.from_config(config).cuda().eval()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "on the H200 (2026-12-05, gpu_seq2seq_ef640a6.log) T5's captured launch hit an illegal "
-    "memory access; grape.generate now falls back for encoder-decoder models, with a warning, "
-    "until that is found"))
 @pytest.mark.parametrize("beams", [1, 4])
 def test_an_encoder_decoder_generation_is_one_launch_with_generates_tokens(cuda, beams):
     # T5 (relative position bias, a cross-attention cache written once by the prompt): the

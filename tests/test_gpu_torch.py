@@ -165,3 +165,48 @@ def test_a_failed_capture_leaves_the_process_as_it_was():
     # 1 * 2 + [0, 1): in float32, 2 + u rounds to 3.0 for u within 1.2e-7 of 1 (a million
     # draws meet one on the H200), so 3 is in range.
     assert ((good.outputs >= 2) & (good.outputs <= 3)).all()
+
+
+def test_a_captured_gemm_keeps_its_workspace_when_cublas_workspaces_are_cleared():
+    # torch.compile's CUDA graphs (and so Hugging Face's generate with a static cache) clear
+    # cuBLAS's workspaces; a graph still pointing at a freed workspace wrote into other
+    # tensors' memory or, once it was unmapped, stopped with an illegal memory access (T5's
+    # graphed generation on the H200, 2026-12-05). grape seats the workspace in a pool of
+    # its own before each capture (grape.torch.workspace).
+    from cuda.bindings import driver
+
+    from grape.torch.capture import capture
+    from grape.torch.workspace import workspace_pool
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    torch.manual_seed(0)
+    # A short, deep fp32 product: cuBLAS splits K and reduces through its workspace.
+    x = torch.randn(4, 16384, device="cuda")
+    w = torch.randn(16384, 256, device="cuda")
+    out = torch.empty(4, 256, device="cuda")
+    want = x @ w
+
+    def segments():
+        return [(s["address"], s["address"] + s["total_size"])
+                for s in workspace_pool(torch.cuda.current_device()).snapshot()]
+
+    for round_ in range(2):  # the second capture after someone cleared: seated again
+        cap = capture(lambda: torch.mm(x, w, out=out), warmup=1)
+        used = [b for b in cap.ir.buffers.values() if b.address is not None
+                and any(lo <= b.address < hi for lo, hi in segments())]
+        assert used, f"capture {round_}: no kernel reads grape's workspace pool"
+        exe = cap.graph.instantiate()
+        stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()  # what was freed outside a live pool is unmapped
+        # Freed memory taken by a tensor another library would own, filled with a sentinel.
+        other = torch.full((64 << 20,), 7.0, device="cuda")
+        torch.mm(x, w)  # an eager GEMM on the default stream makes its workspace again
+        out.zero_()
+        exe.launch(stream)
+        torch.cuda.synchronize()
+        assert torch.allclose(out, want, rtol=1e-4, atol=1e-3)
+        assert bool((other == 7.0).all())
+        exe.close()
+        del other

@@ -303,10 +303,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     the same kernels, ordered by what they read and write rather than by the order the
     forward issued them); ``last_stats()`` gives the step's nodes and its longest path.
 
-    Encoder-decoder models (T5, BART, Marian, Pegasus...) run through ``model.generate``, with
-    a warning: grape's decoders run them (the prompt is the encoder's source, and the decoder
-    starts from its start token, ``grape.torch.decoding``), but their captured launch hit an
-    illegal memory access on the H200, not yet found.
+    Encoder-decoder models (T5, BART, Marian, Pegasus...) generate the same way: the prompt is
+    the encoder's source, run once per call, and the decoder starts from its start token
+    (``grape.torch.decoding``); their outputs start with that token, as ``generate``'s do.
     A model that attends to cache positions it has not written (its attention does not mask
     the static cache's unused tail, so that its tokens with a static cache are not those of
     its default cache) runs through ``model.generate``, found before anything is captured
@@ -356,13 +355,6 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
             raise NotGraphable(f"{type(model).__name__} generates from {model.main_input_name}, "
                                f"and grape graphs generation from token ids")
         options, mask = resolve(model, input_ids, attention_mask, hf_kwargs)
-        if options.start is not None:
-            # The decoders run encoder-decoder models (CPU-checked against generate), but on
-            # the H200 their captured launch hit an illegal memory access (2026-12-05,
-            # benchmarks/results/generate_h200_runs/gpu_seq2seq_ef640a6.log): until that is
-            # found, no capture.
-            raise NotGraphable(f"{type(model).__name__} is an encoder-decoder model, whose "
-                               f"graphed generation is not yet safe on a GPU")
         if cache_length is not None:  # the prompt as bucketed below
             length = input_ids.shape[1]
             options = replace(options, cache_length=_cache_length(

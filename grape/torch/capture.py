@@ -31,6 +31,7 @@ from grape.ir import BufferRole, KernelGraph
 from grape.passes.concurrency import Allocations, OpAccess
 from grape.passes.places import MARKER_BYTES, History, Mark
 from grape.torch.control import graph
+from grape.torch.workspace import seat_workspace
 
 __all__ = ["TorchCapture", "capture", "collector_paused", "frozen_heap", "functions_run",
            "live_blocks", "on_another_thread", "pool_segments"]
@@ -467,6 +468,9 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     blocks = list(blocks or ())
     for address, size in blocks:
         buffers.block(address, size)
+    # The GEMMs' workspace where a later clear of cuBLAS's workspaces (torch.compile's CUDA
+    # graphs make one) cannot free it from under the executable (grape.torch.workspace).
+    seat_workspace(side)
     reserved = torch.cuda.memory_reserved()
     g = torch.cuda.CUDAGraph(keep_graph=True)
     noted = _Marks(side.cuda_stream, side.device, accesses) if marks or accesses else None
@@ -532,6 +536,7 @@ def functions_run(fn: Callable[[], Any], pool: Any = None) -> dict[str, set[str]
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
+    seat_workspace(side)  # as capture does: the same kernels, and the same workspace
     g = torch.cuda.CUDAGraph(keep_graph=True)
     failure = None
     try:
