@@ -29,9 +29,13 @@ __all__ = ["seat_workspace", "workspace_pool"]
 
 _POOLS: dict[int, torch.cuda.MemPool] = {}
 # What each thread's last seat allocated in a device's pool: (the thread, the addresses of the
-# blocks). Each thread has cuBLAS handles of its own, so each seats its own workspace; none, with
-# a cuBLAS that takes no workspace (CUBLAS_WORKSPACE_CONFIG=:0:0), leaves nothing to keep.
-_SEATED: dict[tuple[int, int], tuple[threading.Thread, frozenset[int]]] = {}
+# blocks, the clears grape had made by then). Each thread has cuBLAS handles of its own, so each
+# seats its own workspace; none, with a cuBLAS that takes no workspace
+# (CUBLAS_WORKSPACE_CONFIG=:0:0), leaves nothing to keep. A seat stands while its blocks stay
+# allocated and grape has cleared nothing since: another thread's seat clears this one's
+# workspace too, and may take back the very block it freed.
+_SEATED: dict[tuple[int, int], tuple[threading.Thread, frozenset[int], int]] = {}
+_CLEARS = [0]
 _LOCK = threading.Lock()
 
 
@@ -67,17 +71,20 @@ def seat_workspace(stream: torch.cuda.Stream) -> None:
     pool, thread = workspace_pool(device), threading.current_thread()
     key = (device, threading.get_ident())
     seated = _SEATED.get(key)
-    if seated is not None and seated[0] is thread and seated[1] <= _active(pool):
+    if seated is not None and seated[0] is thread and seated[2] == _CLEARS[0] \
+            and seated[1] <= _active(pool):
         return  # seated, and nobody cleared it since
     # Every handle's workspace goes (PyTorch offers no narrower clear), as it does each time
     # torch.compile records a CUDA graph; eager GEMMs allocate theirs again on their next call.
-    torch.cuda.synchronize(device)
-    clear()
-    before = _active(pool)
-    with torch.cuda.use_mem_pool(pool, device), torch.cuda.stream(stream):
-        _gemms(device)  # the handle's setup on this stream allocates its workspace, here
-    stream.synchronize()
-    _SEATED[key] = (thread, frozenset(_active(pool) - before))
+    with _LOCK:
+        torch.cuda.synchronize(device)
+        clear()
+        _CLEARS[0] += 1
+        before = _active(pool)
+        with torch.cuda.use_mem_pool(pool, device), torch.cuda.stream(stream):
+            _gemms(device)  # the handle's setup on this stream allocates its workspace, here
+        stream.synchronize()
+        _SEATED[key] = (thread, frozenset(_active(pool) - before), _CLEARS[0])
 
 
 def _gemms(device: int) -> None:
