@@ -322,6 +322,38 @@ def test_an_encoder_decoder_generation_is_one_launch_with_generates_tokens(cuda,
         assert torch.equal(out, reference), call
 
 
+@pytest.mark.parametrize("beams", [1, 4])
+def test_a_speech_model_generation_is_one_launch_with_generates_tokens(cuda, beams):
+    # Speech2Text: the encoder over filterbank features (its convolutions shorten them 4x,
+    # which sizes the cross-attention cache) inside the launch, a clip padded at its end.
+    import grape
+    from grape.torch.api import last_stats
+
+    config = transformers.AutoConfig.for_model(
+        "speech_to_text", vocab_size=300, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        input_feat_per_channel=16, max_source_positions=200, max_target_positions=64,
+        conv_channels=32, decoder_start_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSpeechSeq2Seq.from_config(config).cuda().eval()
+    features = torch.randn(3, 40, 16, generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones(features.shape[:2], dtype=torch.long, device="cuda")
+    mask[1, 30:] = 0
+    kwargs = dict(max_new_tokens=16, num_beams=beams)
+    for call in range(2):
+        source = features if call == 0 else features.roll(1, dims=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            out = grape.generate(model, source, mask, **kwargs)
+        stats = last_stats()
+        assert stats.graphed and stats.launches == 1 and stats.prefill_graphed
+        assert stats.captured == (call == 0)
+        reference = model.generate(source, attention_mask=mask, cache_implementation="static",
+                                   **kwargs)
+        assert torch.equal(out, reference), call
+
+
 def test_a_model_that_reads_cache_positions_it_never_wrote_falls_back(cuda):
     # FSMT attends over the static cache's unused tail (its causal mask spans the tokens it is
     # given): found before capture, the documented fallback, the GPU usable after.

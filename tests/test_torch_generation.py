@@ -480,7 +480,8 @@ def test_a_speech_model_runs_through_generate_with_one_warning():
     ours = [str(w.message) for w in caught
             if "grape.generate runs model.generate instead" in str(w.message)]
     assert ours == ["grape.generate runs model.generate instead: WhisperForConditionalGeneration "
-                    "generates from input_features, and grape graphs generation from token ids"]
+                    "generates from input_features through its own generate, which does more "
+                    "than the steps grape reproduces"]
     assert torch.equal(out, m.generate(features, max_new_tokens=5))
     assert not last_stats().graphed and "input_features" in last_stats().reason
 
@@ -779,3 +780,58 @@ def test_a_bad_prompt_bucket_is_one_line(bucket):
     with pytest.raises(GrapeError, match="expected prompt_bucket to be a positive integer"):
         grape.generate(m, torch.zeros((1, 3), dtype=torch.long), max_new_tokens=2,
                        prompt_bucket=bucket)
+
+
+# Speech models whose generate is GenerationMixin's: the source is their features (Speech2Text)
+# or samples (SpeechT5), and the encoder's output, shorter than its input, sizes the
+# cross-attention cache.
+SPEECH = {
+    "speech_to_text": dict(d_model=32, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=2, decoder_attention_heads=2,
+                           encoder_ffn_dim=64, decoder_ffn_dim=64, input_feat_per_channel=16,
+                           max_source_positions=200, max_target_positions=64, conv_channels=32,
+                           decoder_start_token_id=1),
+    "speecht5": dict(hidden_size=32, encoder_layers=2, decoder_layers=2,
+                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                     decoder_ffn_dim=64, decoder_start_token_id=1, conv_dim=(16, 16),
+                     conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2),
+}
+
+
+def _speech(model_type):
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(model_type, **SPEECH[model_type], **COMMON)
+    torch.manual_seed(0)
+    cls = (transformers.SpeechT5ForSpeechToText if model_type == "speecht5"
+           else transformers.AutoModelForSpeechSeq2Seq)
+    model = (cls(config) if model_type == "speecht5" else cls.from_config(config)).eval()
+    g = torch.Generator().manual_seed(0)
+    source = (torch.randn(3, 800, generator=g) if model_type == "speecht5"
+              else torch.randn(3, 40, 16, generator=g))
+    mask = torch.ones(source.shape[:2], dtype=torch.long)
+    mask[1, source.shape[1] * 3 // 4:] = 0  # a shorter clip, padded at its end
+    return model, source, mask
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam 4, EOS"])
+@pytest.mark.parametrize("model_type", list(SPEECH))
+def test_a_speech_model_generates_from_its_features_as_generate_does(model_type, strategy):
+    model, source, mask = _speech(model_type)
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=10)
+    options, _ = resolve(model, source, mask, dict(kwargs))
+    assert options.source == model.main_input_name != "input_ids"
+    reference = model.generate(source, attention_mask=mask, cache_implementation="static",
+                               **kwargs)
+    assert torch.equal(_host(model, source, mask, **kwargs), reference)
+
+
+def test_a_speech_source_that_is_not_what_the_model_takes_is_refused_in_one_line():
+    from grape.errors import GrapeError
+
+    model, source, mask = _speech("speech_to_text")
+    with pytest.raises(GrapeError, match=r"expected input_features of shape \(batch, length >= "
+                                         r"1, \.\.\.\) and a floating dtype, found shape "
+                                         r"\(3, 40\) and torch.int64"):
+        resolve(model, mask, None, {"max_new_tokens": 4})
+    with pytest.raises(GrapeError, match=r"expected an attention_mask of shape \(3, 40\)"):
+        resolve(model, source, mask[:, :20], {"max_new_tokens": 4})

@@ -27,10 +27,14 @@ The compiled forward is built once per model and compiled once per step shape (t
 of a shape pays for it, minutes with autotuning on large models); its kernels differ from the
 eager ones by design, so its tokens are compared with a tolerance, not for equality.
 
+Encoder-decoder speech models generate the same way from what their encoder takes (the
+model's ``main_input_name``: Speech2Text's ``input_features``, SpeechT5's ``input_values``),
+passed where token ids go, with a mask over its frames or samples.
+
 Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, a
-model that generates from other inputs than token ids, such as Whisper from audio features, a
-forward that cannot be captured) runs through ``model.generate`` after one warning saying why;
-bad input raises ``GrapeError``.
+speech model with a generate of its own, such as Whisper's, which detects the language and
+cuts long audio into windows, a forward that cannot be captured) runs through
+``model.generate`` after one warning saying why; bad input raises ``GrapeError``.
 """
 
 from __future__ import annotations
@@ -191,7 +195,7 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
             # The captured prompt holds both of its attention paths (grape.torch.hfmasks):
             # each runs once here, with no padding and with some, so that neither meets its
             # lazy initialisation (a kernel plan, a workspace) inside the capture.
-            padded = torch.ones_like(input_ids)
+            padded = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
             padded[:, 0] = 0
             decoder.prefill(input_ids, None)
             decoder.prefill(input_ids, padded)
@@ -306,6 +310,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     Encoder-decoder models (T5, BART, Marian, Pegasus...) generate the same way: the prompt is
     the encoder's source, run once per call, and the decoder starts from its start token
     (``grape.torch.decoding``); their outputs start with that token, as ``generate``'s do.
+    A speech encoder-decoder model takes its features (or samples) as ``input_ids``, with
+    ``attention_mask`` of shape ``input_ids.shape[:2]`` (see the module).
     A model that attends to cache positions it has not written (its attention does not mask
     the static cache's unused tail, so that its tokens with a static cache are not those of
     its default cache) runs through ``model.generate``, found before anything is captured
@@ -350,11 +356,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
                          f"{prompt_bucket!r}")
     hf_kwargs = dict(kwargs, max_new_tokens=max_new_tokens)
     try:
-        if getattr(model, "main_input_name", "input_ids") != "input_ids":
-            # Before the inputs are checked: a speech model's first input is its features.
-            raise NotGraphable(f"{type(model).__name__} generates from {model.main_input_name}, "
-                               f"and grape graphs generation from token ids")
         options, mask = resolve(model, input_ids, attention_mask, hf_kwargs)
+        if prompt_bucket is not None and options.source != "input_ids":
+            raise GrapeError(f"expected prompt_bucket only with token prompts (it pads them), "
+                             f"found {options.source}")
         if cache_length is not None:  # the prompt as bucketed below
             length = input_ids.shape[1]
             options = replace(options, cache_length=_cache_length(

@@ -182,9 +182,10 @@ class Decoder:
         self.layers = self.cache.layers  # the decoder's own, which follow beams
         if self.seq2seq:
             # Cross-attention keys and values, written once by the prompt's forward (which
-            # turns transformers' host-side is_updated flags, the same at every step after).
-            source = StaticCache(config=model.config, max_cache_len=prompt_len)
-            self.cache = EncoderDecoderCache(self.cache, source)
+            # turns transformers' host-side is_updated flags, the same at every step after):
+            # made by the first prompt, as long as the encoder's output (a speech encoder's is
+            # shorter than its input), and self.cache then holds both (_prefill_source).
+            self.cross: StaticCache | None = None
             self.source_mask = torch.zeros((rows, prompt_len), dtype=torch.long, device=device)
             self.encoded: torch.Tensor | None = None  # the encoder's output, made by the prompt
             self.encoder_outputs: Any = None  # and the rest it returned, as the decoder takes it
@@ -360,10 +361,11 @@ class Decoder:
         runs it (once per prompt, its output then repeated per beam), kept at a fixed address
         with the source's mask; then the decoder over its start token."""
         ones = attention_mask is None
-        mask = torch.ones_like(input_ids) if ones else attention_mask
+        mask = (torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+                if ones else attention_mask)
         with prompt_padding_on_device():
-            outputs = self.model.get_encoder()(input_ids=input_ids, attention_mask=mask,
-                                               return_dict=True)
+            outputs = self.model.get_encoder()(**{self.options.source: input_ids},
+                                               attention_mask=mask, return_dict=True)
         # As generate expands them per beam: every tensor the encoder returned (some decoders
         # read more than its states: a mixture of experts' router logits).
         for name, value in outputs.items():
@@ -372,6 +374,9 @@ class Decoder:
         encoded = outputs.last_hidden_state
         if self.encoded is None or self.encoded.shape != encoded.shape:
             self.encoded = torch.empty_like(encoded)
+        if self.cross is None:
+            self.cross = StaticCache(config=self.model.config, max_cache_len=encoded.shape[1])
+            self.cache = EncoderDecoderCache(self.cache, self.cross)
         self.encoded.copy_(encoded)
         outputs["last_hidden_state"] = self.encoded
         self.encoder_outputs = outputs
@@ -504,7 +509,8 @@ class Decoder:
         encoder-decoder model the decoder's start token."""
         if not self.seq2seq:
             return input_ids
-        return input_ids.new_full((input_ids.shape[0], 1), self.options.start)
+        return torch.full((input_ids.shape[0], 1), self.options.start, dtype=torch.long,
+                          device=input_ids.device)
 
     @torch.no_grad()
     def step(self) -> None:

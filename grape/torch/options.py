@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, GenerationMixin
 
 from grape.errors import GrapeError
 
@@ -86,6 +86,8 @@ class Options:
     repetition_penalty: float = 1.0
     no_repeat_ngram: int = 0
     source_ngram: int = 0  # encoder_no_repeat_ngram_size (encoder-decoder models)
+    # What the encoder takes the prompt as: input_ids, or a speech model's input_features...
+    source: str = "input_ids"
     bad_words: tuple[int, ...] = ()  # words of one token
     bad_sequences: tuple[tuple[int, ...], ...] = ()  # words of several, banned after their prefix
     min_length: int = 0
@@ -99,9 +101,8 @@ class Options:
                 self.temperature, self.top_k, self.top_p, self.num_beams, self.length_penalty,
                 self.early_stopping, self.cache_length, self.return_dict, self.kept,
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
-                self.no_repeat_ngram, self.source_ngram, self.bad_words, self.bad_sequences,
-                self.min_length,
-                self.suppressed, self.begin_suppressed)
+                self.no_repeat_ngram, self.source_ngram, self.source, self.bad_words,
+                self.bad_sequences, self.min_length, self.suppressed, self.begin_suppressed)
 
     @property
     def room(self) -> int:
@@ -190,23 +191,38 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     NotGraphable
         Something grape does not reproduce (the reason is the message).
     """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 \
-            or input_ids.dtype != torch.long or input_ids.shape[1] < 1 or input_ids.shape[0] < 1:
+    source = source_of(model)
+    tokens = source == "input_ids"
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim < 2 \
+            or (tokens and (input_ids.ndim != 2 or input_ids.dtype != torch.long)) \
+            or (not tokens and not input_ids.is_floating_point()) \
+            or input_ids.shape[1] < 1 or input_ids.shape[0] < 1:
         found = (f"shape {tuple(input_ids.shape)} and {input_ids.dtype}"
                  if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__)
-        raise GrapeError(f"expected input_ids of shape (batch, length >= 1) and dtype long, "
-                         f"found {found}")
+        expected = ("of shape (batch, length >= 1) and dtype long" if tokens else
+                    "of shape (batch, length >= 1, ...) and a floating dtype")
+        raise GrapeError(f"expected {source} {expected}, found {found}")
     device = next(model.parameters()).device
     if input_ids.device != device:
-        raise GrapeError(f"expected input_ids on the model's device ({device}), found them on "
+        raise GrapeError(f"expected {source} on the model's device ({device}), found them on "
                          f"{input_ids.device}")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
-                                       or attention_mask.shape != input_ids.shape
+                                       or attention_mask.shape != input_ids.shape[:2]
                                        or attention_mask.device != device):
         found = (f"shape {tuple(attention_mask.shape)} on {attention_mask.device}"
                  if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
-        raise GrapeError(f"expected an attention_mask of shape {tuple(input_ids.shape)} on "
+        raise GrapeError(f"expected an attention_mask of shape {tuple(input_ids.shape[:2])} on "
                          f"{device}, found {found}")
+    if not tokens:
+        # A speech model's own generate (Whisper's: language detection, timestamps, long-form
+        # audio in windows) does more than GenerationMixin's, which is what grape reproduces.
+        if not getattr(model.config, "is_encoder_decoder", False):
+            raise NotGraphable(f"{type(model).__name__} is a decoder-only model that generates "
+                               f"from {source}, and grape's decoders read token ids")
+        if type(model).generate is not GenerationMixin.generate:
+            raise NotGraphable(f"{type(model).__name__} generates from {source} through its "
+                               f"own generate, which does more than the steps grape "
+                               f"reproduces")
     kwargs = dict(kwargs)
     max_new = _integer(kwargs.get("max_new_tokens"), "max_new_tokens", 1)
     config = _merged(model, kwargs)
@@ -267,13 +283,27 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       source_ngram=_integer(config.encoder_no_repeat_ngram_size or 0,
                                             "encoder_no_repeat_ngram_size", 0) if start is not None
                       else 0,
+                      source=source,
                       bad_words=tuple(w[0] for w in bad if len(w) == 1),
                       bad_sequences=tuple(w for w in bad if len(w) > 1),
                       min_length=_integer(config.min_length or 0, "min_length", 0),
                       suppressed=_ids(config.suppress_tokens, "suppress_tokens"),
                       begin_suppressed=_ids(config.begin_suppress_tokens,
                                             "begin_suppress_tokens"))
+    if options.source_ngram and not tokens:
+        raise NotGraphable(f"encoder_no_repeat_ngram_size over a source of {source}, which "
+                           f"holds no tokens")
+    if not tokens:  # generate infers no mask from features
+        return options, attention_mask if attention_mask is None or \
+            attention_mask.dtype == torch.long else attention_mask.long()
     return options, _attention_mask(input_ids, attention_mask, pad_ids, eos)
+
+
+def source_of(model: torch.nn.Module) -> str:
+    """The input ``generate`` takes its prompt (an encoder-decoder model's source) as: token
+    ids, or a speech model's features or samples (``model.main_input_name``)."""
+    name = getattr(model, "main_input_name", "input_ids")
+    return name if isinstance(name, str) else "input_ids"
 
 
 def _bad_words(value: Any, eos: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
