@@ -90,8 +90,8 @@ def test_a_graphed_prompt_attends_as_generate_does_for_its_mask(cuda, tmp_path):
     # prompt takes, per launch, the kernels generate takes for its mask (grape.torch.hfmasks).
     # Built without is_decoder they attend both ways, and at batch 1 (no padding) over the
     # static cache's unused tail too: Decoder.check_written_only may refuse them there (on the
-    # CPU it refuses all four; on the H200 in bf16 it refused BERT alone, 2026-12-05), the
-    # documented fallback. With padding (batch 2) each graphs, prompt included.
+    # CPU it refuses all four, in bf16 as in fp32; on the H200 in bf16 it refused BERT alone,
+    # 2026-12-05, not explained), the documented fallback. With padding (batch 2) each graphs, prompt included.
     rows = run_sweep(tmp_path, "--archs", "bert,ernie,roc_bert,xlm-roberta-xl")
     assert len(rows) == 4 * 2
 
