@@ -13,10 +13,10 @@ launch after a ``model.generate`` call (2026-12-05, ``benchmarks/results/generat
 :func:`seat_workspace` makes the workspace a capture will use a block of a memory pool grape
 keeps for the whole process and allocates nothing else from (one per device). Whoever clears
 the workspace afterwards only returns the block to that pool: it stays mapped and nobody else
-can take it, so every executable captured on it stays valid, and seating it again takes a
-block of that pool back (the same one, where one thread seats). It clears (so that the next GEMM allocates anew, inside grape's pool) only
-where the workspace is not already seated there: on a process's first capture, and after
-someone else cleared it.
+can take it, so every executable captured on it stays valid, and seating it again takes a block
+of that pool back (the same one, where one thread seats). It clears (so that the next GEMM
+allocates anew, inside grape's pool) only where the workspace is not already seated there: on a
+process's first capture, and after someone else cleared it.
 """
 
 from __future__ import annotations
