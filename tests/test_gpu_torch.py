@@ -181,7 +181,7 @@ def test_a_captured_gemm_keeps_its_workspace_when_cublas_workspaces_are_cleared(
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
     torch.manual_seed(0)
-    # A short, deep fp32 product: cuBLAS splits K and reduces through its workspace.
+    # A short, deep fp32 product, for which cuBLAS takes its workspace (seen on the H200).
     x = torch.randn(4, 16384, device="cuda")
     w = torch.randn(16384, 256, device="cuda")
     out = torch.empty(4, 256, device="cuda")
