@@ -25,7 +25,11 @@ every decode step's mask is also taken as under a capture and held to ``transfor
 against ``generate``'s say whether the reordering kept every dependency, and each row gives the
 step's ``step_nodes`` and ``step_depth`` (nodes on its longest path). ``--seq2seq`` sweeps the
 encoder-decoder models of ``transformers``' sequence-to-sequence mapping instead (T5, BART,
-Marian...), at the same small size with the encoder's and decoder's own fields set alike.
+Marian...), at the same small size with the encoder's and decoder's own fields set alike;
+``--speech`` those of its speech-to-text mapping (Speech2Text, SpeechT5, Whisper...), whose
+source is random samples or features of the size their config names, laid out as their encoder
+takes them (``speech_source``), the second row a shorter clip padded at its end (token ids, as
+for the others, where that is what the model's main input is).
 """
 
 from __future__ import annotations
@@ -67,15 +71,18 @@ def _log(line: str) -> None:
 
 
 SEQ2SEQ = [False]  # --seq2seq: encoder-decoder models
+SPEECH = [False]  # --speech: speech-to-text encoder-decoder models
 
 
 def architectures() -> list[str]:
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
     )
 
-    return sorted(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if SEQ2SEQ[0]
+    return sorted(MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES if SPEECH[0]
+                  else MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if SEQ2SEQ[0]
                   else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
@@ -83,7 +90,8 @@ def _auto() -> Any:
     """The Auto class that builds the swept kind of model."""
     import transformers
 
-    return (transformers.AutoModelForSeq2SeqLM if SEQ2SEQ[0]
+    return (transformers.AutoModelForSpeechSeq2Seq if SPEECH[0]
+            else transformers.AutoModelForSeq2SeqLM if SEQ2SEQ[0]
             else transformers.AutoModelForCausalLM)
 
 
@@ -114,7 +122,8 @@ def small_configs(model_type: str) -> list[Any]:
     import transformers
 
     def config(layers: int) -> Any:
-        sizes = {**SMALL, **(SEQ2SEQ_SMALL if SEQ2SEQ[0] else {}), "num_hidden_layers": layers}
+        sizes = {**SMALL, **(SEQ2SEQ_SMALL if SEQ2SEQ[0] or SPEECH[0] else {}),
+                 "num_hidden_layers": layers}
         return transformers.AutoConfig.for_model(model_type, **sizes, bos_token_id=1,
                                                  eos_token_id=2, pad_token_id=0)
 
@@ -178,9 +187,18 @@ def one(model_type: str, device: str, dtype: Any, strategies: list[str],
                                    "grape_concurrent" if CONCURRENT[0] else "grape",
                                    "model_class": type(model).__name__}
             g = torch.Generator().manual_seed(100 + batch)
-            ids = torch.randint(3, vocab, (batch, PROMPT), generator=g).to(device)
-            mask = torch.ones_like(ids)
-            mask[1:, : PROMPT // 4] = 0  # left padding, as generate takes unequal prompts
+            if SPEECH[0] and model.main_input_name != "input_ids":  # (Pop2Piano's is ids)
+                try:
+                    ids, mask = speech_source(model, batch, g)
+                except ValueError as e:
+                    row.update(stage="source", error=_first_line(e))
+                    rows.append(row)
+                    continue
+                ids, mask = ids.to(device, model.dtype), mask if mask is None else mask.to(device)
+            else:
+                ids = torch.randint(3, vocab, (batch, PROMPT), generator=g).to(device)
+                mask = torch.ones_like(ids)
+                mask[1:, : PROMPT // 4] = 0  # left padding, as generate takes unequal prompts
             kw = dict(STRATEGIES[strategy], max_new_tokens=NEW_TOKENS, do_sample=False,
                       eos_token_id=None, pad_token_id=0)
             reference = _reference(model, ids, mask, kw, row)
@@ -194,6 +212,53 @@ def one(model_type: str, device: str, dtype: Any, strategies: list[str],
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+# Config fields that name a speech encoder's feature size, and how long a random clip is.
+FEATURE_FIELDS = ("input_feat_per_channel", "num_mel_bins", "feature_size")
+SAMPLES, FRAMES = 4000, 64
+
+
+def speech_source(model, batch: int, generator) -> tuple[Any, Any]:
+    """What a speech model's encoder takes, at random: raw samples (``input_values``), or
+    features (``input_features``) of the size its config names, as (batch, frames, features)
+    or (batch, features, frames), whichever the encoder runs on (at ``FRAMES`` frames, or the
+    length its config fixes: twice its ``max_source_positions``); with a mask over samples or
+    frames where they come first, the second row a shorter clip padded at its end (None
+    otherwise: a mask over the last dimension is not what generate takes there)."""
+    import torch
+
+    name, config = model.main_input_name, model.config
+    if name == "input_values":
+        layouts = [(batch, SAMPLES)]
+    elif name == "input_features":
+        size = next((getattr(config, f) for f in FEATURE_FIELDS
+                     if isinstance(getattr(config, f, None), int)), None)
+        if size is None:
+            raise ValueError(f"expected the config to name its feature size by one of "
+                             f"{FEATURE_FIELDS}, found none")
+        frames = dict.fromkeys((FRAMES, 2 * getattr(config, "max_source_positions", FRAMES)))
+        layouts = [(batch, t, size) for t in frames] + [(batch, size, t) for t in frames]
+    else:
+        raise ValueError(f"expected input_values or input_features as the main input, found "
+                         f"{name}")
+    device = next(model.parameters()).device
+    errors = []
+    for shape in layouts:
+        source = torch.randn(shape, generator=generator)
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model.get_encoder()(**{name: source.to(device, model.dtype)})
+        except Exception as e:
+            errors.append(f"{shape}: {_first_line(e)}")
+            continue
+        if len(shape) == 3 and shape[2] != size and shape[1] == size:  # (batch, features, frames)
+            return source, None
+        mask = torch.ones(shape[:2], dtype=torch.long)
+        mask[1:, shape[1] * 3 // 4:] = 0
+        return source, mask
+    raise ValueError(f"expected the encoder to run on one of {layouts}, found: {errors[0]}")
 
 
 def _reference(model, ids, mask, kw, row: dict[str, Any]):
@@ -386,6 +451,7 @@ def _share(archs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
                             *(["--check-reordering"] if args.check_reordering else []),
                             *(["--concurrent"] if args.concurrent else []),
                             *(["--seq2seq"] if args.seq2seq else []),
+                            *(["--speech"] if args.speech else []),
                             *(["--out", str(args.out)] if args.out else [])],
                            stdout=subprocess.PIPE, text=True)
         mine = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
@@ -479,6 +545,9 @@ def main() -> None:
     parser.add_argument("--seq2seq", action="store_true",
                         help="the encoder-decoder models of transformers' sequence-to-sequence "
                         "mapping, instead of its causal LMs")
+    parser.add_argument("--speech", action="store_true",
+                        help="the encoder-decoder models of transformers' speech-to-text "
+                        "mapping, from random samples or features")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.check_decode_masks and not args.host_loop:
@@ -492,6 +561,7 @@ def main() -> None:
     CHECK_REORDERING[0] = args.check_reordering
     CONCURRENT[0] = args.concurrent
     SEQ2SEQ[0] = args.seq2seq
+    SPEECH[0] = args.speech
     archs = args.archs.split(",") if args.archs else architectures()
     archs = [a for a in archs if a not in set(args.skip.split(","))]
     strategies = args.strategies.split(",")
