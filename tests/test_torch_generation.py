@@ -367,11 +367,7 @@ def test_generates_other_processors_make_its_tokens_and_scores(kind, processors,
     ids, mask = _prompt()
     kwargs = dict(PROCESSORS[processors], max_new_tokens=10, num_beams=num_beams,
                   return_dict_in_generate=True, output_scores=True)
-    reference = m.generate(ids, attention_mask=mask, **_same_layout(m, ids, 10), **kwargs)
-    out = _host(m, ids, mask, **kwargs)
-    assert torch.equal(out.sequences, reference.sequences)
-    assert len(out.scores) == len(reference.scores)
-    assert all(torch.equal(a, b) for a, b in zip(out.scores, reference.scores, strict=True))
+    out = _held_to_generate(m, ids, mask, 10, **kwargs)
     for name, off in (("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0)):
         if PROCESSORS[processors].get(name, off) != off and processors != "all at once":
             # It must have acted: without it, other scores at some token. (All at once, the
@@ -393,10 +389,7 @@ def test_banned_words_of_several_tokens_are_banned_after_their_prefix(kind, num_
     words = [new[2:4], new[4:7], [299]]
     kwargs = dict(max_new_tokens=10, num_beams=num_beams, bad_words_ids=words,
                   return_dict_in_generate=True, output_scores=True)
-    reference = m.generate(ids, attention_mask=mask, **_same_layout(m, ids, 10), **kwargs)
-    out = _host(m, ids, mask, **kwargs)
-    assert torch.equal(out.sequences, reference.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(out.scores, reference.scores, strict=True))
+    out = _held_to_generate(m, ids, mask, 10, **kwargs)
     assert not torch.equal(out.sequences, free)
 
 
@@ -414,10 +407,7 @@ def test_n_grams_of_the_source_are_not_repeated(n, num_beams):
     ids[:, 1:] = torch.arange(6)[None, :] + torch.tensor([[225], [65], [223]])
     kwargs = dict(max_new_tokens=8, num_beams=num_beams, encoder_no_repeat_ngram_size=n,
                   return_dict_in_generate=True, output_scores=True)
-    reference = m.generate(ids, attention_mask=mask, **_same_layout(m, ids, 8), **kwargs)
-    out = _host(m, ids, mask, **kwargs)
-    assert torch.equal(out.sequences, reference.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(out.scores, reference.scores, strict=True))
+    out = _held_to_generate(m, ids, mask, 8, **kwargs)
     if n == 1:
         assert not torch.isin(out.sequences[:, 1:], ids).any()
 
@@ -649,6 +639,18 @@ def test_a_draw_is_the_inverse_transform_of_the_normalised_distribution():
     cdf = torch.softmax(scores, dim=-1, dtype=torch.float64).cumsum(dim=-1)
     expected = torch.searchsorted(cdf, uniform.double() * cdf[:, -1:], right=True).squeeze(1)
     assert torch.equal(sample(scores, uniform), expected)
+
+
+def _held_to_generate(model, ids, mask, new, **kwargs):
+    """grape's host loop, its return dict's sequences and every step's processed scores held
+    bit for bit to generate's with the same static cache layout (``_same_layout``)."""
+    reference = model.generate(ids, attention_mask=mask, **_same_layout(model, ids, new),
+                               **kwargs)
+    out = _host(model, ids, mask, **kwargs)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert len(out.scores) == len(reference.scores)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, reference.scores, strict=True))
+    return out
 
 
 def _same_layout(model, ids, new):
