@@ -294,22 +294,27 @@ def _small_seq2seq(model_type, **sizes):
     return transformers.AutoModelForSeq2SeqLM.from_config(config).cuda().eval()
 
 
-def _one_launch_per_call(model, sources, mask, **kwargs):
+def _one_launch_per_call(model, sources, mask, per_call=None, **kwargs):
     """Each source (of one shape) generated as one launch with generate's tokens (static
-    cache), the first call capturing, the later ones re-pointed, with no fallback."""
+    cache), the first call capturing, the later ones re-pointed, with no fallback;
+    ``per_call``: each call's own further arguments (of one shape too). Returns each call's
+    ``last_stats()``."""
     import grape
     from grape.torch.api import last_stats
 
-    for call, source in enumerate(sources):
+    stats = []
+    for call, (source, own) in enumerate(zip(sources, per_call or [{}] * len(sources),
+                                             strict=True)):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no fallback
-            out = grape.generate(model, source, mask, **kwargs)
-        stats = last_stats()
-        assert stats.graphed and stats.launches == 1 and stats.prefill_graphed
-        assert stats.captured == (call == 0)
+            out = grape.generate(model, source, mask, **own, **kwargs)
+        stats.append(last_stats())
+        assert stats[-1].graphed and stats[-1].launches == 1 and stats[-1].prefill_graphed
+        assert stats[-1].captured == (call == 0)
         reference = model.generate(source, attention_mask=mask, cache_implementation="static",
-                                   **kwargs)
+                                   **own, **kwargs)
         assert torch.equal(out, reference), call
+    return stats
 
 
 @pytest.mark.parametrize("beams", [1, 4])
@@ -347,6 +352,35 @@ def test_a_speech_model_generation_is_one_launch_with_generates_tokens(cuda, bea
     mask[1, 30:] = 0
     _one_launch_per_call(model, [features, features.roll(1, dims=1)], mask,
                          max_new_tokens=16, num_beams=beams)
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+def test_a_decoder_prompt_is_read_where_it_lies_inside_the_launch(cuda, beams):
+    # BART (learned positions, decoder start token 2) continuing decoder prompts of 3 tokens:
+    # with its start token (read where it lies), without it (generate's rule puts it before
+    # them: a copy, after one read-back), left-padded under a decoder mask. One executable for
+    # the three calls, its prefill re-pointed at each call's tensors.
+    model = _small_seq2seq("bart", d_model=64, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=4, decoder_attention_heads=4,
+                           encoder_ffn_dim=128, decoder_ffn_dim=128, decoder_start_token_id=2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (3, 12), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    bare = torch.randint(3, 300, (3, 3), generator=g).cuda()
+    started = torch.cat([torch.full((3, 1), 2, device="cuda"), bare.flip(1)], dim=1)
+    padded = torch.ones((3, 4), dtype=torch.long, device="cuda")
+    padded[1, 1] = 0
+    calls = [{"decoder_input_ids": started.flip(0)},
+             {"decoder_input_ids": bare},
+             {"decoder_input_ids": started, "decoder_attention_mask": padded}]
+    # The third call's prompt gives a mask: another executable (its tensors are other ones).
+    stats = _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, calls[:2],
+                                 max_new_tokens=16, num_beams=beams)
+    # (both copy the source's mask into the running one)
+    assert stats[1].copy_bytes - stats[0].copy_bytes == bare.numel() * 8
+    assert [s.host_syncs for s in stats] == [2, 2]
+    _one_launch_per_call(model, [ids], mask, calls[2:], max_new_tokens=16, num_beams=beams)
 
 
 def test_a_model_that_reads_cache_positions_it_never_wrote_falls_back(cuda):

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from grape.errors import GrapeError  # noqa: E402
 from grape.torch.beam import BeamDecoder  # noqa: E402
 from grape.torch.decoding import TokenDecoder, sample, static_cache  # noqa: E402
-from grape.torch.options import NotGraphable, resolve  # noqa: E402
+from grape.torch.options import NotGraphable, decoder_prompt, resolve  # noqa: E402
 
 VOCAB = 300
 COMMON = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -67,12 +67,14 @@ def _prompt(batch=3, length=7, seed=0):
 
 
 def _host(model, ids, mask, seed=1, **kwargs):
+    prompt = [kwargs.pop(k, None) for k in ("decoder_input_ids", "decoder_attention_mask")]
     options, m = resolve(model, ids, mask, kwargs)
+    options, decoder_ids, decoder_mask, _ = decoder_prompt(model, options, ids, *prompt)
     cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
     decoder = cls(model, ids.shape[0], ids.shape[1], options)
     if options.strategy == "sample":
         decoder.set_seed(seed)
-    return decoder.generate_on_host(ids, m)
+    return decoder.generate_on_host(ids, m, decoder_ids, decoder_mask)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -476,6 +478,87 @@ def test_a_speech_model_runs_through_generate_with_one_warning():
     assert not last_stats().graphed and "input_features" in last_stats().reason
 
 
+def _decoder_prompt(start, kind, batch=3):
+    """A decoder prompt of ``kind``: "started" (the start token, then 3 tokens), "bare" (3
+    tokens without it: generate puts it before them) or "padded" (bare, its first row's first
+    token masked). Returns (ids, mask or None, the prepared prompt's length)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(30, VOCAB, (batch, 3), generator=g)
+    if kind == "started":
+        return torch.cat([torch.full((batch, 1), start), ids], dim=1), None, 4
+    if kind == "bare":
+        return ids, None, 4
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    return ids, mask, 4
+
+
+@pytest.mark.parametrize("kind", ["started", "bare", "padded"])
+@pytest.mark.parametrize("strategy", ["greedy", "beam 3, length penalty, early stopping"])
+def test_a_decoder_prompt_continues_as_generate_continues_it(seq2seq, strategy, kind):
+    # decoder_input_ids (a task prefix, a language code, a conversation's last turn): the
+    # decoder reads them in its prompt's forward, and the sequences start with them, as
+    # generate prepares them (the start token before a prompt that lacks it).
+    ids, mask = _prompt()
+    start = resolve(seq2seq, ids, mask, {"max_new_tokens": 1})[0].start
+    decoder_ids, decoder_mask, head = _decoder_prompt(start, kind)
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=8, decoder_input_ids=decoder_ids,
+                  return_dict_in_generate=True, output_scores=True)
+    if decoder_mask is not None:
+        kwargs["decoder_attention_mask"] = decoder_mask
+    out = _held_to_generate(seq2seq, ids, mask, 8, head=head, **kwargs)
+    assert out.sequences.shape[1] <= head + 8
+    assert bool((out.sequences[:, 0] == start).all())
+    assert torch.equal(out.sequences[:, head - 3:head], decoder_ids[:, -3:])
+    # And with generate's default cache: the same tokens.
+    plain = seq2seq.generate(ids, attention_mask=mask, **dict(kwargs, output_scores=False))
+    assert torch.equal(out.sequences, plain.sequences)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_processors_count_a_decoder_prompt_as_generate_counts_it(num_beams):
+    # The minimum length counts the decoder's prompt, n-grams and the repetition penalty see
+    # its tokens, and a forced first token acts only after a one-token prompt.
+    m = _seq2seq("t5")
+    ids, mask = _prompt()
+    decoder_ids, decoder_mask, head = _decoder_prompt(0, "padded")
+    kwargs = dict(PROCESSORS["all at once"], max_new_tokens=8, num_beams=num_beams,
+                  decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask,
+                  forced_bos_token_id=45, return_dict_in_generate=True, output_scores=True)
+    out = _held_to_generate(m, ids, mask, 8, head=head, **kwargs)
+    assert not bool((out.sequences[:, head] == 45).all())
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"decoder_input_ids": [[0, 5]]}, r"decoder_input_ids of shape \(3, length >= 1\)"),
+    ({"decoder_input_ids": torch.zeros((2, 2), dtype=torch.long)},
+     r"decoder_input_ids of shape \(3, length >= 1\), long, on cpu, found shape \(2, 2\)"),
+    ({"decoder_input_ids": torch.zeros((3, 2))}, r"found shape \(3, 2\), torch.float32"),
+    ({"decoder_input_ids": torch.zeros((3, 2), dtype=torch.long),
+      "decoder_attention_mask": torch.ones((3, 3))},
+     r"decoder_attention_mask of shape \(3, 2\) on cpu, found shape \(3, 3\)"),
+    ({"decoder_attention_mask": torch.ones((3, 3))}, "decoder_attention_mask only with"),
+])
+def test_a_bad_decoder_prompt_is_one_line(args, message):
+    import grape
+
+    m = _seq2seq("t5")
+    ids, mask = _prompt()
+    with pytest.raises(GrapeError, match=message) as raised:
+        grape.generate(m, ids, mask, max_new_tokens=2, **args)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_decoder_prompt_for_a_decoder_only_model_is_one_line():
+    import grape
+
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    with pytest.raises(GrapeError, match="decoder_input_ids only for an encoder-decoder model, "
+                                         "found them for GPT2LMHeadModel"):
+        grape.generate(m, ids, mask, max_new_tokens=2, decoder_input_ids=ids)
+
+
 def test_exact_lengths_are_refused_for_an_encoder_decoder_model():
     # Exact lengths count the decoder's own cache; cross-attention reads the source's.
     from grape.torch.decoding import ExactRefused
@@ -641,10 +724,11 @@ def test_a_draw_is_the_inverse_transform_of_the_normalised_distribution():
     assert torch.equal(sample(scores, uniform), expected)
 
 
-def _held_to_generate(model, ids, mask, new, **kwargs):
+def _held_to_generate(model, ids, mask, new, head=1, **kwargs):
     """grape's host loop, its return dict's sequences and every step's processed scores held
-    bit for bit to generate's with the same static cache layout (``_same_layout``)."""
-    reference = model.generate(ids, attention_mask=mask, **_same_layout(model, ids, new),
+    bit for bit to generate's with the same static cache layout (``_same_layout``; ``head``:
+    an encoder-decoder's decoder prompt's length)."""
+    reference = model.generate(ids, attention_mask=mask, **_same_layout(model, ids, new, head),
                                **kwargs)
     out = _host(model, ids, mask, **kwargs)
     assert torch.equal(out.sequences, reference.sequences)
@@ -653,7 +737,7 @@ def _held_to_generate(model, ids, mask, new, **kwargs):
     return out
 
 
-def _same_layout(model, ids, new):
+def _same_layout(model, ids, new, head=1):
     """generate's keyword for a static cache as grape's decoders make it, prompt plus new
     tokens long (generate's own holds one token fewer: attention then sums over other
     lengths, to other last bits). transformers 5.2x names it ``cache``."""
@@ -661,9 +745,9 @@ def _same_layout(model, ids, new):
 
     prepare = inspect.signature(model.prepare_inputs_for_generation).parameters
     name = "cache" if "cache" in prepare else "past_key_values"
-    if model.config.is_encoder_decoder:  # the decoder's start token and new tokens; the source
+    if model.config.is_encoder_decoder:  # the decoder's prompt and new tokens; the source
         return {name: transformers.EncoderDecoderCache(
-            transformers.StaticCache(config=model.config, max_cache_len=1 + new),
+            transformers.StaticCache(config=model.config, max_cache_len=head + new),
             transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1]))}
     return {name: transformers.StaticCache(config=model.config,
                                            max_cache_len=ids.shape[1] + new)}

@@ -56,7 +56,7 @@ from grape.torch.beam import BeamDecoder
 from grape.torch.capture import capture, culprit, frozen_heap
 from grape.torch.decoding import Decoder, ExactRefused, TokenDecoder
 from grape.torch.loop import DeviceLoop
-from grape.torch.options import NotGraphable, Options, resolve
+from grape.torch.options import NotGraphable, Options, decoder_prompt, resolve
 from grape.torch.parallel import agree, group_of
 from grape.torch.staging import HostConstants, PinnedArena
 
@@ -68,6 +68,9 @@ __all__ = ["EXACT_FROM", "GenerationStats", "clear_cache", "generate", "last_sta
 # 1.54x at batch 8, 1.36x and 2.94x at 4,032 tokens; at 288 tokens 1.05x and 1.15x, where the
 # tokens' bitwise equality with generate's (kept below this length) is worth more.
 EXACT_FROM = 1024
+
+# generate's arguments for an encoder-decoder model's decoder prompt (grape.torch.options).
+_DECODER_PROMPT = ("decoder_input_ids", "decoder_attention_mask")
 
 try:  # what a failing torch.compile raises (Dynamo's and Inductor's errors)
     from torch._dynamo.exc import TorchDynamoException
@@ -91,8 +94,9 @@ class GenerationStats:
     copy_bytes: int = 0
     pointer_updates: int = 0  # nodes re-pointed at caller tensors that moved (alias prediction)
     prefill_graphed: bool = False  # the prefill ran inside the launch (else eagerly, before it)
-    # read-backs grape makes (the result's length); an eager prefill makes more inside the
-    # model (Hugging Face's mask code reads values back: 4 to 10 on the H200)
+    # read-backs grape makes (the result's length; with a decoder prompt, generate's check of
+    # its first tokens too); an eager prefill makes more inside the model (Hugging Face's mask
+    # code reads values back: 4 to 10 on the H200)
     host_syncs: int = 0
     launches: int = 0
     # exact_lengths: how the step's attention calls ran ("exact", or "sdpa: <why not>")
@@ -101,6 +105,39 @@ class GenerationStats:
     # chain; fewer where concurrent=True let independent operations run side by side
     step_nodes: int = 0
     step_depth: int = 0
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """The caller's tensors a generation's prefill reads where they lie: the prompt (an
+    encoder-decoder model's source) and its mask, and an encoder-decoder model's decoder prompt
+    and its mask, each None where not given. A captured prefill takes the given ones, in this
+    order, as its arguments; an executable serves calls that give the same ones."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor | None = None
+    decoder_ids: torch.Tensor | None = None
+    decoder_mask: torch.Tensor | None = None
+
+    def _given(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, t) for name in ("ids", "mask", "decoder_ids", "decoder_mask")
+                if (t := getattr(self, name)) is not None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for _, t in self._given()]
+
+    @property
+    def key(self) -> tuple:
+        """What an executable captured on these tensors assumes of a later call's."""
+        return tuple((name, signature(t)) for name, t in self._given())
+
+    def like(self, tensors: tuple[torch.Tensor, ...]) -> _Prompt:
+        """These tensors, in the places of the given ones (a captured prefill's arguments)."""
+        names = [name for name, _ in self._given()]
+        return replace(self, **dict(zip(names, tensors, strict=True)))
+
+    def prefill(self, decoder: Decoder) -> int:
+        return decoder.prefill(self.ids, self.mask, self.decoder_ids, self.decoder_mask)
 
 
 @dataclass
@@ -170,14 +207,14 @@ class _NoStaging:
 
 
 @frozen_heap()  # three captures: the collection before each costs only what was made since
-def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None,
-           options: Options, step_model: Any = None, exact: bool = False,
-           warn_whole: bool = False, concurrent: bool = False) -> _Entry:
+def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model: Any = None,
+           exact: bool = False, warn_whole: bool = False, concurrent: bool = False) -> _Entry:
     """The decoder and its loop for this shape: warmed up eagerly (lazy initialisation, and
     compilation where asked, stay out of the capture), the step audited for host-side state,
     then captured in a loop."""
     began = time.perf_counter()
-    batch, prompt_len = input_ids.shape
+    input_ids = prompt.ids
+    batch, prompt_len = input_ids.shape[:2]  # (a speech model's features have a third)
     with _model_code(model):
         decoder = _decoder(model, batch, prompt_len, options, step_model, exact)
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
@@ -190,16 +227,17 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
 
     staged = [staging(), staging()]
     with _model_code(model):  # eagerly: nothing is being captured yet
-        decoder.check_written_only(input_ids, mask)
+        decoder.check_written_only(input_ids, prompt.mask, prompt.decoder_ids,
+                                   prompt.decoder_mask)
         if decoder.uses_mask and prompt_len > 1:
             # The captured prompt holds both of its attention paths (grape.torch.hfmasks):
             # each runs once here, with no padding and with some, so that neither meets its
             # lazy initialisation (a kernel plan, a workspace) inside the capture.
             padded = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
             padded[:, 0] = 0
-            decoder.prefill(input_ids, None)
-            decoder.prefill(input_ids, padded)
-        decoder.prefill(input_ids, mask)
+            replace(prompt, mask=None).prefill(decoder)
+            replace(prompt, mask=padded).prefill(decoder)
+        prompt.prefill(decoder)
         decoder.step()
     if exact and warn_whole and not decoder.lengths.served.get("exact"):
         why = ", ".join(decoder.lengths.served) or (
@@ -220,11 +258,11 @@ def _build(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor |
         raise NotGraphable("the forward copies a host value to the GPU that changes from step "
                            "to step, which a captured step would freeze")
     del first, second
-    tensors = _caller_tensors(input_ids, mask)
-    copy_bytes = decoder.prefill(input_ids, mask)
+    tensors = prompt.tensors()
+    copy_bytes = prompt.prefill(decoder)
 
-    def prefill(ids: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        decoder.prefill(ids, mask)
+    def prefill(*given: torch.Tensor) -> None:
+        prompt.like(given).prefill(decoder)
 
     try:
         inputs = Inputs.of(tensors)
@@ -260,10 +298,6 @@ def _model_code(model: torch.nn.Module) -> Iterator[None]:
         raise NotGraphable(f"{type(model).__name__} failed on grape's static cache and "
                            f"fixed-shape inputs: {type(e).__name__}: {message} (at "
                            f"{culprit(e)})") from None
-
-
-def _caller_tensors(input_ids: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
-    return [input_ids] if mask is None else [input_ids, mask]
 
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor,
@@ -310,6 +344,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     Encoder-decoder models (T5, BART, Marian, Pegasus...) generate the same way: the prompt is
     the encoder's source, run once per call, and the decoder starts from its start token
     (``grape.torch.decoding``); their outputs start with that token, as ``generate``'s do.
+    ``decoder_input_ids`` (and ``decoder_attention_mask``) give the decoder a prompt of its
+    own, prepared as ``generate`` prepares it (the start token put before a prompt whose rows
+    all lack it: a copy, counted in ``copy_bytes``, after one read-back); the outputs then
+    start with it, and an executable serves calls whose decoder prompts have its length.
     A speech encoder-decoder model takes its features (or samples) as ``input_ids``, with
     ``attention_mask`` of shape ``input_ids.shape[:2]`` (see the module).
     A model that attends to cache positions it has not written (its attention does not mask
@@ -321,7 +359,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     -------
     torch.Tensor or GenerateDecoderOnlyOutput
         (batch, prompt length + new tokens), as ``generate`` returns it (encoder-decoder
-        models: (batch, 1 + new tokens), and ``generate``'s encoder-decoder outputs); with
+        models: (batch, decoder prompt length + new tokens), and ``generate``'s
+        encoder-decoder outputs); with
         ``return_dict_in_generate=True``, ``generate``'s ``GenerateDecoderOnlyOutput`` (beam
         search: ``GenerateBeamDecoderOnlyOutput``, with the best beam's ``beam_indices``):
         ``sequences``, and ``scores`` and ``logits`` where ``output_scores`` and
@@ -356,7 +395,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
                          f"{prompt_bucket!r}")
     hf_kwargs = dict(kwargs, max_new_tokens=max_new_tokens)
     try:
-        options, mask = resolve(model, input_ids, attention_mask, hf_kwargs)
+        options, mask = resolve(model, input_ids, attention_mask,
+                                {k: v for k, v in hf_kwargs.items() if k not in _DECODER_PROMPT})
+        options, decoder_ids, decoder_mask, decoder_copied = decoder_prompt(
+            model, options, input_ids, *(hf_kwargs.get(k) for k in _DECODER_PROMPT))
         if prompt_bucket is not None and options.source != "input_ids":
             raise GrapeError(f"expected prompt_bucket only with token prompts (it pads them), "
                              f"found {options.source}")
@@ -372,9 +414,11 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
             not compile and options.start is None  # (an encoder-decoder's are refused)
             and options.cache_tokens(ids.shape[1]) >= EXACT_FROM
             and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
-        run = functools.partial(_graphed_generate, model, ids, mask, options, seed, compile,
-                                caller_ids=input_ids, padded_bytes=padded,
-                                concurrent=concurrent)
+        prompt = _Prompt(ids, mask, decoder_ids, decoder_mask)
+        run = functools.partial(_graphed_generate, model, prompt, options, seed, compile,
+                                caller_ids=input_ids, padded_bytes=padded + decoder_copied,
+                                concurrent=concurrent,
+                                syncs_before=int(decoder_ids is not None))
         try:
             return run(exact, warn_whole=exact_lengths is True)
         except ExactRefused:
@@ -417,25 +461,27 @@ def bucketed(input_ids: torch.Tensor, mask: torch.Tensor | None, bucket: int,
     return ids, padded, copied
 
 
-def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
-                      mask: torch.Tensor | None, options: Options,
+def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
                       seed: int | None, compiled: bool, exact: bool,
                       warn_whole: bool, caller_ids: torch.Tensor | None = None,
-                      padded_bytes: int = 0, concurrent: bool = False) -> Any:
+                      padded_bytes: int = 0, concurrent: bool = False,
+                      syncs_before: int = 0) -> Any:
     """``caller_ids``: the prompt as the caller gave it, before ``bucketed`` padded it
-    (``input_ids``) into ``padded_bytes`` of copies; the result starts with it."""
+    (``prompt.ids``); the result starts with it. ``padded_bytes``: what making ``prompt`` from
+    the caller's tensors copied (bucketing, a decoder prompt's start token put before it);
+    ``syncs_before``: the read-backs that took (a decoder prompt's check for its start
+    token)."""
     global _LAST
     cache = _CACHES.setdefault(model, _Cache())
-    key = (tuple(signature(t) for t in _caller_tensors(input_ids, mask)), options.key, compiled,
-           exact, concurrent)
+    key = (prompt.key, options.key, compiled, exact, concurrent)
     entry = cache.entries.get(key)
     captured = entry is None
     if entry is None:
         step_model = cache.step_model(model) if compiled else None
         group = group_of(model)
         try:
-            built, failure = _build(model, input_ids, mask, options, step_model, exact,
-                                    warn_whole, concurrent), None
+            built, failure = _build(model, prompt, options, step_model, exact, warn_whole,
+                                    concurrent), None
         except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
             built, failure = None, e
         # Split over ranks: every rank graphs, or every rank falls back together (a rank
@@ -450,16 +496,16 @@ def _graphed_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         decoder.set_seed(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
     updates = 0
     if entry.inputs is None:
-        decoder.prefill(input_ids, mask)
+        prompt.prefill(decoder)
     else:
-        updates = entry.inputs.point(entry.loop.graph, entry.loop.executable,
-                                     _caller_tensors(input_ids, mask))
+        updates = entry.inputs.point(entry.loop.graph, entry.loop.executable, prompt.tensors())
     entry.loop.launch()
-    result = decoder.result(input_ids if caller_ids is None else caller_ids)
+    result = decoder.result(prompt.ids if caller_ids is None else caller_ids, prompt.decoder_ids)
     _LAST = GenerationStats(graphed=True, captured=captured,
                             capture_s=entry.capture_s if captured else 0.0,
                             copy_bytes=entry.copy_bytes + padded_bytes, pointer_updates=updates,
-                            prefill_graphed=entry.inputs is not None, host_syncs=1,
+                            prefill_graphed=entry.inputs is not None,
+                            host_syncs=1 + syncs_before,
                             launches=1, attention=entry.attention,
                             step_nodes=len(entry.loop.capture.ir),
                             step_depth=(entry.loop.concurrency["body"].depth

@@ -82,8 +82,10 @@ class BeamDecoder(Decoder):
         self.best_penalty = (hypothetical ** options.length_penalty).to(torch.float32)
         self.reorder: RowReorder | None = None  # once the cache's tensors exist (prefill)
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
-        copied = super().prefill(input_ids, attention_mask)
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                decoder_ids: torch.Tensor | None = None,
+                decoder_mask: torch.Tensor | None = None) -> int:
+        copied = super().prefill(input_ids, attention_mask, decoder_ids, decoder_mask)
         if self.reorder is None and (self.mask.device.type != "cuda"
                                      or not torch.cuda.is_current_stream_capturing()):
             # The prompt allocated the cache's tensors; nothing captured reads them yet.
@@ -178,13 +180,14 @@ class BeamDecoder(Decoder):
         torch.logical_and(torch.any(self.improvable) & open_beam, ~torch.all(hits),
                           out=self.running)
 
-    def result(self, input_ids: torch.Tensor
+    def result(self, input_ids: torch.Tensor, decoder_ids: torch.Tensor | None = None
                ) -> torch.Tensor | GenerateBeamDecoderOnlyOutput | GenerateBeamEncoderDecoderOutput:
         # The best beams' length and the steps run, in one read-back.
         made_t = ((self.origins[:, 0] + 1).bool()).sum(dim=1).max()
         made, steps = torch.stack((made_t, self.count[0])).tolist()
         self._check_lengths()
-        sequences = torch.cat([self.head(input_ids), self.tokens[:, 0, :made]], dim=1)
+        sequences = torch.cat([self.head(input_ids, decoder_ids), self.tokens[:, 0, :made]],
+                              dim=1)
         if not self.options.return_dict:
             return sequences
         # As generate returns it for one sequence per prompt: the best beam's score (kept with

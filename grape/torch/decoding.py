@@ -47,6 +47,7 @@ from transformers.generation.utils import (
     GenerationMixin,
 )
 
+from grape.errors import GrapeError
 from grape.torch.decode_mask import running_mask
 from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
@@ -168,7 +169,10 @@ class Decoder:
         if self.seq2seq and exact:
             raise ExactRefused("exact lengths count the decoder's own cache, and an "
                                "encoder-decoder model's cross-attention reads the source's")
-        self.max_len = options.cache_tokens(1 if self.seq2seq else prompt_len)
+        # The tokens before the new ones in the decoder's own sequence: the prompt, or an
+        # encoder-decoder's decoder prompt (its start token, or the caller's decoder_input_ids).
+        head = self.head_len = options.decoder_prompt_len if self.seq2seq else prompt_len
+        self.max_len = options.cache_tokens(head)
         device = next(model.parameters()).device
         # Exact lengths: attention over each row's valid keys, counted on the device.
         self.lengths = Lengths(rows, self.max_len, device) if exact else None
@@ -200,8 +204,8 @@ class Decoder:
         # order: (token ids on the device, the count of tokens made where they are forced).
         self.forced: list[tuple[torch.Tensor, int]] = [
             (torch.tensor(ids, dtype=torch.long, device=device), at) for ids, at in (
-                ((options.forced_bos,) if options.forced_bos is not None
-                 and (self.seq2seq or prompt_len == 1) else (), 0),
+                ((options.forced_bos,) if options.forced_bos is not None and head == 1
+                 else (), 0),
                 (options.forced_eos, options.max_new_tokens - 1)) if ids]
         # (encoder-decoder models: generate gives their decoders no positions)
         self.uses_positions = _accepts(model, "position_ids") and not self.seq2seq
@@ -227,7 +231,6 @@ class Decoder:
         # the processors count lengths from (a decoder's start token, or the prompt), the
         # tokens each row has seen (repetition_penalty; made with the first logits, whose width
         # can exceed the config's vocabulary), and masks over the vocabulary by name.
-        head = self.head_len = 1 if self.seq2seq else prompt_len
         self.min_new = max(options.min_new_tokens, options.min_length - head)
         # no_repeat_ngram_size and banned words of several tokens: every row's tokens so far,
         # the prompt's and the new ones.
@@ -312,10 +315,15 @@ class Decoder:
             yield
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                decoder_ids: torch.Tensor | None = None,
+                decoder_mask: torch.Tensor | None = None) -> int:
         """Run the prompt (eagerly) and make the first token. ``input_ids`` and
         ``attention_mask`` (None: all ones) are (batch, prompt_len), read where they lie; the
-        mask is copied into the loop's full-length one. Returns the bytes copied."""
+        mask is copied into the loop's full-length one. An encoder-decoder model's
+        ``decoder_ids`` and ``decoder_mask`` (None: its start token; a mask of ones) are its
+        decoder's prompt, (batch, ``Options.decoder_prompt_len``), as ``generate`` prepares
+        it (``grape.torch.options.decoder_prompt``). Returns the bytes copied."""
         self.cache.reset()
         if self._poison is not None:
             for layer in self.layers:
@@ -324,7 +332,9 @@ class Decoder:
         self.written.zero_()  # the prompt is written from position 0
         self._reset()
         if self.seq2seq:
-            return self._prefill_source(input_ids, attention_mask)
+            return self._prefill_source(input_ids, attention_mask, decoder_ids, decoder_mask)
+        if decoder_ids is not None:
+            raise GrapeError("expected decoder_ids only for an encoder-decoder model")
         ones = attention_mask is None
         input_ids = self._rows(input_ids)
         mask = torch.ones_like(input_ids) if ones else self._rows(attention_mask)
@@ -355,11 +365,19 @@ class Decoder:
         self._agree()
         return 0 if ones else mask.numel() * mask.element_size()
 
-    def _prefill_source(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    def _prefill_source(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                        decoder_ids: torch.Tensor | None, decoder_mask: torch.Tensor | None
                         ) -> int:
         """``prefill`` for an encoder-decoder model: the encoder over the source, as generate
         runs it (once per prompt, its output then repeated per beam), kept at a fixed address
-        with the source's mask; then the decoder over its start token."""
+        with the source's mask; then the decoder over its prompt (its start token, or the
+        caller's ids, read where they lie), whose mask is copied into the running one."""
+        head = self.head_len
+        if (decoder_ids is None and head != 1) or (
+                decoder_ids is not None and decoder_ids.shape != (input_ids.shape[0], head)):
+            found = "none" if decoder_ids is None else f"shape {tuple(decoder_ids.shape)}"
+            raise GrapeError(f"expected a decoder prompt of shape ({input_ids.shape[0]}, {head}) "
+                             f"(the one this decoder was built for), found {found}")
         ones = attention_mask is None
         mask = (torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
                 if ones else attention_mask)
@@ -386,16 +404,25 @@ class Decoder:
             self.source_ids.copy_(self._rows(input_ids))
             copied += input_ids.numel() * input_ids.element_size()
         self.mask.zero_()
-        self.mask[:, 0] = 1
-        self.next_ids.fill_(self.options.start)
-        logits = self._logits(self.next_ids, self.mask, None, first=True)
+        if decoder_mask is None:
+            self.mask[:, :head] = 1
+        else:
+            copied += decoder_mask.numel() * decoder_mask.element_size()
+            decoder_mask = self._rows(decoder_mask)
+            self.mask[:, :head].copy_(decoder_mask)
+        if decoder_ids is None:
+            self.next_ids.fill_(self.options.start)
+            ids = self.next_ids
+        else:
+            ids = self._rows(decoder_ids)
+        logits = self._logits(ids, self.mask, None, first=True)
         if not any(_written(layer) for layer in self.cache.cross_attention_cache.layers):
             raise NotGraphable(f"{type(self.model).__name__} did not write the static "
-                               f"cross-attention cache it was given while reading the start "
-                               f"token")
-        self.written.fill_(1)
+                               f"cross-attention cache it was given while reading the "
+                               f"decoder's prompt")
+        self.written.fill_(head)
         self.count.zero_()
-        self._remember(self.next_ids, logits.shape[-1])
+        self._remember(ids, logits.shape[-1], decoder_mask)
         self._emit(logits)
         self._agree()
         return copied
@@ -504,11 +531,14 @@ class Decoder:
             ids = ids.masked_fill(positions < first, width)
         self.seen.scatter_(1, ids, True)
 
-    def head(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def head(self, input_ids: torch.Tensor, decoder_ids: torch.Tensor | None = None
+             ) -> torch.Tensor:
         """What ``generate``'s sequences hold before the new tokens: the prompt, or for an
-        encoder-decoder model the decoder's start token."""
+        encoder-decoder model the decoder's prompt (``decoder_ids``, else its start token)."""
         if not self.seq2seq:
             return input_ids
+        if decoder_ids is not None:
+            return decoder_ids
         return torch.full((input_ids.shape[0], 1), self.options.start, dtype=torch.long,
                           device=input_ids.device)
 
@@ -553,8 +583,9 @@ class Decoder:
         torch.ne(self._agreed[0], 0, out=self.running)
 
     @torch.no_grad()
-    def check_written_only(self, input_ids: torch.Tensor,
-                           attention_mask: torch.Tensor | None) -> None:
+    def check_written_only(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                           decoder_ids: torch.Tensor | None = None,
+                           decoder_mask: torch.Tensor | None = None) -> None:
         """Refuse a model whose prompt or step reads cache positions it has not written.
 
         The prompt and a step run over a cache of zeros twice, and once with the values at its
@@ -575,7 +606,7 @@ class Decoder:
         try:
             for poison in (None, None, POISON):  # the first run also makes the cache's tensors
                 self._poison, self._audit = poison, []
-                self.prefill(input_ids, attention_mask)
+                self.prefill(input_ids, attention_mask, decoder_ids, decoder_mask)
                 self.step()
                 runs.append(self._audit)
         finally:
@@ -591,14 +622,15 @@ class Decoder:
                     f"{moved:.3g} with other values there): its attention does not mask the "
                     f"static cache's unused tail")
 
-    def generate_on_host(self, input_ids: torch.Tensor,
-                         attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def generate_on_host(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                         decoder_ids: torch.Tensor | None = None,
+                         decoder_mask: torch.Tensor | None = None) -> Any:
         """The whole generation with the host deciding each step (one read-back per token):
         the reference a device loop of the same step is held to."""
-        self.prefill(input_ids, attention_mask)
+        self.prefill(input_ids, attention_mask, decoder_ids, decoder_mask)
         while bool(self.running):
             self.step()
-        return self.result(input_ids)
+        return self.result(input_ids, decoder_ids)
 
     def _check_lengths(self) -> None:
         """After a generation (its result read back): exact lengths had a left-padded prompt."""
@@ -616,8 +648,9 @@ class Decoder:
     def _emit(self, logits: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def result(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """What ``generate`` returns: the prompt and the new tokens (reads back once)."""
+    def result(self, input_ids: torch.Tensor, decoder_ids: torch.Tensor | None = None) -> Any:
+        """What ``generate`` returns: the prompt (or the decoder's, ``head``) and the new
+        tokens (reads back once)."""
         raise NotImplementedError
 
 
@@ -691,10 +724,11 @@ class TokenDecoder(Decoder):
         torch.logical_and(~self.done.all(), self.count[0] < self.options.max_new_tokens,
                           out=self.running)
 
-    def result(self, input_ids: torch.Tensor) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    def result(self, input_ids: torch.Tensor, decoder_ids: torch.Tensor | None = None
+               ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         made = int(self.count.item())
         self._check_lengths()
-        sequences = torch.cat([self.head(input_ids), self.tokens[:, :made]], dim=1)
+        sequences = torch.cat([self.head(input_ids, decoder_ids), self.tokens[:, :made]], dim=1)
         if not self.options.return_dict:
             return sequences
         # past_key_values is None, not grape's static cache, which the next call overwrites.

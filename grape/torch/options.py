@@ -11,6 +11,7 @@ input raises ``GrapeError``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from transformers import GenerationConfig, GenerationMixin
 
 from grape.errors import GrapeError
 
-__all__ = ["NotGraphable", "Options", "resolve"]
+__all__ = ["NotGraphable", "Options", "decoder_prompt", "resolve"]
 
 
 class NotGraphable(Exception):  # a reason to fall back, not an error of the caller
@@ -93,6 +94,9 @@ class Options:
     min_length: int = 0
     suppressed: tuple[int, ...] = ()
     begin_suppressed: tuple[int, ...] = ()
+    # An encoder-decoder model's decoder prompt: its start token alone (1), or the
+    # decoder_input_ids the caller gave, as generate prepares them (decoder_prompt).
+    decoder_prompt_len: int = 1
 
     @property
     def key(self) -> tuple:
@@ -102,7 +106,8 @@ class Options:
                 self.early_stopping, self.cache_length, self.return_dict, self.kept,
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
                 self.no_repeat_ngram, self.source_ngram, self.source, self.bad_words,
-                self.bad_sequences, self.min_length, self.suppressed, self.begin_suppressed)
+                self.bad_sequences, self.min_length, self.suppressed, self.begin_suppressed,
+                self.decoder_prompt_len)
 
     @property
     def room(self) -> int:
@@ -297,6 +302,60 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
         return options, attention_mask if attention_mask is None or \
             attention_mask.dtype == torch.long else attention_mask.long()
     return options, _attention_mask(input_ids, attention_mask, pad_ids, eos)
+
+
+def decoder_prompt(model: torch.nn.Module, options: Options, source: torch.Tensor,
+                   decoder_input_ids: Any, decoder_attention_mask: Any
+                   ) -> tuple[Options, torch.Tensor | None, torch.Tensor | None, int]:
+    """An encoder-decoder model's decoder prompt as ``generate`` prepares it: the caller's
+    ``decoder_input_ids`` (and ``decoder_attention_mask``) through the model's own
+    ``_prepare_decoder_input_ids_for_generation``, which puts the start token before a prompt
+    whose rows all lack it (reading that back once) and leaves some models' prompts as they
+    are. Returns the options with the prompt's length, the ids and the mask (None, None where
+    no prompt was given: the decoder starts from its start token), and the bytes copied (the
+    start token's column put before them).
+
+    Raises
+    ------
+    GrapeError
+        A decoder prompt for a decoder-only model, or not (batch, length >= 1) token ids on
+        the source's device, or a mask of another shape.
+    """
+    if decoder_input_ids is None:
+        if decoder_attention_mask is not None:
+            raise GrapeError("expected decoder_attention_mask only with decoder_input_ids, "
+                             "found it alone")
+        return options, None, None, 0
+    if options.start is None:
+        raise GrapeError(f"expected decoder_input_ids only for an encoder-decoder model, found "
+                         f"them for {type(model).__name__}, a decoder-only model")
+    batch, device = source.shape[0], source.device
+    ids = decoder_input_ids
+    if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.dtype == torch.long
+            and ids.shape[0] == batch and ids.shape[1] >= 1 and ids.device == device):
+        found = (f"shape {tuple(ids.shape)}, {ids.dtype} on {ids.device}"
+                 if isinstance(ids, torch.Tensor) else type(ids).__name__)
+        raise GrapeError(f"expected decoder_input_ids of shape ({batch}, length >= 1), long, on "
+                         f"{device}, found {found}")
+    kwargs: dict[str, Any] = {"decoder_input_ids": ids}
+    if decoder_attention_mask is not None:
+        mask = decoder_attention_mask
+        if not (isinstance(mask, torch.Tensor) and mask.shape == ids.shape
+                and mask.device == device):
+            found = (f"shape {tuple(mask.shape)} on {mask.device}"
+                     if isinstance(mask, torch.Tensor) else type(mask).__name__)
+            raise GrapeError(f"expected a decoder_attention_mask of shape {tuple(ids.shape)} on "
+                             f"{device}, found {found}")
+        kwargs["decoder_attention_mask"] = mask if mask.dtype == torch.long else mask.long()
+    start = torch.tensor(options.start, dtype=torch.long, device=device)
+    prepared, kwargs = model._prepare_decoder_input_ids_for_generation(
+        batch_size=batch, model_input_name=options.source, model_kwargs=kwargs,
+        decoder_start_token_id=start, device=device)
+    mask = kwargs.get("decoder_attention_mask")
+    copied = 0 if prepared is ids else ids.numel() * ids.element_size() + (
+        0 if mask is None else mask.numel() * mask.element_size())
+    return (dataclasses.replace(options, decoder_prompt_len=prepared.shape[1]), prepared, mask,
+            copied)
 
 
 def source_of(model: torch.nn.Module) -> str:
