@@ -164,7 +164,9 @@ def build(model_type: str, device: str, dtype: Any):
     torch.manual_seed(0)
     with torch.device(device):  # made where it runs: a large one initialises fast there
         model = _auto().from_config(config, dtype=dtype if device == "cuda" else torch.float32)
-    return model.eval()
+    # (a parameter made by the legacy torch.Tensor constructor, SpeechT5's masked_spec_embed,
+    # ignores the device context: moved as a user's .to(device) moves it)
+    return model.to(device).eval()
 
 
 def one(model_type: str, device: str, dtype: Any, strategies: list[str],
@@ -189,7 +191,7 @@ def one(model_type: str, device: str, dtype: Any, strategies: list[str],
             g = torch.Generator().manual_seed(100 + batch)
             if SPEECH[0] and model.main_input_name != "input_ids":  # (Pop2Piano's is ids)
                 try:
-                    ids, mask = speech_source(model, batch, g)
+                    ids, mask = speech_source(model, batch, g, device)
                 except ValueError as e:
                     row.update(stage="source", error=_first_line(e))
                     rows.append(row)
@@ -219,7 +221,7 @@ FEATURE_FIELDS = ("input_feat_per_channel", "num_mel_bins", "feature_size")
 SAMPLES, FRAMES = 4000, 64
 
 
-def speech_source(model, batch: int, generator) -> tuple[Any, Any]:
+def speech_source(model, batch: int, generator, device: Any) -> tuple[Any, Any]:
     """What a speech model's encoder takes, at random: raw samples (``input_values``), or
     features (``input_features``) of the size its config names, as (batch, frames, features)
     or (batch, features, frames), whichever the encoder runs on (at ``FRAMES`` frames, or the
@@ -242,8 +244,7 @@ def speech_source(model, batch: int, generator) -> tuple[Any, Any]:
     else:
         raise ValueError(f"expected input_values or input_features as the main input, found "
                          f"{name}")
-    device = next(model.parameters()).device
-    errors = []
+    errors = []  # (probed on the device the model was built on: some keep a table on the CPU)
     for shape in layouts:
         source = torch.randn(shape, generator=generator)
         try:

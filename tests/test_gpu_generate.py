@@ -79,7 +79,9 @@ def test_a_concurrent_step_makes_the_chains_tokens_across_architectures(cuda, tm
     assert not [(r["arch"], r["fallback"]) for r in rows if not r["graphed"] or r["fallback"]]
     wrong = [(r["arch"], r["strategy"], r["batch"]) for r in rows if not r["tokens_equal_to_grape"]]
     assert not wrong
-    assert all(r["step_depth"] < r["step_nodes"] for r in rows)
+    chained = [(r["arch"], r["strategy"], r["batch"], r["step_depth"], r["step_nodes"])
+               for r in rows if r["step_depth"] >= r["step_nodes"]]
+    assert not chained
 
 
 def test_a_graphed_prompt_attends_as_generate_does_for_its_mask(cuda, tmp_path):

@@ -449,7 +449,7 @@ def bucketed(input_ids: torch.Tensor, mask: torch.Tensor | None, bucket: int,
     """``input_ids`` and ``mask`` (None: all ones) left-padded with ``pad`` and masked columns
     to a multiple of ``bucket`` tokens, and the bytes of the caller's tensors copied into the
     padded ones (0, and the caller's own tensors, where the length is a multiple already)."""
-    rows, length = input_ids.shape
+    rows, length = input_ids.shape[:2]  # (a speech source has a third dimension)
     extra = -length % bucket
     if not extra:
         return input_ids, mask, 0

@@ -457,6 +457,12 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
         for _ in range(warmup):
             fn(*args)
     torch.cuda.current_stream().wait_stream(side)
+    # The GEMMs' workspace where a later clear of cuBLAS's workspaces (torch.compile's CUDA
+    # graphs make one) cannot free it from under the executable (grape.torch.workspace).
+    # Seated before the blocks are listed, so that it is always one of them: a family saved
+    # in a process whose first capture seated it and loaded in one that had seated it before
+    # must name it alike to pair it (grape.passes.relocate).
+    seat_workspace(side)
     # torch.cuda.graph empties the allocator's cache on entry; do it first so that the pool's
     # growth is all that the difference below measures.
     torch.cuda.synchronize()
@@ -468,9 +474,6 @@ def capture(fn: Callable[..., Any], *args: Any, params: Mapping[str, torch.Tenso
     blocks = list(blocks or ())
     for address, size in blocks:
         buffers.block(address, size)
-    # The GEMMs' workspace where a later clear of cuBLAS's workspaces (torch.compile's CUDA
-    # graphs make one) cannot free it from under the executable (grape.torch.workspace).
-    seat_workspace(side)
     reserved = torch.cuda.memory_reserved()
     g = torch.cuda.CUDAGraph(keep_graph=True)
     noted = _Marks(side.cuda_stream, side.device, accesses) if marks or accesses else None
