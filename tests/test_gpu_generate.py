@@ -385,6 +385,21 @@ def test_a_decoder_prompt_is_read_where_it_lies_inside_the_launch(cuda, beams):
     _one_launch_per_call(model, [ids], mask, calls[2:], max_new_tokens=16, num_beams=beams)
 
 
+@pytest.mark.parametrize("kwargs", [{"num_beams": 4, "num_return_sequences": 3},
+                                    {"do_sample": True, "top_k": 1, "num_return_sequences": 2}])
+def test_several_sequences_per_prompt_come_from_one_launch(cuda, kwargs):
+    # num_return_sequences: a beam search's three best beams of four; two samples per prompt
+    # (top_k=1: one token to draw, so generate's tokens), each prompt's rows expanded inside
+    # the launch.
+    model = _small_llama()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, max_new_tokens=12,
+                         eos_token_id=[5, 7, 11], **kwargs)
+
+
 def test_a_model_that_reads_cache_positions_it_never_wrote_falls_back(cuda):
     # FSMT attends over the static cache's unused tail (its causal mask spans the tokens it is
     # given): found before capture, the documented fallback, the GPU usable after.

@@ -166,7 +166,6 @@ def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_refus
 @pytest.mark.parametrize("kwargs, reason", [
     ({"exponential_decay_length_penalty": (2, 1.1)}, "exponential_decay_length_penalty="),
     ({"num_beams": 2, "do_sample": True}, "beam search with sampling"),
-    ({"num_return_sequences": 2, "num_beams": 2}, "num_return_sequences=2"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True"),
     ({"no_such_option": 3}, "arguments grape does not pass on: \\['no_such_option'\\]"),
 ])
@@ -557,6 +556,60 @@ def test_a_decoder_prompt_for_a_decoder_only_model_is_one_line():
     with pytest.raises(GrapeError, match="decoder_input_ids only for an encoder-decoder model, "
                                          "found them for GPT2LMHeadModel"):
         grape.generate(m, ids, mask, max_new_tokens=2, decoder_input_ids=ids)
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_several_sequences_per_prompt_are_a_beam_searchs_best_as_generate_returns_them(kind):
+    # num_return_sequences of 4 beams: each prompt's 3 best finished beams, best first, with
+    # their scores and beam indices, generate's bit for bit.
+    m = _built("llama", CONFIGS["llama"]) if kind == "llama" else _seq2seq("t5")
+    ids, mask = _prompt()
+    kwargs = dict(max_new_tokens=10, num_beams=4, num_return_sequences=3, eos_token_id=EOS,
+                  length_penalty=0.7, return_dict_in_generate=True, output_scores=True)
+    out = _held_to_generate(m, ids, mask, 10, **kwargs)
+    reference = m.generate(ids, attention_mask=mask, **_same_layout(m, ids, 10), **kwargs)
+    assert out.sequences.shape[0] == 3 * ids.shape[0]
+    assert torch.equal(out.sequences_scores, reference.sequences_scores)
+    assert torch.equal(out.beam_indices, reference.beam_indices)
+    assert len(set(map(tuple, out.sequences[:3].tolist()))) == 3  # three different beams
+    # Without the return dict: the sequences alone.
+    plain = {k: v for k, v in kwargs.items() if k not in ("return_dict_in_generate",
+                                                          "output_scores")}
+    assert torch.equal(_host(m, ids, mask, **plain), out.sequences)
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_several_samples_per_prompt_are_drawn_apart_and_repeat_for_a_seed(kind):
+    # num_return_sequences of sampling: each prompt's rows adjacent, drawn apart; top_k=1
+    # leaves one token to draw, generate's greedy tokens for every copy.
+    m = _built("llama", CONFIGS["llama"]) if kind == "llama" else _seq2seq("t5")
+    ids, mask = _prompt()
+    kwargs = dict(max_new_tokens=10, do_sample=True, num_return_sequences=3, temperature=1.5,
+                  top_k=0)
+    out = _host(m, ids, mask, seed=3, **kwargs)
+    assert out.shape[0] == 3 * ids.shape[0]
+    assert torch.equal(out, _host(m, ids, mask, seed=3, **kwargs))
+    head = ids.shape[1] if kind == "llama" else 1
+    assert torch.equal(out[:, :head], (ids if kind == "llama" else out[:, :1][::3])
+                       .repeat_interleave(3, dim=0))
+    assert not torch.equal(out[0], out[1])  # copies of one prompt drawn apart
+    one = dict(kwargs, top_k=1)
+    assert torch.equal(_host(m, ids, mask, **one), m.generate(ids, attention_mask=mask, **one))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    # (transformers' own check of the config says it first, where it makes one)
+    ({"num_return_sequences": 2}, "[Gg]reedy.*num_return_sequences.* 1"),
+    ({"num_return_sequences": 5, "num_beams": 4}, r"num_return_sequences.*5.*num_beams.*4"
+                                                   r"|num_beams \(4\), found 5"),
+    ({"num_return_sequences": 0, "do_sample": True}, "expected num_return_sequences to be an "
+                                                     "integer of at least 1, found 0"),
+])
+def test_more_sequences_than_generate_makes_is_one_line(kwargs, message):
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    with pytest.raises(GrapeError, match=message):
+        resolve(m, ids, mask, dict(kwargs, max_new_tokens=4))
 
 
 def test_exact_lengths_are_refused_for_an_encoder_decoder_model():

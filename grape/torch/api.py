@@ -29,7 +29,9 @@ eager ones by design, so its tokens are compared with a tolerance, not for equal
 
 Encoder-decoder speech models generate the same way from what their encoder takes (the
 model's ``main_input_name``: Speech2Text's ``input_features``, SpeechT5's ``input_values``),
-passed where token ids go, with a mask over its frames or samples.
+passed where token ids go, with a mask over its frames or samples. An encoder-decoder model's
+decoder may be given a prompt of its own (``decoder_input_ids``, ``decoder_attention_mask``),
+read where it lies like the source.
 
 Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, a
 speech model with a generate of its own, such as Whisper's, which detects the language and
@@ -344,6 +346,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     Encoder-decoder models (T5, BART, Marian, Pegasus...) generate the same way: the prompt is
     the encoder's source, run once per call, and the decoder starts from its start token
     (``grape.torch.decoding``); their outputs start with that token, as ``generate``'s do.
+    ``num_return_sequences`` makes several sequences per prompt, adjacent, as ``generate``
+    does: sampled apart, or a beam search's best beams, best first (the prompt's rows are
+    expanded inside the launch).
     ``decoder_input_ids`` (and ``decoder_attention_mask``) give the decoder a prompt of its
     own, prepared as ``generate`` prepares it (the start token put before a prompt whose rows
     all lack it: a copy, counted in ``copy_bytes``, after one read-back); the outputs then

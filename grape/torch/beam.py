@@ -182,22 +182,26 @@ class BeamDecoder(Decoder):
 
     def result(self, input_ids: torch.Tensor, decoder_ids: torch.Tensor | None = None
                ) -> torch.Tensor | GenerateBeamDecoderOnlyOutput | GenerateBeamEncoderDecoderOutput:
-        # The best beams' length and the steps run, in one read-back.
-        made_t = ((self.origins[:, 0] + 1).bool()).sum(dim=1).max()
+        # The best beams (num_return_sequences of each prompt's, best first, as generate's
+        # finished beams are sorted), their length and the steps run, in one read-back.
+        n = self.options.num_return
+        origins = self.origins[:, :n].flatten(0, 1)
+        made_t = ((origins + 1).bool()).sum(dim=1).max()
         made, steps = torch.stack((made_t, self.count[0])).tolist()
         self._check_lengths()
-        sequences = torch.cat([self.head(input_ids, decoder_ids), self.tokens[:, 0, :made]],
-                              dim=1)
+        sequences = torch.cat([self.head(input_ids, decoder_ids).repeat_interleave(n, dim=0),
+                               self.tokens[:, :n, :made].flatten(0, 1)], dim=1)
         if not self.options.return_dict:
             return sequences
-        # As generate returns it for one sequence per prompt: the best beam's score (kept with
-        # output_scores), every step's scores and logits for every beam, the best beams' beam
-        # indices; past_key_values None (grape's cache is the next call's).
+        # As generate returns it: the returned beams' scores (kept with output_scores), every
+        # step's scores and logits for every beam, the returned beams' beam indices;
+        # past_key_values None (grape's cache is the next call's).
         kept = self._kept(steps)
         output = (GenerateBeamEncoderDecoderOutput if self.seq2seq
                   else GenerateBeamDecoderOnlyOutput)
         return output(
             sequences=sequences,
-            sequences_scores=self.scores[:, 0].clone() if "scores" in self.kept else None,
+            sequences_scores=(self.scores[:, :n].flatten().clone() if "scores" in self.kept
+                              else None),
             scores=kept.get("scores"), logits=kept.get("logits"),
-            beam_indices=self.origins[:, 0, :made].clone(), past_key_values=None)
+            beam_indices=origins[:, :made].clone(), past_key_values=None)

@@ -668,8 +668,10 @@ class TokenDecoder(Decoder):
 
     def __init__(self, model: torch.nn.Module, rows: int, prompt_len: int,
                  options: Options, step_model: Any = None, exact: bool = False) -> None:
-        super().__init__(model, rows, prompt_len, options, step_model, exact)
-        device = self.mask.device
+        # num_return_sequences: each prompt's rows adjacent, as generate expands them.
+        self.copies = options.num_return
+        super().__init__(model, rows * self.copies, prompt_len, options, step_model, exact)
+        device, rows = self.mask.device, self.rows  # (every copy's)
         self.tokens = torch.full((rows, options.room), options.pad, dtype=torch.long,
                                  device=device)
         self.done = torch.zeros((rows,), dtype=torch.bool, device=device)
@@ -691,6 +693,9 @@ class TokenDecoder(Decoder):
         self.generator.manual_seed(seed)
         torch.rand(self.uniforms.shape, generator=self.generator, device=self.uniforms.device,
                    out=self.uniforms)
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.copies == 1 else t.repeat_interleave(self.copies, dim=0)
 
     def _reset(self) -> None:
         self.done.zero_()
@@ -728,7 +733,8 @@ class TokenDecoder(Decoder):
                ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         made = int(self.count.item())
         self._check_lengths()
-        sequences = torch.cat([self.head(input_ids, decoder_ids), self.tokens[:, :made]], dim=1)
+        sequences = torch.cat([self._rows(self.head(input_ids, decoder_ids)),
+                               self.tokens[:, :made]], dim=1)
         if not self.options.return_dict:
             return sequences
         # past_key_values is None, not grape's static cache, which the next call overwrites.

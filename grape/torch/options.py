@@ -40,7 +40,7 @@ _HANDLED = {
     "begin_suppress_tokens", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
 }
 # Of the handled fields, the values grape supports when they are set.
-_ONLY = {"num_return_sequences": (None, 1), "output_attentions": (None, False),
+_ONLY = {"output_attentions": (None, False),
          "output_hidden_states": (None, False),
          "use_cache": (None, True), "prefill_chunk_size": (None,), "num_beam_groups": (None, 1),
          "low_memory": (None, False), "cache_implementation": (None, "static"),
@@ -97,6 +97,9 @@ class Options:
     # An encoder-decoder model's decoder prompt: its start token alone (1), or the
     # decoder_input_ids the caller gave, as generate prepares them (decoder_prompt).
     decoder_prompt_len: int = 1
+    # num_return_sequences: sequences per prompt (sampled independently, or a beam search's
+    # best), adjacent in the result as generate returns them.
+    num_return: int = 1
 
     @property
     def key(self) -> tuple:
@@ -107,7 +110,7 @@ class Options:
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
                 self.no_repeat_ngram, self.source_ngram, self.source, self.bad_words,
                 self.bad_sequences, self.min_length, self.suppressed, self.begin_suppressed,
-                self.decoder_prompt_len)
+                self.decoder_prompt_len, self.num_return)
 
     @property
     def room(self) -> int:
@@ -244,6 +247,16 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     if beams > 1 and config.do_sample:
         raise NotGraphable("beam search with sampling (do_sample=True and num_beams > 1)")
     strategy = "beam" if beams > 1 else "sample" if config.do_sample else "greedy"
+    # generate's own checks: greedy decoding makes one sequence per prompt, a beam search at
+    # most its beams.
+    num_return = _integer(1 if config.num_return_sequences is None
+                          else config.num_return_sequences, "num_return_sequences", 1)
+    if num_return > 1 and strategy == "greedy":
+        raise GrapeError(f"expected num_return_sequences=1 for greedy decoding (generate "
+                         f"refuses more), found {num_return}")
+    if num_return > beams and strategy == "beam":
+        raise GrapeError(f"expected num_return_sequences of at most num_beams ({beams}), found "
+                         f"{num_return}")
     temperature = _real(config.temperature if config.temperature is not None else 1.0,
                         "temperature")
     top_p = _real(config.top_p if config.top_p is not None else 1.0, "top_p")
@@ -294,7 +307,8 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       min_length=_integer(config.min_length or 0, "min_length", 0),
                       suppressed=_ids(config.suppress_tokens, "suppress_tokens"),
                       begin_suppressed=_ids(config.begin_suppress_tokens,
-                                            "begin_suppress_tokens"))
+                                            "begin_suppress_tokens"),
+                      num_return=num_return)
     if options.source_ngram and not tokens:
         raise NotGraphable(f"encoder_no_repeat_ngram_size over a source of {source}, which "
                            f"holds no tokens")
