@@ -386,11 +386,15 @@ def test_a_decoder_prompt_is_read_where_it_lies_inside_the_launch(cuda, beams):
 
 
 @pytest.mark.parametrize("kwargs", [{"num_beams": 4, "num_return_sequences": 3},
-                                    {"do_sample": True, "top_k": 1, "num_return_sequences": 2}])
+                                    {"do_sample": True, "top_k": 1, "num_return_sequences": 2},
+                                    {"do_sample": True, "top_k": 1, "min_p": 0.5,
+                                     "typical_p": 0.9, "epsilon_cutoff": 1e-4,
+                                     "eta_cutoff": 0.5}])
 def test_several_sequences_per_prompt_come_from_one_launch(cuda, kwargs):
     # num_return_sequences: a beam search's three best beams of four; two samples per prompt
     # (top_k=1: one token to draw, so generate's tokens), each prompt's rows expanded inside
-    # the launch.
+    # the launch. And sampling's other cutoffs captured (eta_cutoff's entropy without
+    # torch.distributions' check, which reads back).
     model = _small_llama()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 300, (2, 9), generator=g).cuda()

@@ -222,6 +222,9 @@ def test_bad_sampling_values_are_refused():
     ({"do_sample": True, "top_k": 1.5}, "expected top_k to be an integer, found 1.5"),
     ({"min_new_tokens": -1}, "expected min_new_tokens to be an integer of at least 0, found -1"),
     ({"num_beams": 2, "early_stopping": "sometimes"}, "expected .*early_stopping.*sometimes"),
+    ({"do_sample": True, "min_p": 1.5}, "min_p.*1.5"),
+    ({"do_sample": True, "typical_p": "x"}, "expected typical_p to be a number, found 'x'|"
+                                            "typical_p"),
 ])
 def test_option_values_generate_would_refuse_or_misread_are_one_line_errors(kwargs, message):
     # num_beams=0 ran as greedy decoding here, and crashed generate with a ZeroDivisionError.
@@ -843,9 +846,21 @@ def test_a_return_dict_without_scores_holds_no_scores(model, strategy):
     assert torch.equal(plain, got.sequences)
 
 
-def test_sampled_scores_are_the_processed_distribution_the_token_was_drawn_from(model):
+CUTOFFS = {
+    "top-k, top-p": {"top_k": 20, "top_p": 0.9},
+    # (random weights spread the first token's probability thin: cutoffs that bite there)
+    "min_p": {"top_k": 0, "min_p": 0.8},
+    "typical_p": {"top_k": 0, "typical_p": 0.3},
+    "epsilon_cutoff": {"top_k": 0, "epsilon_cutoff": 3.4e-3},
+    "eta_cutoff, top-p": {"top_k": 0, "eta_cutoff": 0.5, "top_p": 0.95},
+}
+
+
+@pytest.mark.parametrize("cutoffs", list(CUTOFFS))
+def test_sampled_scores_are_the_processed_distribution_the_token_was_drawn_from(model,
+                                                                                cutoffs):
     ids, mask = _prompt()
-    kwargs = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=8,
+    kwargs = dict(do_sample=True, temperature=0.7, max_new_tokens=8, **CUTOFFS[cutoffs],
                   return_dict_in_generate=True, output_scores=True)
     got = _host(model, ids, mask, seed=5, **kwargs)
     torch.manual_seed(0)
@@ -853,6 +868,10 @@ def test_sampled_scores_are_the_processed_distribution_the_token_was_drawn_from(
                                **_same_layout(model, ids, 8), **kwargs)
     # The first token's distribution depends on the prompt alone: generate's, bit for bit.
     assert torch.equal(got.scores[0], reference.scores[0])
+    # and the cutoff removed tokens (the top-k and top-p row aside, where top-k does)
+    plain = _host(model, ids, mask, seed=5, **dict(kwargs, **{
+        k: (0 if k == "top_k" else None) for k in CUTOFFS[cutoffs]}))
+    assert torch.isinf(got.scores[0]).sum() > torch.isinf(plain.scores[0]).sum()
     made = got.sequences[:, ids.shape[1]:]
     for step, scores in enumerate(got.scores):
         drawn = scores.gather(1, made[:, step:step + 1])

@@ -310,7 +310,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     """``model.generate(input_ids, attention_mask=..., max_new_tokens=..., **kwargs)``, graphed.
 
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
-    ``top_k``, ``top_p``, ``num_beams``, ``length_penalty``, ``early_stopping``,
+    ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``,
+    ``num_beams``, ``num_return_sequences``, ``length_penalty``, ``early_stopping``,
     ``eos_token_id`` (one or several), ``pad_token_id``, ``min_new_tokens``, or a
     ``generation_config``); the model's own generation config fills the rest, as in
     ``generate``. ``seed`` seeds sampling (default: drawn from torch's global generator, so

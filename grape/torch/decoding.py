@@ -36,11 +36,6 @@ import torch
 import transformers.cache_utils as hf_cache
 from transformers import EncoderDecoderCache, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
-from transformers.generation.logits_process import (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 from transformers.generation.utils import (
     GenerateDecoderOnlyOutput,
     GenerateEncoderDecoderOutput,
@@ -51,7 +46,7 @@ from grape.errors import GrapeError
 from grape.torch.decode_mask import running_mask
 from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
-from grape.torch.options import NotGraphable, Options
+from grape.torch.options import NotGraphable, Options, sampling_warpers
 from grape.torch.parallel import group_of
 from grape.torch.sdpa_mask import convert_once
 from grape.torch.static_layers import CountedLayer, Tokens
@@ -675,15 +670,8 @@ class TokenDecoder(Decoder):
         self.tokens = torch.full((rows, options.room), options.pad, dtype=torch.long,
                                  device=device)
         self.done = torch.zeros((rows,), dtype=torch.bool, device=device)
-        self.warpers = []
+        self.warpers = sampling_warpers(options, device)  # generate's, in its order
         if options.strategy == "sample":
-            # generate's warpers, in generate's order (temperature, top-k, top-p).
-            if options.temperature != 1.0:
-                self.warpers.append(TemperatureLogitsWarper(options.temperature))
-            if options.top_k:
-                self.warpers.append(TopKLogitsWarper(options.top_k))
-            if options.top_p < 1.0:
-                self.warpers.append(TopPLogitsWarper(options.top_p))
             self.uniforms = torch.zeros((options.room, rows), dtype=torch.float32,
                                         device=device)
             self.generator = torch.Generator(device=device)
@@ -703,8 +691,13 @@ class TokenDecoder(Decoder):
 
     def _processed(self, logits: torch.Tensor) -> torch.Tensor:
         logits = self._process(logits)
-        for warper in self.warpers:
-            logits = warper(None, logits)
+        # (eta_cutoff's entropy comes from a torch.distributions.Categorical, whose argument
+        # check reads the logits back: a host sync no capture takes. Left out: a NaN among the
+        # scores, which that check would raise on in generate's eager loop, is not raised on
+        # here.)
+        with _unvalidated():
+            for warper in self.warpers:
+                logits = warper(None, logits)
         return logits
 
     def _emit(self, logits: torch.Tensor) -> None:
@@ -742,6 +735,17 @@ class TokenDecoder(Decoder):
         output = GenerateEncoderDecoderOutput if self.seq2seq else GenerateDecoderOnlyOutput
         return output(sequences=sequences, scores=kept.get("scores"), logits=kept.get("logits"),
                       past_key_values=None)
+
+
+@contextlib.contextmanager
+def _unvalidated() -> Iterator[None]:
+    """torch.distributions without argument checks, while inside."""
+    was = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(was)
 
 
 def sample(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,19 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, GenerationMixin
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 
 from grape.errors import GrapeError
 
-__all__ = ["NotGraphable", "Options", "decoder_prompt", "resolve"]
+__all__ = ["NotGraphable", "Options", "decoder_prompt", "resolve", "sampling_warpers"]
 
 
 class NotGraphable(Exception):  # a reason to fall back, not an error of the caller
@@ -38,7 +47,19 @@ _HANDLED = {
     "num_beam_groups", "diversity_penalty", "low_memory", "forced_bos_token_id",
     "forced_eos_token_id", "repetition_penalty", "bad_words_ids", "suppress_tokens",
     "begin_suppress_tokens", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
 }
+# Sampling's cutoffs after temperature, top-k and top-p, in generate's order: (the field, its
+# warper for a value on a device, whether generate applies it for this value).
+_CUTOFFS = (
+    ("min_p", lambda v, device: MinPLogitsWarper(v), lambda v: True),
+    ("typical_p", lambda v, device: TypicalLogitsWarper(mass=v), lambda v: v < 1.0),
+    ("epsilon_cutoff", lambda v, device: EpsilonLogitsWarper(epsilon=v),
+     lambda v: 0.0 < v < 1.0),
+    # (its epsilon a tensor made once, where the scores lie)
+    ("eta_cutoff", lambda v, device: EtaLogitsWarper(v, device=device),
+     lambda v: 0.0 < v < 1.0),
+)
 # Of the handled fields, the values grape supports when they are set.
 _ONLY = {"output_attentions": (None, False),
          "output_hidden_states": (None, False),
@@ -100,6 +121,9 @@ class Options:
     # num_return_sequences: sequences per prompt (sampled independently, or a beam search's
     # best), adjacent in the result as generate returns them.
     num_return: int = 1
+    # Sampling's cutoffs beyond top-k and top-p that generate applies (min_p, typical_p,
+    # epsilon_cutoff, eta_cutoff), as (field, value), in its order (sampling_warpers).
+    cutoffs: tuple[tuple[str, float], ...] = ()
 
     @property
     def key(self) -> tuple:
@@ -110,7 +134,7 @@ class Options:
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
                 self.no_repeat_ngram, self.source_ngram, self.source, self.bad_words,
                 self.bad_sequences, self.min_length, self.suppressed, self.begin_suppressed,
-                self.decoder_prompt_len, self.num_return)
+                self.decoder_prompt_len, self.num_return, self.cutoffs)
 
     @property
     def room(self) -> int:
@@ -308,7 +332,13 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       suppressed=_ids(config.suppress_tokens, "suppress_tokens"),
                       begin_suppressed=_ids(config.begin_suppress_tokens,
                                             "begin_suppress_tokens"),
-                      num_return=num_return)
+                      num_return=num_return,
+                      cutoffs=_cutoffs(config) if strategy == "sample" else ())
+    try:  # the warpers check their own values, as they do inside generate
+        sampling_warpers(options, torch.device("cpu"))
+    except ValueError as e:
+        raise GrapeError(f"expected sampling options generate accepts, found: "
+                         f"{str(e).splitlines()[0]}") from None
     if options.source_ngram and not tokens:
         raise NotGraphable(f"encoder_no_repeat_ngram_size over a source of {source}, which "
                            f"holds no tokens")
@@ -370,6 +400,33 @@ def decoder_prompt(model: torch.nn.Module, options: Options, source: torch.Tenso
         0 if mask is None else mask.numel() * mask.element_size())
     return (dataclasses.replace(options, decoder_prompt_len=prepared.shape[1]), prepared, mask,
             copied)
+
+
+def _cutoffs(config: GenerationConfig) -> tuple[tuple[str, float], ...]:
+    """The cutoffs of ``_CUTOFFS`` that generate applies for ``config`` (sampling), in order."""
+    found = []
+    for name, _, applies in _CUTOFFS:
+        value = getattr(config, name, None)
+        if value is not None and applies(value := _real(value, name)):
+            found.append((name, value))
+    return tuple(found)
+
+
+def sampling_warpers(options: Options, device: torch.device) -> list[Any]:
+    """generate's warpers for sampling with ``options``, in its order: temperature, top-k,
+    top-p, then the cutoffs (``Options.cutoffs``); each keeps at least one token, as generate's
+    do without beams. None for the other strategies."""
+    if options.strategy != "sample":
+        return []
+    warpers: list[Any] = []
+    if options.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(options.temperature))
+    if options.top_k:
+        warpers.append(TopKLogitsWarper(options.top_k))
+    if options.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(options.top_p))
+    made = {name: warper for name, warper, _ in _CUTOFFS}
+    return warpers + [made[name](value, device) for name, value in options.cutoffs]
 
 
 def source_of(model: torch.nn.Module) -> str:
