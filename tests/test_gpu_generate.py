@@ -404,6 +404,28 @@ def test_several_sequences_per_prompt_come_from_one_launch(cuda, kwargs):
                          eos_token_id=[5, 7, 11], **kwargs)
 
 
+def test_stop_strings_end_rows_inside_the_launch(cuda):
+    # A stop string from the first row's own text ends that row inside the one launch (the
+    # tokenizer's table of token texts moved to the GPU before the capture).
+    import grape
+    from grape.torch.api import last_stats
+    from tests.word_tokenizer import word_tokenizer
+
+    model = _small_llama()
+    tokenizer = word_tokenizer(500)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
+    free = grape.generate(model, ids, max_new_tokens=12)
+    text = tokenizer.decode(free[0, 9 + 4:9 + 6].tolist())
+    kwargs = dict(max_new_tokens=12, stop_strings=[text[1:]], tokenizer=tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        out = grape.generate(model, ids, **kwargs)
+    assert last_stats().graphed and last_stats().launches == 1
+    assert torch.equal(out, model.generate(ids, cache_implementation="static", **kwargs))
+    assert not torch.equal(out[0], free[0, :out.shape[1]])
+
+
 def test_a_model_that_reads_cache_positions_it_never_wrote_falls_back(cuda):
     # FSMT attends over the static cache's unused tail (its causal mask spans the tokens it is
     # given): found before capture, the documented fallback, the GPU usable after.

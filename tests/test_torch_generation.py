@@ -615,6 +615,47 @@ def test_more_sequences_than_generate_makes_is_one_line(kwargs, message):
         resolve(m, ids, mask, dict(kwargs, max_new_tokens=4))
 
 
+def _tokenizer():
+    from tests.word_tokenizer import word_tokenizer
+
+    return word_tokenizer(VOCAB)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize("strategy", ["greedy", "sample"])
+def test_stop_strings_end_sequences_where_generate_ends_them(kind, strategy):
+    # A stop string taken from the first row's own text, spanning two of its tokens: that row
+    # ends there, padded after, the others run on; generate's sequences bit for bit (sampling
+    # with top_k=1, one token to draw).
+    m = _built(kind, CONFIGS[kind]) if kind != "t5" else _seq2seq("t5")
+    ids, mask = _prompt()
+    tokenizer = _tokenizer()
+    kwargs = dict(max_new_tokens=12, **({"do_sample": True, "top_k": 1}
+                                        if strategy == "sample" else {}))
+    free = _host(m, ids, mask, **kwargs)
+    new = free[0, free.shape[1] - 12:].tolist()
+    text = tokenizer.decode(new[4:6])
+    stop = dict(kwargs, stop_strings=[text[1:], "jjjjjjjj"], tokenizer=tokenizer)
+    out = _host(m, ids, mask, **stop)
+    reference = m.generate(ids, attention_mask=mask, **_same_layout(m, ids, 12), **stop)
+    assert torch.equal(out, reference)
+    head = free.shape[1] - 12
+    assert not torch.equal(out[0, head:], free[0, head:out.shape[1]])  # the first row stopped
+
+
+def test_stop_strings_without_a_tokenizer_or_with_beams_are_refused_in_one_line():
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    with pytest.raises(GrapeError, match="expected a tokenizer"):
+        resolve(m, ids, mask, {"max_new_tokens": 4, "stop_strings": "ab"})
+    with pytest.raises(GrapeError, match="expected stop_strings to be a non-empty string"):
+        resolve(m, ids, mask, {"max_new_tokens": 4, "stop_strings": [""],
+                               "tokenizer": _tokenizer()})
+    with pytest.raises(NotGraphable, match="stop_strings with beam search"):
+        resolve(m, ids, mask, {"max_new_tokens": 4, "stop_strings": "ab", "num_beams": 2,
+                               "tokenizer": _tokenizer()})
+
+
 def test_exact_lengths_are_refused_for_an_encoder_decoder_model():
     # Exact lengths count the decoder's own cache; cross-attention reads the source's.
     from grape.torch.decoding import ExactRefused

@@ -36,6 +36,7 @@ import torch
 import transformers.cache_utils as hf_cache
 from transformers import EncoderDecoderCache, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import (
     GenerateDecoderOnlyOutput,
     GenerateEncoderDecoderOutput,
@@ -231,7 +232,7 @@ class Decoder:
         # the prompt's and the new ones.
         self.history = (torch.zeros((rows, head + options.room), dtype=torch.long, device=device)
                         if options.no_repeat_ngram or options.bad_sequences
-                        or options.source_ngram else None)
+                        or options.source_ngram or options.stop_strings else None)
         # encoder_no_repeat_ngram_size: the source's tokens, per row (a copy: read every step).
         self.source_ids = (torch.zeros((rows, prompt_len), dtype=torch.long, device=device)
                            if options.source_ngram else None)
@@ -671,6 +672,7 @@ class TokenDecoder(Decoder):
                                  device=device)
         self.done = torch.zeros((rows,), dtype=torch.bool, device=device)
         self.warpers = sampling_warpers(options, device)  # generate's, in its order
+        self.stops = _stops(options, device)
         if options.strategy == "sample":
             self.uniforms = torch.zeros((options.room, rows), dtype=torch.float32,
                                         device=device)
@@ -717,10 +719,20 @@ class TokenDecoder(Decoder):
             self.seen.scatter_(1, token.unsqueeze(1), True)
         if self.history is not None:
             self.history.index_copy_(1, self.count + self.head_len, token.unsqueeze(1))
+        if self.stops is not None:
+            self.done.logical_or_(self.stops(self._tail(self.stops.maximum_token_len), None))
         self.next_ids.copy_(token.unsqueeze(1))
         self.count.add_(1)
         torch.logical_and(~self.done.all(), self.count[0] < self.options.max_new_tokens,
                           out=self.running)
+
+    def _tail(self, n: int) -> torch.Tensor:
+        """Each row's last ``n`` tokens, the one made this step last, as generate's sequences
+        end; where a row holds fewer, the columns before its first token hold an id past the
+        vocabulary (StopStringCriteria reads it as matching nothing)."""
+        at = self.count + self.head_len - (n - 1) + torch.arange(n, device=self.count.device)
+        tail = self.history.gather(1, at.clamp(min=0).expand(self.rows, n))
+        return torch.where(at >= 0, tail, torch.iinfo(torch.int32).max)
 
     def result(self, input_ids: torch.Tensor, decoder_ids: torch.Tensor | None = None
                ) -> torch.Tensor | GenerateDecoderOnlyOutput:
@@ -735,6 +747,18 @@ class TokenDecoder(Decoder):
         output = GenerateEncoderDecoderOutput if self.seq2seq else GenerateDecoderOnlyOutput
         return output(sequences=sequences, scores=kept.get("scores"), logits=kept.get("logits"),
                       past_key_values=None)
+
+
+def _stops(options: Options, device: torch.device) -> StopStringCriteria | None:
+    """generate's StopStringCriteria for ``options.stop_strings`` (None without), its tables
+    moved to ``device`` now: it moves them on its first call, which a capture would hold as a
+    copy from pageable memory."""
+    if not options.stop_strings:
+        return None
+    stops = StopStringCriteria(options.tokenizer, list(options.stop_strings))
+    stops.embedding_vec = stops.embedding_vec.to(device)
+    stops.target_lens = stops.target_lens.to(device)
+    return stops
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ _HANDLED = {
     "num_beam_groups", "diversity_penalty", "low_memory", "forced_bos_token_id",
     "forced_eos_token_id", "repetition_penalty", "bad_words_ids", "suppress_tokens",
     "begin_suppress_tokens", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
-    "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "stop_strings",
 }
 # Sampling's cutoffs after temperature, top-k and top-p, in generate's order: (the field, its
 # warper for a value on a device, whether generate applies it for this value).
@@ -124,6 +124,10 @@ class Options:
     # Sampling's cutoffs beyond top-k and top-p that generate applies (min_p, typical_p,
     # epsilon_cutoff, eta_cutoff), as (field, value), in its order (sampling_warpers).
     cutoffs: tuple[tuple[str, float], ...] = ()
+    # stop_strings, and the tokenizer generate takes them with (the call's ``tokenizer``): a
+    # sequence ends where its text ends with one (StopStringCriteria over the tokens' text).
+    stop_strings: tuple[str, ...] = ()
+    tokenizer: Any = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> tuple:
@@ -134,7 +138,9 @@ class Options:
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
                 self.no_repeat_ngram, self.source_ngram, self.source, self.bad_words,
                 self.bad_sequences, self.min_length, self.suppressed, self.begin_suppressed,
-                self.decoder_prompt_len, self.num_return, self.cutoffs)
+                self.decoder_prompt_len, self.num_return, self.cutoffs, self.stop_strings,
+                # (the tokenizer's table of token texts is the graph's: one per tokenizer)
+                id(self.tokenizer) if self.stop_strings else None)
 
     @property
     def room(self) -> int:
@@ -256,6 +262,7 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                                f"own generate, which does more than the steps grape "
                                f"reproduces")
     kwargs = dict(kwargs)
+    tokenizer = kwargs.pop("tokenizer", None)  # generate's argument, for stop strings
     max_new = _integer(kwargs.get("max_new_tokens"), "max_new_tokens", 1)
     config = _merged(model, kwargs)
     if unsupported := _unsupported(config):
@@ -333,7 +340,12 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       begin_suppressed=_ids(config.begin_suppress_tokens,
                                             "begin_suppress_tokens"),
                       num_return=num_return,
-                      cutoffs=_cutoffs(config) if strategy == "sample" else ())
+                      cutoffs=_cutoffs(config) if strategy == "sample" else (),
+                      stop_strings=_stop_strings(config.stop_strings, tokenizer),
+                      tokenizer=tokenizer)
+    if options.stop_strings and strategy == "beam":
+        raise NotGraphable("stop_strings with beam search (grape ends sequences at stop "
+                           "strings in greedy decoding and sampling)")
     try:  # the warpers check their own values, as they do inside generate
         sampling_warpers(options, torch.device("cpu"))
     except ValueError as e:
@@ -434,6 +446,22 @@ def source_of(model: torch.nn.Module) -> str:
     ids, or a speech model's features or samples (``model.main_input_name``)."""
     name = getattr(model, "main_input_name", "input_ids")
     return name if isinstance(name, str) else "input_ids"
+
+
+def _stop_strings(value: Any, tokenizer: Any) -> tuple[str, ...]:
+    """generate's stop strings (one string or several), checked as it checks them: they need
+    the call's tokenizer."""
+    if value is None:
+        return ()
+    strings = [value] if isinstance(value, str) else value
+    if not (isinstance(strings, list | tuple) and strings
+            and all(isinstance(s, str) and s for s in strings)):
+        raise GrapeError(f"expected stop_strings to be a non-empty string or a list of them, "
+                         f"found {value!r}")
+    if tokenizer is None:
+        raise GrapeError("expected a tokenizer (generate's tokenizer=...) with stop_strings, "
+                         "found none")
+    return tuple(strings)
 
 
 def _bad_words(value: Any, eos: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
