@@ -164,7 +164,7 @@ def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_refus
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    ({"exponential_decay_length_penalty": (2, 1.1)}, "exponential_decay_length_penalty="),
+    ({"sequence_bias": [[[40], 2.0]]}, "sequence_bias="),
     ({"num_beams": 2, "do_sample": True}, "beam search with sampling"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True"),
     ({"no_such_option": 3}, "arguments grape does not pass on: \\['no_such_option'\\]"),
@@ -353,6 +353,10 @@ PROCESSORS = {
     "banned tokens": {"bad_words_ids": [[40], [41], [2]], "suppress_tokens": [42, 43]},
     "minimum length, suppressed at the first token": {
         "min_length": 12, "eos_token_id": EOS, "begin_suppress_tokens": EOS[:3]},
+    "invalid values removed, renormalised": {"remove_invalid_values": True,
+                                             "renormalize_logits": True},
+    "EOS raised exponentially from the fourth token": {
+        "exponential_decay_length_penalty": (3, 1.6), "eos_token_id": EOS},
     "all at once": {"repetition_penalty": 1.2, "no_repeat_ngram_size": 2,
                     "bad_words_ids": [[40]], "min_length": 9,
                     "eos_token_id": EOS, "suppress_tokens": [42], "forced_eos_token_id": 2,
@@ -372,7 +376,9 @@ def test_generates_other_processors_make_its_tokens_and_scores(kind, processors,
     kwargs = dict(PROCESSORS[processors], max_new_tokens=10, num_beams=num_beams,
                   return_dict_in_generate=True, output_scores=True)
     out = _held_to_generate(m, ids, mask, 10, **kwargs)
-    for name, off in (("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0)):
+    for name, off in (("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0),
+                      ("exponential_decay_length_penalty", None),
+                      ("renormalize_logits", False)):
         if PROCESSORS[processors].get(name, off) != off and processors != "all at once":
             # It must have acted: without it, other scores at some token. (All at once, the
             # penalty can leave no n-gram to repeat.)

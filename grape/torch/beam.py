@@ -109,7 +109,8 @@ class BeamDecoder(Decoder):
 
     def _emit(self, logits: torch.Tensor) -> None:
         batch, beams, vocab, t = self.batch, self.beams, self.vocab, self.count
-        log_probs = self._process(torch.nn.functional.log_softmax(logits, dim=-1))
+        log_probs = self._renormalized(
+            self._process(torch.nn.functional.log_softmax(logits, dim=-1)))
         self._keep("scores", log_probs)  # generate's: processed, before the beams' own scores
         self._keep("logits", logits)
         log_probs = log_probs.view(batch, beams, vocab) + self.running_scores[:, :, None]

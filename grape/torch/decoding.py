@@ -36,6 +36,7 @@ import torch
 import transformers.cache_utils as hf_cache
 from transformers import EncoderDecoderCache, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+from transformers.generation.logits_process import InfNanRemoveLogitsProcessor
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import (
     GenerateDecoderOnlyOutput,
@@ -249,6 +250,10 @@ class Decoder:
         self.begin = int(head == 1 and options.forced_bos is not None)
         self.seen: torch.Tensor | None = None
         self._masks: dict[str, torch.Tensor] = {}
+        # exponential_decay_length_penalty's factor less one, per count of tokens made.
+        self.decay = None if options.decay is None else torch.tensor(
+            [float(options.decay[1] ** (c - options.decay[0]) - 1) if c > options.decay[0]
+             else 0.0 for c in range(options.room + 1)], dtype=torch.float32, device=device)
         # check_written_only: what the cache's layers hold before the prompt writes them, and
         # the logits each forward made, while it runs.
         self._poison: float | None = None
@@ -428,7 +433,9 @@ class Decoder:
         count of tokens made on the device: repetition penalty over the tokens each row has
         seen, repeated n-grams banned, banned words (of several tokens, after their prefix),
         EOS held back below the minimum length, forced first and last tokens (every score -inf
-        but the forced token's, 0), suppressed tokens, and those suppressed at the first token.
+        but the forced token's, 0), NaN and infinities made finite, EOS raised by the length
+        penalty that decays exponentially, suppressed tokens, and those suppressed at the
+        first token.
         Each mask over the vocabulary is made once, eagerly, with the first logits (the
         prompt's)."""
         options = self.options
@@ -451,6 +458,16 @@ class Decoder:
         for ids, at in self.forced:
             only = torch.full_like(scores, -math.inf).index_fill_(1, ids, 0.0)
             scores = torch.where(self.count == at, only, scores)
+        if options.remove_invalid:
+            scores = _REMOVE_INVALID(None, scores)
+        if self.decay is not None:
+            # generate adds |score| * (factor ** (made - start) - 1), a float32 rounding of
+            # Python's power, to each EOS score once more than start tokens are made; before
+            # that it adds nothing at all (not a zero: -inf + 0 * inf would be NaN).
+            factor = self.decay.index_select(0, self.count)
+            penalty = scores.index_select(1, self.eos).abs() * factor
+            raised = scores + torch.zeros_like(scores).index_copy_(1, self.eos, penalty)
+            scores = torch.where(self.count > options.decay[0], raised, scores)
         if options.suppressed:
             scores = scores.masked_fill(self._mask("suppressed", scores), -math.inf)
         if options.begin_suppressed:
@@ -498,6 +515,10 @@ class Decoder:
                 written >= k)
             banned.scatter_(1, torch.where(matches, lasts, width), True)
         return banned[:, :width]
+
+    def _renormalized(self, scores: torch.Tensor) -> torch.Tensor:
+        """generate's last processor, where renormalize_logits asks for it: log-softmax."""
+        return scores.log_softmax(dim=-1) if self.options.renormalize else scores
 
     def _mask(self, name: str, scores: torch.Tensor) -> torch.Tensor:
         """Which of the vocabulary's tokens ``Options.<name>`` lists, as (width,) booleans."""
@@ -700,7 +721,7 @@ class TokenDecoder(Decoder):
         with _unvalidated():
             for warper in self.warpers:
                 logits = warper(None, logits)
-        return logits
+        return self._renormalized(logits)
 
     def _emit(self, logits: torch.Tensor) -> None:
         scores = self._processed(logits)
@@ -759,6 +780,9 @@ def _stops(options: Options, device: torch.device) -> StopStringCriteria | None:
     stops.embedding_vec = stops.embedding_vec.to(device)
     stops.target_lens = stops.target_lens.to(device)
     return stops
+
+
+_REMOVE_INVALID = InfNanRemoveLogitsProcessor()  # stateless: NaN to 0, +-inf to the finite ends
 
 
 @contextlib.contextmanager

@@ -48,6 +48,7 @@ _HANDLED = {
     "forced_eos_token_id", "repetition_penalty", "bad_words_ids", "suppress_tokens",
     "begin_suppress_tokens", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
     "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "stop_strings",
+    "remove_invalid_values", "exponential_decay_length_penalty", "renormalize_logits",
 }
 # Sampling's cutoffs after temperature, top-k and top-p, in generate's order: (the field, its
 # warper for a value on a device, whether generate applies it for this value).
@@ -128,6 +129,12 @@ class Options:
     # sequence ends where its text ends with one (StopStringCriteria over the tokens' text).
     stop_strings: tuple[str, ...] = ()
     tokenizer: Any = field(default=None, compare=False, repr=False)
+    # InfNanRemoveLogitsProcessor (remove_invalid_values), ExponentialDecayLengthPenalty
+    # ((start, factor): EOS's score raised by |score| * (factor ** (made - start) - 1) once
+    # more than start tokens are made) and LogitNormalization (renormalize_logits, last).
+    remove_invalid: bool = False
+    decay: tuple[int, float] | None = None
+    renormalize: bool = False
 
     @property
     def key(self) -> tuple:
@@ -140,7 +147,8 @@ class Options:
                 self.bad_sequences, self.min_length, self.suppressed, self.begin_suppressed,
                 self.decoder_prompt_len, self.num_return, self.cutoffs, self.stop_strings,
                 # (the tokenizer's table of token texts is the graph's: one per tokenizer)
-                id(self.tokenizer) if self.stop_strings else None)
+                id(self.tokenizer) if self.stop_strings else None, self.remove_invalid,
+                self.decay, self.renormalize)
 
     @property
     def room(self) -> int:
@@ -342,7 +350,11 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       num_return=num_return,
                       cutoffs=_cutoffs(config) if strategy == "sample" else (),
                       stop_strings=_stop_strings(config.stop_strings, tokenizer),
-                      tokenizer=tokenizer)
+                      tokenizer=tokenizer,
+                      remove_invalid=bool(config.remove_invalid_values),
+                      # generate applies it only with an EOS token
+                      decay=_decay(config.exponential_decay_length_penalty) if eos else None,
+                      renormalize=bool(config.renormalize_logits))
     if options.stop_strings and strategy == "beam":
         raise NotGraphable("stop_strings with beam search (grape ends sequences at stop "
                            "strings in greedy decoding and sampling)")
@@ -446,6 +458,17 @@ def source_of(model: torch.nn.Module) -> str:
     ids, or a speech model's features or samples (``model.main_input_name``)."""
     name = getattr(model, "main_input_name", "input_ids")
     return name if isinstance(name, str) else "input_ids"
+
+
+def _decay(value: Any) -> tuple[int, float] | None:
+    """exponential_decay_length_penalty as (start index, decay factor), checked."""
+    if value is None:
+        return None
+    if not (isinstance(value, list | tuple) and len(value) == 2):
+        raise GrapeError(f"expected exponential_decay_length_penalty to be (start index, decay "
+                         f"factor), found {value!r}")
+    return (_integer(value[0], "exponential_decay_length_penalty's start index", 0),
+            _real(value[1], "exponential_decay_length_penalty's decay factor"))
 
 
 def _stop_strings(value: Any, tokenizer: Any) -> tuple[str, ...]:
