@@ -164,7 +164,7 @@ def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_refus
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    ({"sequence_bias": [[[40], 2.0]]}, "sequence_bias="),
+    ({"guidance_scale": 1.5}, "guidance_scale="),
     ({"num_beams": 2, "do_sample": True}, "beam search with sampling"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True"),
     ({"no_such_option": 3}, "arguments grape does not pass on: \\['no_such_option'\\]"),
@@ -401,6 +401,29 @@ def test_banned_words_of_several_tokens_are_banned_after_their_prefix(kind, num_
                   return_dict_in_generate=True, output_scores=True)
     out = _held_to_generate(m, ids, mask, 10, **kwargs)
     assert not torch.equal(out.sequences, free)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_sequence_bias_moves_the_scores_generate_moves(kind, num_beams):
+    # Biases on what the model makes unbiased, so that they bite: its third token alone,
+    # raised, its fourth after the third, lowered, and a trigram that also ends there.
+    m = _built("llama", CONFIGS["llama"]) if kind == "llama" else _seq2seq("t5")
+    ids, mask = _prompt()
+    free = _host(m, ids, mask, max_new_tokens=10, num_beams=num_beams)
+    new = free[0, -10:].tolist()
+    bias = [[[new[2]], 1.5], [new[2:4], -4.0], [new[1:4], 0.5], [[299], -0.25]]
+    kwargs = dict(max_new_tokens=10, num_beams=num_beams, sequence_bias=bias,
+                  return_dict_in_generate=True, output_scores=True)
+    out = _held_to_generate(m, ids, mask, 10, **kwargs)
+    assert not torch.equal(out.sequences, free)
+
+
+def test_a_bad_sequence_bias_is_one_line():
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    with pytest.raises(GrapeError, match="expected sequence_bias as generate takes it"):
+        resolve(m, ids, mask, {"max_new_tokens": 4, "sequence_bias": [[[3], 1]]})
 
 
 @pytest.mark.parametrize("num_beams", [1, 3])

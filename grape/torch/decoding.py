@@ -36,7 +36,10 @@ import torch
 import transformers.cache_utils as hf_cache
 from transformers import EncoderDecoderCache, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
-from transformers.generation.logits_process import InfNanRemoveLogitsProcessor
+from transformers.generation.logits_process import (
+    InfNanRemoveLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import (
     GenerateDecoderOnlyOutput,
@@ -233,7 +236,8 @@ class Decoder:
         # the prompt's and the new ones.
         self.history = (torch.zeros((rows, head + options.room), dtype=torch.long, device=device)
                         if options.no_repeat_ngram or options.bad_sequences
-                        or options.source_ngram or options.stop_strings else None)
+                        or options.source_ngram or options.stop_strings
+                        or any(len(ids) > 1 for ids, _ in options.sequence_bias) else None)
         # encoder_no_repeat_ngram_size: the source's tokens, per row (a copy: read every step).
         self.source_ids = (torch.zeros((rows, prompt_len), dtype=torch.long, device=device)
                            if options.source_ngram else None)
@@ -250,6 +254,8 @@ class Decoder:
         self.begin = int(head == 1 and options.forced_bos is not None)
         self.seen: torch.Tensor | None = None
         self._masks: dict[str, torch.Tensor] = {}
+        self._bias: SequenceBiasLogitsProcessor | None = None  # made with the first logits
+        self._longer: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         # exponential_decay_length_penalty's factor less one, per count of tokens made.
         self.decay = None if options.decay is None else torch.tensor(
             [float(options.decay[1] ** (c - options.decay[0]) - 1) if c > options.decay[0]
@@ -430,15 +436,16 @@ class Decoder:
 
     def _process(self, scores: torch.Tensor) -> torch.Tensor:
         """generate's logits processors that grape reproduces, in generate's order, with the
-        count of tokens made on the device: repetition penalty over the tokens each row has
-        seen, repeated n-grams banned, banned words (of several tokens, after their prefix),
-        EOS held back below the minimum length, forced first and last tokens (every score -inf
-        but the forced token's, 0), NaN and infinities made finite, EOS raised by the length
-        penalty that decays exponentially, suppressed tokens, and those suppressed at the
-        first token.
-        Each mask over the vocabulary is made once, eagerly, with the first logits (the
-        prompt's)."""
+        count of tokens made on the device: sequence biases, repetition penalty over the
+        tokens each row has seen, repeated n-grams banned, banned words (of several tokens,
+        after their prefix), EOS held back below the minimum length, forced first and last
+        tokens (every score -inf but the forced token's, 0), NaN and infinities made finite,
+        EOS raised by the length penalty that decays exponentially, suppressed tokens, and
+        those suppressed at the first token. Each mask over the vocabulary is made once,
+        eagerly, with the first logits (the prompt's)."""
         options = self.options
+        if options.sequence_bias:
+            scores = self._biased(scores)
         if self.seen is not None:
             penalty = options.repetition_penalty
             scores = torch.where(self.seen[:, :-1], torch.where(scores < 0, scores * penalty,
@@ -515,6 +522,40 @@ class Decoder:
                 written >= k)
             banned.scatter_(1, torch.where(matches, lasts, width), True)
         return banned[:, :width]
+
+    def _tail(self, n: int, made: bool = False) -> torch.Tensor:
+        """Each row's last ``n`` tokens as generate's sequences end, from the history: before
+        this step's token (``made``: with it, once written). Where a row holds fewer, the
+        columns before its first token hold an id past any vocabulary, which matches nothing
+        (StopStringCriteria clamps it to its no-match entry)."""
+        end = self.count + self.head_len + int(made)
+        at = end - n + torch.arange(n, device=self.count.device)
+        tail = self.history.gather(1, at.clamp(min=0).expand(self.rows, n))
+        return torch.where(at >= 0, tail, torch.iinfo(torch.int32).max)
+
+    def _biased(self, scores: torch.Tensor) -> torch.Tensor:
+        """generate's SequenceBiasLogitsProcessor, its operations in its order: each
+        one-token sequence's bias, then each longer one's where the row's last tokens are its
+        prefix, added to its last token's score (the tables made with the first logits)."""
+        if self._bias is None:
+            self._bias = SequenceBiasLogitsProcessor([[list(ids), value] for ids, value
+                                                      in self.options.sequence_bias])
+            try:  # eagerly: the vocabulary's width
+                self._bias._prepare_bias_variables(scores)
+            except ValueError as e:  # a token past it
+                raise GrapeError(f"expected sequence_bias over token ids below the logits' "
+                                 f"width, found: {str(e).splitlines()[0]}") from None
+            device = scores.device
+            self._longer = [(torch.tensor(ids[:-1], dtype=torch.long, device=device), ids[-1],
+                             torch.tensor(value, device=device)) for ids, value
+                            in self._bias.sequence_bias.items() if len(ids) > 1]
+            self._no_bias = torch.tensor(0.0, device=device)
+        bias = torch.zeros_like(scores)
+        bias += self._bias.length_1_bias
+        for prefix, last, value in self._longer:
+            matching = torch.eq(self._tail(len(prefix)), prefix).prod(dim=1)
+            bias[:, last] += torch.where(matching.bool(), value, self._no_bias)
+        return scores + bias
 
     def _renormalized(self, scores: torch.Tensor) -> torch.Tensor:
         """generate's last processor, where renormalize_logits asks for it: log-softmax."""
@@ -741,19 +782,12 @@ class TokenDecoder(Decoder):
         if self.history is not None:
             self.history.index_copy_(1, self.count + self.head_len, token.unsqueeze(1))
         if self.stops is not None:
-            self.done.logical_or_(self.stops(self._tail(self.stops.maximum_token_len), None))
+            self.done.logical_or_(self.stops(self._tail(self.stops.maximum_token_len, True),
+                                             None))
         self.next_ids.copy_(token.unsqueeze(1))
         self.count.add_(1)
         torch.logical_and(~self.done.all(), self.count[0] < self.options.max_new_tokens,
                           out=self.running)
-
-    def _tail(self, n: int) -> torch.Tensor:
-        """Each row's last ``n`` tokens, the one made this step last, as generate's sequences
-        end; where a row holds fewer, the columns before its first token hold an id past the
-        vocabulary (StopStringCriteria reads it as matching nothing)."""
-        at = self.count + self.head_len - (n - 1) + torch.arange(n, device=self.count.device)
-        tail = self.history.gather(1, at.clamp(min=0).expand(self.rows, n))
-        return torch.where(at >= 0, tail, torch.iinfo(torch.int32).max)
 
     def result(self, input_ids: torch.Tensor, decoder_ids: torch.Tensor | None = None
                ) -> torch.Tensor | GenerateDecoderOnlyOutput:

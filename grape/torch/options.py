@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     MinPLogitsWarper,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -49,6 +50,7 @@ _HANDLED = {
     "begin_suppress_tokens", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
     "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "stop_strings",
     "remove_invalid_values", "exponential_decay_length_penalty", "renormalize_logits",
+    "sequence_bias",
 }
 # Sampling's cutoffs after temperature, top-k and top-p, in generate's order: (the field, its
 # warper for a value on a device, whether generate applies it for this value).
@@ -135,6 +137,8 @@ class Options:
     remove_invalid: bool = False
     decay: tuple[int, float] | None = None
     renormalize: bool = False
+    # SequenceBiasLogitsProcessor: (token ids, bias) in the caller's order.
+    sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()
 
     @property
     def key(self) -> tuple:
@@ -148,7 +152,7 @@ class Options:
                 self.decoder_prompt_len, self.num_return, self.cutoffs, self.stop_strings,
                 # (the tokenizer's table of token texts is the graph's: one per tokenizer)
                 id(self.tokenizer) if self.stop_strings else None, self.remove_invalid,
-                self.decay, self.renormalize)
+                self.decay, self.renormalize, self.sequence_bias)
 
     @property
     def room(self) -> int:
@@ -354,7 +358,8 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       remove_invalid=bool(config.remove_invalid_values),
                       # generate applies it only with an EOS token
                       decay=_decay(config.exponential_decay_length_penalty) if eos else None,
-                      renormalize=bool(config.renormalize_logits))
+                      renormalize=bool(config.renormalize_logits),
+                      sequence_bias=_sequence_bias(config.sequence_bias))
     if options.stop_strings and strategy == "beam":
         raise NotGraphable("stop_strings with beam search (grape ends sequences at stop "
                            "strings in greedy decoding and sampling)")
@@ -458,6 +463,19 @@ def source_of(model: torch.nn.Module) -> str:
     ids, or a speech model's features or samples (``model.main_input_name``)."""
     name = getattr(model, "main_input_name", "input_ids")
     return name if isinstance(name, str) else "input_ids"
+
+
+def _sequence_bias(value: Any) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """sequence_bias as generate's processor reads it (a list of [token ids, bias], or a dict
+    of token-id tuples to biases), checked by that processor."""
+    if value is None:
+        return ()
+    try:
+        items = SequenceBiasLogitsProcessor(value).sequence_bias.items()
+    except (ValueError, TypeError) as e:
+        raise GrapeError(f"expected sequence_bias as generate takes it, found: "
+                         f"{str(e).splitlines()[0]}") from None
+    return tuple((tuple(int(t) for t in ids), float(bias)) for ids, bias in items)
 
 
 def _decay(value: Any) -> tuple[int, float] | None:
