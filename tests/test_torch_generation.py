@@ -353,6 +353,7 @@ PROCESSORS = {
     "banned tokens": {"bad_words_ids": [[40], [41], [2]], "suppress_tokens": [42, 43]},
     "minimum length, suppressed at the first token": {
         "min_length": 12, "eos_token_id": EOS, "begin_suppress_tokens": EOS[:3]},
+    "the prompt's tokens favoured": {"encoder_repetition_penalty": 1.8},
     "invalid values removed, renormalised": {"remove_invalid_values": True,
                                              "renormalize_logits": True},
     "EOS raised exponentially from the fourth token": {
@@ -378,7 +379,7 @@ def test_generates_other_processors_make_its_tokens_and_scores(kind, processors,
     out = _held_to_generate(m, ids, mask, 10, **kwargs)
     for name, off in (("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0),
                       ("exponential_decay_length_penalty", None),
-                      ("renormalize_logits", False)):
+                      ("renormalize_logits", False), ("encoder_repetition_penalty", 1.0)):
         if PROCESSORS[processors].get(name, off) != off and processors != "all at once":
             # It must have acted: without it, other scores at some token. (All at once, the
             # penalty can leave no n-gram to repeat.)

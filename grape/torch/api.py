@@ -314,7 +314,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     ``num_beams``, ``num_return_sequences``, ``length_penalty``, ``early_stopping``,
     ``stop_strings`` with ``tokenizer`` (greedy decoding and sampling),
     ``remove_invalid_values``, ``exponential_decay_length_penalty``, ``renormalize_logits``,
-    ``sequence_bias``,
+    ``sequence_bias``, ``encoder_repetition_penalty``,
     ``eos_token_id`` (one or several), ``pad_token_id``, ``min_new_tokens``, or a
     ``generation_config``); the model's own generation config fills the rest, as in
     ``generate``. ``seed`` seeds sampling (default: drawn from torch's global generator, so

@@ -37,6 +37,7 @@ import transformers.cache_utils as hf_cache
 from transformers import EncoderDecoderCache, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from transformers.generation.logits_process import (
+    EncoderRepetitionPenaltyLogitsProcessor,
     InfNanRemoveLogitsProcessor,
     SequenceBiasLogitsProcessor,
 )
@@ -255,6 +256,7 @@ class Decoder:
         self.seen: torch.Tensor | None = None
         self._masks: dict[str, torch.Tensor] = {}
         self._bias: SequenceBiasLogitsProcessor | None = None  # made with the first logits
+        self._source_penalty: EncoderRepetitionPenaltyLogitsProcessor | None = None
         self._longer: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         # exponential_decay_length_penalty's factor less one, per count of tokens made.
         self.decay = None if options.decay is None else torch.tensor(
@@ -338,8 +340,10 @@ class Decoder:
                     layer.values.fill_(self._poison)  # the keys stay: the same weights
         self.written.zero_()  # the prompt is written from position 0
         self._reset()
+        copied = self._keep_source(input_ids)
         if self.seq2seq:
-            return self._prefill_source(input_ids, attention_mask, decoder_ids, decoder_mask)
+            return copied + self._prefill_source(input_ids, attention_mask, decoder_ids,
+                                                 decoder_mask)
         if decoder_ids is not None:
             raise GrapeError("expected decoder_ids only for an encoder-decoder model")
         ones = attention_mask is None
@@ -370,7 +374,19 @@ class Decoder:
         self._remember(input_ids, logits.shape[-1], mask)
         self._emit(logits)
         self._agree()
-        return 0 if ones else mask.numel() * mask.element_size()
+        return copied + (0 if ones else mask.numel() * mask.element_size())
+
+    def _keep_source(self, input_ids: torch.Tensor) -> int:
+        """encoder_repetition_penalty: the prompt (an encoder-decoder's source) as the caller
+        gave it, one row per prompt, copied where generate's processor reads it every step
+        (made by the first prompt). Returns the bytes copied."""
+        if self.options.source_penalty == 1.0:
+            return 0
+        if self._source_penalty is None:
+            self._source_penalty = EncoderRepetitionPenaltyLogitsProcessor(
+                self.options.source_penalty, torch.empty_like(input_ids))
+        self._source_penalty.encoder_input_ids.copy_(input_ids)
+        return input_ids.numel() * input_ids.element_size()
 
     def _prefill_source(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                         decoder_ids: torch.Tensor | None, decoder_mask: torch.Tensor | None
@@ -446,6 +462,10 @@ class Decoder:
         options = self.options
         if options.sequence_bias:
             scores = self._biased(scores)
+        if self._source_penalty is not None:
+            # (generate's processor holds the prompts one row each, against scores of a row per
+            # beam or copy: it gathers and scatters within the first rows, as generate does)
+            scores = self._source_penalty(None, scores)
         if self.seen is not None:
             penalty = options.repetition_penalty
             scores = torch.where(self.seen[:, :-1], torch.where(scores < 0, scores * penalty,

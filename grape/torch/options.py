@@ -50,7 +50,7 @@ _HANDLED = {
     "begin_suppress_tokens", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
     "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "stop_strings",
     "remove_invalid_values", "exponential_decay_length_penalty", "renormalize_logits",
-    "sequence_bias",
+    "sequence_bias", "encoder_repetition_penalty",
 }
 # Sampling's cutoffs after temperature, top-k and top-p, in generate's order: (the field, its
 # warper for a value on a device, whether generate applies it for this value).
@@ -139,6 +139,9 @@ class Options:
     renormalize: bool = False
     # SequenceBiasLogitsProcessor: (token ids, bias) in the caller's order.
     sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()
+    # EncoderRepetitionPenaltyLogitsProcessor: the prompt's (an encoder-decoder's source's)
+    # tokens' scores raised (or lowered, below 1) by this factor.
+    source_penalty: float = 1.0
 
     @property
     def key(self) -> tuple:
@@ -152,7 +155,7 @@ class Options:
                 self.decoder_prompt_len, self.num_return, self.cutoffs, self.stop_strings,
                 # (the tokenizer's table of token texts is the graph's: one per tokenizer)
                 id(self.tokenizer) if self.stop_strings else None, self.remove_invalid,
-                self.decay, self.renormalize, self.sequence_bias)
+                self.decay, self.renormalize, self.sequence_bias, self.source_penalty)
 
     @property
     def room(self) -> int:
@@ -359,7 +362,13 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       # generate applies it only with an EOS token
                       decay=_decay(config.exponential_decay_length_penalty) if eos else None,
                       renormalize=bool(config.renormalize_logits),
-                      sequence_bias=_sequence_bias(config.sequence_bias))
+                      sequence_bias=_sequence_bias(config.sequence_bias),
+                      source_penalty=_real(1.0 if config.encoder_repetition_penalty is None
+                                           else config.encoder_repetition_penalty,
+                                           "encoder_repetition_penalty"))
+    if not 0 < options.source_penalty < float("inf"):
+        raise GrapeError(f"expected encoder_repetition_penalty to be a positive number, found "
+                         f"{config.encoder_repetition_penalty!r}")
     if options.stop_strings and strategy == "beam":
         raise NotGraphable("stop_strings with beam search (grape ends sequences at stop "
                            "strings in greedy decoding and sampling)")
@@ -368,6 +377,9 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     except ValueError as e:
         raise GrapeError(f"expected sampling options generate accepts, found: "
                          f"{str(e).splitlines()[0]}") from None
+    if options.source_penalty != 1.0 and not tokens:
+        raise NotGraphable(f"encoder_repetition_penalty over a source of {source}, which "
+                           f"holds no tokens")
     if options.source_ngram and not tokens:
         raise NotGraphable(f"encoder_no_repeat_ngram_size over a source of {source}, which "
                            f"holds no tokens")
