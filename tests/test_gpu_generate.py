@@ -404,6 +404,23 @@ def test_several_sequences_per_prompt_come_from_one_launch(cuda, kwargs):
                          eos_token_id=[5, 7, 11], **kwargs)
 
 
+@pytest.mark.parametrize("beams", [1, 3])
+def test_generates_other_processors_run_inside_the_launch(cuda, beams):
+    # Sequence biases (one token, and two after their prefix), the prompt's tokens favoured,
+    # invalid values removed, EOS raised by a decaying length penalty, scores renormalised:
+    # each step's processing captured, generate's tokens.
+    model = _small_llama()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, max_new_tokens=12,
+                         num_beams=beams, eos_token_id=[5, 7, 11],
+                         sequence_bias=[[[40], 1.5], [[41, 42], -2.0]],
+                         encoder_repetition_penalty=1.3, remove_invalid_values=True,
+                         exponential_decay_length_penalty=(4, 1.5), renormalize_logits=True)
+
+
 def test_stop_strings_end_rows_inside_the_launch(cuda):
     # A stop string from the first row's own text ends that row inside the one launch (the
     # tokenizer's table of token texts moved to the GPU before the capture).
@@ -415,9 +432,10 @@ def test_stop_strings_end_rows_inside_the_launch(cuda):
     tokenizer = word_tokenizer(500)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
-    free = grape.generate(model, ids, max_new_tokens=12)
+    free = grape.generate(model, ids, max_new_tokens=12, eos_token_id=None)  # 12 tokens each
     text = tokenizer.decode(free[0, 9 + 4:9 + 6].tolist())
-    kwargs = dict(max_new_tokens=12, stop_strings=[text[1:]], tokenizer=tokenizer)
+    kwargs = dict(max_new_tokens=12, eos_token_id=None, stop_strings=[text[1:]],
+                  tokenizer=tokenizer)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback
         out = grape.generate(model, ids, **kwargs)
