@@ -49,6 +49,7 @@ from transformers.generation.utils import (
 )
 
 from grape.errors import GrapeError
+from grape.torch.cache_length import ranged_arange
 from grape.torch.decode_mask import running_mask
 from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
@@ -92,7 +93,7 @@ class NotLeftPadded(ExactRefused):
 
 def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
                  layer: type[CountedLayer] = CountedLayer,
-                 tokens: Tokens | None = None) -> StaticCache:
+                 tokens: Tokens | None = None, ranged: bool = True) -> StaticCache:
     """The static cache ``generate`` would make, with every attention layer writing at
     ``count``, the caller's device count of tokens in the cache, which the caller advances
     after each forward (``grape.torch.static_layers``). A sliding-window layer whose window
@@ -104,7 +105,9 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
     attention). Recurrent layers, and
     static ones that also hold a recurrent state, count their own tokens; they advance their
     count once per forward as well. ``tokens``: what each forward is given, which the
-    attention layers hold their writes to (``grape.torch.static_layers.Tokens``).
+    attention layers hold their writes to (``grape.torch.static_layers.Tokens``). ``ranged``:
+    the attention layers' length a ``grape.torch.cache_length.CacheLength`` (not for a
+    compiled step).
 
     Raises
     ------
@@ -120,6 +123,7 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
         kind = type(made)
         if kind in (StaticLayer, StaticSlidingWindowLayer) and made.max_cache_len >= max_len:
             cache.layers[i] = layer(max_cache_len=max_len, count=count, tokens=tokens)
+            cache.layers[i].ranged = ranged
             # transformers finds the layer whose sizes a sliding window's mask takes by this
             # flag, else takes layer 0, which in a hybrid model can be a recurrent layer that
             # never counts a token (RecurrentGemma under transformers 5.25: a mask over one key).
@@ -183,7 +187,8 @@ class Decoder:
         self.written = torch.zeros((1,), dtype=torch.long, device=device)
         self.given = Tokens()  # given to each forward: the layers write that many
         self.cache = static_cache(model, self.max_len, self.written,
-                                  TokenMajorLayer if exact else CountedLayer, self.given)
+                                  TokenMajorLayer if exact else CountedLayer, self.given,
+                                  ranged=step_model is None)
         self.layers = self.cache.layers  # the decoder's own, which follow beams
         if self.seq2seq:
             # Cross-attention keys and values, written once by the prompt's forward (which
@@ -317,6 +322,9 @@ class Decoder:
         padded cache taken as the running 2D mask's view (grape.torch.decode_mask). Compiled,
         Inductor fuses both itself; the prompt runs once a generation."""
         with contextlib.ExitStack() as stack:
+            if self.step_model is self.model:
+                # (positions made by torch.arange over the cache's length: on the device)
+                stack.enter_context(ranged_arange())
             if not first and self.step_model is self.model:
                 stack.enter_context(convert_once())
                 if self.lengths is None:

@@ -34,6 +34,7 @@ import torch
 from transformers.cache_utils import StaticLayer
 
 from grape.errors import GrapeError
+from grape.torch.cache_length import CacheLength
 from grape.torch.options import NotGraphable
 
 __all__ = ["CountedLayer", "Tokens"]
@@ -67,6 +68,11 @@ class CountedLayer(StaticLayer):
         self.count = count
         self.tokens = tokens
         self.written_in = -1  # the forward that last wrote this layer (Tokens.forward)
+        # The length transformers' code reads: a CacheLength, whose host questions its range
+        # answers (grape.torch.cache_length), where the decoder's steps run the model's own
+        # code; the count's plain view where they run it compiled (Dynamo traces a plain
+        # tensor; a subclass would be one more thing for it to guard).
+        self.ranged = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -77,7 +83,9 @@ class CountedLayer(StaticLayer):
         another device than the count (a model split over devices) keeps a count of its own
         and advances it as transformers' does, once per forward too."""
         if self.count.device == self.device:
-            self.cumulative_length = self.count.view(())  # what transformers reads as the length
+            length = self.count.view(())  # what transformers reads as the length
+            self.cumulative_length = (CacheLength.of(length, 0, self.max_cache_len)
+                                      if self.ranged else length)
         else:
             self.count = None
             self.cumulative_length = self.cumulative_length.to(self.device)

@@ -1,0 +1,120 @@
+"""The cache's length as a forward sees it (grape.torch.cache_length): positions made by
+``torch.arange`` over it and questions its range decides, with no read-back, on the CPU; and
+decoders whose forwards ask them (RoFormer, TrOCR, XGLM, MVP, M2M-100), whose steps then read
+nothing back, with ``generate``'s tokens."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from grape.torch.cache_length import CacheLength, ranged_arange  # noqa: E402
+
+
+class _NoReadBack(TorchDispatchMode):
+    """Refuses what a CUDA capture refuses that the CPU allows: a tensor's value read on the
+    host (``aten._local_scalar_dense``, behind ``item``, ``bool``, ``int``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError("a value read back to the host")
+        return func(*args, **(kwargs or {}))
+
+
+def _length(value=5, high=64):
+    count = torch.tensor([value])
+    return count, CacheLength.of(count.view(()), 0, high)
+
+
+def test_positions_over_the_length_are_made_without_reading_it():
+    count, past = _length()
+    with _NoReadBack(), ranged_arange():
+        positions = torch.arange(past, past + 3, dtype=torch.long)
+        floats = torch.arange(1 + past, past + 4, dtype=torch.float32)
+    assert type(positions) is torch.Tensor and positions.tolist() == [5, 6, 7]
+    assert floats.dtype == torch.float32 and floats.tolist() == [6.0, 7.0, 8.0]
+    count.fill_(40)  # the same tensors read the count where it lies
+    with ranged_arange():
+        assert torch.arange(past, past + 2).tolist() == [40, 41]
+
+
+def test_questions_the_range_decides_are_answered_on_the_host_and_others_read_it():
+    _, past = _length(high=64)
+    max_pos = 1 + 1 + 2 + past  # (a sinusoidal table's test: never past 68 here)
+    with _NoReadBack():
+        assert not bool(max_pos > 1026) and bool(max_pos >= 4) and not (past - 1 < -1)
+        if max_pos > 1026:
+            pytest.fail("decided wrongly")
+    with pytest.raises(RuntimeError, match="read back"), _NoReadBack():
+        bool(max_pos > 10)  # 4..68: the range does not decide it
+    assert bool(max_pos > 10) is False  # eagerly, read: 9 > 10 is false
+
+
+def test_everything_else_is_a_plain_tensor():
+    _, past = _length()
+    for made in (past * 2, torch.arange(3) + past, past.to(torch.float32), past + past):
+        assert type(made) is torch.Tensor
+    with ranged_arange():
+        assert type(torch.arange(4)) is torch.Tensor  # an ordinary arange, as it was
+        other = CacheLength.of(torch.tensor(2), 0, 8)
+        assert torch.arange(past, other + 9).tolist() == list(range(5, 11))  # read: two counts
+
+
+VOCAB = 300
+COMMON = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+SMALL_SEQ2SEQ = {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+                 "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                 "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "decoder_start_token_id": 2}
+MODELS = {  # each asks a question of the cache's length in its positions
+    "roformer": (transformers.AutoModelForCausalLM,
+                 {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "is_decoder": True}),
+    "trocr": (transformers.AutoModelForCausalLM,
+              {"d_model": 64, "decoder_ffn_dim": 128, "decoder_layers": 2,
+               "decoder_attention_heads": 4}),
+    "xglm": (transformers.AutoModelForCausalLM,
+             {"d_model": 64, "ffn_dim": 128, "num_layers": 2, "attention_heads": 4}),
+    "mvp": (transformers.AutoModelForSeq2SeqLM, SMALL_SEQ2SEQ),
+    "m2m_100": (transformers.AutoModelForSeq2SeqLM, SMALL_SEQ2SEQ),
+}
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_a_step_over_the_ranged_length_reads_nothing_back_and_makes_generates_tokens(
+        model_type, num_beams, monkeypatch):
+    from grape.torch.beam import BeamDecoder
+    from grape.torch.decoding import TokenDecoder
+    from grape.torch.options import resolve
+
+    auto, sizes = MODELS[model_type]
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(model_type, **sizes, **COMMON)
+    torch.manual_seed(0)
+    model = auto.from_config(config).eval()
+    ids = torch.randint(30, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kwargs = {"max_new_tokens": 8, "num_beams": num_beams}
+    options, m = resolve(model, ids, mask, dict(kwargs))
+    decoder = (BeamDecoder if num_beams > 1 else TokenDecoder)(model, 2, 7, options)
+    decoder.prefill(ids, m)
+    # A step as a capture sees it: transformers thinks it is tracing (a capture makes it), and
+    # no value may be read back.
+    import transformers.masking_utils as masking
+
+    monkeypatch.setattr(masking, "is_tracing", lambda *a, **k: True)
+    with _NoReadBack():
+        decoder.step()
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = model.generate(ids, attention_mask=mask, cache_implementation="static",
+                                   **kwargs)
+    assert torch.equal(decoder.generate_on_host(ids, m), reference)
