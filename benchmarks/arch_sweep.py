@@ -342,6 +342,28 @@ def _host_loop_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None
     _compare(out, reference, row)
     if CHECK_REORDERING[0]:
         row.update(_reordering(cls, model, ids, m, options))
+    if CHECK_READ_BACKS[0]:
+        row.update(_read_backs(cls, model, ids, m, options))
+
+
+def _read_backs(cls, model, ids, mask, options) -> dict[str, Any]:
+    """One decode step run as a capture would see it (grape.torch.readback): whether it reads
+    a value back to the host, which a capture refuses, and at which line of the model."""
+    from grape.torch.capture import culprit
+    from grape.torch.readback import ReadBack, as_captured
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            decoder = cls(model, ids.shape[0], ids.shape[1], options)
+            decoder.prefill(ids, mask)
+            with as_captured():
+                decoder.step()
+    except ReadBack as e:
+        return {"step_reads_back": True, "read_back_at": culprit(e)[-300:]}
+    except Exception as e:
+        return {"read_back_error": _first_line(e)}
+    return {"step_reads_back": False}
 
 
 def _reordering(cls, model, ids, mask, options) -> dict[str, Any]:
@@ -414,6 +436,9 @@ CONCURRENT = [False]  # --concurrent: grape.generate(concurrent=True)
 # --check-reordering: each host-loop row also replays a decode step reordered as the
 # concurrency pass allows (grape.torch.reordering).
 CHECK_REORDERING = [False]
+# --check-read-backs: each host-loop row also runs a decode step as a capture would see it
+# (grape.torch.readback), and says whether it reads a value back and where.
+CHECK_READ_BACKS = [False]
 
 
 def worker(archs: list[str], out: Path | None, dtype: str, strategies: list[str],
@@ -450,6 +475,7 @@ def _share(archs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
                             *(["--host-loop"] if args.host_loop else []),
                             *(["--check-decode-masks"] if args.check_decode_masks else []),
                             *(["--check-reordering"] if args.check_reordering else []),
+                            *(["--check-read-backs"] if args.check_read_backs else []),
                             *(["--concurrent"] if args.concurrent else []),
                             *(["--seq2seq"] if args.seq2seq else []),
                             *(["--speech"] if args.speech else []),
@@ -509,6 +535,14 @@ def summary(rows: list[dict[str, Any]]) -> str:
                 lines.append(f"  not held: {r['arch']}/b{r['batch']}/{r['strategy']}: "
                              f"{r.get('reordering_differing', '')} storages differ; "
                              f"{r.get('reordering_error', '')}")
+    probed = [r for r in rows if "step_reads_back" in r or "read_back_error" in r]
+    if probed:
+        reading = sorted({(r["arch"], r.get("read_back_at", r.get("read_back_error", "")))
+                          for r in probed if r.get("step_reads_back") is not False})
+        clean = sum(1 for r in probed if r.get("step_reads_back") is False)
+        lines.append(f"decode steps run as a capture sees them in {len(probed)} rows: {clean} "
+                     f"read nothing back; {len({a for a, _ in reading})} types do:")
+        lines += [f"  {arch}: {where}" for arch, where in reading]
     return "\n".join(lines)
 
 
@@ -540,6 +574,11 @@ def main() -> None:
                         help="with --host-loop: each row also replays one decode step in the "
                         "order grape.passes.concurrency allows furthest from its own, and says "
                         "whether every byte it touched ends the same (grape.torch.reordering)")
+    parser.add_argument("--check-read-backs", action="store_true",
+                        help="with --host-loop: each row also runs one decode step as a CUDA "
+                        "capture would see it, and says whether it reads a value back to the "
+                        "host (which a capture refuses) and at which line "
+                        "(grape.torch.readback)")
     parser.add_argument("--concurrent", action="store_true",
                         help="grape.generate(concurrent=True): the step's independent "
                         "operations side by side (grape.passes.concurrency)")
@@ -558,8 +597,11 @@ def main() -> None:
                      "nothing to reorder")
     if args.check_reordering and not args.host_loop:
         parser.error("expected --check-reordering with --host-loop, found it alone")
+    if args.check_read_backs and not args.host_loop:
+        parser.error("expected --check-read-backs with --host-loop, found it alone")
     CHECK_MASKS[0] = args.check_decode_masks
     CHECK_REORDERING[0] = args.check_reordering
+    CHECK_READ_BACKS[0] = args.check_read_backs
     CONCURRENT[0] = args.concurrent
     SEQ2SEQ[0] = args.seq2seq
     SPEECH[0] = args.speech

@@ -12,19 +12,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 from grape.torch.cache_length import CacheLength, ranged_arange  # noqa: E402
-
-
-class _NoReadBack(TorchDispatchMode):
-    """Refuses what a CUDA capture refuses that the CPU allows: a tensor's value read on the
-    host (``aten._local_scalar_dense``, behind ``item``, ``bool``, ``int``)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            raise RuntimeError("a value read back to the host")
-        return func(*args, **(kwargs or {}))
+from grape.torch.readback import ReadBack, as_captured  # noqa: E402
 
 
 def _length(value=5, high=64):
@@ -34,7 +23,7 @@ def _length(value=5, high=64):
 
 def test_positions_over_the_length_are_made_without_reading_it():
     count, past = _length()
-    with _NoReadBack(), ranged_arange():
+    with as_captured(), ranged_arange():
         positions = torch.arange(past, past + 3, dtype=torch.long)
         floats = torch.arange(1 + past, past + 4, dtype=torch.float32)
     assert type(positions) is torch.Tensor and positions.tolist() == [5, 6, 7]
@@ -47,11 +36,11 @@ def test_positions_over_the_length_are_made_without_reading_it():
 def test_questions_the_range_decides_are_answered_on_the_host_and_others_read_it():
     _, past = _length(high=64)
     max_pos = 1 + 1 + 2 + past  # (a sinusoidal table's test: never past 68 here)
-    with _NoReadBack():
+    with as_captured():
         assert not bool(max_pos > 1026) and bool(max_pos >= 4) and not (past - 1 < -1)
         if max_pos > 1026:
             pytest.fail("decided wrongly")
-    with pytest.raises(RuntimeError, match="read back"), _NoReadBack():
+    with pytest.raises(ReadBack), as_captured():
         bool(max_pos > 10)  # 4..68: the range does not decide it
     assert bool(max_pos > 10) is False  # eagerly, read: 9 > 10 is false
 
@@ -88,7 +77,7 @@ MODELS = {  # each asks a question of the cache's length in its positions
 @pytest.mark.parametrize("num_beams", [1, 3])
 @pytest.mark.parametrize("model_type", list(MODELS))
 def test_a_step_over_the_ranged_length_reads_nothing_back_and_makes_generates_tokens(
-        model_type, num_beams, monkeypatch):
+        model_type, num_beams):
     from grape.torch.beam import BeamDecoder
     from grape.torch.decoding import TokenDecoder
     from grape.torch.options import resolve
@@ -107,14 +96,39 @@ def test_a_step_over_the_ranged_length_reads_nothing_back_and_makes_generates_to
     decoder.prefill(ids, m)
     # A step as a capture sees it: transformers thinks it is tracing (a capture makes it), and
     # no value may be read back.
-    import transformers.masking_utils as masking
-
-    monkeypatch.setattr(masking, "is_tracing", lambda *a, **k: True)
-    with _NoReadBack():
+    with as_captured():
         decoder.step()
-    monkeypatch.undo()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reference = model.generate(ids, attention_mask=mask, cache_implementation="static",
                                    **kwargs)
     assert torch.equal(decoder.generate_on_host(ids, m), reference)
+
+
+def test_a_read_back_under_as_captured_names_the_models_line():
+    # grape.torch.readback: the CPU's stand-in for a capture's refusal. RoFormer's positions
+    # with the count's plain view (as a compiled step keeps it) read it back, at its line.
+    from grape.torch.capture import culprit
+    from grape.torch.decoding import TokenDecoder
+    from grape.torch.options import resolve
+
+    auto, sizes = MODELS["roformer"]
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model("roformer", **sizes, **COMMON)
+    model = auto.from_config(config).eval()
+    ids = torch.randint(30, VOCAB, (2, 7))
+    options, m = resolve(model, ids, None, {"max_new_tokens": 4})
+    for ranged, reads in ((True, False), (False, True)):
+        decoder = TokenDecoder(model, 2, 7, options)
+        for layer in decoder.cache.layers:
+            layer.ranged = ranged
+        decoder.prefill(ids, m)
+        try:
+            with as_captured():
+                decoder.step()
+            where = None
+        except ReadBack as e:
+            where = culprit(e)
+        assert (where is not None) == reads, where
+        if reads:
+            assert "modeling_roformer.py" in where and "torch.arange" in where

@@ -1,0 +1,56 @@
+"""Read-backs a CUDA capture refuses, found on any device.
+
+A captured step must not read a tensor's value on the host (``item``, ``bool``, ``int`` of a
+device tensor): the capture breaks, and ``grape.generate`` falls back. On a GPU that is found
+by capturing; :func:`as_captured` finds it anywhere, the CPU included, by running the step as a
+capture would see it: transformers believes a capture is under way (its ``is_tracing`` says so
+during a CUDA capture, and some of its code then asks nothing of the values), and a value read
+on the host raises :class:`ReadBack`, naming the model's line that asked
+(``grape.torch.capture.culprit``).
+
+What it cannot see: a copy from pageable host memory into the device (a host constant made with
+``torch.tensor(..., device="cuda")``), which a capture refuses too, and which on the CPU is no
+copy at all; and kernels that cannot be captured for other reasons.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["ReadBack", "as_captured"]
+
+
+class ReadBack(RuntimeError):
+    """A tensor's value was read on the host where a capture would refuse it."""
+
+
+class _Refusing(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:  # item, bool, int, tolist...
+            raise ReadBack("a tensor's value read back to the host")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def as_captured() -> Iterator[None]:
+    """Inside, the work runs as under a CUDA capture in the two ways above (see the module):
+    a read-back raises :class:`ReadBack`."""
+    try:
+        from transformers.utils import import_utils
+    except ImportError:  # pragma: no cover - without transformers, nothing to persuade
+        import_utils = None
+    saved = getattr(import_utils, "is_cuda_stream_capturing", None)
+    if saved is not None:
+        import_utils.is_cuda_stream_capturing = lambda: True
+    try:
+        with _Refusing():
+            yield
+    finally:
+        if saved is not None:
+            import_utils.is_cuda_stream_capturing = saved
