@@ -421,6 +421,34 @@ def test_generates_other_processors_run_inside_the_launch(cuda, beams):
                          exponential_decay_length_penalty=(4, 1.5), renormalize_logits=True)
 
 
+_SEQ2SEQ_SIZES = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                     decoder_start_token_id=2)
+
+
+@pytest.mark.parametrize("model_type", ["roformer", "xglm", "mvp", "m2m_100"])
+def test_positions_made_from_the_cache_length_are_captured(cuda, model_type):
+    # Their positions are torch.arange over the cache's length, or a sinusoidal table's size
+    # test of it: read back to the host until grape.torch.cache_length; they fell back on the
+    # H200 (arch_sweep, 2026-12-05). Now one launch a call, generate's tokens.
+    if model_type in ("mvp", "m2m_100"):
+        model = _small_seq2seq(model_type, **_SEQ2SEQ_SIZES)
+    else:
+        sizes = ({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "is_decoder": True} if model_type == "roformer"
+                 else {"d_model": 64, "ffn_dim": 128, "num_layers": 2, "attention_heads": 4})
+        config = transformers.AutoConfig.for_model(model_type, vocab_size=300,
+                                                   bos_token_id=1, eos_token_id=2,
+                                                   pad_token_id=0, **sizes)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).cuda().eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, max_new_tokens=12)
+
+
 def test_stop_strings_end_rows_inside_the_launch(cuda):
     # A stop string from the first row's own text ends that row inside the one launch (the
     # tokenizer's table of token texts moved to the GPU before the capture).

@@ -82,9 +82,6 @@ class CacheLength(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _QUESTIONS and isinstance(args[0], _Decided):
-            value = args[0]._answer
-            return value if func is torch.Tensor.__bool__ else int(value)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if len(args) == 2 and not kwargs:
