@@ -132,3 +132,15 @@ def test_a_read_back_under_as_captured_names_the_models_line():
         assert (where is not None) == reads, where
         if reads:
             assert "modeling_roformer.py" in where and "torch.arange" in where
+
+
+@pytest.mark.parametrize("read", ["item", "bool", "tolist", "cpu", "numpy"])
+def test_every_way_to_take_values_to_the_host_is_refused_as_a_capture_refuses_it(read):
+    t = torch.arange(3)
+    take = {"item": lambda: t[1].item(), "bool": lambda: bool(t[1] > 0),
+            "tolist": t.tolist, "cpu": t.cpu, "numpy": t.numpy}[read]
+    with pytest.raises(ReadBack), as_captured():
+        take()
+    take()  # and outside, as ever
+    with as_captured():
+        assert type(t + 1) is torch.Tensor  # what stays on the device runs

@@ -8,9 +8,12 @@ during a CUDA capture, and some of its code then asks nothing of the values), an
 on the host raises :class:`ReadBack`, naming the model's line that asked
 (``grape.torch.capture.culprit``).
 
-What it cannot see: a copy from pageable host memory into the device (a host constant made with
-``torch.tensor(..., device="cuda")``), which a capture refuses too, and which on the CPU is no
-copy at all; and kernels that cannot be captured for other reasons.
+``tolist()``, ``cpu()`` and ``numpy()``, which on the CPU dispatch no read (the values are
+there already), are refused by name. What it cannot see: a copy from pageable host memory into
+the device (a host constant made with ``torch.tensor(..., device="cuda")``), which a capture
+refuses too, and which on the CPU is no copy at all; a ``.to("cpu")``; and kernels that cannot
+be captured for other reasons (a CUDA kernel that copies to the host inside, as ``histc`` of
+integers does).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["ReadBack", "as_captured"]
@@ -32,8 +36,21 @@ class ReadBack(RuntimeError):
 class _Refusing(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:  # item, bool, int, tolist...
+        if func is torch.ops.aten._local_scalar_dense.default:  # item, bool, int...
             raise ReadBack("a tensor's value read back to the host")
+        return func(*args, **(kwargs or {}))
+
+
+# Reads that on the CPU dispatch nothing (the values are there already): asked by name.
+_TO_HOST = {torch.Tensor.tolist: "tolist()", torch.Tensor.cpu: "cpu()",
+            torch.Tensor.numpy: "numpy()"}
+
+
+class _RefusingByName(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if func in _TO_HOST:
+            raise ReadBack(f"a tensor's values taken to the host ({_TO_HOST[func]})")
         return func(*args, **(kwargs or {}))
 
 
@@ -49,7 +66,7 @@ def as_captured() -> Iterator[None]:
     if saved is not None:
         import_utils.is_cuda_stream_capturing = lambda: True
     try:
-        with _Refusing():
+        with _Refusing(), _RefusingByName():
             yield
     finally:
         if saved is not None:
