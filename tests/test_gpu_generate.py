@@ -385,40 +385,30 @@ def test_a_decoder_prompt_is_read_where_it_lies_inside_the_launch(cuda, beams):
     _one_launch_per_call(model, [ids], mask, calls[2:], max_new_tokens=16, num_beams=beams)
 
 
-@pytest.mark.parametrize("kwargs", [{"num_beams": 4, "num_return_sequences": 3},
-                                    {"do_sample": True, "top_k": 1, "num_return_sequences": 2},
-                                    {"do_sample": True, "top_k": 1, "min_p": 0.5,
-                                     "typical_p": 0.9, "epsilon_cutoff": 1e-4,
-                                     "eta_cutoff": 0.5}])
-def test_several_sequences_per_prompt_come_from_one_launch(cuda, kwargs):
+_PROCESSORS = dict(eos_token_id=[5, 7, 11], sequence_bias=[[[40], 1.5], [[41, 42], -2.0]],
+                   encoder_repetition_penalty=1.3, remove_invalid_values=True,
+                   exponential_decay_length_penalty=(4, 1.5), renormalize_logits=True)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"num_beams": 4, "num_return_sequences": 3, "eos_token_id": [5, 7, 11]},
+    {"do_sample": True, "top_k": 1, "num_return_sequences": 2, "eos_token_id": [5, 7, 11]},
+    {"do_sample": True, "top_k": 1, "min_p": 0.5, "typical_p": 0.9, "epsilon_cutoff": 1e-4,
+     "eta_cutoff": 0.5, "eos_token_id": [5, 7, 11]},
+    dict(_PROCESSORS, num_beams=1), dict(_PROCESSORS, num_beams=3)])
+def test_generates_options_run_inside_the_launch(cuda, kwargs):
     # num_return_sequences: a beam search's three best beams of four; two samples per prompt
     # (top_k=1: one token to draw, so generate's tokens), each prompt's rows expanded inside
-    # the launch. And sampling's other cutoffs captured (eta_cutoff's entropy without
-    # torch.distributions' check, which reads back).
+    # the launch. Sampling's other cutoffs (eta_cutoff's entropy without torch.distributions'
+    # check, which reads back). Sequence biases (one token, and two after their prefix), the
+    # prompt's tokens favoured, invalid values removed, EOS raised by a decaying length
+    # penalty, scores renormalised. Each captured, generate's tokens.
     model = _small_llama()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, max_new_tokens=12,
-                         eos_token_id=[5, 7, 11], **kwargs)
-
-
-@pytest.mark.parametrize("beams", [1, 3])
-def test_generates_other_processors_run_inside_the_launch(cuda, beams):
-    # Sequence biases (one token, and two after their prefix), the prompt's tokens favoured,
-    # invalid values removed, EOS raised by a decaying length penalty, scores renormalised:
-    # each step's processing captured, generate's tokens.
-    model = _small_llama()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, max_new_tokens=12,
-                         num_beams=beams, eos_token_id=[5, 7, 11],
-                         sequence_bias=[[[40], 1.5], [[41, 42], -2.0]],
-                         encoder_repetition_penalty=1.3, remove_invalid_values=True,
-                         exponential_decay_length_penalty=(4, 1.5), renormalize_logits=True)
+    _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, max_new_tokens=12, **kwargs)
 
 
 _SEQ2SEQ_SIZES = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

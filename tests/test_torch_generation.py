@@ -388,15 +388,21 @@ def test_generates_other_processors_make_its_tokens_and_scores(kind, processors,
             assert not all(torch.equal(a, b) for a, b in pairs), name
 
 
+def _made_freely(kind, num_beams):
+    """A Llama or T5, a prompt, and its 10 tokens made with no processor: (model, ids, mask,
+    the sequences, the first row's new tokens), for words that bite taken from them."""
+    m = _built("llama", CONFIGS["llama"]) if kind == "llama" else _seq2seq("t5")
+    ids, mask = _prompt()
+    free = _host(m, ids, mask, max_new_tokens=10, num_beams=num_beams)
+    return m, ids, mask, free, free[0, -10:].tolist()
+
+
 @pytest.mark.parametrize("num_beams", [1, 3])
 @pytest.mark.parametrize("kind", ["llama", "t5"])
 def test_banned_words_of_several_tokens_are_banned_after_their_prefix(kind, num_beams):
     # Words taken from what the model makes unbanned, so that they bite: a bigram and a
     # trigram of the first row's new tokens.
-    m = _built("llama", CONFIGS["llama"]) if kind == "llama" else _seq2seq("t5")
-    ids, mask = _prompt()
-    free = _host(m, ids, mask, max_new_tokens=10, num_beams=num_beams)
-    new = free[0, -10:].tolist()
+    m, ids, mask, free, new = _made_freely(kind, num_beams)
     words = [new[2:4], new[4:7], [299]]
     kwargs = dict(max_new_tokens=10, num_beams=num_beams, bad_words_ids=words,
                   return_dict_in_generate=True, output_scores=True)
@@ -409,10 +415,7 @@ def test_banned_words_of_several_tokens_are_banned_after_their_prefix(kind, num_
 def test_sequence_bias_moves_the_scores_generate_moves(kind, num_beams):
     # Biases on what the model makes unbiased, so that they bite: its third token alone,
     # raised, its fourth after the third, lowered, and a trigram that also ends there.
-    m = _built("llama", CONFIGS["llama"]) if kind == "llama" else _seq2seq("t5")
-    ids, mask = _prompt()
-    free = _host(m, ids, mask, max_new_tokens=10, num_beams=num_beams)
-    new = free[0, -10:].tolist()
+    m, ids, mask, free, new = _made_freely(kind, num_beams)
     bias = [[[new[2]], 1.5], [new[2:4], -4.0], [new[1:4], 0.5], [[299], -0.25]]
     kwargs = dict(max_new_tokens=10, num_beams=num_beams, sequence_bias=bias,
                   return_dict_in_generate=True, output_scores=True)
