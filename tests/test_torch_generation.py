@@ -223,6 +223,10 @@ def test_bad_sampling_values_are_refused():
     ({"min_new_tokens": -1}, "expected min_new_tokens to be an integer of at least 0, found -1"),
     ({"num_beams": 2, "early_stopping": "sometimes"}, "expected .*early_stopping.*sometimes"),
     ({"do_sample": True, "min_p": 1.5}, "min_p.*1.5"),
+    ({"exponential_decay_length_penalty": (2, 1.5), "eos_token_id": None},
+     "expected an EOS token with exponential_decay_length_penalty"),
+    ({"exponential_decay_length_penalty": 3, "eos_token_id": 2},
+     "expected exponential_decay_length_penalty to be"),
     ({"do_sample": True, "typical_p": "x"}, "expected typical_p to be a number, found 'x'|"
                                             "typical_p"),
 ])

@@ -359,13 +359,15 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       stop_strings=_stop_strings(config.stop_strings, tokenizer),
                       tokenizer=tokenizer,
                       remove_invalid=bool(config.remove_invalid_values),
-                      # generate applies it only with an EOS token
-                      decay=_decay(config.exponential_decay_length_penalty) if eos else None,
+                      decay=_decay(config.exponential_decay_length_penalty),
                       renormalize=bool(config.renormalize_logits),
                       sequence_bias=_sequence_bias(config.sequence_bias),
                       source_penalty=_real(1.0 if config.encoder_repetition_penalty is None
                                            else config.encoder_repetition_penalty,
                                            "encoder_repetition_penalty"))
+    if options.decay is not None and not eos:
+        raise GrapeError("expected an EOS token with exponential_decay_length_penalty (it "
+                         "raises EOS's score; generate fails without one), found none")
     if not 0 < options.source_penalty < float("inf"):
         raise GrapeError(f"expected encoder_repetition_penalty to be a positive number, found "
                          f"{config.encoder_repetition_penalty!r}")
