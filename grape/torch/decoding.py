@@ -263,6 +263,7 @@ class Decoder:
         self._bias: SequenceBiasLogitsProcessor | None = None  # made with the first logits
         self._source_penalty: EncoderRepetitionPenaltyLogitsProcessor | None = None
         self._longer: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self._no_bias: torch.Tensor | None = None
         # exponential_decay_length_penalty's factor less one, per count of tokens made.
         self.decay = None if options.decay is None else torch.tensor(
             [float(options.decay[1] ** (c - options.decay[0]) - 1) if c > options.decay[0]
