@@ -659,7 +659,7 @@ def _tokenizer():
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
-@pytest.mark.parametrize("strategy", ["greedy", "sample"])
+@pytest.mark.parametrize("strategy", ["greedy", "sample", "beam 3"])
 def test_stop_strings_end_sequences_where_generate_ends_them(kind, strategy):
     # A stop string taken from the first row's own text, spanning two of its tokens: that row
     # ends there, padded after, the others run on; generate's sequences bit for bit (sampling
@@ -667,8 +667,8 @@ def test_stop_strings_end_sequences_where_generate_ends_them(kind, strategy):
     m = _built(kind, CONFIGS[kind]) if kind != "t5" else _seq2seq("t5")
     ids, mask = _prompt()
     tokenizer = _tokenizer()
-    kwargs = dict(max_new_tokens=12, **({"do_sample": True, "top_k": 1}
-                                        if strategy == "sample" else {}))
+    kwargs = dict(max_new_tokens=12, **({"do_sample": True, "top_k": 1} if strategy == "sample"
+                                        else {"num_beams": 3} if strategy == "beam 3" else {}))
     free = _host(m, ids, mask, **kwargs)
     new = free[0, free.shape[1] - 12:].tolist()
     text = tokenizer.decode(new[4:6])
@@ -680,16 +680,13 @@ def test_stop_strings_end_sequences_where_generate_ends_them(kind, strategy):
     assert not torch.equal(out[0, head:], free[0, head:out.shape[1]])  # the first row stopped
 
 
-def test_stop_strings_without_a_tokenizer_or_with_beams_are_refused_in_one_line():
+def test_stop_strings_without_a_tokenizer_are_refused_in_one_line():
     m = _built("gpt2", CONFIGS["gpt2"])
     ids, mask = _prompt()
     with pytest.raises(GrapeError, match="expected a tokenizer"):
         resolve(m, ids, mask, {"max_new_tokens": 4, "stop_strings": "ab"})
     with pytest.raises(GrapeError, match="expected stop_strings to be a non-empty string"):
         resolve(m, ids, mask, {"max_new_tokens": 4, "stop_strings": [""],
-                               "tokenizer": _tokenizer()})
-    with pytest.raises(NotGraphable, match="stop_strings with beam search"):
-        resolve(m, ids, mask, {"max_new_tokens": 4, "stop_strings": "ab", "num_beams": 2,
                                "tokenizer": _tokenizer()})
 
 

@@ -312,7 +312,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
     ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``,
     ``num_beams``, ``num_return_sequences``, ``length_penalty``, ``early_stopping``,
-    ``stop_strings`` with ``tokenizer`` (greedy decoding and sampling),
+    ``stop_strings`` with ``tokenizer``,
     ``remove_invalid_values``, ``exponential_decay_length_penalty``, ``renormalize_logits``,
     ``sequence_bias``, ``encoder_repetition_penalty``,
     ``eos_token_id`` (one or several), ``pad_token_id``, ``min_new_tokens``, or a

@@ -127,6 +127,11 @@ class BeamDecoder(Decoder):
         # Which continuations end: an EOS, or the last token allowed (generate's criteria).
         hits = torch.isin(ids, self.eos) if self.options.eos else torch.zeros_like(ids, dtype=bool)
         hits = hits | (t + 1 >= self.options.max_new_tokens)
+        if self.stops is not None:  # each continuation's text: its beam's last tokens, and it
+            n = self.stops.maximum_token_len
+            before = _gather(self._tail(n - 1).view(batch, beams, n - 1), from_beam)
+            text = torch.cat((before, ids.unsqueeze(-1)), dim=-1).view(-1, n)
+            hits = hits | self.stops(text, None).view(batch, self.keep)
         # The best unfinished continuations run on (_get_running_beams_for_next_iteration).
         running = _penalised(top_scores, hits)
         chosen = torch.topk(running, k=beams)[1]

@@ -264,6 +264,7 @@ class Decoder:
         self._source_penalty: EncoderRepetitionPenaltyLogitsProcessor | None = None
         self._longer: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         self._no_bias: torch.Tensor | None = None
+        self.stops = _stops(options, device)  # stop_strings: generate's StopStringCriteria
         # exponential_decay_length_penalty's factor less one, per count of tokens made.
         self.decay = None if options.decay is None else torch.tensor(
             [float(options.decay[1] ** (c - options.decay[0]) - 1) if c > options.decay[0]
@@ -763,7 +764,6 @@ class TokenDecoder(Decoder):
                                  device=device)
         self.done = torch.zeros((rows,), dtype=torch.bool, device=device)
         self.warpers = sampling_warpers(options, device)  # generate's, in its order
-        self.stops = _stops(options, device)
         if options.strategy == "sample":
             self.uniforms = torch.zeros((options.room, rows), dtype=torch.float32,
                                         device=device)

@@ -371,9 +371,6 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     if not 0 < options.source_penalty < float("inf"):
         raise GrapeError(f"expected encoder_repetition_penalty to be a positive number, found "
                          f"{config.encoder_repetition_penalty!r}")
-    if options.stop_strings and strategy == "beam":
-        raise NotGraphable("stop_strings with beam search (grape ends sequences at stop "
-                           "strings in greedy decoding and sampling)")
     try:  # the warpers check their own values, as they do inside generate
         sampling_warpers(options, torch.device("cpu"))
     except ValueError as e:
