@@ -57,7 +57,9 @@ class _RefusingByName(TorchFunctionMode):
 @contextlib.contextmanager
 def as_captured() -> Iterator[None]:
     """Inside, the work runs as under a CUDA capture in the two ways above (see the module):
-    a read-back raises :class:`ReadBack`."""
+    a read-back raises :class:`ReadBack`. transformers' answer is changed for the whole
+    process while inside (its check is a module function): a probe, for one thread at a time
+    (``arch_sweep.py --check-read-backs``, tests), not for a server's threads."""
     try:
         from transformers.utils import import_utils
     except ImportError:  # pragma: no cover - without transformers, nothing to persuade
