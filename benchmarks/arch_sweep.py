@@ -20,7 +20,10 @@ Run on a GPU: python benchmarks/arch_sweep.py --out FILE [--archs a,b] [--worker
 the host instead of ``grape.generate``: its tokens against ``generate``'s on any device, the CPU
 included, where ``grape.generate`` itself would only fall back; with ``--check-decode-masks``
 every decode step's mask is also taken as under a capture and held to ``transformers``'
-(``grape.torch.decode_mask.checked``). ``--concurrent`` runs ``grape.generate(concurrent=True)``
+(``grape.torch.decode_mask.checked``); with ``--check-read-backs`` one decode step also runs as
+a capture would see it (``grape.torch.readback.as_captured``), and the row says whether it reads
+a value back to the host, which a capture refuses, and at which line of the model: the CPU's
+forecast of a capture that breaks. ``--concurrent`` runs ``grape.generate(concurrent=True)``
 (the step's independent operations side by side, ``grape.passes.concurrency``): its tokens
 against ``generate``'s say whether the reordering kept every dependency, and each row gives the
 step's ``step_nodes`` and ``step_depth`` (nodes on its longest path). ``--seq2seq`` sweeps the
