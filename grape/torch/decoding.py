@@ -324,8 +324,11 @@ class Decoder:
         padded cache taken as the running 2D mask's view (grape.torch.decode_mask). Compiled,
         Inductor fuses both itself; the prompt runs once a generation."""
         with contextlib.ExitStack() as stack:
-            if self.step_model is self.model:
-                # (positions made by torch.arange over the cache's length: on the device)
+            if self.step_model is self.model and _capturing():
+                # Positions made by torch.arange over the cache's length, on the device. Only
+                # under a capture: eagerly the read-back is allowed and gives the same values,
+                # and the mode costs a Python call per torch function (2 to 4% of a GPT-2-small
+                # prompt's eager forward on the CPU: benchmarks/ranged_arange_cost.py).
                 stack.enter_context(ranged_arange())
             if not first and self.step_model is self.model:
                 stack.enter_context(convert_once())
@@ -843,6 +846,10 @@ def _stops(options: Options, device: torch.device) -> StopStringCriteria | None:
     stops.embedding_vec = stops.embedding_vec.to(device)
     stops.target_lens = stops.target_lens.to(device)
     return stops
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 _REMOVE_INVALID = InfNanRemoveLogitsProcessor()  # stateless: NaN to 0, +-inf to the finite ends

@@ -8,7 +8,9 @@ during a CUDA capture, and some of its code then asks nothing of the values), an
 on the host raises :class:`ReadBack`, naming the model's line that asked
 (``grape.torch.capture.culprit``).
 
-``tolist()``, ``cpu()`` and ``numpy()``, which on the CPU dispatch no read (the values are
+As grape's decoders do under a capture, ``torch.arange`` over the cache's length is made on the
+device inside (``grape.torch.cache_length.ranged_arange``). ``tolist()``, ``cpu()`` and
+``numpy()``, which on the CPU dispatch no read (the values are
 there already), are refused by name. What it cannot see: a copy from pageable host memory into
 the device (a host constant made with ``torch.tensor(..., device="cuda")``), which a capture
 refuses too, and which on the CPU is no copy at all; a ``.to("cpu")``; and kernels that cannot
@@ -25,6 +27,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from grape.torch.cache_length import ranged_arange
 
 __all__ = ["ReadBack", "as_captured"]
 
@@ -68,7 +72,9 @@ def as_captured() -> Iterator[None]:
     if saved is not None:
         import_utils.is_cuda_stream_capturing = lambda: True
     try:
-        with _Refusing(), _RefusingByName():
+        # (as grape's decoders do under a capture: positions over the cache's length made on
+        # the device, grape.torch.cache_length)
+        with _Refusing(), _RefusingByName(), ranged_arange():
             yield
     finally:
         if saved is not None:
