@@ -74,7 +74,7 @@ def test_outside_a_capture_and_outside_the_block_transformers_builds_its_own():
         past = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.bool)
         with decode_mask.checked(), pytest.raises(GrapeError, match="1 of 10 elements"):
             masking.sdpa_mask(2, 1, 5, q_offset=3, attention_mask=past)
-        with mock.patch.object(decode_mask, "_capturing", lambda: True):
+        with mock.patch.object(decode_mask, "capturing", lambda: True):
             view = masking.sdpa_mask(2, 1, 5, q_offset=4, attention_mask=padding)
             assert view.shape == (2, 1, 1, 5) and view.data_ptr() == padding.data_ptr()
             # Two queries, another width, a sliding window: built by transformers (its skip

@@ -38,7 +38,7 @@ import torch
 from grape.errors import GrapeError, UnsupportedError
 from grape.passes.loops import check_bound
 
-__all__ = ["can_branch", "cond", "graph", "predicate", "while_loop"]
+__all__ = ["can_branch", "capturing", "cond", "graph", "predicate", "while_loop"]
 
 # The memory pool of the capture under way, where it went through :func:`graph`.
 _POOL: ContextVar[Any] = ContextVar("grape_capture_pool", default=None)
@@ -56,7 +56,8 @@ def _check(pred: Any) -> torch.Tensor:
     return pred
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
+    """Whether a CUDA stream capture is under way on the current stream (False without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -64,7 +65,7 @@ def can_branch() -> bool:
     """Whether :func:`cond` and :func:`predicate` work here: outside a capture always (they
     read the predicate back); inside one where PyTorch captures IF nodes itself or the
     capture's memory pool is known (:func:`graph`, ``grape.torch.capture``)."""
-    return not _capturing() or _torch_if_capture() is not None or _POOL.get() is not None
+    return not capturing() or _torch_if_capture() is not None or _POOL.get() is not None
 
 
 @contextmanager
@@ -203,7 +204,7 @@ def cond(pred: torch.Tensor, true_fn: Callable[..., Any], false_fn: Callable[...
     dtypes, in the same structure.
     """
     _check(pred)
-    if not _capturing():
+    if not capturing():
         return true_fn(*operands) if bool(pred) else false_fn(*operands)
     with _if_body(pred):
         taken = true_fn(*operands)
@@ -238,7 +239,7 @@ def predicate(pred: torch.Tensor) -> Generator[bool, None, None]:
     region launches goes into an IF node on ``pred``.
     """
     _check(pred)
-    if not _capturing():
+    if not capturing():
         yield bool(pred)
         return
     with _if_body(pred):

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from grape.errors import GrapeError
+from grape.torch.control import capturing
 
 __all__ = ["checked", "running_mask"]
 
@@ -43,17 +44,13 @@ _SHAPE: ContextVar[tuple[int, int] | None] = ContextVar("grape_running_mask", de
 _CHECKS: ContextVar[Counter[str] | None] = ContextVar("grape_running_mask_checks", default=None)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _viewing(build: Callable[..., Any], causal: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(build)
 
     @functools.wraps(build)
     def mask(*args: Any, **kwargs: Any) -> Any:
         shape, checks = _SHAPE.get(), _CHECKS.get()
-        if shape is None or not (checks is not None or _capturing()):
+        if shape is None or not (checks is not None or capturing()):
             return build(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()

@@ -50,6 +50,7 @@ from transformers.generation.utils import (
 
 from grape.errors import GrapeError
 from grape.torch.cache_length import ranged_arange
+from grape.torch.control import capturing
 from grape.torch.decode_mask import running_mask
 from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
@@ -324,7 +325,7 @@ class Decoder:
         padded cache taken as the running 2D mask's view (grape.torch.decode_mask). Compiled,
         Inductor fuses both itself; the prompt runs once a generation."""
         with contextlib.ExitStack() as stack:
-            if self.step_model is self.model and _capturing():
+            if self.step_model is self.model and capturing():
                 # Positions made by torch.arange over the cache's length, on the device. Only
                 # under a capture: eagerly the read-back is allowed and gives the same values,
                 # and the mode costs a Python call per torch function (2 to 4% of a GPT-2-small
@@ -846,10 +847,6 @@ def _stops(options: Options, device: torch.device) -> StopStringCriteria | None:
     stops.embedding_vec = stops.embedding_vec.to(device)
     stops.target_lens = stops.target_lens.to(device)
     return stops
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 _REMOVE_INVALID = InfNanRemoveLogitsProcessor()  # stateless: NaN to 0, +-inf to the finite ends
