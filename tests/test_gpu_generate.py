@@ -357,6 +357,27 @@ def test_a_speech_model_generation_is_one_launch_with_generates_tokens(cuda, bea
 
 
 @pytest.mark.parametrize("beams", [1, 4])
+def test_whispers_own_generate_runs_its_generic_loop_as_one_launch(cuda, beams):
+    # Whisper's generate builds the decoder's prompt (start, language, task, no-timestamps
+    # tokens), passes its token suppression as processor objects, and strips the prompt from
+    # what it returns; its call of GenerationMixin.generate is grape's launch
+    # (grape.torch.own_generate). A second clip re-points the launch; a clip whose language
+    # Whisper detects (an eager forward of its own) gets a prompt of another length.
+    from tests.test_torch_own_generate import _whisper
+
+    model, features = _whisper()
+    model = model.cuda()
+    features = features.cuda()
+    stats = _one_launch_per_call(model, [features, features.roll(1, dims=2)], None,
+                                 max_new_tokens=12, num_beams=beams, language="en")
+    # grape's result read back, the decoder prompt's start checked, the two suppression
+    # objects' token lists read
+    assert [s.host_syncs for s in stats] == [4, 4]
+    assert stats[1].pointer_updates > 0 and stats[1].copy_bytes == 0
+    _one_launch_per_call(model, [features.flip(0)], None, max_new_tokens=12, num_beams=beams)
+
+
+@pytest.mark.parametrize("beams", [1, 4])
 def test_a_decoder_prompt_is_read_where_it_lies_inside_the_launch(cuda, beams):
     # BART (learned positions, decoder start token 2) continuing decoder prompts of 3 tokens:
     # with its start token (read where it lies), without it (generate's rule puts it before

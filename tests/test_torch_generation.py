@@ -492,31 +492,6 @@ def test_a_model_that_reads_cache_positions_it_has_not_written_is_refused():
         assert decoder._poison is None and decoder._audit is None  # left as it was
 
 
-def test_a_speech_model_runs_through_generate_with_one_warning():
-    import grape
-    from grape.torch.api import last_stats
-
-    transformers.logging.set_verbosity_error()
-    config = transformers.AutoConfig.for_model(
-        "whisper", d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
-        max_source_positions=50, max_target_positions=32, decoder_start_token_id=1,
-        begin_suppress_tokens=None, suppress_tokens=None, **COMMON)
-    torch.manual_seed(0)
-    m = transformers.AutoModelForSpeechSeq2Seq.from_config(config).eval()
-    features = torch.randn(2, 16, 100, generator=torch.Generator().manual_seed(0))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = grape.generate(m, features, max_new_tokens=5)
-    ours = [str(w.message) for w in caught
-            if "grape.generate runs model.generate instead" in str(w.message)]
-    assert ours == ["grape.generate runs model.generate instead: WhisperForConditionalGeneration "
-                    "generates from input_features through its own generate, which does more "
-                    "than the steps grape reproduces"]
-    assert torch.equal(out, m.generate(features, max_new_tokens=5))
-    assert not last_stats().graphed and "input_features" in last_stats().reason
-
-
 def _decoder_prompt(start, kind, batch=3):
     """A decoder prompt of ``kind``: "started" (the start token, then 3 tokens), "bare" (3
     tokens without it: generate puts it before them) or "padded" (bare, its first row's first

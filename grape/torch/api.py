@@ -33,10 +33,15 @@ passed where token ids go, with a mask over its frames or samples. An encoder-de
 decoder may be given a prompt of its own (``decoder_input_ids``, ``decoder_attention_mask``),
 read where it lies like the source.
 
+A model whose class has a ``generate`` of its own (Whisper's: language detection, the decoder
+prompt of language and task tokens, its token suppression, windows over long audio) runs that
+``generate`` as it is, and each call it makes of ``GenerationMixin.generate`` is graphed
+(``grape.torch.own_generate``); ``last_stats`` then sums those calls.
+
 Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, a
-speech model with a generate of its own, such as Whisper's, which detects the language and
-cuts long audio into windows, a forward that cannot be captured) runs through
-``model.generate`` after one warning saying why; bad input raises ``GrapeError``.
+forward that cannot be captured) runs through ``model.generate`` (or, inside a model's own
+generate, through ``GenerationMixin.generate``) after one warning saying why; bad input
+raises ``GrapeError``.
 """
 
 from __future__ import annotations
@@ -45,11 +50,12 @@ import contextlib
 import functools
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from transformers import GenerationMixin
 
 from grape.errors import CaptureError, GrapeError, GraphError, UnsupportedError
 from grape.passes.audit import step_dependence
@@ -59,6 +65,7 @@ from grape.torch.capture import capture, culprit, frozen_heap
 from grape.torch.decoding import Decoder, ExactRefused, TokenDecoder
 from grape.torch.loop import DeviceLoop
 from grape.torch.options import NotGraphable, Options, decoder_prompt, resolve
+from grape.torch.own_generate import inner_arguments, owns_generate, routed
 from grape.torch.parallel import agree, group_of
 from grape.torch.staging import HostConstants, PinnedArena
 
@@ -358,7 +365,11 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     all lack it: a copy, counted in ``copy_bytes``, after one read-back); the outputs then
     start with it, and an executable serves calls whose decoder prompts have its length.
     A speech encoder-decoder model takes its features (or samples) as ``input_ids``, with
-    ``attention_mask`` of shape ``input_ids.shape[:2]`` (see the module).
+    ``attention_mask`` of shape ``input_ids.shape[:2]`` (see the module). A model whose class
+    has its own ``generate`` (Whisper: ``language=``, ``task=`` and its other arguments pass
+    through) runs it, its calls of ``GenerationMixin.generate`` graphed; ``logits_processor``
+    objects of the kinds grape reproduces (token suppression, as Whisper passes it) are taken
+    as the options they stand for.
     A model that attends to cache positions it has not written (its attention does not mask
     the static cache's unused tail, so that its tokens with a static cache are not those of
     its default cache) runs through ``model.generate``, found before anything is captured
@@ -384,7 +395,6 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
         Bad input (ids that are not a (batch, length) long tensor on the model's device, a
         mask of another shape, ``max_new_tokens`` below 1, an option out of range).
     """
-    global _LAST
     if not (isinstance(model, torch.nn.Module)
             and hasattr(model, "prepare_inputs_for_generation")):
         raise GrapeError(f"expected a Hugging Face generative model, found "
@@ -402,7 +412,39 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
                                       or isinstance(prompt_bucket, bool) or prompt_bucket < 1):
         raise GrapeError(f"expected prompt_bucket to be a positive integer or None, found "
                          f"{prompt_bucket!r}")
+    grape_args = _GrapeArgs(seed, compile, exact_lengths, cache_length, prompt_bucket,
+                            concurrent)
     hf_kwargs = dict(kwargs, max_new_tokens=max_new_tokens)
+    if owns_generate(model):
+        return _through_own_generate(model, input_ids, attention_mask, hf_kwargs, grape_args)
+
+    def fallback() -> Any:
+        given = hf_kwargs if attention_mask is None else dict(hf_kwargs,
+                                                              attention_mask=attention_mask)
+        return model.generate(input_ids, **given)
+    return _generate(model, input_ids, attention_mask, hf_kwargs, grape_args, fallback,
+                     "grape.generate runs model.generate instead")
+
+
+@dataclass(frozen=True)
+class _GrapeArgs:
+    """grape's own arguments of a generate call (generate's are its keyword arguments)."""
+
+    seed: int | None
+    compile: bool
+    exact_lengths: bool | None
+    cache_length: int | None
+    prompt_bucket: int | None
+    concurrent: bool
+
+
+def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
+              attention_mask: torch.Tensor | None, hf_kwargs: dict[str, Any], args: _GrapeArgs,
+              fallback: Callable[[], Any], falling_back: str) -> Any:
+    """One generation graphed, or ``fallback()`` after a warning that starts with
+    ``falling_back`` and says why."""
+    global _LAST
+    compile, prompt_bucket, exact_lengths = args.compile, args.prompt_bucket, args.exact_lengths
     try:
         options, mask = resolve(model, input_ids, attention_mask,
                                 {k: v for k, v in hf_kwargs.items() if k not in _DECODER_PROMPT})
@@ -411,10 +453,11 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
         if prompt_bucket is not None and options.source != "input_ids":
             raise GrapeError(f"expected prompt_bucket only with token prompts (it pads them), "
                              f"found {options.source}")
-        if cache_length is not None:  # the prompt as bucketed below
+        if args.cache_length is not None:  # the prompt as bucketed below
             length = input_ids.shape[1]
             options = replace(options, cache_length=_cache_length(
-                cache_length, length + -length % (prompt_bucket or 1) + options.max_new_tokens))
+                args.cache_length,
+                length + -length % (prompt_bucket or 1) + options.max_new_tokens))
         if input_ids.device.type != "cuda":
             raise NotGraphable(f"the model is on {input_ids.device}, and graphs need a CUDA "
                                f"device")
@@ -424,10 +467,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
             and options.cache_tokens(ids.shape[1]) >= EXACT_FROM
             and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
         prompt = _Prompt(ids, mask, decoder_ids, decoder_mask)
-        run = functools.partial(_graphed_generate, model, prompt, options, seed, compile,
+        run = functools.partial(_graphed_generate, model, prompt, options, args.seed, compile,
                                 caller_ids=input_ids, padded_bytes=padded + decoder_copied,
-                                concurrent=concurrent,
-                                syncs_before=int(decoder_ids is not None))
+                                concurrent=args.concurrent,
+                                syncs_before=int(decoder_ids is not None) + options.read_backs)
         try:
             return run(exact, warn_whole=exact_lengths is True)
         except ExactRefused:
@@ -439,11 +482,69 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
         reason = str(e).splitlines()[0]
     except _COMPILE_ERRORS as e:  # only raised with compile=True
         reason = f"torch.compile failed on the step: {type(e).__name__}: {e}".splitlines()[0]
-    warnings.warn(f"grape.generate runs model.generate instead: {reason}", stacklevel=2)
+    warnings.warn(f"{falling_back}: {reason}", stacklevel=3)
     _LAST = GenerationStats(graphed=False, reason=reason)
-    if attention_mask is not None:
-        hf_kwargs["attention_mask"] = attention_mask
-    return model.generate(input_ids, **hf_kwargs)
+    return fallback()
+
+
+def _through_own_generate(model: torch.nn.Module, input_ids: Any,
+                          attention_mask: torch.Tensor | None, hf_kwargs: dict[str, Any],
+                          args: _GrapeArgs) -> Any:
+    """The model's own ``generate`` as it is, each call it makes of ``GenerationMixin.generate``
+    graphed (``grape.torch.own_generate``); ``last_stats`` sums the calls."""
+    global _LAST
+    name = type(model).__name__
+    calls: list[GenerationStats] = []
+
+    def inner(model: torch.nn.Module, call_args: tuple, call_kwargs: dict) -> Any:
+        global _LAST
+
+        def fallback() -> Any:
+            return GenerationMixin.generate(model, *call_args, **call_kwargs)
+        falling_back = (f"grape.generate runs {name}.generate's call of "
+                        f"GenerationMixin.generate as it is")
+        try:
+            inputs, mask, kwargs = inner_arguments(model, call_args, call_kwargs)
+        except NotGraphable as e:
+            reason = str(e).splitlines()[0]
+            warnings.warn(f"{falling_back}: {reason}", stacklevel=2)
+            _LAST = GenerationStats(graphed=False, reason=reason)
+            out = fallback()
+        else:
+            out = _generate(model, inputs, mask, kwargs, args, fallback, falling_back)
+        calls.append(_LAST)
+        return out
+
+    given = hf_kwargs if attention_mask is None else dict(hf_kwargs, attention_mask=attention_mask)
+    try:
+        with routed(model, inner):
+            result = model.generate(input_ids, **given)
+    except NotGraphable as e:  # the class cannot be routed: its generate runs as it is
+        reason = str(e).splitlines()[0]
+        warnings.warn(f"grape.generate runs model.generate instead: {reason}", stacklevel=3)
+        _LAST = GenerationStats(graphed=False, reason=reason)
+        return model.generate(input_ids, **given)
+    if not calls:
+        reason = (f"{name}'s own generate never called GenerationMixin.generate, the part "
+                  f"grape graphs")
+        warnings.warn(f"grape.generate ran model.generate as it is: {reason}", stacklevel=3)
+        _LAST = GenerationStats(graphed=False, reason=reason)
+    else:
+        _LAST = _summed(calls)
+    return result
+
+
+def _summed(calls: list[GenerationStats]) -> GenerationStats:
+    """Several generations' stats as one call's: counts added, the last step's shape."""
+    last = calls[-1]
+    return replace(
+        last, graphed=all(c.graphed for c in calls),
+        reason=next((c.reason for c in calls if c.reason), ""),
+        captured=any(c.captured for c in calls), capture_s=sum(c.capture_s for c in calls),
+        copy_bytes=sum(c.copy_bytes for c in calls),
+        pointer_updates=sum(c.pointer_updates for c in calls),
+        prefill_graphed=all(c.prefill_graphed for c in calls),
+        host_syncs=sum(c.host_syncs for c in calls), launches=sum(c.launches for c in calls))
 
 
 def _cache_length(value: Any, least: int) -> int:

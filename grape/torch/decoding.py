@@ -257,8 +257,10 @@ class Decoder:
                 torch.tensor([w[-1] for w in words], dtype=torch.long, device=device))
             for k, words in by_length.items()}
         # The count at which SuppressTokensAtBegin acts: generate's begin index (the prompt's
-        # length, one more after a one-token prompt whose first token is forced) less the prompt.
-        self.begin = int(head == 1 and options.forced_bos is not None)
+        # length, one more after a one-token prompt whose first token is forced, or the length
+        # a processor object named) less the prompt; never, where that lies before the prompt.
+        self.begin = (int(head == 1 and options.forced_bos is not None)
+                      if options.begin_at is None else options.begin_at - head)
         self.seen: torch.Tensor | None = None
         self._masks: dict[str, torch.Tensor] = {}
         self._bias: SequenceBiasLogitsProcessor | None = None  # made with the first logits
@@ -295,6 +297,7 @@ class Decoder:
             with self._step_masks(first):
                 inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
                                                                   **kwargs)
+                self._decoder_positions(inputs, position)
                 out = (self.model if first else self.step_model)(**inputs, return_dict=True)
         else:
             # Once a step has run every layer's attention exactly (Lengths.mask_unread), the
@@ -312,11 +315,21 @@ class Decoder:
                         ids, is_first_iteration=first, **kwargs)
                     if self.uses_mask and inputs.get("attention_mask") is None:
                         inputs["attention_mask"] = mask
+                self._decoder_positions(inputs, position)
                 out = self.step_model(**inputs, return_dict=True)
         logits = out.logits[:, -1, :].to(dtype=torch.float32)
         if self._audit is not None:
             self._audit.append(logits.clone())
         return logits
+
+    def _decoder_positions(self, inputs: dict[str, Any], position: torch.Tensor | None) -> None:
+        """Where the model's own input preparation made an encoder-decoder's
+        ``decoder_position_ids`` from the decoder's mask (Whisper's does: each token's count of
+        ones before it), the positions it would make from ``generate``'s mask, which grows by
+        a column a token; from the loop's mask, as long as the whole cache, it would read the
+        unwritten tail's zeros."""
+        if self.seq2seq and position is not None and "decoder_position_ids" in inputs:
+            inputs["decoder_position_ids"] = position
 
     @contextlib.contextmanager
     def _step_masks(self, first: bool) -> Iterator[None]:
@@ -452,7 +465,10 @@ class Decoder:
             ids = self.next_ids
         else:
             ids = self._rows(decoder_ids)
-        logits = self._logits(ids, self.mask, None, first=True)
+        given = self.mask[:, :head]  # each token's position: the decoder mask's ones before it
+        position = (given.cumsum(-1) - 1).masked_fill_(given == 0, 0)
+        logits = self._logits(ids, self.mask, position, first=True)
+        self.position.copy_(position[:, -1:] + 1)
         if not any(_written(layer) for layer in self.cache.cross_attention_cache.layers):
             raise NotGraphable(f"{type(self.model).__name__} did not write the static "
                                f"cross-attention cache it was given while reading the "

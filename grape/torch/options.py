@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, GenerationMixin
+from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     MinPLogitsWarper,
     SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -118,6 +120,13 @@ class Options:
     min_length: int = 0
     suppressed: tuple[int, ...] = ()
     begin_suppressed: tuple[int, ...] = ()
+    # The sequence's length (its prompt or decoder prompt counted) at which begin_suppressed
+    # applies, where a SuppressTokensAtBeginLogitsProcessor given as an object says so (a
+    # model's own generate passes Whisper's so); None: where generate puts the one it makes,
+    # at the first new token (the second after a forced first one).
+    begin_at: int | None = None
+    # Values read back to the host to resolve the call (processor objects' tokens on a GPU).
+    read_backs: int = field(default=0, compare=False)
     # An encoder-decoder model's decoder prompt: its start token alone (1), or the
     # decoder_input_ids the caller gave, as generate prepares them (decoder_prompt).
     decoder_prompt_len: int = 1
@@ -152,7 +161,8 @@ class Options:
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
                 self.no_repeat_ngram, self.source_ngram, self.source, self.bad_words,
                 self.bad_sequences, self.min_length, self.suppressed, self.begin_suppressed,
-                self.decoder_prompt_len, self.num_return, self.cutoffs, self.stop_strings,
+                self.begin_at, self.decoder_prompt_len, self.num_return, self.cutoffs,
+                self.stop_strings,
                 # (the tokenizer's table of token texts is the graph's: one per tokenizer)
                 id(self.tokenizer) if self.stop_strings else None, self.remove_invalid,
                 self.decay, self.renormalize, self.sequence_bias, self.source_penalty)
@@ -171,13 +181,19 @@ class Options:
 
 
 def _merged(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerationConfig:
-    base = getattr(model, "generation_config", None)
-    config = copy.deepcopy(base) if base is not None else GenerationConfig()
+    """The call's generation config as ``generate`` makes it: by the model's own
+    ``_prepare_generation_config`` (a given ``generation_config``'s unset fields taken from the
+    model's, then the library's defaults, then the keyword arguments over both)."""
     given = kwargs.pop("generation_config", None)
-    if given is not None:
-        config = copy.deepcopy(given)
+    prepare = getattr(model, "_prepare_generation_config", None)
     try:
-        unknown = config.update(**kwargs)
+        if prepare is not None:
+            config, unknown = prepare(given, **kwargs)
+            unknown = {k for k in unknown if k not in ("output_attentions", "output_hidden_states")}
+        else:
+            base = given if given is not None else getattr(model, "generation_config", None)
+            config = copy.deepcopy(base) if base is not None else GenerationConfig()
+            unknown = config.update(**kwargs)
     except ValueError as e:  # transformers checks some values as it sets them
         raise GrapeError(f"expected generation options generate accepts, found: "
                          f"{str(e).splitlines()[0]}") from None
@@ -266,18 +282,15 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                  if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
         raise GrapeError(f"expected an attention_mask of shape {tuple(input_ids.shape[:2])} on "
                          f"{device}, found {found}")
-    if not tokens:
-        # A speech model's own generate (Whisper's: language detection, timestamps, long-form
-        # audio in windows) does more than GenerationMixin's, which is what grape reproduces.
-        if not getattr(model.config, "is_encoder_decoder", False):
-            raise NotGraphable(f"{type(model).__name__} is a decoder-only model that generates "
-                               f"from {source}, and grape's decoders read token ids")
-        if type(model).generate is not GenerationMixin.generate:
-            raise NotGraphable(f"{type(model).__name__} generates from {source} through its "
-                               f"own generate, which does more than the steps grape "
-                               f"reproduces")
+    # (A model whose class has its own generate, Whisper's, reaches here for the calls that
+    # generate makes of GenerationMixin's: grape.torch.own_generate.)
+    if not tokens and not getattr(model.config, "is_encoder_decoder", False):
+        raise NotGraphable(f"{type(model).__name__} is a decoder-only model that generates "
+                           f"from {source}, and grape's decoders read token ids")
     kwargs = dict(kwargs)
     tokenizer = kwargs.pop("tokenizer", None)  # generate's argument, for stop strings
+    given = _given_processors(kwargs.pop("logits_processor", None))
+    _given_criteria(kwargs.pop("stopping_criteria", None))
     max_new = _integer(kwargs.get("max_new_tokens"), "max_new_tokens", 1)
     config = _merged(model, kwargs)
     if unsupported := _unsupported(config):
@@ -365,6 +378,8 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       source_penalty=_real(1.0 if config.encoder_repetition_penalty is None
                                            else config.encoder_repetition_penalty,
                                            "encoder_repetition_penalty"))
+    if given:  # the caller's objects replace those generate makes of their kinds
+        options = dataclasses.replace(options, **given)
     if options.decay is not None and not eos:
         raise GrapeError("expected an EOS token with exponential_decay_length_penalty (it "
                          "raises EOS's score; generate fails without one), found none")
@@ -440,6 +455,63 @@ def decoder_prompt(model: torch.nn.Module, options: Options, source: torch.Tenso
         0 if mask is None else mask.numel() * mask.element_size())
     return (dataclasses.replace(options, decoder_prompt_len=prepared.shape[1]), prepared, mask,
             copied)
+
+
+def _given_processors(value: Any) -> dict[str, Any]:
+    """``logits_processor`` objects as the options they stand for, where grape reproduces
+    their kind. ``generate`` puts a given object in place of the one of its kind it would make,
+    else after the processors it makes, before sampling's warpers; for the kinds taken here
+    both places are the same, the end of what it makes (and each only sets scores to -inf, so
+    their order among themselves does not matter). A model's own generate passes Whisper's
+    token suppression this way (``grape.torch.own_generate``).
+
+    Raises
+    ------
+    NotGraphable
+        A processor of another kind (named), or two suppressing at different lengths.
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, list | tuple):
+        raise GrapeError(f"expected logits_processor to be a list of logits processors, found "
+                         f"{type(value).__name__}")
+    found: dict[str, Any] = {}
+    for processor in value:
+        if type(processor) is SuppressTokensLogitsProcessor:
+            tokens = _read(processor.suppress_tokens, found)
+            found["suppressed"] = tuple(dict.fromkeys(found.get("suppressed", ()) + tokens))
+        elif type(processor) is SuppressTokensAtBeginLogitsProcessor:
+            at = int(processor.begin_index)
+            if found.get("begin_at", at) != at:
+                raise NotGraphable(f"tokens suppressed at two lengths ({found['begin_at']} and "
+                                   f"{at}) by SuppressTokensAtBeginLogitsProcessor objects")
+            tokens = _read(processor.begin_suppress_tokens, found)
+            found["begin_suppressed"] = tuple(dict.fromkeys(found.get("begin_suppressed", ())
+                                                            + tokens))
+            found["begin_at"] = at
+        else:
+            raise NotGraphable(f"a logits processor grape does not reproduce: "
+                               f"{type(processor).__name__}")
+    return found
+
+
+def _read(tokens: torch.Tensor, found: dict[str, Any]) -> tuple[int, ...]:
+    """A processor's token ids, read back (counted in ``found["read_backs"]`` from a GPU)."""
+    if tokens.device.type != "cpu":
+        found["read_backs"] = found.get("read_backs", 0) + 1
+    return tuple(int(t) for t in tokens.reshape(-1).tolist())
+
+
+def _given_criteria(value: Any) -> None:
+    """``stopping_criteria`` objects: none is reproduced (an empty list is nothing)."""
+    if value is None:
+        return
+    if not isinstance(value, list | tuple):
+        raise GrapeError(f"expected stopping_criteria to be a list of stopping criteria, found "
+                         f"{type(value).__name__}")
+    if value:
+        raise NotGraphable(f"stopping criteria grape does not reproduce: "
+                           f"{', '.join(type(c).__name__ for c in value)}")
 
 
 def _cutoffs(config: GenerationConfig) -> tuple[tuple[str, float], ...]:

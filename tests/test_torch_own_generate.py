@@ -1,0 +1,325 @@
+"""Models whose class has a generate of its own (Whisper's): the wrapper runs as it is, and the
+call it makes of GenerationMixin.generate is grape's (grape.torch.own_generate). On the CPU that
+call runs grape's host loop, the step a device loop captures, held token for token to the
+model's own generate with a static cache."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+from transformers import GenerationMixin  # noqa: E402
+from transformers.generation.logits_process import (  # noqa: E402
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+)
+from transformers.generation.stopping_criteria import MaxTimeCriteria  # noqa: E402
+
+from grape.errors import GrapeError  # noqa: E402
+from grape.torch.beam import BeamDecoder  # noqa: E402
+from grape.torch.decoding import TokenDecoder  # noqa: E402
+from grape.torch.options import NotGraphable, decoder_prompt, resolve  # noqa: E402
+from grape.torch.own_generate import inner_arguments, owns_generate, routed  # noqa: E402
+
+# Whisper's special tokens, renumbered into a small vocabulary: its generate builds the
+# decoder's prompt from these fields of the generation config, as a checkpoint's holds them.
+SOT, EOT, NO_TIMESTAMPS = 300, 299, 310
+LANGUAGES = {"<|en|>": 301, "<|de|>": 302}
+TASKS = {"transcribe": 305, "translate": 304}
+BEGIN_SUPPRESSED = [220, EOT]
+SUPPRESSED = [1, 2, 7, 8, 9, 10, 14, 25]
+
+
+def _whisper(boost=()):
+    """A small Whisper with a multilingual checkpoint's generation config; ``boost`` raises
+    those tokens' logits so that they win every step where they are not suppressed."""
+    transformers.logging.set_verbosity_error()
+    config = transformers.WhisperConfig(
+        d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+        max_source_positions=50, max_target_positions=40, vocab_size=400,
+        decoder_start_token_id=SOT, pad_token_id=EOT, bos_token_id=EOT, eos_token_id=EOT)
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    model.generation_config = transformers.GenerationConfig(
+        decoder_start_token_id=SOT, bos_token_id=EOT, eos_token_id=EOT, pad_token_id=EOT,
+        begin_suppress_tokens=BEGIN_SUPPRESSED, suppress_tokens=SUPPRESSED,
+        is_multilingual=True, lang_to_id=LANGUAGES, task_to_id=TASKS,
+        no_timestamps_token_id=NO_TIMESTAMPS, prev_sot_token_id=308,
+        max_initial_timestamp_index=5, return_timestamps=False, max_length=40)
+    if boost:
+        raised = torch.zeros(config.vocab_size)
+        raised[list(boost)] = 100.0
+        model.proj_out.register_forward_hook(lambda module, args, out: out + raised)
+    features = torch.randn(2, 16, 100, generator=torch.Generator().manual_seed(0))
+    return model, features
+
+
+def _host_loop(model, args, kwargs):
+    """grape's host loop for one call of GenerationMixin.generate (on a GPU grape.generate
+    captures the same step in a device loop)."""
+    inputs, mask, kw = inner_arguments(model, args, kwargs)
+    prompt = [kw.pop(k, None) for k in ("decoder_input_ids", "decoder_attention_mask")]
+    options, mask = resolve(model, inputs, mask, kw)
+    options, decoder_ids, decoder_mask, _ = decoder_prompt(model, options, inputs, *prompt)
+    cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
+    decoder = cls(model, inputs.shape[0], inputs.shape[1], options)
+    return decoder.generate_on_host(inputs, mask, decoder_ids, decoder_mask)
+
+
+def _through_grape(model, features, made=None, **kwargs):
+    """The model's generate with its calls of the generic loop run by grape's host loop; the
+    decoder prompts of those calls, and (in ``made``) the new tokens each call made."""
+    calls = []
+
+    def handler(model, args, kw):
+        calls.append(kw.get("decoder_input_ids"))
+        out = _host_loop(model, args, kw)
+        if made is not None:
+            made.append(out[:, calls[-1].shape[1]:])
+        return out
+    with routed(model, handler):
+        out = model.generate(features, **kwargs)
+    return out, calls
+
+
+WHISPER_CALLS = {
+    "greedy, English": {"language": "en"},
+    "4 beams, translating to English": {"language": "de", "task": "translate", "num_beams": 4},
+    "greedy, language detected": {},
+    "sampling": {"language": "en", "do_sample": True, "top_k": 20},
+}
+
+
+@pytest.mark.parametrize("call", list(WHISPER_CALLS))
+def test_whispers_own_generate_around_grapes_loop_makes_its_tokens(call):
+    model, features = _whisper()
+    kwargs = dict(WHISPER_CALLS[call], max_new_tokens=8)
+    if kwargs.get("do_sample"):  # grape's draws are not torch.multinomial's: its own runs
+        torch.manual_seed(3)
+        out, calls = _through_grape(model, features, **kwargs)
+        torch.manual_seed(3)
+        again, _ = _through_grape(model, features, **kwargs)
+        assert torch.equal(out, again) and out.shape == (2, 8)
+    else:
+        reference = model.generate(features, cache_implementation="static", **kwargs)
+        out, calls = _through_grape(model, features, **kwargs)
+        assert torch.equal(out, reference)
+    # One call of the generic loop, with the decoder prompt Whisper built for the call.
+    assert len(calls) == 1
+    language = LANGUAGES.get(f"<|{kwargs.get('language')}|>")
+    if language is not None:
+        task = TASKS[kwargs.get("task", "transcribe")]
+        assert calls[0].tolist() == [[SOT, language, task, NO_TIMESTAMPS]] * 2
+
+
+def test_whispers_suppression_objects_act_at_the_lengths_they_name():
+    # Token 220 would win every step, and is suppressed only at the first new token (after
+    # the four-token prompt); token 7 would win every step, and is suppressed throughout.
+    for boost in (220, 7):
+        model, features = _whisper(boost=(boost,))
+        reference = model.generate(features, language="en", max_new_tokens=5,
+                                   cache_implementation="static")
+        made = []
+        out, _ = _through_grape(model, features, made, language="en", max_new_tokens=5)
+        assert torch.equal(out, reference)
+        (new,) = made
+        assert new.shape == (2, 5) and (new[:, 0] != boost).all()
+        assert (new[:, 1:] == 220).all() if boost == 220 else not (new == boost).any()
+
+
+def test_a_left_padded_decoder_prompt_takes_generates_positions():
+    # Whisper makes its decoder's positions from the decoder mask (each token's count of ones
+    # before it); from the loop's mask, as long as the whole cache, it would read the zeros of
+    # the tail. Left padding makes the positions differ from the columns.
+    model, features = _whisper()
+    ids = torch.tensor([[SOT, 301, 305, NO_TIMESTAMPS], [EOT, SOT, 301, NO_TIMESTAMPS]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    for kwargs in ({}, {"num_beams": 3}):
+        reference = GenerationMixin.generate(
+            model, features, decoder_input_ids=ids, decoder_attention_mask=mask,
+            max_new_tokens=6, cache_implementation="static", **kwargs)
+        ours = _host_loop(model, (features,), dict(decoder_input_ids=ids,
+                                                    decoder_attention_mask=mask,
+                                                    max_new_tokens=6, **kwargs))
+        assert torch.equal(ours, reference)
+
+
+def test_grape_generate_on_a_cpu_runs_whispers_call_as_it_is_with_one_warning():
+    import grape
+    from grape.torch.api import last_stats
+
+    model, features = _whisper()
+    assert owns_generate(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = grape.generate(model, features, max_new_tokens=5, language="en")
+    ours = [str(w.message) for w in caught if "grape.generate" in str(w.message)]
+    assert ours == ["grape.generate runs WhisperForConditionalGeneration.generate's call of "
+                    "GenerationMixin.generate as it is: the model is on cpu, and graphs need a "
+                    "CUDA device"]
+    assert torch.equal(out, model.generate(features, max_new_tokens=5, language="en"))
+    assert type(model) is transformers.WhisperForConditionalGeneration  # swapped back
+    stats = last_stats()
+    assert not stats.graphed
+    assert stats.reason == "the model is on cpu, and graphs need a CUDA device"
+
+
+class _NeverCallsTheLoop(transformers.GPT2LMHeadModel):
+    def generate(self, input_ids, max_new_tokens, **kwargs):  # a wrapper of its own making
+        return torch.cat([input_ids, input_ids[:, -1:].repeat(1, max_new_tokens)], dim=1)
+
+
+class _CallsTheLoopTwice(transformers.GPT2LMHeadModel):
+    def generate(self, input_ids, **kwargs):
+        first = super().generate(input_ids, **kwargs)
+        return super().generate(first, **kwargs)
+
+
+def _gpt2(cls):
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return cls(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100,
+                                       n_positions=64)).eval()
+
+
+def test_a_generate_that_never_calls_the_generic_loop_runs_as_it_is_and_says_so():
+    import grape
+    from grape.torch.api import last_stats
+
+    model = _gpt2(_NeverCallsTheLoop)
+    ids = torch.tensor([[5, 6, 7]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = grape.generate(model, ids, max_new_tokens=3)
+    assert torch.equal(out, torch.tensor([[5, 6, 7, 7, 7, 7]]))
+    assert [str(w.message) for w in caught] == [
+        "grape.generate ran model.generate as it is: _NeverCallsTheLoop's own generate never "
+        "called GenerationMixin.generate, the part grape graphs"]
+    assert not last_stats().graphed
+
+
+def test_each_call_of_the_generic_loop_is_routed_and_counted():
+    import grape
+    from grape.torch.api import last_stats
+
+    model = _gpt2(_CallsTheLoopTwice)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = grape.generate(model, ids, max_new_tokens=4, pad_token_id=0)
+    assert len([w for w in caught if "grape.generate runs" in str(w.message)]) == 2
+    assert torch.equal(out, model.generate(ids, max_new_tokens=4, pad_token_id=0))
+    assert out.shape == (2, 11)
+    # On a CPU both fell back; the host loop takes each as GenerationMixin's would.
+    seen = []
+
+    def handler(model, args, kwargs):
+        seen.append(args[0].shape[1])
+        return _host_loop(model, args, kwargs)
+    with routed(model, handler):
+        ours = model.generate(ids, max_new_tokens=4, pad_token_id=0)
+    assert seen == [3, 7] and torch.equal(ours, out)
+    assert not last_stats().graphed
+
+
+def test_routing_ends_with_the_call_even_when_it_fails():
+    model, features = _whisper()
+
+    def failing(model, args, kwargs):
+        raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), routed(model, failing):
+        model.generate(features, max_new_tokens=3, language="en")
+    assert type(model) is transformers.WhisperForConditionalGeneration
+    with routed(model, failing), pytest.raises(NotGraphable, match="nested"), \
+            routed(model, failing):
+        pass
+    # Another instance of the class is untouched while one is routed.
+    other, _ = _whisper()
+    with routed(model, failing):
+        assert type(other) is transformers.WhisperForConditionalGeneration
+        assert other.generate(features, max_new_tokens=2, language="en").shape == (2, 2)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"assistant_model": object()}, "assistant_model given to GenerationMixin.generate"),
+    ({"streamer": object()}, "streamer given to GenerationMixin.generate"),
+    ({"prefix_allowed_tokens_fn": lambda i, s: [1]},
+     "prefix_allowed_tokens_fn given to GenerationMixin.generate"),
+    ({"synced_gpus": True}, "synced_gpus given to GenerationMixin.generate"),
+    ({"encoder_outputs": object(), "inputs": None},
+     "GenerationMixin.generate was called without input_features (with encoder_outputs)"),
+])
+def test_calls_grape_does_not_take_are_named(kwargs, reason):
+    model, features = _whisper()
+    args = () if "inputs" in kwargs else (features,)
+    kwargs = {k: v for k, v in kwargs.items() if k != "inputs"}
+    with pytest.raises(NotGraphable, match=f"^{reason}$".replace("(", r"\(").replace(")", r"\)")):
+        inner_arguments(model, args, dict(kwargs, max_new_tokens=3))
+
+
+def test_the_calls_inputs_and_length_are_read_as_generate_reads_them():
+    model, features = _whisper()
+    inputs, mask, kw = inner_arguments(model, (), {"input_features": features,
+                                                   "max_new_tokens": 4})
+    assert inputs is features and mask is None and kw == {"max_new_tokens": 4}
+    # No max_new_tokens: max_length counts the decoder's start token, as generate counts it.
+    config = transformers.GenerationConfig(max_length=9)
+    _, _, kw = inner_arguments(model, (features,), {"generation_config": config})
+    assert kw["max_new_tokens"] == 8
+    with pytest.raises(NotGraphable, match="max_length, not max_new_tokens, with a decoder"):
+        inner_arguments(model, (features,), {"generation_config": config,
+                                             "decoder_input_ids": torch.tensor([[SOT]] * 2)})
+
+
+def test_processor_objects_are_the_options_they_stand_for_or_named():
+    model = _gpt2(transformers.GPT2LMHeadModel)
+    ids = torch.tensor([[5, 6, 7]])
+    given = [SuppressTokensLogitsProcessor([3, 4]), SuppressTokensLogitsProcessor([4, 9]),
+             SuppressTokensAtBeginLogitsProcessor([11], begin_index=5)]
+    options, _ = resolve(model, ids, None, {"max_new_tokens": 4, "logits_processor": given,
+                                            "suppress_tokens": [50]})
+    # The first object takes the place of the processor the config makes; the second adds.
+    assert options.suppressed == (3, 4, 9) and options.begin_suppressed == (11,)
+    assert options.begin_at == 5 and options.read_backs == 0
+    with pytest.raises(NotGraphable, match="a logits processor grape does not reproduce: "
+                                           "TemperatureLogitsWarper"):
+        resolve(model, ids, None, {"max_new_tokens": 4,
+                                   "logits_processor": [TemperatureLogitsWarper(0.5)]})
+    with pytest.raises(NotGraphable, match=r"tokens suppressed at two lengths \(3 and 4\)"):
+        resolve(model, ids, None, {"max_new_tokens": 4, "logits_processor": [
+            SuppressTokensAtBeginLogitsProcessor([1], 3),
+            SuppressTokensAtBeginLogitsProcessor([2], 4)]})
+    with pytest.raises(NotGraphable, match="stopping criteria grape does not reproduce: "
+                                           "MaxTimeCriteria"):
+        resolve(model, ids, None, {"max_new_tokens": 4,
+                                   "stopping_criteria": [MaxTimeCriteria(10.0)]})
+    with pytest.raises(GrapeError, match="expected logits_processor to be a list"):
+        resolve(model, ids, None, {"max_new_tokens": 4, "logits_processor": 3})
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_suppression_given_as_objects_makes_generates_tokens(num_beams):
+    model = _gpt2(transformers.GPT2LMHeadModel)
+    raised = torch.zeros(100)
+    raised[[40, 41]] = torch.tensor([100.0, 99.0])  # 40, else 41, would win every step
+    model.lm_head.register_forward_hook(lambda module, args, out: out + raised)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    kwargs = dict(max_new_tokens=5, num_beams=num_beams, pad_token_id=0)
+    for processors in ([SuppressTokensLogitsProcessor([40])],
+                       [SuppressTokensAtBeginLogitsProcessor([40, 41], begin_index=4)]):
+        reference = model.generate(ids, logits_processor=processors,
+                                   cache_implementation="static", **kwargs)
+        ours = _host_loop(model, (ids,), dict(kwargs, logits_processor=processors))
+        assert torch.equal(ours, reference)
+        made = reference[:, 3:]
+        if isinstance(processors[0], SuppressTokensLogitsProcessor):
+            assert not (made == 40).any()
+        else:  # the second new token (length 4) is free of both; the others are not
+            assert not torch.isin(made[:, 1], torch.tensor([40, 41])).any()
+            assert (made[:, [0, 2, 3, 4]] == 40).all()
