@@ -317,46 +317,23 @@ def _graphed_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None:
 
 def _host_loop_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None:
     """grape's own step, the one it captures, driven by the host (any device, the CPU
-    included): its tokens against generate's, or the reason grape refuses the model. A model
-    whose class has its own generate runs it, its calls of the generic loop driven so
-    (grape.torch.own_generate), as grape.generate runs it."""
+    included; grape.torch.host_loop): its tokens against generate's, or the reason grape
+    refuses the model. A model whose class has its own generate runs it, its calls of the
+    generic loop driven so (grape.torch.own_generate), as grape.generate runs it."""
     from grape.torch import decode_mask
-    from grape.torch.beam import BeamDecoder
-    from grape.torch.decoding import TokenDecoder
-    from grape.torch.options import NotGraphable, decoder_prompt, resolve
-    from grape.torch.own_generate import inner_arguments, owns_generate, routed
+    from grape.torch.host_loop import generate_on_host
+    from grape.torch.options import NotGraphable
+    from grape.torch.own_generate import owns_generate
 
-    calls = []  # (decoder class, prompt, mask, options, decoder prompt, its mask) per call
-
-    def run(ids, mask, kw):
-        kw = dict(kw)
-        prompt = [kw.pop(k, None) for k in ("decoder_input_ids", "decoder_attention_mask")]
-        options, m = resolve(model, ids, mask, kw)
-        options, decoder_ids, decoder_mask, _ = decoder_prompt(model, options, ids, *prompt)
-        cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
-        decoder = cls(model, ids.shape[0], ids.shape[1], options)
-        # as grape.generate checks before capture
-        decoder.check_written_only(ids, m, decoder_ids, decoder_mask)
-        calls.append((cls, ids, m, options, decoder_ids, decoder_mask))
-        return decoder.generate_on_host(ids, m, decoder_ids, decoder_mask)
-
-    def inner(model, args, kwargs):
-        return run(*inner_arguments(model, args, kwargs))
-
+    calls = []
     try:
         with warnings.catch_warnings(), (decode_mask.checked() if CHECK_MASKS[0]
                                          else contextlib.nullcontext()) as counts:
             warnings.simplefilter("ignore")
-            if owns_generate(model):
-                with routed(model, inner):
-                    out = model.generate(ids, **(kw if mask is None else
-                                                 dict(kw, attention_mask=mask)))
-                if not calls:
-                    raise NotGraphable(f"{type(model).__name__}'s own generate never called "
-                                       f"GenerationMixin.generate")
-                row["own_generate_calls"] = len(calls)
-            else:
-                out = run(ids, mask, kw)
+            # (check_written: as grape.generate checks before capture)
+            out = generate_on_host(model, ids, mask, check_written=True, calls=calls, **kw)
+        if owns_generate(model):
+            row["own_generate_calls"] = len(calls)
         if counts is not None:
             row.update(decode_masks_viewed=counts["viewed"], decode_masks_built=counts["built"])
     except NotGraphable as e:
@@ -369,13 +346,12 @@ def _host_loop_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None
     row.update(stage="done", graphed=True)  # would be captured: the host loop ran it
     _compare(out, reference, row)
     if CHECK_REORDERING[0]:
-        row.update(_reordering(model, *calls[-1]))
+        row.update(_reordering(calls[-1]))
     if CHECK_READ_BACKS[0]:
-        row.update(_read_backs(model, *calls[-1]))
+        row.update(_read_backs(calls[-1]))
 
 
-def _read_backs(model, cls, ids, mask, options, decoder_ids=None,
-                decoder_mask=None) -> dict[str, Any]:
+def _read_backs(call) -> dict[str, Any]:
     """One decode step run as a capture would see it (grape.torch.readback): whether it reads
     a value back to the host, which a capture refuses, and at which line of the model."""
     from grape.torch.capture import culprit
@@ -384,8 +360,7 @@ def _read_backs(model, cls, ids, mask, options, decoder_ids=None,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            decoder = cls(model, ids.shape[0], ids.shape[1], options)
-            decoder.prefill(ids, mask, decoder_ids, decoder_mask)
+            decoder = call.again()
             with as_captured():
                 decoder.step()
     except ReadBack as e:
@@ -395,8 +370,7 @@ def _read_backs(model, cls, ids, mask, options, decoder_ids=None,
     return {"step_reads_back": False}
 
 
-def _reordering(model, cls, ids, mask, options, decoder_ids=None,
-                decoder_mask=None) -> dict[str, Any]:
+def _reordering(call) -> dict[str, Any]:
     """One decode step replayed in the order grape.passes.concurrency allows furthest from
     its own (grape.torch.reordering): whether every byte it touched ends the same."""
     from grape.torch.reordering import check_reordering
@@ -404,8 +378,7 @@ def _reordering(model, cls, ids, mask, options, decoder_ids=None,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            decoder = cls(model, ids.shape[0], ids.shape[1], options)
-            decoder.prefill(ids, mask, decoder_ids, decoder_mask)
+            decoder = call.again()
             decoder.step()
             found = check_reordering(decoder.step)
     except Exception as e:

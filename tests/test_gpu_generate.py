@@ -357,6 +357,24 @@ def test_a_speech_model_generation_is_one_launch_with_generates_tokens(cuda, bea
 
 
 @pytest.mark.parametrize("beams", [1, 4])
+def test_a_prompt_of_embeddings_is_read_where_it_lies_inside_the_launch(cuda, beams):
+    # generate(inputs_embeds=...): the cache's prompt is the embeddings (cloned by the model's
+    # input preparation, a kernel inside the launch), the result the new tokens alone; a
+    # second call's embeddings, elsewhere, re-point the launch. fp32, as for T5 above.
+    model = _small_llama().float()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 500, (3, 12), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+    calls = [{"inputs_embeds": embeds}, {"inputs_embeds": embeds.flip(0) * 1.5}]
+    stats = _one_launch_per_call(model, [None, None], mask, calls, max_new_tokens=16,
+                                 num_beams=beams)
+    assert stats[1].pointer_updates > 0
+
+
+@pytest.mark.parametrize("beams", [1, 4])
 def test_whispers_own_generate_runs_its_generic_loop_as_one_launch(cuda, beams):
     # Whisper's generate builds the decoder's prompt (start, language, task, no-timestamps
     # tokens), passes its token suppression as processor objects, and strips the prompt from

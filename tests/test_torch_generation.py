@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from grape.errors import GrapeError  # noqa: E402
 from grape.torch.beam import BeamDecoder  # noqa: E402
 from grape.torch.decoding import TokenDecoder, sample, static_cache  # noqa: E402
-from grape.torch.options import NotGraphable, decoder_prompt, resolve  # noqa: E402
+from grape.torch.host_loop import generate_on_host  # noqa: E402
+from grape.torch.options import NotGraphable, resolve  # noqa: E402
 
 VOCAB = 300
 COMMON = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -67,14 +68,7 @@ def _prompt(batch=3, length=7, seed=0):
 
 
 def _host(model, ids, mask, seed=1, **kwargs):
-    prompt = [kwargs.pop(k, None) for k in ("decoder_input_ids", "decoder_attention_mask")]
-    options, m = resolve(model, ids, mask, kwargs)
-    options, decoder_ids, decoder_mask, _ = decoder_prompt(model, options, ids, *prompt)
-    cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
-    decoder = cls(model, ids.shape[0], ids.shape[1], options)
-    if options.strategy == "sample":
-        decoder.set_seed(seed)
-    return decoder.generate_on_host(ids, m, decoder_ids, decoder_mask)
+    return generate_on_host(model, ids, mask, seed=seed, **kwargs)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -1043,3 +1037,83 @@ def test_a_speech_source_that_is_not_what_the_model_takes_is_refused_in_one_line
         resolve(model, mask, None, {"max_new_tokens": 4})
     with pytest.raises(GrapeError, match=r"expected an attention_mask of shape \(3, 40\)"):
         resolve(model, source, mask[:, :20], {"max_new_tokens": 4})
+
+
+def _embedded(model, ids):
+    """The prompt's embeddings, moved off the token table's (so that a decoder reading the
+    token ids instead would make other tokens)."""
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+        return embeds + 0.5 * torch.randn(embeds.shape, generator=torch.Generator()
+                                          .manual_seed(9)).to(embeds.dtype)
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_prompt_given_as_embeddings_makes_generates_tokens(model, strategy, with_ids):
+    # generate's sequences hold the new tokens alone, or the token ids given beside the
+    # embeddings first; the cache's prompt is the embeddings either way.
+    ids, mask = _prompt()
+    embeds = _embedded(model, ids)
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=6, inputs_embeds=embeds)
+    given = ids if with_ids else None
+    reference = model.generate(given, attention_mask=mask, cache_implementation="static",
+                               **kwargs)
+    ours = _host(model, given, mask, **kwargs)
+    assert torch.equal(ours, reference)
+    assert ours.shape[1] == (ids.shape[1] if with_ids else 0) + 6 or "EOS" in strategy
+    # The token ids alone make other tokens: the embeddings were read.
+    from_ids = _host(model, ids, mask, **dict(kwargs, inputs_embeds=None))
+    assert not torch.equal(from_ids[:, ids.shape[1]:], ours[:, ours.shape[1] - 6:]) \
+        or "EOS" in strategy
+
+
+@pytest.mark.parametrize("args, kwargs, error, message", [
+    ((None,), {"inputs_embeds": torch.zeros(3, 7)}, GrapeError,
+     r"expected inputs_embeds of shape \(batch, length >= 1, hidden\), floating, on cpu, "
+     r"found shape \(3, 7\)"),
+    ((torch.ones(2, 7, dtype=torch.long),), {"inputs_embeds": torch.zeros(3, 7, 64)},
+     GrapeError, r"expected input_ids beside inputs_embeds of shape \(3, length\)"),
+    ((torch.ones(3, 5, dtype=torch.long),), {"inputs_embeds": torch.zeros(3, 7, 64)},
+     NotGraphable, r"input_ids of another length \(5\) than the inputs_embeds beside them "
+                   r"\(7\)"),
+    ((None, torch.ones(3, 5, dtype=torch.long)), {"inputs_embeds": torch.zeros(3, 7, 64)},
+     GrapeError, r"expected an attention_mask of shape \(3, 7\)"),
+    ((None,), {"inputs_embeds": torch.zeros(3, 7, 64), "encoder_repetition_penalty": 1.2},
+     NotGraphable, "encoder_repetition_penalty over a prompt given as inputs_embeds"),
+])
+def test_a_bad_prompt_of_embeddings_is_one_line(args, kwargs, error, message):
+    model = _built("llama", CONFIGS["llama"])
+    mask = args[1] if len(args) > 1 else None
+    with pytest.raises(error, match=message):
+        resolve(model, args[0], mask, dict(kwargs, max_new_tokens=3))
+
+
+def test_embeddings_for_an_encoder_decoder_model_are_not_taken():
+    model = _seq2seq("t5")
+    ids, _ = _prompt()
+    with pytest.raises(NotGraphable, match="inputs_embeds for an encoder-decoder model"):
+        resolve(model, ids, None, {"max_new_tokens": 3,
+                                   "inputs_embeds": torch.zeros(3, 7, 64)})
+
+
+def test_grape_generate_takes_embeddings_where_generate_takes_them():
+    import grape
+    from grape.torch.api import last_stats
+
+    model = _built("llama", CONFIGS["llama"])
+    ids, mask = _prompt()
+    embeds = _embedded(model, ids)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = grape.generate(model, attention_mask=mask, inputs_embeds=embeds,
+                             max_new_tokens=4)
+    assert [str(w.message) for w in caught] == [
+        "grape.generate runs model.generate instead: the model is on cpu, and graphs need a "
+        "CUDA device"]  # resolved and checked first: only the device is missing
+    assert torch.equal(out, model.generate(attention_mask=mask, inputs_embeds=embeds,
+                                           max_new_tokens=4))
+    assert out.shape == (3, 4) and not last_stats().graphed
+    with pytest.raises(GrapeError, match="expected prompt_bucket only with token prompts"):
+        grape.generate(model, attention_mask=mask, inputs_embeds=embeds, max_new_tokens=4,
+                       prompt_bucket=8)

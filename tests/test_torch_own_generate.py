@@ -21,9 +21,8 @@ from transformers.generation.logits_process import (  # noqa: E402
 from transformers.generation.stopping_criteria import MaxTimeCriteria  # noqa: E402
 
 from grape.errors import GrapeError  # noqa: E402
-from grape.torch.beam import BeamDecoder  # noqa: E402
-from grape.torch.decoding import TokenDecoder  # noqa: E402
-from grape.torch.options import NotGraphable, decoder_prompt, resolve  # noqa: E402
+from grape.torch.host_loop import generate_on_host, loop_on_host  # noqa: E402
+from grape.torch.options import NotGraphable, resolve  # noqa: E402
 from grape.torch.own_generate import inner_arguments, owns_generate, routed  # noqa: E402
 
 # Whisper's special tokens, renumbered into a small vocabulary: its generate builds the
@@ -64,12 +63,7 @@ def _host_loop(model, args, kwargs):
     """grape's host loop for one call of GenerationMixin.generate (on a GPU grape.generate
     captures the same step in a device loop)."""
     inputs, mask, kw = inner_arguments(model, args, kwargs)
-    prompt = [kw.pop(k, None) for k in ("decoder_input_ids", "decoder_attention_mask")]
-    options, mask = resolve(model, inputs, mask, kw)
-    options, decoder_ids, decoder_mask, _ = decoder_prompt(model, options, inputs, *prompt)
-    cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
-    decoder = cls(model, inputs.shape[0], inputs.shape[1], options)
-    return decoder.generate_on_host(inputs, mask, decoder_ids, decoder_mask)
+    return loop_on_host(model, inputs, mask, **kw)
 
 
 def _through_grape(model, features, made=None, **kwargs):
@@ -92,7 +86,6 @@ WHISPER_CALLS = {
     "greedy, English": {"language": "en"},
     "4 beams, translating to English": {"language": "de", "task": "translate", "num_beams": 4},
     "greedy, language detected": {},
-    "sampling": {"language": "en", "do_sample": True, "top_k": 20},
 }
 
 
@@ -100,22 +93,33 @@ WHISPER_CALLS = {
 def test_whispers_own_generate_around_grapes_loop_makes_its_tokens(call):
     model, features = _whisper()
     kwargs = dict(WHISPER_CALLS[call], max_new_tokens=8)
-    if kwargs.get("do_sample"):  # grape's draws are not torch.multinomial's: its own runs
-        torch.manual_seed(3)
-        out, calls = _through_grape(model, features, **kwargs)
-        torch.manual_seed(3)
-        again, _ = _through_grape(model, features, **kwargs)
-        assert torch.equal(out, again) and out.shape == (2, 8)
-    else:
-        reference = model.generate(features, cache_implementation="static", **kwargs)
-        out, calls = _through_grape(model, features, **kwargs)
-        assert torch.equal(out, reference)
+    calls = []
+    out = generate_on_host(model, features, calls=calls, **kwargs)
+    reference = model.generate(features, cache_implementation="static", **kwargs)
+    assert torch.equal(out, reference)
     # One call of the generic loop, with the decoder prompt Whisper built for the call.
     assert len(calls) == 1
     language = LANGUAGES.get(f"<|{kwargs.get('language')}|>")
     if language is not None:
         task = TASKS[kwargs.get("task", "transcribe")]
-        assert calls[0].tolist() == [[SOT, language, task, NO_TIMESTAMPS]] * 2
+        assert calls[0].decoder_ids.tolist() == [[SOT, language, task, NO_TIMESTAMPS]] * 2
+
+
+def test_whispers_sampling_repeats_itself_for_a_seed():
+    # grape's draws are not torch.multinomial's, so not generate's tokens: its own, again for
+    # a seed. What Whisper's wrapper does with them (here: a second call of the loop for a
+    # row that ended early, at one seed) follows from the tokens.
+    model, features = _whisper()
+    kwargs = dict(language="en", do_sample=True, top_k=50, temperature=20.0, max_new_tokens=8)
+    runs = {}
+    for seed in (3, 3, 4):
+        calls = []
+        out = generate_on_host(model, features, seed=seed, calls=calls, **kwargs)
+        assert calls and all(c.options.strategy == "sample" for c in calls)
+        if seed in runs:
+            assert torch.equal(out, runs[seed])
+        runs[seed] = out
+    assert not torch.equal(runs[3], runs[4])
 
 
 def test_whispers_suppression_objects_act_at_the_lengths_they_name():
@@ -253,7 +257,9 @@ def test_routing_ends_with_the_call_even_when_it_fails():
      "prefix_allowed_tokens_fn given to GenerationMixin.generate"),
     ({"synced_gpus": True}, "synced_gpus given to GenerationMixin.generate"),
     ({"encoder_outputs": object(), "inputs": None},
-     "GenerationMixin.generate was called without input_features (with encoder_outputs)"),
+     "encoder_outputs given to GenerationMixin.generate"),
+    ({"inputs": None}, "GenerationMixin.generate was called without input_features or "
+                       "inputs_embeds"),
 ])
 def test_calls_grape_does_not_take_are_named(kwargs, reason):
     model, features = _whisper()
@@ -323,3 +329,32 @@ def test_suppression_given_as_objects_makes_generates_tokens(num_beams):
         else:  # the second new token (length 4) is free of both; the others are not
             assert not torch.isin(made[:, 1], torch.tensor([40, 41])).any()
             assert (made[:, [0, 2, 3, 4]] == 40).all()
+
+
+class _PromptsWithEmbeddings(transformers.GPT2LMHeadModel):
+    """As multimodal wrappers do (Granite Speech's): the prompt made into embeddings of the
+    wrapper's own, then the generic loop over them."""
+
+    def generate(self, input_ids, attention_mask=None, **kwargs):
+        with torch.no_grad():
+            embeds = self.get_input_embeddings()(input_ids) * 1.5
+        return super().generate(inputs_embeds=embeds, attention_mask=attention_mask, **kwargs)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_a_wrapper_that_prompts_with_embeddings_makes_its_tokens(num_beams):
+    model = _gpt2(_PromptsWithEmbeddings)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=num_beams, pad_token_id=0)
+    reference = model.generate(ids, cache_implementation="static", **kwargs)
+    seen = []
+
+    def handler(model, args, kw):
+        inputs, _, rest = inner_arguments(model, args, kw)
+        seen.append((inputs, rest["inputs_embeds"].shape))
+        return _host_loop(model, args, kw)
+    with routed(model, handler):
+        ours = model.generate(ids, **kwargs)
+    assert torch.equal(ours, reference) and ours.shape == (2, 6)
+    assert seen == [(None, (2, 4, 32))]

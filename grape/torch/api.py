@@ -127,10 +127,18 @@ class _Prompt:
     mask: torch.Tensor | None = None
     decoder_ids: torch.Tensor | None = None
     decoder_mask: torch.Tensor | None = None
+    # A decoder-only model's prompt as inputs_embeds; ``ids`` then holds the token ids given
+    # beside them, or none ((batch, 0): nothing reads them).
+    embeds: torch.Tensor | None = None
 
     def _given(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, t) for name in ("ids", "mask", "decoder_ids", "decoder_mask")
-                if (t := getattr(self, name)) is not None]
+        return [(name, t) for name in ("ids", "mask", "decoder_ids", "decoder_mask", "embeds")
+                if (t := getattr(self, name)) is not None and t.numel()]
+
+    @property
+    def length(self) -> int:
+        """The prompt's length in the cache: its tokens', or its embeddings'."""
+        return (self.ids if self.embeds is None else self.embeds).shape[1]
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for _, t in self._given()]
@@ -146,7 +154,8 @@ class _Prompt:
         return replace(self, **dict(zip(names, tensors, strict=True)))
 
     def prefill(self, decoder: Decoder) -> int:
-        return decoder.prefill(self.ids, self.mask, self.decoder_ids, self.decoder_mask)
+        return decoder.prefill(self.ids, self.mask, self.decoder_ids, self.decoder_mask,
+                               self.embeds)
 
 
 @dataclass
@@ -223,7 +232,7 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
     then captured in a loop."""
     began = time.perf_counter()
     input_ids = prompt.ids
-    batch, prompt_len = input_ids.shape[:2]  # (a speech model's features have a third)
+    batch, prompt_len = input_ids.shape[0], prompt.length
     with _model_code(model):
         decoder = _decoder(model, batch, prompt_len, options, step_model, exact)
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
@@ -237,12 +246,12 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
     staged = [staging(), staging()]
     with _model_code(model):  # eagerly: nothing is being captured yet
         decoder.check_written_only(input_ids, prompt.mask, prompt.decoder_ids,
-                                   prompt.decoder_mask)
+                                   prompt.decoder_mask, prompt.embeds)
         if decoder.uses_mask and prompt_len > 1:
             # The captured prompt holds both of its attention paths (grape.torch.hfmasks):
             # each runs once here, with no padding and with some, so that neither meets its
             # lazy initialisation (a kernel plan, a workspace) inside the capture.
-            padded = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+            padded = torch.ones((batch, prompt_len), dtype=torch.long, device=input_ids.device)
             padded[:, 0] = 0
             replace(prompt, mask=None).prefill(decoder)
             replace(prompt, mask=padded).prefill(decoder)
@@ -309,7 +318,7 @@ def _model_code(model: torch.nn.Module) -> Iterator[None]:
                            f"{culprit(e)})") from None
 
 
-def generate(model: torch.nn.Module, input_ids: torch.Tensor,
+def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              seed: int | None = None, compile: bool = False,
              exact_lengths: bool | None = None, cache_length: int | None = None,
@@ -369,7 +378,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor,
     has its own ``generate`` (Whisper: ``language=``, ``task=`` and its other arguments pass
     through) runs it, its calls of ``GenerationMixin.generate`` graphed; ``logits_processor``
     objects of the kinds grape reproduces (token suppression, as Whisper passes it) are taken
-    as the options they stand for.
+    as the options they stand for. A decoder-only model's prompt may be ``inputs_embeds``
+    (``input_ids`` then None, or token ids of their length that the result starts with): the
+    captured prefill reads them where they lie, and the result holds the new tokens alone, as
+    ``generate``'s does.
     A model that attends to cache positions it has not written (its attention does not mask
     the static cache's unused tail, so that its tokens with a static cache are not those of
     its default cache) runs through ``model.generate``, found before anything is captured
@@ -448,25 +460,33 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
     try:
         options, mask = resolve(model, input_ids, attention_mask,
                                 {k: v for k, v in hf_kwargs.items() if k not in _DECODER_PROMPT})
+        embeds = hf_kwargs.get("inputs_embeds")
+        if embeds is not None:  # generate's sequences start with the ids given, or none
+            source = embeds
+            input_ids = (input_ids if input_ids is not None else
+                         torch.empty((embeds.shape[0], 0), dtype=torch.long,
+                                     device=embeds.device))
+        else:
+            source = input_ids
         options, decoder_ids, decoder_mask, decoder_copied = decoder_prompt(
             model, options, input_ids, *(hf_kwargs.get(k) for k in _DECODER_PROMPT))
-        if prompt_bucket is not None and options.source != "input_ids":
+        if prompt_bucket is not None and (options.source != "input_ids" or embeds is not None):
             raise GrapeError(f"expected prompt_bucket only with token prompts (it pads them), "
-                             f"found {options.source}")
+                             f"found {'inputs_embeds' if embeds is not None else options.source}")
         if args.cache_length is not None:  # the prompt as bucketed below
-            length = input_ids.shape[1]
+            length = source.shape[1]
             options = replace(options, cache_length=_cache_length(
                 args.cache_length,
                 length + -length % (prompt_bucket or 1) + options.max_new_tokens))
-        if input_ids.device.type != "cuda":
-            raise NotGraphable(f"the model is on {input_ids.device}, and graphs need a CUDA "
+        if source.device.type != "cuda":
+            raise NotGraphable(f"the model is on {source.device}, and graphs need a CUDA "
                                f"device")
         ids, mask, padded = bucketed(input_ids, mask, prompt_bucket or 1, options.pad)
+        prompt = _Prompt(ids, mask, decoder_ids, decoder_mask, embeds)
         exact = exact_lengths if exact_lengths is not None else (
             not compile and options.start is None  # (an encoder-decoder's are refused)
-            and options.cache_tokens(ids.shape[1]) >= EXACT_FROM
+            and options.cache_tokens(prompt.length) >= EXACT_FROM
             and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
-        prompt = _Prompt(ids, mask, decoder_ids, decoder_mask)
         run = functools.partial(_graphed_generate, model, prompt, options, args.seed, compile,
                                 caller_ids=input_ids, padded_bytes=padded + decoder_copied,
                                 concurrent=args.concurrent,

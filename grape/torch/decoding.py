@@ -177,8 +177,10 @@ class Decoder:
                                "encoder-decoder model's cross-attention reads the source's")
         # The tokens before the new ones in the decoder's own sequence: the prompt, or an
         # encoder-decoder's decoder prompt (its start token, or the caller's decoder_input_ids).
-        head = self.head_len = options.decoder_prompt_len if self.seq2seq else prompt_len
-        self.max_len = options.cache_tokens(head)
+        # (A prompt given as inputs_embeds: the token ids given beside them, or none.)
+        head = self.head_len = (options.decoder_prompt_len if self.seq2seq else prompt_len
+                                if options.embedded_head is None else options.embedded_head)
+        self.max_len = options.cache_tokens(head if self.seq2seq else prompt_len)
         device = next(model.parameters()).device
         # Exact lengths: attention over each row's valid keys, counted on the device.
         self.lengths = Lengths(rows, self.max_len, device) if exact else None
@@ -280,9 +282,12 @@ class Decoder:
     # --- the model, called as generate calls it ---------------------------------------------
 
     def _logits(self, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor | None,
-                first: bool) -> torch.Tensor:
+                first: bool, embeds: torch.Tensor | None = None) -> torch.Tensor:
         kwargs: dict[str, Any] = {self.cache_name: self.cache, "use_cache": True}
-        self.given.begin(ids.shape[-1])  # what the attention layers may write (Tokens)
+        if embeds is not None:  # the prompt as inputs_embeds: generate's first iteration
+            kwargs["inputs_embeds"] = embeds
+        # what the attention layers may write (Tokens)
+        self.given.begin((ids if embeds is None else embeds).shape[1])
         if self.keeps_last_logits:
             kwargs["logits_to_keep"] = 1
         if self.seq2seq:
@@ -353,13 +358,17 @@ class Decoder:
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 decoder_ids: torch.Tensor | None = None,
-                decoder_mask: torch.Tensor | None = None) -> int:
+                decoder_mask: torch.Tensor | None = None,
+                embeds: torch.Tensor | None = None) -> int:
         """Run the prompt (eagerly) and make the first token. ``input_ids`` and
         ``attention_mask`` (None: all ones) are (batch, prompt_len), read where they lie; the
         mask is copied into the loop's full-length one. An encoder-decoder model's
         ``decoder_ids`` and ``decoder_mask`` (None: its start token; a mask of ones) are its
         decoder's prompt, (batch, ``Options.decoder_prompt_len``), as ``generate`` prepares
-        it (``grape.torch.options.decoder_prompt``). Returns the bytes copied."""
+        it (``grape.torch.options.decoder_prompt``). A decoder-only model's prompt may be
+        ``embeds`` instead, (batch, prompt_len, hidden), with ``input_ids`` the
+        ``Options.embedded_head`` token ids its sequences start with. Returns the bytes
+        copied."""
         self.cache.reset()
         if self._poison is not None:
             for layer in self.layers:
@@ -373,9 +382,17 @@ class Decoder:
                                                  decoder_mask)
         if decoder_ids is not None:
             raise GrapeError("expected decoder_ids only for an encoder-decoder model")
+        if (embeds is None) != (self.options.embedded_head is None):
+            kinds = ("token ids", "inputs_embeds")
+            built, given = (kinds[::-1] if embeds is None else kinds)
+            raise GrapeError(f"expected a prompt of {built} (the one this decoder was built "
+                             f"for), found {given}")
         ones = attention_mask is None
         input_ids = self._rows(input_ids)
-        mask = torch.ones_like(input_ids) if ones else self._rows(attention_mask)
+        embeds = None if embeds is None else self._rows(embeds)
+        mask = (torch.ones((self.rows, self.prompt_len), dtype=torch.long,
+                           device=input_ids.device)
+                if ones else self._rows(attention_mask))
         position = mask.cumsum(-1) - 1
         position.masked_fill_(mask == 0, 0)
         if self.lengths is not None:
@@ -383,7 +400,7 @@ class Decoder:
         # Captured, the prompt attends as generate's would for this mask (its causal kernels
         # where it has no padding), chosen on the device at each launch (grape.torch.hfmasks).
         with prompt_padding_on_device():
-            logits = self._logits(input_ids, mask, position, first=True)
+            logits = self._logits(input_ids, mask, position, first=True, embeds=embeds)
         if not any(_written(layer) for layer in self.cache.layers):
             # Each step would run without the tokens before it: a model with no cache, or one
             # that keeps its own kind of state where grape cannot see it.
@@ -398,6 +415,8 @@ class Decoder:
             self.mask[:, :self.prompt_len].copy_(mask)
         self.position.copy_(position[:, -1:] + 1)
         self.count.zero_()
+        # (with embeddings alone no token precedes the new ones; token ids given beside them
+        # are as long as they, and so is the mask)
         self._remember(input_ids, logits.shape[-1], mask)
         self._emit(logits)
         self._agree()
@@ -693,7 +712,8 @@ class Decoder:
     @torch.no_grad()
     def check_written_only(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                            decoder_ids: torch.Tensor | None = None,
-                           decoder_mask: torch.Tensor | None = None) -> None:
+                           decoder_mask: torch.Tensor | None = None,
+                           embeds: torch.Tensor | None = None) -> None:
         """Refuse a model whose prompt or step reads cache positions it has not written.
 
         The prompt and a step run over a cache of zeros twice, and once with the values at its
@@ -714,7 +734,7 @@ class Decoder:
         try:
             for poison in (None, None, POISON):  # the first run also makes the cache's tensors
                 self._poison, self._audit = poison, []
-                self.prefill(input_ids, attention_mask, decoder_ids, decoder_mask)
+                self.prefill(input_ids, attention_mask, decoder_ids, decoder_mask, embeds)
                 self.step()
                 runs.append(self._audit)
         finally:
@@ -732,10 +752,11 @@ class Decoder:
 
     def generate_on_host(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                          decoder_ids: torch.Tensor | None = None,
-                         decoder_mask: torch.Tensor | None = None) -> Any:
+                         decoder_mask: torch.Tensor | None = None,
+                         embeds: torch.Tensor | None = None) -> Any:
         """The whole generation with the host deciding each step (one read-back per token):
         the reference a device loop of the same step is held to."""
-        self.prefill(input_ids, attention_mask, decoder_ids, decoder_mask)
+        self.prefill(input_ids, attention_mask, decoder_ids, decoder_mask, embeds)
         while bool(self.running):
             self.step()
         return self.result(input_ids, decoder_ids)

@@ -125,6 +125,10 @@ class Options:
     # model's own generate passes Whisper's so); None: where generate puts the one it makes,
     # at the first new token (the second after a forced first one).
     begin_at: int | None = None
+    # A decoder-only model's prompt given as inputs_embeds (the cache's prompt is theirs): how
+    # many token ids generate's sequences start with (the input_ids given with them, of their
+    # length, or none); None for a prompt of token ids.
+    embedded_head: int | None = None
     # Values read back to the host to resolve the call (processor objects' tokens on a GPU).
     read_backs: int = field(default=0, compare=False)
     # An encoder-decoder model's decoder prompt: its start token alone (1), or the
@@ -161,7 +165,8 @@ class Options:
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
                 self.no_repeat_ngram, self.source_ngram, self.source, self.bad_words,
                 self.bad_sequences, self.min_length, self.suppressed, self.begin_suppressed,
-                self.begin_at, self.decoder_prompt_len, self.num_return, self.cutoffs,
+                self.begin_at, self.embedded_head, self.decoder_prompt_len, self.num_return,
+                self.cutoffs,
                 self.stop_strings,
                 # (the tokenizer's table of token texts is the graph's: one per tokenizer)
                 id(self.tokenizer) if self.stop_strings else None, self.remove_invalid,
@@ -262,6 +267,11 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     """
     source = source_of(model)
     tokens = source == "input_ids"
+    kwargs = dict(kwargs)
+    embeds = kwargs.pop("inputs_embeds", None)
+    if embeds is not None:
+        head = _embedded(model, input_ids, embeds)
+        input_ids, tokens = embeds, False  # the cache's prompt: checked as a speech source's
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim < 2 \
             or (tokens and (input_ids.ndim != 2 or input_ids.dtype != torch.long)) \
             or (not tokens and not input_ids.is_floating_point()) \
@@ -284,10 +294,9 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                          f"{device}, found {found}")
     # (A model whose class has its own generate, Whisper's, reaches here for the calls that
     # generate makes of GenerationMixin's: grape.torch.own_generate.)
-    if not tokens and not getattr(model.config, "is_encoder_decoder", False):
+    if not tokens and embeds is None and not getattr(model.config, "is_encoder_decoder", False):
         raise NotGraphable(f"{type(model).__name__} is a decoder-only model that generates "
                            f"from {source}, and grape's decoders read token ids")
-    kwargs = dict(kwargs)
     tokenizer = kwargs.pop("tokenizer", None)  # generate's argument, for stop strings
     given = _given_processors(kwargs.pop("logits_processor", None))
     _given_criteria(kwargs.pop("stopping_criteria", None))
@@ -380,6 +389,11 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                                            "encoder_repetition_penalty"))
     if given:  # the caller's objects replace those generate makes of their kinds
         options = dataclasses.replace(options, **given)
+    if embeds is not None:
+        options = dataclasses.replace(options, embedded_head=head)
+        if options.source_penalty != 1.0:
+            raise NotGraphable("encoder_repetition_penalty over a prompt given as "
+                               "inputs_embeds, which holds no tokens")
     if options.decay is not None and not eos:
         raise GrapeError("expected an EOS token with exponential_decay_length_penalty (it "
                          "raises EOS's score; generate fails without one), found none")
@@ -397,7 +411,7 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     if options.source_ngram and not tokens:
         raise NotGraphable(f"encoder_no_repeat_ngram_size over a source of {source}, which "
                            f"holds no tokens")
-    if not tokens:  # generate infers no mask from features
+    if not tokens:  # generate infers no mask from features or embeddings
         return options, attention_mask if attention_mask is None or \
             attention_mask.dtype == torch.long else attention_mask.long()
     return options, _attention_mask(input_ids, attention_mask, pad_ids, eos)
@@ -455,6 +469,41 @@ def decoder_prompt(model: torch.nn.Module, options: Options, source: torch.Tenso
         0 if mask is None else mask.numel() * mask.element_size())
     return (dataclasses.replace(options, decoder_prompt_len=prepared.shape[1]), prepared, mask,
             copied)
+
+
+def _embedded(model: torch.nn.Module, input_ids: Any, embeds: Any) -> int:
+    """A prompt given as ``inputs_embeds``: checked, and the count of token ids that
+    ``generate``'s sequences start with (``input_ids`` given beside them, or none).
+
+    Raises
+    ------
+    GrapeError
+        Embeddings that are not (batch, length >= 1, hidden) floats on the model's device, or
+        token ids beside them of another batch.
+    NotGraphable
+        An encoder-decoder model's (its encoder takes them), or token ids of another length.
+    """
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise NotGraphable("inputs_embeds for an encoder-decoder model (its encoder's input)")
+    device = next(model.parameters()).device
+    if not (isinstance(embeds, torch.Tensor) and embeds.ndim == 3 and embeds.is_floating_point()
+            and min(embeds.shape) >= 1 and embeds.device == device):
+        found = (f"shape {tuple(embeds.shape)}, {embeds.dtype} on {embeds.device}"
+                 if isinstance(embeds, torch.Tensor) else type(embeds).__name__)
+        raise GrapeError(f"expected inputs_embeds of shape (batch, length >= 1, hidden), "
+                         f"floating, on {device}, found {found}")
+    if input_ids is None:
+        return 0
+    if not (isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2
+            and input_ids.dtype == torch.long and input_ids.shape[0] == embeds.shape[0]):
+        found = (f"shape {tuple(input_ids.shape)} and {input_ids.dtype}"
+                 if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__)
+        raise GrapeError(f"expected input_ids beside inputs_embeds of shape "
+                         f"({embeds.shape[0]}, length) and dtype long, or none, found {found}")
+    if input_ids.shape[1] != embeds.shape[1]:
+        raise NotGraphable(f"input_ids of another length ({input_ids.shape[1]}) than the "
+                           f"inputs_embeds beside them ({embeds.shape[1]})")
+    return input_ids.shape[1]
 
 
 def _given_processors(value: Any) -> dict[str, Any]:

@@ -102,19 +102,20 @@ def routed(model: torch.nn.Module, handler: Handler) -> Iterator[None]:
 
 
 def inner_arguments(model: torch.nn.Module, args: tuple, kwargs: dict
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, Any]]:
     """A call of ``GenerationMixin.generate(model, *args, **kwargs)`` as ``grape.generate``'s
     (inputs, attention mask, keyword arguments): the inputs by position or by the model's main
-    input name; ``max_new_tokens`` from the arguments, else the generation config given or the
-    model's, else from ``max_length`` as generate derives it where the prompt's length is
-    known (no decoder prompt given: its start token alone).
+    input name (None where the prompt is ``inputs_embeds``, left among the keywords);
+    ``max_new_tokens`` from the arguments, else the generation config given or the model's,
+    else from ``max_length`` as generate derives it where the prompt's length is known (token
+    ids, or no decoder prompt given: its start token alone).
 
     Raises
     ------
     NotGraphable
         What grape does not take there: an assistant model, a streamer, a negative prompt,
-        ``custom_generate``, ``prefix_allowed_tokens_fn``, ``synced_gpus``, no token ids or
-        features (only embeddings or encoder outputs), no length it can derive.
+        ``custom_generate``, ``prefix_allowed_tokens_fn``, ``synced_gpus``, encoder outputs or a
+        cache given, no prompt, no length it can derive.
     """
     try:
         bound = _SIGNATURE.bind(model, *args, **kwargs)
@@ -137,20 +138,21 @@ def inner_arguments(model: torch.nn.Module, args: tuple, kwargs: dict
             raise NotGraphable(f"GenerationMixin.generate was given inputs twice (by position "
                                f"and as {main})")
         inputs = rest.pop(main)
-    if not isinstance(inputs, torch.Tensor):
-        others = sorted(k for k in rest if k in ("inputs_embeds", "encoder_outputs"))
-        raise NotGraphable(f"GenerationMixin.generate was called without {main}"
-                           + (f" (with {', '.join(others)})" if others else ""))
-    for name in ("inputs_embeds", "encoder_outputs", "past_key_values"):
+    for name in ("encoder_outputs", "past_key_values"):
         if rest.get(name) is not None:
             raise NotGraphable(f"{name} given to GenerationMixin.generate")
+    # (a decoder-only model's prompt may be inputs_embeds alone: grape.torch.options checks)
+    if not isinstance(inputs, torch.Tensor) and rest.get("inputs_embeds") is None:
+        raise NotGraphable(f"GenerationMixin.generate was called without {main} or "
+                           f"inputs_embeds")
     mask = rest.pop("attention_mask", None)
     if rest.get("max_new_tokens") is None:
         rest["max_new_tokens"] = _new_tokens(model, inputs, rest)
     return inputs, mask, rest
 
 
-def _new_tokens(model: torch.nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any]) -> int:
+def _new_tokens(model: torch.nn.Module, inputs: torch.Tensor | None,
+                kwargs: dict[str, Any]) -> int:
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     new = getattr(config, "max_new_tokens", None)
     if new is not None:
@@ -160,10 +162,13 @@ def _new_tokens(model: torch.nn.Module, inputs: torch.Tensor, kwargs: dict[str, 
         defaults = getattr(type(config), "_get_default_generation_params", dict)()
         length = defaults.get("max_length")
     seq2seq = getattr(model.config, "is_encoder_decoder", False)
-    if seq2seq and kwargs.get("decoder_input_ids") is not None:
-        # (generate may put the start token before it, which changes the count)
-        raise NotGraphable("GenerationMixin.generate was given max_length, not "
-                           "max_new_tokens, with a decoder prompt")
+    for given, what in (("decoder_input_ids", "a decoder prompt"),
+                        ("inputs_embeds", "inputs_embeds")):
+        # (generate may put the start token before a decoder prompt, and counts embeddings
+        # apart from token ids: the count would be guessed)
+        if kwargs.get(given) is not None:
+            raise NotGraphable(f"GenerationMixin.generate was given max_length, not "
+                               f"max_new_tokens, with {what}")
     head = 1 if seq2seq else inputs.shape[1]
     if not isinstance(length, int) or length - head < 1:
         raise NotGraphable(f"GenerationMixin.generate was given no max_new_tokens and a "
