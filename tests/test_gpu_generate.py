@@ -375,6 +375,20 @@ def test_a_prompt_of_embeddings_is_read_where_it_lies_inside_the_launch(cuda, be
 
 
 @pytest.mark.parametrize("beams", [1, 4])
+def test_a_vision_language_models_images_are_read_where_they_lie_by_the_prompt(cuda, beams):
+    # LLaVA: pixel_values go to the prompt alone (the vision tower and the projector inside
+    # the launch's prefill); a second call's images, elsewhere, re-point it. fp32.
+    from tests.test_torch_generation import _llava
+
+    model, ids, mask, pixels = _llava()
+    model, ids, mask, pixels = model.cuda(), ids.cuda(), mask.cuda(), pixels.cuda()
+    stats = _one_launch_per_call(model, [ids, ids], mask,
+                                 [{"pixel_values": pixels}, {"pixel_values": pixels.flip(0)}],
+                                 max_new_tokens=16, num_beams=beams)
+    assert stats[1].pointer_updates > 0
+
+
+@pytest.mark.parametrize("beams", [1, 4])
 def test_whispers_own_generate_runs_its_generic_loop_as_one_launch(cuda, beams):
     # Whisper's generate builds the decoder's prompt (start, language, task, no-timestamps
     # tokens), passes its token suppression as processor objects, and strips the prompt from

@@ -1117,3 +1117,92 @@ def test_grape_generate_takes_embeddings_where_generate_takes_them():
     with pytest.raises(GrapeError, match="expected prompt_bucket only with token prompts"):
         grape.generate(model, attention_mask=mask, inputs_embeds=embeds, max_new_tokens=4,
                        prompt_bucket=8)
+
+
+def _llava():
+    """A small LLaVA: a CLIP vision tower of 4x4 patches over 32-pixel images, a Llama."""
+    transformers.logging.set_verbosity_error()
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=2,
+                                           image_size=32, patch_size=8)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=transformers.LlamaConfig(
+        **CONFIGS["llama"], **COMMON), image_token_index=VOCAB - 1, vision_feature_layer=-1)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(0)
+    image = torch.full((2, 16), VOCAB - 1)  # each image's 16 patch features take 16 places
+    ids = torch.cat([torch.ones(2, 1, dtype=torch.long), image,
+                     torch.randint(30, VOCAB - 1, (2, 5), generator=g)], dim=1)
+    mask = torch.ones_like(ids)
+    mask[1, :1] = 0
+    return model, ids, mask, torch.randn(2, 3, 32, 32, generator=g)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam 4, EOS"])
+def test_a_vision_language_model_reads_its_images_in_the_prompt_alone(strategy):
+    # generate passes pixel_values to every forward's input preparation; LLaVA's takes them
+    # for the prompt alone, so grape gives them to the prompt and checks that the steps would
+    # take nothing from them.
+    model, ids, mask, pixels = _llava()
+    kwargs = dict(STRATEGIES[strategy], max_new_tokens=6, pixel_values=pixels)
+    reference = model.generate(ids, attention_mask=mask, cache_implementation="static",
+                               **kwargs)
+    options, _ = resolve(model, ids, mask, dict(kwargs))
+    assert options.model_inputs == ("pixel_values",)
+    calls = []
+    ours = generate_on_host(model, ids, mask, check_written=True, calls=calls, **kwargs)
+    assert torch.equal(ours, reference)
+    other = generate_on_host(model, ids, mask, **dict(kwargs, pixel_values=pixels.flip(0)))
+    assert not torch.equal(other, ours)  # the images were read
+    assert calls[0].decoder._prompt_only is None  # checked by the first step
+
+
+class _StepsReadTheirArgument(transformers.GPT2LMHeadModel):
+    def prepare_inputs_for_generation(self, input_ids, extra_bias=None, **kwargs):
+        inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        inputs["extra_bias"] = extra_bias  # every step's forward takes it
+        return inputs
+
+    def forward(self, *args, extra_bias=None, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits + extra_bias
+        return out
+
+
+def test_a_model_argument_the_steps_read_is_refused_before_any_capture():
+    torch.manual_seed(0)
+    model = _StepsReadTheirArgument(transformers.GPT2Config(**CONFIGS["gpt2"], **COMMON)).eval()
+    ids, mask = _prompt()
+    bias = torch.zeros(VOCAB)
+    with pytest.raises(NotGraphable, match="_StepsReadTheirArgument's steps take extra_bias "
+                                           "from the arguments extra_bias, which grape gives "
+                                           "the prompt alone"):
+        generate_on_host(model, ids, mask, max_new_tokens=3, extra_bias=bias)
+    with pytest.raises(NotGraphable, match=r"arguments grape does not pass on: \['scale'\]"):
+        resolve(model, ids, mask, {"max_new_tokens": 3, "scale": 2.0})
+    with pytest.raises(GrapeError, match="expected the model's arguments on its device "
+                                         r"\(cpu\), found extra_bias on meta"):
+        resolve(model, ids, mask, {"max_new_tokens": 3,
+                                   "extra_bias": torch.zeros(VOCAB, device="meta")})
+
+
+def test_qwen2_vls_steps_take_its_image_grid_and_it_falls_back_before_capture():
+    # Its steps' positions come from the image grid (multimodal rotary positions), which a
+    # step reads again: grape does not give a step the caller's tensors, so it refuses.
+    transformers.logging.set_verbosity_error()
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(CONFIGS["llama"], vocab_size=VOCAB, max_position_embeddings=512,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, mlp_ratio=2),
+        image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3,
+        vision_end_token_id=VOCAB - 4, **COMMON)
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    grid = torch.tensor([[1, 4, 4]])  # 16 patches, merged 2x2 into 4 image tokens
+    ids = torch.tensor([[1, VOCAB - 3] + [VOCAB - 1] * 4 + [VOCAB - 4, 40, 41, 42]])
+    pixels = torch.randn(16, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NotGraphable, match="steps take image_grid_thw from the arguments "
+                                           "image_grid_thw, pixel_values"):
+        generate_on_host(model, ids, None, max_new_tokens=3, pixel_values=pixels,
+                         image_grid_thw=grid)

@@ -130,10 +130,14 @@ class _Prompt:
     # A decoder-only model's prompt as inputs_embeds; ``ids`` then holds the token ids given
     # beside them, or none ((batch, 0): nothing reads them).
     embeds: torch.Tensor | None = None
+    # The call's other tensors for the model (Options.model_inputs), by name.
+    model_inputs: tuple[tuple[str, torch.Tensor], ...] = ()
 
     def _given(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, t) for name in ("ids", "mask", "decoder_ids", "decoder_mask", "embeds")
-                if (t := getattr(self, name)) is not None and t.numel()]
+        fields = [(name, t) for name in ("ids", "mask", "decoder_ids", "decoder_mask", "embeds")
+                  if (t := getattr(self, name)) is not None]
+        return [(name, t) for name, t in fields + [(f"model:{k}", t)
+                                                    for k, t in self.model_inputs] if t.numel()]
 
     @property
     def length(self) -> int:
@@ -150,12 +154,13 @@ class _Prompt:
 
     def like(self, tensors: tuple[torch.Tensor, ...]) -> _Prompt:
         """These tensors, in the places of the given ones (a captured prefill's arguments)."""
-        names = [name for name, _ in self._given()]
-        return replace(self, **dict(zip(names, tensors, strict=True)))
+        placed = dict(zip((name for name, _ in self._given()), tensors, strict=True))
+        model = {k: placed.pop(f"model:{k}", t) for k, t in self.model_inputs}
+        return replace(self, **placed, model_inputs=tuple(model.items()))
 
     def prefill(self, decoder: Decoder) -> int:
         return decoder.prefill(self.ids, self.mask, self.decoder_ids, self.decoder_mask,
-                               self.embeds)
+                               self.embeds, dict(self.model_inputs))
 
 
 @dataclass
@@ -246,7 +251,7 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
     staged = [staging(), staging()]
     with _model_code(model):  # eagerly: nothing is being captured yet
         decoder.check_written_only(input_ids, prompt.mask, prompt.decoder_ids,
-                                   prompt.decoder_mask, prompt.embeds)
+                                   prompt.decoder_mask, prompt.embeds, dict(prompt.model_inputs))
         if decoder.uses_mask and prompt_len > 1:
             # The captured prompt holds both of its attention paths (grape.torch.hfmasks):
             # each runs once here, with no padding and with some, so that neither meets its
@@ -381,7 +386,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     as the options they stand for. A decoder-only model's prompt may be ``inputs_embeds``
     (``input_ids`` then None, or token ids of their length that the result starts with): the
     captured prefill reads them where they lie, and the result holds the new tokens alone, as
-    ``generate``'s does.
+    ``generate``'s does. Other tensors ``generate`` would pass to the model (a vision-language
+    model's ``pixel_values``) go to the prompt alone, read where they lie; a model whose steps
+    would read them too falls back, found before any capture.
     A model that attends to cache positions it has not written (its attention does not mask
     the static cache's unused tail, so that its tokens with a static cache are not those of
     its default cache) runs through ``model.generate``, found before anything is captured
@@ -482,7 +489,8 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
             raise NotGraphable(f"the model is on {source.device}, and graphs need a CUDA "
                                f"device")
         ids, mask, padded = bucketed(input_ids, mask, prompt_bucket or 1, options.pad)
-        prompt = _Prompt(ids, mask, decoder_ids, decoder_mask, embeds)
+        prompt = _Prompt(ids, mask, decoder_ids, decoder_mask, embeds,
+                         tuple((k, hf_kwargs[k]) for k in options.model_inputs))
         exact = exact_lengths if exact_lengths is not None else (
             not compile and options.start is None  # (an encoder-decoder's are refused)
             and options.cache_tokens(prompt.length) >= EXACT_FROM

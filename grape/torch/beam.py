@@ -85,8 +85,10 @@ class BeamDecoder(Decoder):
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 decoder_ids: torch.Tensor | None = None,
                 decoder_mask: torch.Tensor | None = None,
-                embeds: torch.Tensor | None = None) -> int:
-        copied = super().prefill(input_ids, attention_mask, decoder_ids, decoder_mask, embeds)
+                embeds: torch.Tensor | None = None,
+                model_inputs: dict[str, torch.Tensor] | None = None) -> int:
+        copied = super().prefill(input_ids, attention_mask, decoder_ids, decoder_mask, embeds,
+                                 model_inputs)
         if self.reorder is None and (self.mask.device.type != "cuda"
                                      or not torch.cuda.is_current_stream_capturing()):
             # The prompt allocated the cache's tensors; nothing captured reads them yet.

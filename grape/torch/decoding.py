@@ -278,14 +278,20 @@ class Decoder:
         # the logits each forward made, while it runs.
         self._poison: float | None = None
         self._audit: list[torch.Tensor] | None = None
+        # Options.model_inputs as the last prompt got them, until a step has checked that it
+        # reads none of them (_check_prompt_only).
+        self._prompt_only: dict[str, torch.Tensor] | None = None
 
     # --- the model, called as generate calls it ---------------------------------------------
 
     def _logits(self, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor | None,
-                first: bool, embeds: torch.Tensor | None = None) -> torch.Tensor:
+                first: bool, embeds: torch.Tensor | None = None,
+                model_inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         kwargs: dict[str, Any] = {self.cache_name: self.cache, "use_cache": True}
         if embeds is not None:  # the prompt as inputs_embeds: generate's first iteration
             kwargs["inputs_embeds"] = embeds
+        if model_inputs:
+            kwargs.update(model_inputs)
         # what the attention layers may write (Tokens)
         self.given.begin((ids if embeds is None else embeds).shape[1])
         if self.keeps_last_logits:
@@ -297,6 +303,8 @@ class Decoder:
             kwargs["attention_mask"] = mask
         if self.uses_positions and position is not None:
             kwargs["position_ids"] = position
+        if not first and self._prompt_only is not None:
+            self._check_prompt_only(ids, kwargs)
         if first or self.lengths is None:
             # (transformers may build the step's 4D mask while preparing the inputs)
             with self._step_masks(first):
@@ -326,6 +334,27 @@ class Decoder:
         if self._audit is not None:
             self._audit.append(logits.clone())
         return logits
+
+    def _check_prompt_only(self, ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        """Once, eagerly, before any step is captured: the model's input preparation for a
+        step takes nothing more from the call's model arguments (``Options.model_inputs``:
+        LLaVA's ``pixel_values`` go to the prompt alone), so the steps run without them and
+        read none of the caller's tensors.
+
+        Raises
+        ------
+        NotGraphable
+            A step's inputs would be made from them (the arguments named).
+        """
+        given, self._prompt_only = self._prompt_only, None
+        def prepared(extra: dict[str, Any]) -> set[str]:
+            inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=False,
+                                                              **kwargs, **extra)
+            return {k for k, v in inputs.items() if v is not None}
+        if read := sorted(prepared(given) - prepared({})):
+            raise NotGraphable(f"{type(self.model).__name__}'s steps take {', '.join(read)} "
+                               f"from the arguments {', '.join(given)}, which grape gives the "
+                               f"prompt alone")
 
     def _decoder_positions(self, inputs: dict[str, Any], position: torch.Tensor | None) -> None:
         """Where the model's own input preparation made an encoder-decoder's
@@ -359,7 +388,8 @@ class Decoder:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 decoder_ids: torch.Tensor | None = None,
                 decoder_mask: torch.Tensor | None = None,
-                embeds: torch.Tensor | None = None) -> int:
+                embeds: torch.Tensor | None = None,
+                model_inputs: dict[str, torch.Tensor] | None = None) -> int:
         """Run the prompt (eagerly) and make the first token. ``input_ids`` and
         ``attention_mask`` (None: all ones) are (batch, prompt_len), read where they lie; the
         mask is copied into the loop's full-length one. An encoder-decoder model's
@@ -367,8 +397,9 @@ class Decoder:
         decoder's prompt, (batch, ``Options.decoder_prompt_len``), as ``generate`` prepares
         it (``grape.torch.options.decoder_prompt``). A decoder-only model's prompt may be
         ``embeds`` instead, (batch, prompt_len, hidden), with ``input_ids`` the
-        ``Options.embedded_head`` token ids its sequences start with. Returns the bytes
-        copied."""
+        ``Options.embedded_head`` token ids its sequences start with. ``model_inputs`` are the
+        tensors ``Options.model_inputs`` names (read where they lie, by the prompt alone).
+        Returns the bytes copied."""
         self.cache.reset()
         if self._poison is not None:
             for layer in self.layers:
@@ -390,6 +421,11 @@ class Decoder:
         ones = attention_mask is None
         input_ids = self._rows(input_ids)
         embeds = None if embeds is None else self._rows(embeds)
+        if sorted(model_inputs or ()) != sorted(self.options.model_inputs):
+            raise GrapeError(f"expected the model arguments {list(self.options.model_inputs)} "
+                             f"(those this decoder was built for), found "
+                             f"{sorted(model_inputs or ())}")
+        model_inputs = {k: self._rows(v) for k, v in (model_inputs or {}).items()}
         mask = (torch.ones((self.rows, self.prompt_len), dtype=torch.long,
                            device=input_ids.device)
                 if ones else self._rows(attention_mask))
@@ -400,7 +436,10 @@ class Decoder:
         # Captured, the prompt attends as generate's would for this mask (its causal kernels
         # where it has no padding), chosen on the device at each launch (grape.torch.hfmasks).
         with prompt_padding_on_device():
-            logits = self._logits(input_ids, mask, position, first=True, embeds=embeds)
+            logits = self._logits(input_ids, mask, position, first=True, embeds=embeds,
+                                  model_inputs=model_inputs)
+        if model_inputs and not capturing():
+            self._prompt_only = model_inputs  # checked by the next step
         if not any(_written(layer) for layer in self.cache.layers):
             # Each step would run without the tokens before it: a model with no cache, or one
             # that keeps its own kind of state where grape cannot see it.
@@ -713,7 +752,8 @@ class Decoder:
     def check_written_only(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                            decoder_ids: torch.Tensor | None = None,
                            decoder_mask: torch.Tensor | None = None,
-                           embeds: torch.Tensor | None = None) -> None:
+                           embeds: torch.Tensor | None = None,
+                           model_inputs: dict[str, torch.Tensor] | None = None) -> None:
         """Refuse a model whose prompt or step reads cache positions it has not written.
 
         The prompt and a step run over a cache of zeros twice, and once with the values at its
@@ -734,7 +774,8 @@ class Decoder:
         try:
             for poison in (None, None, POISON):  # the first run also makes the cache's tensors
                 self._poison, self._audit = poison, []
-                self.prefill(input_ids, attention_mask, decoder_ids, decoder_mask, embeds)
+                self.prefill(input_ids, attention_mask, decoder_ids, decoder_mask, embeds,
+                             model_inputs)
                 self.step()
                 runs.append(self._audit)
         finally:
@@ -753,10 +794,12 @@ class Decoder:
     def generate_on_host(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                          decoder_ids: torch.Tensor | None = None,
                          decoder_mask: torch.Tensor | None = None,
-                         embeds: torch.Tensor | None = None) -> Any:
+                         embeds: torch.Tensor | None = None,
+                         model_inputs: dict[str, torch.Tensor] | None = None) -> Any:
         """The whole generation with the host deciding each step (one read-back per token):
         the reference a device loop of the same step is held to."""
-        self.prefill(input_ids, attention_mask, decoder_ids, decoder_mask, embeds)
+        self.prefill(input_ids, attention_mask, decoder_ids, decoder_mask, embeds,
+                     model_inputs)
         while bool(self.running):
             self.step()
         return self.result(input_ids, decoder_ids)

@@ -37,12 +37,14 @@ class HostCall:
     decoder_ids: torch.Tensor | None = None
     decoder_mask: torch.Tensor | None = None
     embeds: torch.Tensor | None = None
+    model_inputs: dict[str, torch.Tensor] | None = None  # Options.model_inputs' tensors
 
     def again(self) -> Decoder:
         """A new decoder of this one's shape and options, with the prompt read into it."""
         decoder = type(self.decoder)(self.decoder.model, self.ids.shape[0],
                                      self.decoder.prompt_len, self.options)
-        decoder.prefill(self.ids, self.mask, self.decoder_ids, self.decoder_mask, self.embeds)
+        decoder.prefill(self.ids, self.mask, self.decoder_ids, self.decoder_mask, self.embeds,
+                        self.model_inputs)
         return decoder
 
 
@@ -98,9 +100,10 @@ def loop_on_host(model: torch.nn.Module, ids: torch.Tensor | None = None,
     decoder = cls(model, ids.shape[0], length, options)
     if options.strategy == "sample":
         decoder.set_seed(seed)
-    call = HostCall(decoder, options, ids, mask, decoder_ids, decoder_mask, embeds)
+    extra = {k: kwargs[k] for k in options.model_inputs}
+    call = HostCall(decoder, options, ids, mask, decoder_ids, decoder_mask, embeds, extra)
     if check_written:
-        decoder.check_written_only(ids, mask, decoder_ids, decoder_mask, embeds)
+        decoder.check_written_only(ids, mask, decoder_ids, decoder_mask, embeds, extra)
     if calls is not None:
         calls.append(call)
-    return decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds)
+    return decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra)

@@ -129,6 +129,10 @@ class Options:
     # many token ids generate's sequences start with (the input_ids given with them, of their
     # length, or none); None for a prompt of token ids.
     embedded_head: int | None = None
+    # Tensors the call gives the model beside the prompt (a vision model's pixel_values), by
+    # name: generate passes them to every forward's input preparation; grape gives them to the
+    # prompt's, and refuses a model whose steps would read them.
+    model_inputs: tuple[str, ...] = ()
     # Values read back to the host to resolve the call (processor objects' tokens on a GPU).
     read_backs: int = field(default=0, compare=False)
     # An encoder-decoder model's decoder prompt: its start token alone (1), or the
@@ -165,7 +169,8 @@ class Options:
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
                 self.no_repeat_ngram, self.source_ngram, self.source, self.bad_words,
                 self.bad_sequences, self.min_length, self.suppressed, self.begin_suppressed,
-                self.begin_at, self.embedded_head, self.decoder_prompt_len, self.num_return,
+                self.begin_at, self.embedded_head, self.model_inputs, self.decoder_prompt_len,
+                self.num_return,
                 self.cutoffs,
                 self.stop_strings,
                 # (the tokenizer's table of token texts is the graph's: one per tokenizer)
@@ -185,10 +190,13 @@ class Options:
         return max(self.cache_length or 0, prompt_len + self.room)
 
 
-def _merged(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerationConfig:
+def _merged(model: torch.nn.Module, kwargs: dict[str, Any]
+            ) -> tuple[GenerationConfig, tuple[str, ...]]:
     """The call's generation config as ``generate`` makes it: by the model's own
     ``_prepare_generation_config`` (a given ``generation_config``'s unset fields taken from the
-    model's, then the library's defaults, then the keyword arguments over both)."""
+    model's, then the library's defaults, then the keyword arguments over both); and the
+    names of the tensors among the other arguments, which ``generate`` passes to the model
+    (``pixel_values``...). Other arguments than those are refused."""
     given = kwargs.pop("generation_config", None)
     prepare = getattr(model, "_prepare_generation_config", None)
     try:
@@ -202,9 +210,10 @@ def _merged(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerationConfig:
     except ValueError as e:  # transformers checks some values as it sets them
         raise GrapeError(f"expected generation options generate accepts, found: "
                          f"{str(e).splitlines()[0]}") from None
-    if unknown:
-        raise NotGraphable(f"arguments grape does not pass on: {sorted(unknown)}")
-    return _with_defaults(config)
+    inputs = tuple(sorted(k for k in unknown if isinstance(kwargs[k], torch.Tensor)))
+    if refused := sorted(k for k in unknown if k not in inputs and kwargs[k] is not None):
+        raise NotGraphable(f"arguments grape does not pass on: {refused}")
+    return _with_defaults(config), inputs
 
 
 def _with_defaults(config: GenerationConfig) -> GenerationConfig:
@@ -301,7 +310,10 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     given = _given_processors(kwargs.pop("logits_processor", None))
     _given_criteria(kwargs.pop("stopping_criteria", None))
     max_new = _integer(kwargs.get("max_new_tokens"), "max_new_tokens", 1)
-    config = _merged(model, kwargs)
+    config, model_inputs = _merged(model, kwargs)
+    if elsewhere := [k for k in model_inputs if kwargs[k].device != device]:
+        raise GrapeError(f"expected the model's arguments on its device ({device}), found "
+                         f"{elsewhere[0]} on {kwargs[elsewhere[0]].device}")
     if unsupported := _unsupported(config):
         raise NotGraphable(f"generation options grape does not reproduce: "
                            f"{', '.join(unsupported)}")
@@ -389,6 +401,11 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                                            "encoder_repetition_penalty"))
     if given:  # the caller's objects replace those generate makes of their kinds
         options = dataclasses.replace(options, **given)
+    if model_inputs:
+        if start is not None:
+            raise NotGraphable(f"model arguments beside an encoder-decoder model's source: "
+                               f"{', '.join(model_inputs)}")
+        options = dataclasses.replace(options, model_inputs=model_inputs)
     if embeds is not None:
         options = dataclasses.replace(options, embedded_head=head)
         if options.source_penalty != 1.0:
