@@ -64,7 +64,7 @@ from grape.torch.beam import BeamDecoder
 from grape.torch.capture import capture, culprit, frozen_heap
 from grape.torch.decoding import Decoder, ExactRefused, TokenDecoder
 from grape.torch.loop import DeviceLoop
-from grape.torch.options import NotGraphable, Options, decoder_prompt, resolve
+from grape.torch.options import NotGraphable, Options, decoder_prompt, resolve, sequence_head
 from grape.torch.own_generate import inner_arguments, owns_generate, routed
 from grape.torch.parallel import agree, group_of
 from grape.torch.staging import HostConstants, PinnedArena
@@ -468,13 +468,8 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
         options, mask = resolve(model, input_ids, attention_mask,
                                 {k: v for k, v in hf_kwargs.items() if k not in _DECODER_PROMPT})
         embeds = hf_kwargs.get("inputs_embeds")
-        if embeds is not None:  # generate's sequences start with the ids given, or none
-            source = embeds
-            input_ids = (input_ids if input_ids is not None else
-                         torch.empty((embeds.shape[0], 0), dtype=torch.long,
-                                     device=embeds.device))
-        else:
-            source = input_ids
+        source = input_ids if embeds is None else embeds  # the cache's prompt
+        input_ids = sequence_head(input_ids, embeds)
         options, decoder_ids, decoder_mask, decoder_copied = decoder_prompt(
             model, options, input_ids, *(hf_kwargs.get(k) for k in _DECODER_PROMPT))
         if prompt_bucket is not None and (options.source != "input_ids" or embeds is not None):

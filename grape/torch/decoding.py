@@ -347,6 +347,7 @@ class Decoder:
             A step's inputs would be made from them (the arguments named).
         """
         given, self._prompt_only = self._prompt_only, None
+
         def prepared(extra: dict[str, Any]) -> set[str]:
             inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=False,
                                                               **kwargs, **extra)

@@ -19,7 +19,7 @@ import torch
 
 from grape.torch.beam import BeamDecoder
 from grape.torch.decoding import Decoder, TokenDecoder
-from grape.torch.options import NotGraphable, Options, decoder_prompt, resolve
+from grape.torch.options import NotGraphable, Options, decoder_prompt, resolve, sequence_head
 from grape.torch.own_generate import inner_arguments, owns_generate, routed
 
 __all__ = ["HostCall", "generate_on_host", "loop_on_host"]
@@ -92,8 +92,7 @@ def loop_on_host(model: torch.nn.Module, ids: torch.Tensor | None = None,
     prompt = [kwargs.pop(k, None) for k in ("decoder_input_ids", "decoder_attention_mask")]
     options, mask = resolve(model, ids, mask, kwargs)
     embeds = kwargs.get("inputs_embeds")
-    if ids is None and embeds is not None:  # generate's sequences then start empty
-        ids = torch.empty((embeds.shape[0], 0), dtype=torch.long, device=embeds.device)
+    ids = sequence_head(ids, embeds)
     options, decoder_ids, decoder_mask, _ = decoder_prompt(model, options, ids, *prompt)
     cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
     length = (ids if embeds is None else embeds).shape[1]

@@ -32,7 +32,8 @@ from transformers.generation.logits_process import (
 
 from grape.errors import GrapeError
 
-__all__ = ["NotGraphable", "Options", "decoder_prompt", "resolve", "sampling_warpers"]
+__all__ = ["NotGraphable", "Options", "decoder_prompt", "resolve", "sampling_warpers",
+           "sequence_head"]
 
 
 class NotGraphable(Exception):  # a reason to fall back, not an error of the caller
@@ -521,6 +522,14 @@ def _embedded(model: torch.nn.Module, input_ids: Any, embeds: Any) -> int:
         raise NotGraphable(f"input_ids of another length ({input_ids.shape[1]}) than the "
                            f"inputs_embeds beside them ({embeds.shape[1]})")
     return input_ids.shape[1]
+
+
+def sequence_head(input_ids: torch.Tensor | None, embeds: torch.Tensor | None) -> torch.Tensor:
+    """What ``generate``'s sequences start with: the token ids given, or for a prompt of
+    embeddings alone none, as (batch, 0) ids."""
+    if input_ids is not None or embeds is None:
+        return input_ids
+    return torch.empty((embeds.shape[0], 0), dtype=torch.long, device=embeds.device)
 
 
 def _given_processors(value: Any) -> dict[str, Any]:
