@@ -409,6 +409,31 @@ def test_whispers_own_generate_runs_its_generic_loop_as_one_launch(cuda, beams):
     _one_launch_per_call(model, [features.flip(0)], None, max_new_tokens=12, num_beams=beams)
 
 
+def test_whispers_timestamped_long_form_is_a_launch_per_window(cuda):
+    # return_timestamps=True over three windows of audio: Whisper's timestamp rules inside
+    # each launch (grape.torch.decoding's, held bit for bit to its processor on the CPU), a
+    # launch per window Whisper decides on, each window's whole-audio mask taken as it is.
+    import grape
+    from grape.torch.api import last_stats
+    from tests.test_torch_own_generate import _whisper
+
+    model, features = _whisper(boost=(320,))
+    model, features = model.cuda(), features.cuda()
+    audio = torch.cat([features, features.flip(2), features.roll(7, dims=2)], dim=2)
+    mask = torch.ones(2, 300, dtype=torch.long, device="cuda")
+    kwargs = dict(language="en", return_timestamps=True, max_new_tokens=10)
+    for source, extra in ((features, {}), (audio, {"attention_mask": mask})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            out = grape.generate(model, source, **extra, **kwargs)
+        stats = last_stats()
+        reference = model.generate(source, cache_implementation="static", **extra, **kwargs)
+        assert torch.equal(out, reference)
+        # (a window is at most 100 frames of the 300: two calls at least, as on the CPU)
+        assert stats.graphed and (stats.launches >= 2 if source is audio
+                                  else stats.launches == 1)
+
+
 @pytest.mark.parametrize("beams", [1, 4])
 def test_a_decoder_prompt_is_read_where_it_lies_inside_the_launch(cuda, beams):
     # BART (learned positions, decoder start token 2) continuing decoder prompts of 3 tokens:

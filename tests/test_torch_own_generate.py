@@ -63,7 +63,7 @@ def _host_loop(model, args, kwargs):
     """grape's host loop for one call of GenerationMixin.generate (on a GPU grape.generate
     captures the same step in a device loop)."""
     inputs, mask, kw = inner_arguments(model, args, kwargs)
-    return loop_on_host(model, inputs, mask, **kw)
+    return loop_on_host(model, inputs, mask, wrapped=True, **kw)
 
 
 def _through_grape(model, features, made=None, **kwargs):
@@ -305,6 +305,17 @@ def test_processor_objects_are_the_options_they_stand_for_or_named():
                                            "MaxTimeCriteria"):
         resolve(model, ids, None, {"max_new_tokens": 4,
                                    "stopping_criteria": [MaxTimeCriteria(10.0)]})
+    from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
+
+    stamps = WhisperTimeStampLogitsProcessor(transformers.GenerationConfig(
+        no_timestamps_token_id=90, eos_token_id=2), begin_index=3)
+    options, _ = resolve(model, ids, None, {"max_new_tokens": 4, "logits_processor": [
+        SuppressTokensLogitsProcessor([3]), stamps]})
+    assert options.timestamps == (3, 90, 2, None, True)
+    with pytest.raises(NotGraphable, match="a SuppressTokensLogitsProcessor after a "
+                                           "WhisperTimeStampLogitsProcessor"):
+        resolve(model, ids, None, {"max_new_tokens": 4, "logits_processor": [
+            stamps, SuppressTokensLogitsProcessor([3])]})
     with pytest.raises(GrapeError, match="expected logits_processor to be a list"):
         resolve(model, ids, None, {"max_new_tokens": 4, "logits_processor": 3})
 
@@ -358,3 +369,66 @@ def test_a_wrapper_that_prompts_with_embeddings_makes_its_tokens(num_beams):
         ours = model.generate(ids, **kwargs)
     assert torch.equal(ours, reference) and ours.shape == (2, 6)
     assert seen == [(None, (2, 4, 32))]
+
+
+@pytest.mark.parametrize("boost", [(), (320,), (315, 320)])
+def test_whispers_timestamps_short_and_long_form_make_its_tokens(boost):
+    # return_timestamps=True: Whisper passes its WhisperTimeStampLogitsProcessor; three
+    # windows of audio (long form) make a call of the loop per window Whisper decides on,
+    # each with the whole audio's mask beside the window. Boosted timestamp tokens make the
+    # pairing rules act.
+    model, features = _whisper(boost=boost)
+    audio = torch.cat([features, features.flip(2), features.roll(7, dims=2)], dim=2)
+    for source, extra in ((features, {}), (features, {"num_beams": 3}),
+                          (audio, {"attention_mask": torch.ones(2, 300, dtype=torch.long)})):
+        kwargs = dict(language="en", return_timestamps=True, max_new_tokens=10, **extra)
+        calls = []
+        ours = generate_on_host(model, source, calls=calls, **kwargs)
+        assert torch.equal(ours, model.generate(source, cache_implementation="static",
+                                                **kwargs))
+        assert all(c.options.timestamps == (3, NO_TIMESTAMPS, EOT, 5, True) for c in calls)
+        assert len(calls) == (2 if source is audio else 1)
+        assert (ours > NO_TIMESTAMPS).any()  # timestamps were made
+
+
+def test_the_timestamp_rules_are_the_processors_bit_for_bit():
+    # Random histories (text and timestamp tokens, at and after the begin index) and random
+    # scores through Whisper's processor and grape's rules on the device's tensors.
+    from types import SimpleNamespace
+
+    from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
+
+    from grape.torch.decoding import Decoder
+
+    g = torch.Generator().manual_seed(0)
+    width, rows, begin, head = 60, 6, 3, 3
+    config = transformers.GenerationConfig(no_timestamps_token_id=40, eos_token_id=30,
+                                           max_initial_timestamp_index=4)
+    processor = WhisperTimeStampLogitsProcessor(config, begin_index=begin)
+    acted = {"first token": 0, "after a pair": 0, "after a lone timestamp": 0,
+             "timestamps outweigh text": 0}
+    for trial in range(300):
+        made = int(torch.randint(0, 8, (), generator=g))
+        # text below 30, EOS 30, timestamps from 41, with a row of no timestamps
+        tokens = torch.where(torch.rand(rows, head + made, generator=g) < 0.5,
+                             torch.randint(0, 30, (rows, head + made), generator=g),
+                             torch.randint(41, width, (rows, head + made), generator=g))
+        tokens[0, head:] = torch.randint(0, 30, (made,), generator=g)
+        scores = torch.randn(rows, width, generator=g) * (1 + trial % 5)
+        history = torch.zeros(rows, head + 10, dtype=torch.long)
+        history[:, :head + made] = tokens
+        fake = SimpleNamespace(
+            options=SimpleNamespace(timestamps=(begin, 40, 30, 4, True)), history=history,
+            count=torch.tensor([made]), head_len=head)
+        expected = processor(tokens, scores.clone())
+        assert torch.equal(Decoder._timestamped(fake, scores.clone()), expected), trial
+        # which rules the rows met (read off the tokens and the processor's output)
+        stamps = tokens[:, head:] > 40
+        last = stamps[:, -1] if made else torch.zeros(rows, dtype=torch.bool)
+        before = stamps[:, -2] if made >= 2 else torch.ones(rows, dtype=torch.bool)
+        acted["first token"] += rows * (made == 0)
+        acted["after a pair"] += int((last & before).sum())
+        acted["after a lone timestamp"] += int((last & ~before).sum())
+        no_text = (expected[:, :41] == -float("inf")).all(dim=1)
+        acted["timestamps outweigh text"] += int((no_text & ~last).sum()) * (made > 0)
+    assert all(count > 10 for count in acted.values()), acted

@@ -459,14 +459,16 @@ class _GrapeArgs:
 
 def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
               attention_mask: torch.Tensor | None, hf_kwargs: dict[str, Any], args: _GrapeArgs,
-              fallback: Callable[[], Any], falling_back: str) -> Any:
+              fallback: Callable[[], Any], falling_back: str, wrapped: bool = False) -> Any:
     """One generation graphed, or ``fallback()`` after a warning that starts with
-    ``falling_back`` and says why."""
+    ``falling_back`` and says why. ``wrapped``: a call a model's own generate made of the
+    generic loop (``resolve``)."""
     global _LAST
     compile, prompt_bucket, exact_lengths = args.compile, args.prompt_bucket, args.exact_lengths
     try:
         options, mask = resolve(model, input_ids, attention_mask,
-                                {k: v for k, v in hf_kwargs.items() if k not in _DECODER_PROMPT})
+                                {k: v for k, v in hf_kwargs.items() if k not in _DECODER_PROMPT},
+                                wrapped)
         embeds = hf_kwargs.get("inputs_embeds")
         source = input_ids if embeds is None else embeds  # the cache's prompt
         input_ids = sequence_head(input_ids, embeds)
@@ -528,13 +530,17 @@ def _through_own_generate(model: torch.nn.Module, input_ids: Any,
                         f"GenerationMixin.generate as it is")
         try:
             inputs, mask, kwargs = inner_arguments(model, call_args, call_kwargs)
-        except NotGraphable as e:
+            out = _generate(model, inputs, mask, kwargs, args, fallback, falling_back,
+                            wrapped=True)
+        except (NotGraphable, GrapeError) as e:
+            # Inside the model's own generate grape is a guest: a call it cannot take as the
+            # wrapper made it (Whisper's long-form windows pass the whole audio's mask beside
+            # one window's features) runs as made, and an error of the caller's surfaces
+            # there, as generate's own.
             reason = str(e).splitlines()[0]
             warnings.warn(f"{falling_back}: {reason}", stacklevel=2)
             _LAST = GenerationStats(graphed=False, reason=reason)
             out = fallback()
-        else:
-            out = _generate(model, inputs, mask, kwargs, args, fallback, falling_back)
         calls.append(_LAST)
         return out
 

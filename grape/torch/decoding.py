@@ -199,7 +199,8 @@ class Decoder:
             # made by the first prompt, as long as the encoder's output (a speech encoder's is
             # shorter than its input), and self.cache then holds both (_prefill_source).
             self.cross: StaticCache | None = None
-            self.source_mask = torch.zeros((rows, prompt_len), dtype=torch.long, device=device)
+            # the source's mask, as its first prompt gives it (over tokens, frames or samples)
+            self.source_mask: torch.Tensor | None = None
             self.encoded: torch.Tensor | None = None  # the encoder's output, made by the prompt
             self.encoder_outputs: Any = None  # and the rest it returned, as the decoder takes it
         self.mask = torch.zeros((rows, self.max_len), dtype=torch.long, device=device)
@@ -245,7 +246,7 @@ class Decoder:
         # the prompt's and the new ones.
         self.history = (torch.zeros((rows, head + options.room), dtype=torch.long, device=device)
                         if options.no_repeat_ngram or options.bad_sequences
-                        or options.source_ngram or options.stop_strings
+                        or options.source_ngram or options.stop_strings or options.timestamps
                         or any(len(ids) > 1 for ids, _ in options.sequence_bias) else None)
         # encoder_no_repeat_ngram_size: the source's tokens, per row (a copy: read every step).
         self.source_ids = (torch.zeros((rows, prompt_len), dtype=torch.long, device=device)
@@ -507,6 +508,8 @@ class Decoder:
         self.encoded.copy_(encoded)
         outputs["last_hidden_state"] = self.encoded
         self.encoder_outputs = outputs
+        if self.source_mask is None or self.source_mask.shape != self._rows(mask).shape:
+            self.source_mask = torch.empty_like(self._rows(mask), dtype=torch.long)
         self.source_mask.copy_(self._rows(mask))
         copied = 0 if ones else mask.numel() * mask.element_size()
         if self.source_ids is not None:
@@ -590,6 +593,49 @@ class Decoder:
             first = self.count == self.begin
             scores = torch.where(first & self._mask("begin_suppressed", scores), -math.inf,
                                  scores)
+        if options.timestamps is not None:
+            scores = self._timestamped(scores)
+        return scores
+
+    def _timestamped(self, scores: torch.Tensor) -> torch.Tensor:
+        """generate's WhisperTimeStampLogitsProcessor with the history on the device: the
+        no-timestamps token out; timestamps in pairs (after a pair, text; after a lone one,
+        another timestamp or EOS) and never below the last; at the first token a timestamp no
+        later than the limit; and where a row's timestamps together outweigh its likeliest
+        text token, a timestamp. Its last rule reads each row's log-probabilities one row at a
+        time, as the processor does, so that the comparison sees its bits."""
+        begin, no_timestamps, eos, initial, detect = self.options.timestamps
+        first = no_timestamps + 1  # the first timestamp token
+        width, rows = scores.shape[-1], scores.shape[0]
+        device = scores.device
+        vocab = torch.arange(width, device=device)
+        stamp = vocab >= first  # (width,)
+        scores = scores.index_fill(1, torch.tensor([no_timestamps], device=device), -math.inf)
+        history = self.history
+        written = self.count + self.head_len  # the sequence's length, (1,)
+        made = written - begin  # tokens since the begin index
+        last = history.gather(1, (written - 1).clamp(min=0).expand(rows, 1)).squeeze(1)
+        before = history.gather(1, (written - 2).clamp(min=0).expand(rows, 1)).squeeze(1)
+        last_stamp = (made >= 1) & (last >= first)  # (rows,)
+        lone = last_stamp & ~((made < 2) | (before >= first))  # a timestamp after text
+        paired = last_stamp & ~lone
+        scores = torch.where(paired.unsqueeze(1) & stamp, -math.inf, scores)
+        scores = torch.where(lone.unsqueeze(1) & (vocab < eos), -math.inf, scores)
+        # the last timestamp at or after the begin index, where there is one
+        place = torch.arange(history.shape[1], device=device)
+        stamps = (history >= first) & (place >= begin) & (place < written)
+        at = torch.where(stamps, place, -1).amax(dim=1)
+        latest = history.gather(1, at.clamp(min=0).unsqueeze(1)).squeeze(1)
+        below = torch.where(lone, latest, latest + 1).unsqueeze(1)
+        scores = torch.where((at >= 0).unsqueeze(1) & stamp & (vocab < below), -math.inf,
+                             scores)
+        opening = ~stamp if initial is None else ~stamp | (vocab > first + initial)
+        scores = torch.where((written == begin) & opening, -math.inf, scores)
+        if detect:
+            logprobs = torch.nn.functional.log_softmax(scores.float(), dim=-1)
+            outweigh = torch.stack([logprobs[k, first:].logsumexp(dim=-1)
+                                    > logprobs[k, :first].max() for k in range(rows)])
+            scores = torch.where(outweigh.unsqueeze(1) & ~stamp, -math.inf, scores)
         return scores
 
     def _repeating(self, width: int, source: torch.Tensor | None = None) -> torch.Tensor:

@@ -73,7 +73,7 @@ def generate_on_host(model: torch.nn.Module, input_ids: torch.Tensor | None = No
     def inner(model: torch.nn.Module, args: tuple, kw: dict) -> Any:
         ids, mask, rest = inner_arguments(model, args, kw)
         return loop_on_host(model, ids, mask, seed=seed, check_written=check_written,
-                            calls=ran, **rest)
+                            calls=ran, wrapped=True, **rest)
     given = kwargs if attention_mask is None else dict(kwargs, attention_mask=attention_mask)
     with routed(model, inner):
         out = model.generate(input_ids, **given)
@@ -86,11 +86,13 @@ def generate_on_host(model: torch.nn.Module, input_ids: torch.Tensor | None = No
 def loop_on_host(model: torch.nn.Module, ids: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, *, seed: int = 1,
                  check_written: bool = False, calls: list[HostCall] | None = None,
-                 **kwargs: Any) -> Any:
+                 wrapped: bool = False, **kwargs: Any) -> Any:
     """One call of the generic loop (``GenerationMixin.generate``, whatever the model's class
-    puts around it), driven by the host; arguments as for :func:`generate_on_host`."""
+    puts around it), driven by the host; arguments as for :func:`generate_on_host`
+    (``wrapped``: a call a model's own generate made, as ``grape.torch.options.resolve``
+    takes it)."""
     prompt = [kwargs.pop(k, None) for k in ("decoder_input_ids", "decoder_attention_mask")]
-    options, mask = resolve(model, ids, mask, kwargs)
+    options, mask = resolve(model, ids, mask, kwargs, wrapped)
     embeds = kwargs.get("inputs_embeds")
     ids = sequence_head(ids, embeds)
     options, decoder_ids, decoder_mask, _ = decoder_prompt(model, options, ids, *prompt)

@@ -28,6 +28,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
+    WhisperTimeStampLogitsProcessor,
 )
 
 from grape.errors import GrapeError
@@ -126,6 +127,11 @@ class Options:
     # model's own generate passes Whisper's so); None: where generate puts the one it makes,
     # at the first new token (the second after a forced first one).
     begin_at: int | None = None
+    # WhisperTimeStampLogitsProcessor, given as an object (Whisper's generate passes it where
+    # timestamps are asked for, as in long-form audio): (its begin index, the no-timestamps
+    # token, the EOS it keeps text below, the latest first timestamp or None, whether a row
+    # whose timestamps outweigh every text token must take one), after the suppression.
+    timestamps: tuple[int, int, int, int | None, bool] | None = None
     # A decoder-only model's prompt given as inputs_embeds (the cache's prompt is theirs): how
     # many token ids generate's sequences start with (the input_ids given with them, of their
     # length, or none); None for a prompt of token ids.
@@ -170,9 +176,8 @@ class Options:
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
                 self.no_repeat_ngram, self.source_ngram, self.source, self.bad_words,
                 self.bad_sequences, self.min_length, self.suppressed, self.begin_suppressed,
-                self.begin_at, self.embedded_head, self.model_inputs, self.decoder_prompt_len,
-                self.num_return,
-                self.cutoffs,
+                self.begin_at, self.timestamps, self.embedded_head, self.model_inputs,
+                self.decoder_prompt_len, self.num_return, self.cutoffs,
                 self.stop_strings,
                 # (the tokenizer's table of token texts is the graph's: one per tokenizer)
                 id(self.tokenizer) if self.stop_strings else None, self.remove_invalid,
@@ -263,9 +268,12 @@ def _real(value: Any, name: str) -> float:
 
 
 def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
-            kwargs: dict[str, Any]) -> tuple[Options, torch.Tensor | None]:
+            kwargs: dict[str, Any], wrapped: bool = False) -> tuple[Options, torch.Tensor | None]:
     """The options of one generate call, and the attention mask generate would use (None
-    where it is all ones).
+    where it is all ones). ``wrapped``: the call is one a model's own generate makes of the
+    generic loop (``grape.torch.own_generate``), whose mask over a speech source is taken at
+    any length, as the loop takes it (Whisper passes a long audio's whole mask beside each
+    30-second window, which its encoder does not read).
 
     Raises
     ------
@@ -295,13 +303,23 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     if input_ids.device != device:
         raise GrapeError(f"expected {source} on the model's device ({device}), found them on "
                          f"{input_ids.device}")
+    # A mask over the prompt's tokens, or a speech source's frames: its second dimension, or
+    # its last where the features come first (Whisper's processor masks (batch, frames) of
+    # (batch, features, frames)).
+    shapes = [tuple(input_ids.shape[:2])]
+    if not tokens and embeds is None and input_ids.ndim > 2:
+        shapes.append((input_ids.shape[0], input_ids.shape[-1]))
+    any_length = wrapped and not tokens and embeds is None and isinstance(
+        attention_mask, torch.Tensor) and attention_mask.ndim == 2 and (
+        attention_mask.shape[0] == input_ids.shape[0])
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
-                                       or attention_mask.shape != input_ids.shape[:2]
+                                       or (tuple(attention_mask.shape) not in shapes
+                                           and not any_length)
                                        or attention_mask.device != device):
         found = (f"shape {tuple(attention_mask.shape)} on {attention_mask.device}"
                  if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
-        raise GrapeError(f"expected an attention_mask of shape {tuple(input_ids.shape[:2])} on "
-                         f"{device}, found {found}")
+        raise GrapeError(f"expected an attention_mask of shape "
+                         f"{' or '.join(map(str, shapes))} on {device}, found {found}")
     # (A model whose class has its own generate, Whisper's, reaches here for the calls that
     # generate makes of GenerationMixin's: grape.torch.own_generate.)
     if not tokens and embeds is None and not getattr(model.config, "is_encoder_decoder", False):
@@ -564,10 +582,33 @@ def _given_processors(value: Any) -> dict[str, Any]:
             found["begin_suppressed"] = tuple(dict.fromkeys(found.get("begin_suppressed", ())
                                                             + tokens))
             found["begin_at"] = at
+        elif type(processor) is WhisperTimeStampLogitsProcessor:
+            found["timestamps"] = _timestamps(processor)
         else:
             raise NotGraphable(f"a logits processor grape does not reproduce: "
                                f"{type(processor).__name__}")
+        if "timestamps" in found and type(processor) is not WhisperTimeStampLogitsProcessor:
+            # grape applies it after the suppression (where Whisper puts it), which it does
+            # not commute with: its log-softmax sees the suppressed tokens' -inf
+            raise NotGraphable(f"a {type(processor).__name__} after a "
+                               f"WhisperTimeStampLogitsProcessor")
     return found
+
+
+def _timestamps(processor: Any) -> tuple[int, int, int, int | None, bool]:
+    """A WhisperTimeStampLogitsProcessor's settings (Options.timestamps)."""
+    eos = processor.eos_token_id
+    values = (processor.begin_index, processor.no_timestamps_token_id, eos,
+              processor.max_initial_timestamp_index)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values[:3]) or not (
+            values[3] is None or isinstance(values[3], int)):
+        raise NotGraphable(f"a WhisperTimeStampLogitsProcessor with settings grape does not "
+                           f"take (begin index, no-timestamps token, EOS, first timestamp "
+                           f"limit: {values})")
+    if processor.timestamp_begin != processor.no_timestamps_token_id + 1:
+        raise NotGraphable("a WhisperTimeStampLogitsProcessor whose timestamps do not follow "
+                           "its no-timestamps token")
+    return (*values, bool(processor._detect_timestamp_from_logprob))
 
 
 def _read(tokens: torch.Tensor, found: dict[str, Any]) -> tuple[int, ...]:
