@@ -1206,3 +1206,42 @@ def test_qwen2_vls_steps_take_its_image_grid_and_it_falls_back_before_capture():
                                            "image_grid_thw, pixel_values"):
         generate_on_host(model, ids, None, max_new_tokens=3, pixel_values=pixels,
                          image_grid_thw=grid)
+
+
+@pytest.mark.parametrize("model_type, sizes, table", [
+    ("gpt2", dict(CONFIGS["gpt2"], n_positions=32), "transformer.wpe"),
+    ("opt", dict(CONFIGS["opt"], max_position_embeddings=32), "model.decoder.embed_positions"),
+    # (a table with a padding index: generate's positions still count from 0)
+    ("roberta", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=32, is_decoder=True),
+     "roberta.embeddings.position_embeddings"),
+])
+def test_a_generation_past_a_learned_position_table_is_one_line(model_type, sizes, table):
+    # generate itself would index past the table: an IndexError here, a device-side assert
+    # that ends the CUDA context on a GPU.
+    import grape
+
+    model = _built(model_type, sizes)
+    ids, mask = _prompt(length=20)
+    with pytest.raises((IndexError, RuntimeError)):
+        model.generate(ids, attention_mask=mask, max_new_tokens=14)
+    expected = (rf"expected the prompt \(20 tokens\) and the new tokens but the last \(13\) "
+                rf"to fit the model's 32 positions \(its table {table}\), found 33")
+    with pytest.raises(GrapeError, match=expected):
+        grape.generate(model, ids, mask, max_new_tokens=14)
+    with pytest.raises(GrapeError, match=expected):
+        _host(model, ids, mask, max_new_tokens=14)
+    # the last that fits, as generate makes it
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=13,
+                               cache_implementation="static")
+    assert torch.equal(_host(model, ids, mask, max_new_tokens=13), reference)
+
+
+def test_computed_positions_are_not_limited_by_the_configs_length():
+    # Llama's rotary positions have no table: past max_position_embeddings is generate's
+    # business, and grape's tokens are still its.
+    model = _built("llama", dict(CONFIGS["llama"], max_position_embeddings=16))
+    ids, mask = _prompt(length=12)
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=8,
+                               cache_implementation="static")
+    assert torch.equal(_host(model, ids, mask, max_new_tokens=8), reference)

@@ -64,7 +64,14 @@ from grape.torch.beam import BeamDecoder
 from grape.torch.capture import capture, culprit, frozen_heap
 from grape.torch.decoding import Decoder, ExactRefused, TokenDecoder
 from grape.torch.loop import DeviceLoop
-from grape.torch.options import NotGraphable, Options, decoder_prompt, resolve, sequence_head
+from grape.torch.options import (
+    NotGraphable,
+    Options,
+    check_positions,
+    decoder_prompt,
+    resolve,
+    sequence_head,
+)
 from grape.torch.own_generate import inner_arguments, owns_generate, routed
 from grape.torch.parallel import agree, group_of
 from grape.torch.staging import HostConstants, PinnedArena
@@ -474,6 +481,8 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
         input_ids = sequence_head(input_ids, embeds)
         options, decoder_ids, decoder_mask, decoder_copied = decoder_prompt(
             model, options, input_ids, *(hf_kwargs.get(k) for k in _DECODER_PROMPT))
+        # (a bucket's padding is masked: the positions count the caller's tokens)
+        check_positions(model, options, source.shape[1])
         if prompt_bucket is not None and (options.source != "input_ids" or embeds is not None):
             raise GrapeError(f"expected prompt_bucket only with token prompts (it pads them), "
                              f"found {'inputs_embeds' if embeds is not None else options.source}")

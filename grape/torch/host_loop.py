@@ -19,7 +19,14 @@ import torch
 
 from grape.torch.beam import BeamDecoder
 from grape.torch.decoding import Decoder, TokenDecoder
-from grape.torch.options import NotGraphable, Options, decoder_prompt, resolve, sequence_head
+from grape.torch.options import (
+    NotGraphable,
+    Options,
+    check_positions,
+    decoder_prompt,
+    resolve,
+    sequence_head,
+)
 from grape.torch.own_generate import inner_arguments, owns_generate, routed
 
 __all__ = ["HostCall", "generate_on_host", "loop_on_host"]
@@ -98,6 +105,7 @@ def loop_on_host(model: torch.nn.Module, ids: torch.Tensor | None = None,
     options, decoder_ids, decoder_mask, _ = decoder_prompt(model, options, ids, *prompt)
     cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
     length = (ids if embeds is None else embeds).shape[1]
+    check_positions(model, options, length)
     decoder = cls(model, ids.shape[0], length, options)
     if options.strategy == "sample":
         decoder.set_seed(seed)

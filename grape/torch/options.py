@@ -33,8 +33,8 @@ from transformers.generation.logits_process import (
 
 from grape.errors import GrapeError
 
-__all__ = ["NotGraphable", "Options", "decoder_prompt", "resolve", "sampling_warpers",
-           "sequence_head"]
+__all__ = ["NotGraphable", "Options", "check_positions", "decoder_prompt", "resolve",
+           "sampling_warpers", "sequence_head"]
 
 
 class NotGraphable(Exception):  # a reason to fall back, not an error of the caller
@@ -540,6 +540,45 @@ def _embedded(model: torch.nn.Module, input_ids: Any, embeds: Any) -> int:
         raise NotGraphable(f"input_ids of another length ({input_ids.shape[1]}) than the "
                            f"inputs_embeds beside them ({embeds.shape[1]})")
     return input_ids.shape[1]
+
+
+def check_positions(model: torch.nn.Module, options: Options, prompt_len: int) -> None:
+    """Refuse a generation that would run past a learned position table.
+
+    A model that looks positions up in a table (GPT-2's ``wpe``, OPT's and BART's
+    ``embed_positions``: an embedding, not the token table, as long as the config's
+    ``max_position_embeddings``, ``n_positions`` or ``max_target_positions``, or up to two
+    longer for the offset some keep) indexes past it once the sequence outgrows it: on the CPU
+    an IndexError, on a GPU a device-side assert that ends the process's CUDA context, inside
+    or outside a graph. Rotary, sinusoidal and ALiBi positions, computed rather than looked
+    up, have no such table and are not limited here.
+
+    Raises
+    ------
+    GrapeError
+        The prompt (an encoder-decoder's decoder prompt) and the tokens the loop feeds back
+        (``Options.room`` less the last) need more positions than the table holds.
+    """
+    config = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    limits = {v for n in ("max_position_embeddings", "n_positions", "max_target_positions")
+              if isinstance(v := getattr(config, n, None), int) and v > 0}
+    tokens = {id(m) for m in (getattr(model, "get_input_embeddings", lambda: None)(),
+                              getattr(model, "get_output_embeddings", lambda: None)())
+              if m is not None}
+    tables = [(limit, name) for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Embedding) and id(module) not in tokens
+              for limit in limits if 0 <= module.num_embeddings - limit <= 2]
+    if not tables:
+        return
+    limit, name = min(tables)
+    head = options.decoder_prompt_len if options.start is not None else prompt_len
+    fed = options.room - 1  # the new tokens a forward reads: all but the last
+    if head + fed > limit:
+        raise GrapeError(f"expected the prompt ({head} tokens) and the new tokens but the last "
+                         f"({fed}) to fit the model's {limit} positions (its table {name}), "
+                         f"found {head + fed}")
 
 
 def sequence_head(input_ids: torch.Tensor | None, embeds: torch.Tensor | None) -> torch.Tensor:
