@@ -391,6 +391,25 @@ def test_whispers_timestamps_short_and_long_form_make_its_tokens(boost):
         assert (ours > NO_TIMESTAMPS).any()  # timestamps were made
 
 
+def test_whispers_long_form_segments_are_its_own():
+    # return_segments=True: Whisper asks the loop for its return dict and cuts each window's
+    # tokens into timed segments; grape's dicts give the same segments, window by window.
+    model, features = _whisper(boost=(320,))
+    audio = torch.cat([features, features.flip(2), features.roll(7, dims=2)], dim=2)
+    kwargs = dict(language="en", return_timestamps=True, max_new_tokens=10,
+                  attention_mask=torch.ones(2, 300, dtype=torch.long), return_segments=True)
+    reference = model.generate(audio, cache_implementation="static", **kwargs)
+    ours = generate_on_host(model, audio, **kwargs)
+    assert torch.equal(ours["sequences"], reference["sequences"])
+    pairs = [(a, b) for r, o in zip(reference["segments"], ours["segments"], strict=True)
+             for a, b in zip(r, o, strict=True)]
+    assert len(pairs) > 2  # several segments a row
+    for a, b in pairs:
+        for key in ("start", "end", "tokens", "idxs"):
+            assert (torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor)
+                    else a[key] == b[key]), key
+
+
 def test_the_timestamp_rules_are_the_processors_bit_for_bit():
     # Random histories (text and timestamp tokens, at and after the begin index) and random
     # scores through Whisper's processor and grape's rules on the device's tensors.
