@@ -451,3 +451,39 @@ def test_the_timestamp_rules_are_the_processors_bit_for_bit():
         no_text = (expected[:, :41] == -float("inf")).all(dim=1)
         acted["timestamps outweigh text"] += int((no_text & ~last).sum()) * (made > 0)
     assert all(count > 10 for count in acted.values()), acted
+
+
+def _seamless(cls_name):
+    transformers.logging.set_verbosity_error()
+    config = transformers.SeamlessM4TConfig(
+        vocab_size=300, t2u_vocab_size=100, hidden_size=64, encoder_layers=1, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, speech_encoder_layers=1, speech_encoder_attention_heads=4,
+        speech_encoder_intermediate_size=128, feature_projection_input_dim=16,
+        adaptor_kernel_size=8, adaptor_stride=8, num_adapter_layers=1, t2u_encoder_layers=1,
+        t2u_decoder_layers=1, t2u_encoder_attention_heads=2, t2u_decoder_attention_heads=2,
+        t2u_encoder_ffn_dim=64, t2u_decoder_ffn_dim=64, max_position_embeddings=256,
+        pad_token_id=0, bos_token_id=2, eos_token_id=3, decoder_start_token_id=3)
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name)(config).eval()
+    model.generation_config.text_decoder_lang_to_code_id = {"eng": 7, "fra": 8}
+    g = torch.Generator().manual_seed(0)
+    source = (torch.randn(2, 40, 16, generator=g) if "Speech" in cls_name
+              else torch.randint(5, 290, (2, 9), generator=g))
+    return model, source
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"tgt_lang": "fra"}, {"tgt_lang": "eng", "num_beams": 3}])
+@pytest.mark.parametrize("cls_name", ["SeamlessM4TForSpeechToText", "SeamlessM4TForTextToText"])
+def test_seamless_m4ts_own_generate_around_grapes_loop_makes_its_tokens(cls_name, kwargs):
+    # Another family's own generate: SeamlessM4T puts the target language's token after the
+    # decoder's start token, then calls the generic loop once.
+    model, source = _seamless(cls_name)
+    reference = model.generate(source, max_new_tokens=6, cache_implementation="static",
+                               **kwargs)
+    calls = []
+    ours = generate_on_host(model, source, max_new_tokens=6, calls=calls, **kwargs)
+    assert torch.equal(ours, reference) and len(calls) == 1
+    if "tgt_lang" in kwargs:
+        language = {"eng": 7, "fra": 8}[kwargs["tgt_lang"]]
+        assert calls[0].decoder_ids.tolist() == [[3, language]] * 2
