@@ -487,3 +487,39 @@ def test_seamless_m4ts_own_generate_around_grapes_loop_makes_its_tokens(cls_name
     if "tgt_lang" in kwargs:
         language = {"eng": 7, "fra": 8}[kwargs["tgt_lang"]]
         assert calls[0].decoder_ids.tolist() == [[3, language]] * 2
+
+
+def _read_back_cases():
+    from tests.test_torch_generation import CONFIGS, _built, _embedded, _llava, _prompt
+
+    model, features = _whisper(boost=(320,))
+    audio = torch.cat([features, features.flip(2), features.roll(7, dims=2)], dim=2)
+    yield "Whisper, timestamps, 3 beams", model, (features,), dict(
+        language="en", return_timestamps=True, num_beams=3)
+    yield "Whisper, long form", model, (audio,), dict(
+        language="en", return_timestamps=True, attention_mask=torch.ones(2, 300,
+                                                                          dtype=torch.long))
+    seamless, source = _seamless("SeamlessM4TForSpeechToText")
+    yield "SeamlessM4T speech", seamless, (source,), dict(tgt_lang="fra")
+    llava, ids, mask, pixels = _llava()
+    yield "LLaVA", llava, (ids, mask), dict(pixel_values=pixels)
+    gpt2 = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    yield "GPT-2, a prompt of embeddings", gpt2, (None, mask), dict(
+        inputs_embeds=_embedded(gpt2, ids), num_beams=2)
+
+
+def test_the_new_paths_steps_read_nothing_back_as_a_capture_sees_them():
+    # Each call of the loop's step, after an eager one, run as a capture would see it
+    # (grape.torch.readback): a value read back would break the capture on a GPU.
+    from grape.torch.readback import as_captured
+
+    for name, model, args, kwargs in _read_back_cases():
+        calls = []
+        generate_on_host(model, *args, calls=calls, max_new_tokens=8, **kwargs)
+        assert calls, name
+        for call in calls:
+            decoder = call.again()
+            decoder.step()
+            with as_captured():
+                decoder.step()  # raises ReadBack at the model's line where one reads back
