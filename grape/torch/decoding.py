@@ -279,9 +279,11 @@ class Decoder:
         # the logits each forward made, while it runs.
         self._poison: float | None = None
         self._audit: list[torch.Tensor] | None = None
-        # Options.model_inputs as the last prompt got them, until a step has checked that it
-        # reads none of them (_check_prompt_only).
+        # Options.model_inputs as the last prompt got them, until the first step has checked
+        # that it reads none of them (_check_prompt_only); once checked, never held again (the
+        # caller's tensors are not kept past their call).
         self._prompt_only: dict[str, torch.Tensor] | None = None
+        self._prompt_only_checked = False
 
     # --- the model, called as generate calls it ---------------------------------------------
 
@@ -348,6 +350,7 @@ class Decoder:
             A step's inputs would be made from them (the arguments named).
         """
         given, self._prompt_only = self._prompt_only, None
+        self._prompt_only_checked = True
 
         def prepared(extra: dict[str, Any]) -> set[str]:
             inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=False,
@@ -440,7 +443,7 @@ class Decoder:
         with prompt_padding_on_device():
             logits = self._logits(input_ids, mask, position, first=True, embeds=embeds,
                                   model_inputs=model_inputs)
-        if model_inputs and not capturing():
+        if model_inputs and not self._prompt_only_checked and not capturing():
             self._prompt_only = model_inputs  # checked by the next step
         if not any(_written(layer) for layer in self.cache.layers):
             # Each step would run without the tokens before it: a model with no cache, or one
