@@ -1245,3 +1245,44 @@ def test_computed_positions_are_not_limited_by_the_configs_length():
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=8,
                                cache_implementation="static")
     assert torch.equal(_host(model, ids, mask, max_new_tokens=8), reference)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_token_type_ids_are_extended_as_generate_extends_them(num_beams):
+    # generate gives each new token the prompt's last token type (GPT-2 embeds the types with
+    # its token table): grape keeps that column on the device for the steps.
+    model = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    types = torch.zeros_like(ids)
+    types[0, -3:] = 5
+    types[2, -1] = 9
+    kwargs = dict(max_new_tokens=6, num_beams=num_beams, token_type_ids=types)
+    reference = model.generate(ids, attention_mask=mask, cache_implementation="static",
+                               **kwargs)
+    assert torch.equal(_host(model, ids, mask, **kwargs), reference)
+    without = model.generate(ids, attention_mask=mask, cache_implementation="static",
+                             max_new_tokens=6, num_beams=num_beams)
+    assert not torch.equal(without, reference)  # the types were read
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_paligemmas_images_and_token_types_make_its_tokens(num_beams):
+    transformers.logging.set_verbosity_error()
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=32, patch_size=8)
+    text = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    vocab_size=VOCAB, bos_token_id=2, eos_token_id=1,
+                                    pad_token_id=0)
+    config = transformers.PaliGemmaConfig(vision_config=vision, text_config=text,
+                                          image_token_index=VOCAB - 1, projection_dim=64)
+    torch.manual_seed(0)
+    model = transformers.PaliGemmaForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.full((2, 16), VOCAB - 1), torch.full((2, 1), 2),
+                     torch.randint(5, VOCAB - 2, (2, 5), generator=g)], dim=1)
+    kwargs = dict(max_new_tokens=6, num_beams=num_beams, token_type_ids=torch.zeros_like(ids),
+                  pixel_values=torch.randn(2, 3, 32, 32, generator=g))
+    reference = model.generate(ids, cache_implementation="static", **kwargs)
+    assert torch.equal(generate_on_host(model, ids, check_written=True, **kwargs), reference)

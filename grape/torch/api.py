@@ -394,8 +394,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     (``input_ids`` then None, or token ids of their length that the result starts with): the
     captured prefill reads them where they lie, and the result holds the new tokens alone, as
     ``generate``'s does. Other tensors ``generate`` would pass to the model (a vision-language
-    model's ``pixel_values``) go to the prompt alone, read where they lie; a model whose steps
-    would read them too falls back, found before any capture.
+    model's ``pixel_values``) go to the prompt alone, read where they lie; those with a value
+    per token (``token_type_ids``, ``mm_token_type_ids``) are extended for each new token as
+    ``generate`` extends them; a model whose steps would read others falls back, found before
+    any capture.
     A model that attends to cache positions it has not written (its attention does not mask
     the static cache's unused tail, so that its tokens with a static cache are not those of
     its default cache) runs through ``model.generate``, found before anything is captured

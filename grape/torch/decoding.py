@@ -284,6 +284,10 @@ class Decoder:
         # caller's tensors are not kept past their call).
         self._prompt_only: dict[str, torch.Tensor] | None = None
         self._prompt_only_checked = False
+        # Model arguments with a value per token, which generate extends for each new token
+        # (_update_model_kwargs_for_generation): token_type_ids by its last column,
+        # mm_token_type_ids by zeros. A step's column of each, (rows, 1), set by the prompt.
+        self._per_token: dict[str, torch.Tensor] = {}
 
     # --- the model, called as generate calls it ---------------------------------------------
 
@@ -306,6 +310,8 @@ class Decoder:
             kwargs["attention_mask"] = mask
         if self.uses_positions and position is not None:
             kwargs["position_ids"] = position
+        if not first:
+            kwargs.update(self._per_token)  # (generate's own extension of them, at a step)
         if not first and self._prompt_only is not None:
             self._check_prompt_only(ids, kwargs)
         if first or self.lengths is None:
@@ -338,6 +344,21 @@ class Decoder:
             self._audit.append(logits.clone())
         return logits
 
+    def _extend_per_token(self, model_inputs: dict[str, torch.Tensor]) -> None:
+        """The new tokens' column of the model arguments that have one per token (see
+        ``_per_token``), from the prompt's, as generate extends them."""
+        for name, fill in (("token_type_ids", "last"), ("mm_token_type_ids", "zeros")):
+            given = model_inputs.get(name)
+            if given is None or given.ndim != 2:
+                continue
+            column = self._per_token.get(name)
+            if column is None or column.shape != (given.shape[0], 1):
+                column = self._per_token[name] = given.new_zeros((given.shape[0], 1))
+            if fill == "last":
+                column.copy_(given[:, -1:])
+            else:
+                column.zero_()
+
     def _check_prompt_only(self, ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
         """Once, eagerly, before any step is captured: the model's input preparation for a
         step takes nothing more from the call's model arguments (``Options.model_inputs``:
@@ -351,6 +372,10 @@ class Decoder:
         """
         given, self._prompt_only = self._prompt_only, None
         self._prompt_only_checked = True
+        # (those with a value per token the step gets from grape, as generate extends them)
+        given = {k: v for k, v in given.items() if k not in self._per_token}
+        if not given:
+            return
 
         def prepared(extra: dict[str, Any]) -> set[str]:
             inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=False,
@@ -431,6 +456,7 @@ class Decoder:
                              f"(those this decoder was built for), found "
                              f"{sorted(model_inputs or ())}")
         model_inputs = {k: self._rows(v) for k, v in (model_inputs or {}).items()}
+        self._extend_per_token(model_inputs)
         mask = (torch.ones((self.rows, self.prompt_len), dtype=torch.long,
                            device=input_ids.device)
                 if ones else self._rows(attention_mask))
