@@ -1186,7 +1186,7 @@ def test_a_model_argument_the_steps_read_is_refused_before_any_capture():
                                    "extra_bias": torch.zeros(VOCAB, device="meta")})
 
 
-def test_qwen2_vls_steps_take_its_image_grid_and_it_falls_back_before_capture():
+def test_qwen2_vls_steps_take_its_image_grid_and_it_falls_back_before_capture_text_runs():
     # Its steps' positions come from the image grid (multimodal rotary positions), which a
     # step reads again: grape does not give a step the caller's tensors, so it refuses.
     transformers.logging.set_verbosity_error()
@@ -1206,6 +1206,13 @@ def test_qwen2_vls_steps_take_its_image_grid_and_it_falls_back_before_capture():
                                            "image_grid_thw, pixel_values"):
         generate_on_host(model, ids, None, max_new_tokens=3, pixel_values=pixels,
                          image_grid_thw=grid)
+    # Text alone: its multimodal rotary positions from grape's 2-D ones, generate's tokens.
+    ids, mask = _prompt()
+    for num_beams in (1, 3):
+        reference = model.generate(ids, attention_mask=mask, max_new_tokens=8,
+                                   num_beams=num_beams, cache_implementation="static")
+        assert torch.equal(generate_on_host(model, ids, mask, max_new_tokens=8,
+                                            num_beams=num_beams), reference)
 
 
 @pytest.mark.parametrize("model_type, sizes, table", [
