@@ -388,6 +388,22 @@ def test_a_vision_language_models_images_are_read_where_they_lie_by_the_prompt(c
     assert stats[1].pointer_updates > 0
 
 
+@pytest.mark.parametrize("beams", [1, 3])
+def test_token_types_are_extended_inside_the_launch(cuda, beams):
+    # generate gives each new token the prompt's last token type (GPT-2 embeds the types with
+    # its token table): a column on the device the captured steps read. fp32.
+    from tests.test_torch_generation import CONFIGS, _built, _prompt
+
+    model = _built("gpt2", CONFIGS["gpt2"]).cuda()
+    ids, mask = (t.cuda() for t in _prompt())
+    types = torch.zeros_like(ids)
+    types[0, -3:] = 5
+    types[2, -1] = 9
+    _one_launch_per_call(model, [ids, ids], mask,
+                         [{"token_type_ids": types}, {"token_type_ids": types.flip(0)}],
+                         max_new_tokens=12, num_beams=beams)
+
+
 @pytest.mark.parametrize("beams", [1, 4])
 def test_whispers_own_generate_runs_its_generic_loop_as_one_launch(cuda, beams):
     # Whisper's generate builds the decoder's prompt (start, language, task, no-timestamps
