@@ -428,7 +428,10 @@ def test_whispers_own_generate_runs_its_generic_loop_as_one_launch(cuda, beams):
 def test_whispers_timestamped_long_form_is_a_launch_per_window(cuda):
     # return_timestamps=True over three windows of audio: Whisper's timestamp rules inside
     # each launch (grape.torch.decoding's, held bit for bit to its processor on the CPU), a
-    # launch per window Whisper decides on, each window's whole-audio mask taken as it is.
+    # launch per window Whisper decides on, each window's whole-audio mask taken as it is;
+    # audio of two lengths (the longer row's last window decoded alone, beside the batch's
+    # mask); no-speech detection skipping every window (its probabilities recorded beside the
+    # launch by the model's own forward, as its processor records them).
     import grape
     from grape.torch.api import last_stats
     from tests.test_torch_own_generate import _whisper
@@ -437,8 +440,13 @@ def test_whispers_timestamped_long_form_is_a_launch_per_window(cuda):
     model, features = model.cuda(), features.cuda()
     audio = torch.cat([features, features.flip(2), features.roll(7, dims=2)], dim=2)
     mask = torch.ones(2, 300, dtype=torch.long, device="cuda")
+    short = mask.clone()
+    short[1, 60:] = 0
+    silence = dict(no_speech_threshold=0.0, logprob_threshold=0.0, temperature=0.0)
     kwargs = dict(language="en", return_timestamps=True, max_new_tokens=10)
-    for source, extra in ((features, {}), (audio, {"attention_mask": mask})):
+    for source, extra in ((features, {}), (audio, {"attention_mask": mask}),
+                          (audio, {"attention_mask": short}),
+                          (audio, {"attention_mask": mask, **silence})):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no fallback
             out = grape.generate(model, source, **extra, **kwargs)
@@ -448,6 +456,8 @@ def test_whispers_timestamped_long_form_is_a_launch_per_window(cuda):
         # (a window is at most 100 frames of the 300: two calls at least, as on the CPU)
         assert stats.graphed and (stats.launches >= 2 if source is audio
                                   else stats.launches == 1)
+        if "no_speech_threshold" in extra:
+            assert out.shape[1] == 0  # every window skipped, as under generate
 
 
 @pytest.mark.parametrize("beams", [1, 4])

@@ -391,6 +391,23 @@ def test_whispers_timestamps_short_and_long_form_make_its_tokens(boost):
         assert (ours > NO_TIMESTAMPS).any()  # timestamps were made
 
 
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_a_batch_of_audio_of_two_lengths_decodes_its_longer_row_alone(num_beams):
+    # Whisper drops a row from its windows once its audio is done, and passes the whole
+    # batch's mask beside the rows left (its encoder reads no mask): the later window is a
+    # call of one row with a mask of two, which the loop takes as it is.
+    model, features = _whisper(boost=(320,))
+    audio = torch.cat([features, features.flip(2), features.roll(7, dims=2)], dim=2)
+    mask = torch.ones(2, 300, dtype=torch.long)
+    mask[1, 60:] = 0
+    kwargs = dict(language="en", return_timestamps=True, max_new_tokens=10,
+                  attention_mask=mask, num_beams=num_beams)
+    calls = []
+    ours = generate_on_host(model, audio, calls=calls, **kwargs)
+    assert torch.equal(ours, model.generate(audio, cache_implementation="static", **kwargs))
+    assert [c.decoder_ids.shape[0] for c in calls] == [2, 1]
+
+
 def test_whispers_long_form_segments_are_its_own():
     # return_segments=True: Whisper asks the loop for its return dict and cuts each window's
     # tokens into timed segments; grape's dicts give the same segments, window by window.
@@ -408,6 +425,120 @@ def test_whispers_long_form_segments_are_its_own():
         for key in ("start", "end", "tokens", "idxs"):
             assert (torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor)
                     else a[key] == b[key]), key
+
+
+def _no_speech_recorded(run):
+    """What ``run()`` returns, and the no-speech probabilities each WhisperNoSpeechDetection
+    recorded on a first step under generate (none are recorded where grape runs the call)."""
+    from transformers.generation.logits_process import WhisperNoSpeechDetection
+
+    seen, call = [], WhisperNoSpeechDetection.__call__
+
+    def recording(self, input_ids, scores):
+        out = call(self, input_ids, scores)
+        if input_ids.shape[1] == self.begin_index:
+            seen.append(self.no_speech_prob)
+        return out
+    WhisperNoSpeechDetection.__call__ = recording
+    try:
+        return run(), seen
+    finally:
+        WhisperNoSpeechDetection.__call__ = call
+
+
+def _noting_no_speech(monkeypatch):
+    """The probabilities grape records for each call of the loop, as it records them (the
+    detector is one object across a long audio's windows)."""
+    import grape.torch.host_loop as host_loop
+
+    recorded, note = [], host_loop.note_no_speech
+
+    def noting(options):
+        note(options)
+        recorded.append(options.no_speech.no_speech_prob)
+    monkeypatch.setattr(host_loop, "note_no_speech", noting)
+    return recorded
+
+
+NO_SPEECH_AUDIO = {"30 s": {}, "30 s, 3 beams": {"num_beams": 3},
+                   "90 s in windows, timestamps": {"return_timestamps": True}}
+
+
+@pytest.mark.parametrize("audio", list(NO_SPEECH_AUDIO))
+@pytest.mark.parametrize("thresholds", [(0.0, 0.0), (1.0, 0.0), ("between", 0.0),
+                                        (0.0, -100.0)])
+def test_whispers_no_speech_detection_skips_what_generate_skips(audio, thresholds,
+                                                                monkeypatch):
+    # no_speech_threshold: Whisper passes a WhisperNoSpeechDetection, which changes no score
+    # and records on the first step the probability of its no-speech token; after the call,
+    # Whisper skips a window where it exceeds the threshold and the tokens' mean log-probability
+    # is below logprob_threshold. Thresholds: every row skipped, none, the rows split (between
+    # their probabilities), none for want of a low log-probability.
+    model, features = _whisper()
+    extra = dict(NO_SPEECH_AUDIO[audio])
+    source = features
+    if "return_timestamps" in extra:
+        source = torch.cat([features, features.flip(2), features.roll(7, dims=2)], dim=2)
+        extra["attention_mask"] = torch.ones(2, 300, dtype=torch.long)
+    no_speech, logprob = thresholds
+    kwargs = dict(language="en", max_new_tokens=8, temperature=0.0,
+                  logprob_threshold=logprob, **extra)
+    if no_speech == "between":
+        _, (probs, *_) = _no_speech_recorded(lambda: model.generate(
+            source, no_speech_threshold=0.5, **kwargs))
+        assert probs[0] != probs[1]
+        no_speech = float(probs.mean())
+    reference, seen = _no_speech_recorded(lambda: model.generate(
+        source, cache_implementation="static", no_speech_threshold=no_speech, **kwargs))
+    recorded = _noting_no_speech(monkeypatch)
+    ours = generate_on_host(model, source, no_speech_threshold=no_speech, **kwargs)
+    assert torch.equal(ours, reference)
+    # Each call's probabilities are those generate's processor recorded, bit for bit.
+    assert len(recorded) == len(seen) >= 1
+    assert all(torch.equal(a, b) for a, b in zip(recorded, seen, strict=True))
+    if thresholds == (0.0, 0.0):
+        assert ours.shape[1] == 0  # every window skipped as silence
+    elif thresholds[0] == "between":
+        assert ours.shape[1] > 0
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_no_speech_after_a_one_token_decoder_prompt_reads_the_first_steps_scores(num_beams):
+    # An English-only Whisper with timestamps prompts its decoder with the start token alone;
+    # the processor then reads the first step's scores (log-probabilities, one row per beam, in
+    # a beam search) rather than running the model over the prompt.
+    model, features = _whisper()
+    config = model.generation_config
+    config.is_multilingual = False
+    del config.lang_to_id, config.task_to_id
+    kwargs = dict(return_timestamps=True, max_new_tokens=8, temperature=0.0,
+                  no_speech_threshold=0.5, logprob_threshold=-1.0, num_beams=num_beams)
+    reference, seen = _no_speech_recorded(lambda: model.generate(
+        features, cache_implementation="static", **kwargs))
+    calls = []
+    ours = generate_on_host(model, features, calls=calls, **kwargs)
+    assert torch.equal(ours, reference)
+    (call,) = calls
+    assert call.decoder_ids.tolist() == [[SOT]] * 2
+    assert call.options.no_speech.start_of_trans_offset == 1
+    assert torch.equal(call.options.no_speech.no_speech_prob, seen[0])
+    assert seen[0].shape == (2 * num_beams,)
+
+
+def test_a_no_speech_detector_is_taken_only_where_grape_gives_it_what_it_reads():
+    from transformers.generation.logits_process import WhisperNoSpeechDetection
+
+    model, features = _whisper()
+    detector = WhisperNoSpeechDetection(no_speech_token=309, begin_index=1)
+    resolved = {"max_new_tokens": 4}
+    options, _ = resolve(model, features, None, dict(resolved, logits_processor=[
+        detector, SuppressTokensLogitsProcessor([3])]), wrapped=True)
+    assert options.no_speech is detector and options.suppressed == (3,)
+    # After a processor that changes scores, on a one-token prompt it would read those.
+    with pytest.raises(NotGraphable, match="a WhisperNoSpeechDetection after other logits "
+                                           "processors"):
+        resolve(model, features, None, dict(resolved, logits_processor=[
+            SuppressTokensLogitsProcessor([3]), detector]), wrapped=True)
 
 
 def test_the_timestamp_rules_are_the_processors_bit_for_bit():

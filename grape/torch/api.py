@@ -72,7 +72,7 @@ from grape.torch.options import (
     resolve,
     sequence_head,
 )
-from grape.torch.own_generate import inner_arguments, owns_generate, routed
+from grape.torch.own_generate import inner_arguments, note_no_speech, owns_generate, routed
 from grape.torch.parallel import agree, group_of
 from grape.torch.staging import HostConstants, PinnedArena
 
@@ -508,12 +508,14 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
                                 concurrent=args.concurrent,
                                 syncs_before=int(decoder_ids is not None) + options.read_backs)
         try:
-            return run(exact, warn_whole=exact_lengths is True)
+            out = run(exact, warn_whole=exact_lengths is True)
         except ExactRefused:
             if exact_lengths is not None:  # asked for: say so (below), and run generate
                 raise
             # Chosen by grape: the loop over the whole cache takes any mask and any cache.
-            return run(False, warn_whole=False)
+            out = run(False, warn_whole=False)
+        note_no_speech(options)  # (after the graphs: a fallback would record it itself)
+        return out
     except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
         reason = str(e).splitlines()[0]
     except _COMPILE_ERRORS as e:  # only raised with compile=True

@@ -27,7 +27,7 @@ from grape.torch.options import (
     resolve,
     sequence_head,
 )
-from grape.torch.own_generate import inner_arguments, owns_generate, routed
+from grape.torch.own_generate import inner_arguments, note_no_speech, owns_generate, routed
 
 __all__ = ["HostCall", "generate_on_host", "loop_on_host"]
 
@@ -115,4 +115,6 @@ def loop_on_host(model: torch.nn.Module, ids: torch.Tensor | None = None,
         decoder.check_written_only(ids, mask, decoder_ids, decoder_mask, embeds, extra)
     if calls is not None:
         calls.append(call)
-    return decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra)
+    out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra)
+    note_no_speech(options)
+    return out

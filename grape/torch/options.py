@@ -29,6 +29,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
+    WhisperNoSpeechDetection,
     WhisperTimeStampLogitsProcessor,
 )
 
@@ -149,6 +150,11 @@ class Options:
     # num_return_sequences: sequences per prompt (sampled independently, or a beam search's
     # best), adjacent in the result as generate returns them.
     num_return: int = 1
+    # A WhisperNoSpeechDetection given as an object (Whisper's generate passes one where
+    # no_speech_threshold is set): it changes no score, and records the probability of "no
+    # speech" on the call's first step, which grape.torch.own_generate.note_no_speech
+    # reproduces beside the graph. Not part of the graph's key.
+    no_speech: Any = field(default=None, compare=False, repr=False)
     # Sampling's cutoffs beyond top-k and top-p that generate applies (min_p, typical_p,
     # epsilon_cutoff, eta_cutoff), as (field, value), in its order (sampling_warpers).
     cutoffs: tuple[tuple[str, float], ...] = ()
@@ -273,8 +279,9 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     """The options of one generate call, and the attention mask generate would use (None
     where it is all ones). ``wrapped``: the call is one a model's own generate makes of the
     generic loop (``grape.torch.own_generate``), whose mask over a speech source is taken at
-    any length, as the loop takes it (Whisper passes a long audio's whole mask beside each
-    30-second window, which its encoder does not read).
+    any shape, and passed on, as the loop takes it (Whisper passes a long audio's whole mask
+    beside each 30-second window, and the whole batch's beside the rows still decoding, which
+    its encoder does not read; a model that read it would fail as under ``generate``).
 
     Raises
     ------
@@ -311,8 +318,7 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
     if not tokens and embeds is None and input_ids.ndim > 2:
         shapes.append((input_ids.shape[0], input_ids.shape[-1]))
     any_length = wrapped and not tokens and embeds is None and isinstance(
-        attention_mask, torch.Tensor) and attention_mask.ndim == 2 and (
-        attention_mask.shape[0] == input_ids.shape[0])
+        attention_mask, torch.Tensor) and attention_mask.ndim == 2
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
                                        or (tuple(attention_mask.shape) not in shapes
                                            and not any_length)
@@ -621,7 +627,15 @@ def _given_processors(value: Any) -> dict[str, Any]:
         raise GrapeError(f"expected logits_processor to be a list of logits processors, found "
                          f"{type(value).__name__}")
     found: dict[str, Any] = {}
-    for processor in value:
+    for position, processor in enumerate(value):
+        if type(processor) is WhisperNoSpeechDetection:
+            # It reads the scores as it finds them only where its decoder prompt is one token
+            # long (else it runs the model itself): first, it finds them unprocessed.
+            if position and processor.start_of_trans_offset <= 1:
+                raise NotGraphable("a WhisperNoSpeechDetection after other logits processors "
+                                   "(it reads the scores they leave)")
+            found["no_speech"] = processor
+            continue
         if type(processor) is SuppressTokensLogitsProcessor:
             tokens = _read(processor.suppress_tokens, found)
             found["suppressed"] = tuple(dict.fromkeys(found.get("suppressed", ()) + tokens))

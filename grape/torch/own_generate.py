@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from transformers import GenerationMixin
 
-from grape.torch.options import NotGraphable
+from grape.torch.options import NotGraphable, Options
 
-__all__ = ["inner_arguments", "owns_generate", "routed"]
+__all__ = ["inner_arguments", "note_no_speech", "owns_generate", "routed"]
 
 # The generic loop's named parameters beyond the inputs that grape takes as generate's
 # keyword arguments (grape.torch.options.resolve reads them); the others must be unset.
@@ -175,3 +175,32 @@ def _new_tokens(model: torch.nn.Module, inputs: torch.Tensor | None,
                            f"max_length ({length!r}) that leaves no new token after "
                            f"{head}")
     return length - head
+
+
+def note_no_speech(options: Options) -> None:
+    """What the call's ``WhisperNoSpeechDetection`` (``options.no_speech``) records on the
+    first step, recorded beside grape's graphs: the probability of its no-speech token, which
+    Whisper's generate reads after the call to skip a window of silence. The processor changes
+    no score, so it has no place in the graph; it runs the model itself over the decoder prompt
+    (an eager forward, as under ``generate``) and takes the logits at the prompt's start token.
+    Where that prompt is the start token alone it reads the first step's scores instead: the
+    prompt's logits in float32, as log-probabilities in a beam search (one row per beam),
+    computed here by the same forward. As under ``generate``, it records only where the
+    decoder prompt is as long as its ``begin_index`` says; nothing is read back to the host."""
+    detector = options.no_speech
+    if detector is None or options.decoder_prompt_len != detector.begin_index:
+        return
+    if detector.inputs is None:  # Whisper sets them before each call of the loop
+        raise NotGraphable("a WhisperNoSpeechDetection whose inputs were never set")
+    with torch.no_grad():
+        logits = detector.model(**detector.inputs).logits
+    if detector.start_of_trans_offset > 1:
+        scores = logits[:, detector.begin_index - detector.start_of_trans_offset].float()
+        probs = scores.softmax(dim=-1)
+    else:
+        scores = logits[:, -1].float()
+        rows = options.num_beams if options.strategy == "beam" else options.num_return
+        scores = scores.repeat_interleave(rows, dim=0)
+        probs = (scores.log_softmax(dim=-1).exp() if detector.is_scores_logprobs
+                 else scores.softmax(dim=-1))
+    detector._no_speech_prob = probs[:, detector.no_speech_token]
