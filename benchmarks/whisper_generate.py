@@ -6,7 +6,12 @@ loop (``grape.torch.own_generate``). This times, side by side in one process, a 
 whisper-tiny's shape (d_model 384, 4 encoder and 4 decoder layers, 6 heads, 80 mel bins,
 51,865 tokens; random weights, fp16) with a multilingual checkpoint's generation config (its
 special token ids), English transcription of random 30-second features, greedy and 5 beams,
-without and with timestamps, and 90 s of audio in windows (long form, with timestamps):
+without and with timestamps, 90 s of audio in windows (long form, with timestamps), and the
+same with Hugging Face's recommended long-form settings (``long_form_fallback``: a window
+decoded again by sampling at rising temperatures where its tokens fail the log-probability or
+compression thresholds, skipped where no-speech detection says silence; a sampled window's
+tokens are grape's draws, not torch.multinomial's, so ``tokens_identical`` holds only where no
+window fell back):
 
 - ``hf_generate``: ``model.generate`` as users call it;
 - ``hf_static``: ``model.generate`` with a static cache (the reference for ``tokens_identical``);
@@ -52,6 +57,12 @@ CASES = {
     "beam5": {"num_beams": 5},
     "greedy_timestamps": {"return_timestamps": True},
     "long_form_timestamps": {"return_timestamps": True, "seconds": 90},
+    # Hugging Face's recommended long-form settings: a window whose tokens fail the thresholds
+    # is decoded again, sampling at the next temperature, or skipped as silence
+    "long_form_fallback": {"return_timestamps": True, "seconds": 90,
+                           "temperature": (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
+                           "no_speech_threshold": 0.6, "logprob_threshold": -1.0,
+                           "compression_ratio_threshold": 1.35},
 }
 
 
