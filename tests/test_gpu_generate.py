@@ -566,6 +566,60 @@ def test_stop_strings_end_rows_inside_the_launch(cuda):
     assert not torch.equal(out[0], free[0, :out.shape[1]])
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_streamer_follows_the_launch_token_by_token(cuda, batch):
+    # The streamer is handed what generate hands it (the prompt, each step's tokens, end),
+    # while the one launch runs: the host copies the token count and tokens from a side
+    # stream (grape.torch.streaming), so the generation still reads back once. A second call
+    # streams through the same executable.
+    import grape
+    from grape.torch.api import last_stats
+    from tests.test_torch_streaming import Recording
+
+    model = _small_llama()
+    ids = torch.randint(3, 300, (batch, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(max_new_tokens=300, eos_token_id=None)
+    theirs = Recording()
+    reference = model.generate(ids, attention_mask=mask, cache_implementation="static",
+                               streamer=theirs, **kwargs)
+    for call in range(2):
+        ours = Recording()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            out = grape.generate(model, ids, mask, streamer=ours, **kwargs)
+        stats = last_stats()
+        assert stats.graphed and stats.launches == 1 and stats.host_syncs == 1
+        assert stats.captured == (call == 0)
+        assert torch.equal(out, reference)
+        assert ours.calls == theirs.calls
+        # most tokens reached the streamer before the launch had ended
+        assert stats.streamed_while_running > 150, stats.streamed_while_running
+
+
+def test_a_streamer_hears_only_the_loop_whose_tokens_stand(cuda):
+    # Exact lengths (chosen by grape from 1,024 tokens on) over a mask with a zero after a
+    # one: the launch is found unusable only after it, and the loop over the whole cache runs
+    # instead. The streamer hears each of the second loop's tokens once, nothing of the first.
+    import grape
+    from tests.test_torch_streaming import Recording
+
+    model = _small_llama().half()
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0  # right padding
+    ours = Recording()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        out = grape.generate(model, ids, mask, streamer=ours, max_new_tokens=1100,
+                             eos_token_id=None)
+    assert out.shape == (2, 9 + 1100)
+    assert ours.calls[0] == ("put", ids.tolist()) and ours.calls[-1] == ("end",)
+    streamed = torch.tensor([values for _, values in ours.calls[1:-1]]).T
+    assert torch.equal(streamed, out[:, 9:].cpu())
+
+
 def test_a_model_that_reads_cache_positions_it_never_wrote_falls_back(cuda):
     # FSMT attends over the static cache's unused tail (its causal mask spans the tokens it is
     # given): found before capture, the documented fallback, the GPU usable after.

@@ -252,7 +252,6 @@ def test_routing_ends_with_the_call_even_when_it_fails():
 
 @pytest.mark.parametrize("kwargs, reason", [
     ({"assistant_model": object()}, "assistant_model given to GenerationMixin.generate"),
-    ({"streamer": object()}, "streamer given to GenerationMixin.generate"),
     ({"prefix_allowed_tokens_fn": lambda i, s: [1]},
      "prefix_allowed_tokens_fn given to GenerationMixin.generate"),
     ({"synced_gpus": True}, "synced_gpus given to GenerationMixin.generate"),

@@ -75,6 +75,7 @@ from grape.torch.options import (
 from grape.torch.own_generate import inner_arguments, note_no_speech, owns_generate, routed
 from grape.torch.parallel import agree, group_of
 from grape.torch.staging import HostConstants, PinnedArena
+from grape.torch.streaming import TokenFeed
 
 __all__ = ["EXACT_FROM", "GenerationStats", "clear_cache", "generate", "last_stats"]
 
@@ -121,6 +122,8 @@ class GenerationStats:
     # chain; fewer where concurrent=True let independent operations run side by side
     step_nodes: int = 0
     step_depth: int = 0
+    # with a streamer: the tokens handed to it while the launch still ran (the rest after it)
+    streamed_while_running: int = 0
 
 
 @dataclass(frozen=True)
@@ -506,7 +509,10 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
         run = functools.partial(_graphed_generate, model, prompt, options, args.seed, compile,
                                 caller_ids=input_ids, padded_bytes=padded + decoder_copied,
                                 concurrent=args.concurrent,
-                                syncs_before=int(decoder_ids is not None) + options.read_backs)
+                                syncs_before=int(decoder_ids is not None) + options.read_backs,
+                                # (one for the call: a loop run again streams what it makes)
+                                feed=None if options.streamer is None
+                                else TokenFeed(options.streamer))
         try:
             out = run(exact, warn_whole=exact_lengths is True)
         except ExactRefused:
@@ -586,7 +592,8 @@ def _summed(calls: list[GenerationStats]) -> GenerationStats:
         copy_bytes=sum(c.copy_bytes for c in calls),
         pointer_updates=sum(c.pointer_updates for c in calls),
         prefill_graphed=all(c.prefill_graphed for c in calls),
-        host_syncs=sum(c.host_syncs for c in calls), launches=sum(c.launches for c in calls))
+        host_syncs=sum(c.host_syncs for c in calls), launches=sum(c.launches for c in calls),
+        streamed_while_running=sum(c.streamed_while_running for c in calls))
 
 
 def _cache_length(value: Any, least: int) -> int:
@@ -617,12 +624,13 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
                       seed: int | None, compiled: bool, exact: bool,
                       warn_whole: bool, caller_ids: torch.Tensor | None = None,
                       padded_bytes: int = 0, concurrent: bool = False,
-                      syncs_before: int = 0) -> Any:
+                      syncs_before: int = 0, feed: TokenFeed | None = None) -> Any:
     """``caller_ids``: the prompt as the caller gave it, before ``bucketed`` padded it
     (``prompt.ids``); the result starts with it. ``padded_bytes``: what making ``prompt`` from
     the caller's tensors copied (bucketing, a decoder prompt's start token put before it);
     ``syncs_before``: the read-backs that took (a decoder prompt's check for its start
-    token)."""
+    token). ``feed``: the call's streamer, handed each token while the launch runs
+    (``grape.torch.streaming``)."""
     global _LAST
     cache = _CACHES.setdefault(model, _Cache())
     key = (prompt.key, options.key, compiled, exact, concurrent)
@@ -651,8 +659,15 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
         prompt.prefill(decoder)
     else:
         updates = entry.inputs.point(entry.loop.graph, entry.loop.executable, prompt.tensors())
-    entry.loop.launch()
-    result = decoder.result(prompt.ids if caller_ids is None else caller_ids, prompt.decoder_ids)
+    head_ids = prompt.ids if caller_ids is None else caller_ids
+    if feed is None:
+        entry.loop.launch()
+    else:
+        feed.follow(decoder, decoder.sequence_head(head_ids, prompt.decoder_ids),
+                    entry.loop.launch, prompt_inside=entry.inputs is not None)
+    result = decoder.result(head_ids, prompt.decoder_ids)
+    if feed is not None:
+        feed.end()
     _LAST = GenerationStats(graphed=True, captured=captured,
                             capture_s=entry.capture_s if captured else 0.0,
                             copy_bytes=entry.copy_bytes + padded_bytes, pointer_updates=updates,
@@ -662,5 +677,6 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
                             step_nodes=len(entry.loop.capture.ir),
                             step_depth=(entry.loop.concurrency["body"].depth
                                         if "body" in entry.loop.concurrency
-                                        else len(entry.loop.capture.ir)))
+                                        else len(entry.loop.capture.ir)),
+                            streamed_while_running=0 if feed is None else feed.while_running)
     return result

@@ -871,14 +871,30 @@ class Decoder:
                          decoder_ids: torch.Tensor | None = None,
                          decoder_mask: torch.Tensor | None = None,
                          embeds: torch.Tensor | None = None,
-                         model_inputs: dict[str, torch.Tensor] | None = None) -> Any:
+                         model_inputs: dict[str, torch.Tensor] | None = None,
+                         feed: Any = None) -> Any:
         """The whole generation with the host deciding each step (one read-back per token):
-        the reference a device loop of the same step is held to."""
+        the reference a device loop of the same step is held to. ``feed``: a
+        ``grape.torch.streaming.TokenFeed``, handed each token as it is made (token decoders
+        only)."""
         self.prefill(input_ids, attention_mask, decoder_ids, decoder_mask, embeds,
                      model_inputs)
-        while bool(self.running):
+        head = self.sequence_head(input_ids, decoder_ids) if feed is not None else None
+        while True:
+            if feed is not None:
+                feed.deliver(head, self.tokens.cpu(), int(self.count[0]))
+            if not bool(self.running):
+                break
             self.step()
-        return self.result(input_ids, decoder_ids)
+        result = self.result(input_ids, decoder_ids)
+        if feed is not None:
+            feed.finish(head, self.tokens.cpu(), int(self.count[0]))
+        return result
+
+    def sequence_head(self, input_ids: torch.Tensor, decoder_ids: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """The sequences' first columns, one row per sequence: :meth:`head`'s rows."""
+        return self._rows(self.head(input_ids, decoder_ids))
 
     def _check_lengths(self) -> None:
         """After a generation (its result read back): exact lengths had a left-padded prompt."""
@@ -982,7 +998,7 @@ class TokenDecoder(Decoder):
                ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         made = int(self.count.item())
         self._check_lengths()
-        sequences = torch.cat([self._rows(self.head(input_ids, decoder_ids)),
+        sequences = torch.cat([self.sequence_head(input_ids, decoder_ids),
                                self.tokens[:, :made]], dim=1)
         if not self.options.return_dict:
             return sequences

@@ -28,6 +28,7 @@ from grape.torch.options import (
     sequence_head,
 )
 from grape.torch.own_generate import inner_arguments, note_no_speech, owns_generate, routed
+from grape.torch.streaming import TokenFeed
 
 __all__ = ["HostCall", "generate_on_host", "loop_on_host"]
 
@@ -115,6 +116,7 @@ def loop_on_host(model: torch.nn.Module, ids: torch.Tensor | None = None,
         decoder.check_written_only(ids, mask, decoder_ids, decoder_mask, embeds, extra)
     if calls is not None:
         calls.append(call)
-    out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra)
+    feed = None if options.streamer is None else TokenFeed(options.streamer)
+    out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra, feed)
     note_no_speech(options)
     return out

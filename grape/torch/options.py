@@ -155,6 +155,9 @@ class Options:
     # speech" on the call's first step, which grape.torch.own_generate.note_no_speech
     # reproduces beside the graph. Not part of the graph's key.
     no_speech: Any = field(default=None, compare=False, repr=False)
+    # generate's streamer: handed the sequences' head, then each token as it is made
+    # (grape.torch.streaming); not part of the graph's key.
+    streamer: Any = field(default=None, compare=False, repr=False)
     # Sampling's cutoffs beyond top-k and top-p that generate applies (min_p, typical_p,
     # epsilon_cutoff, eta_cutoff), as (field, value), in its order (sampling_warpers).
     cutoffs: tuple[tuple[str, float], ...] = ()
@@ -333,6 +336,7 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
         raise NotGraphable(f"{type(model).__name__} is a decoder-only model that generates "
                            f"from {source}, and grape's decoders read token ids")
     tokenizer = kwargs.pop("tokenizer", None)  # generate's argument, for stop strings
+    streamer = kwargs.pop("streamer", None)
     given = _given_processors(kwargs.pop("logits_processor", None))
     _given_criteria(kwargs.pop("stopping_criteria", None))
     max_new = _integer(kwargs.get("max_new_tokens"), "max_new_tokens", 1)
@@ -352,6 +356,9 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                          f"{config.early_stopping!r}")
     if beams > 1 and config.do_sample:
         raise NotGraphable("beam search with sampling (do_sample=True and num_beams > 1)")
+    if beams > 1 and streamer is not None:
+        raise GrapeError(f"expected num_beams=1 with a streamer (generate streams no beam "
+                         f"search), found num_beams={beams}")
     strategy = "beam" if beams > 1 else "sample" if config.do_sample else "greedy"
     # generate's own checks: greedy decoding makes one sequence per prompt, a beam search at
     # most its beams.
@@ -417,7 +424,7 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
                       num_return=num_return,
                       cutoffs=_cutoffs(config) if strategy == "sample" else (),
                       stop_strings=_stop_strings(config.stop_strings, tokenizer),
-                      tokenizer=tokenizer,
+                      tokenizer=tokenizer, streamer=streamer,
                       remove_invalid=bool(config.remove_invalid_values),
                       decay=_decay(config.exponential_decay_length_penalty),
                       renormalize=bool(config.renormalize_logits),

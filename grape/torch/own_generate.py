@@ -36,7 +36,7 @@ __all__ = ["inner_arguments", "note_no_speech", "owns_generate", "routed"]
 
 # The generic loop's named parameters beyond the inputs that grape takes as generate's
 # keyword arguments (grape.torch.options.resolve reads them); the others must be unset.
-_PASSED_ON = ("generation_config", "logits_processor", "stopping_criteria")
+_PASSED_ON = ("generation_config", "logits_processor", "stopping_criteria", "streamer")
 _SIGNATURE = inspect.signature(GenerationMixin.generate)
 
 # What the call is routed to: (model, the call's positional and keyword arguments) -> what
@@ -113,7 +113,7 @@ def inner_arguments(model: torch.nn.Module, args: tuple, kwargs: dict
     Raises
     ------
     NotGraphable
-        What grape does not take there: an assistant model, a streamer, a negative prompt,
+        What grape does not take there: an assistant model, a negative prompt,
         ``custom_generate``, ``prefix_allowed_tokens_fn``, ``synced_gpus``, encoder outputs or a
         cache given, no prompt, no length it can derive.
     """
