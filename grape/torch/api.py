@@ -343,7 +343,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
     ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``,
     ``num_beams``, ``num_return_sequences``, ``length_penalty``, ``early_stopping``,
-    ``stop_strings`` with ``tokenizer``,
+    ``stop_strings`` with ``tokenizer``, ``streamer``,
     ``remove_invalid_values``, ``exponential_decay_length_penalty``, ``renormalize_logits``,
     ``sequence_bias``, ``encoder_repetition_penalty``,
     ``eos_token_id`` (one or several), ``pad_token_id``, ``min_new_tokens``, or a
@@ -351,7 +351,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     ``generate``. ``seed`` seeds sampling (default: drawn from torch's global generator, so
     ``torch.manual_seed`` makes a call repeatable); sampled tokens follow the processed
     distribution exactly but are not ``torch.multinomial``'s, so they differ from
-    ``generate``'s for the same seed. ``compile=True`` runs the step's kernels from
+    ``generate``'s for the same seed. A ``streamer`` (as ``generate`` takes one: not with
+    beams) is handed what ``generate`` hands it, each token while the launch is still running:
+    the host follows the launch from a side stream (``grape.torch.streaming``), and the
+    generation still reads back once. ``compile=True`` runs the step's kernels from
     ``torch.compile`` (see the module); a model that does not compile falls back to
     ``model.generate`` with a warning, like one that does not capture. ``exact_lengths=True``
     makes each token's attention read only the keys that exist
