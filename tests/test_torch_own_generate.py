@@ -105,6 +105,20 @@ def test_whispers_own_generate_around_grapes_loop_makes_its_tokens(call):
         assert calls[0].decoder_ids.tolist() == [[SOT, language, task, NO_TIMESTAMPS]] * 2
 
 
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_whispers_prompt_of_previous_text_is_the_decoder_prompt(num_beams):
+    # prompt_ids: Whisper puts its previous-text token and the prompt before the start token;
+    # the decoder's prompt grows by them, and Whisper strips them from what it returns.
+    model, features = _whisper()
+    kwargs = dict(language="en", max_new_tokens=8, num_beams=num_beams,
+                  prompt_ids=torch.tensor([308, 40, 41, 42]))
+    calls = []
+    out = generate_on_host(model, features, calls=calls, **kwargs)
+    assert torch.equal(out, model.generate(features, cache_implementation="static", **kwargs))
+    (call,) = calls
+    assert call.decoder_ids.tolist() == [[308, 40, 41, 42, SOT, 301, 305, NO_TIMESTAMPS]] * 2
+
+
 def test_whispers_sampling_repeats_itself_for_a_seed():
     # grape's draws are not torch.multinomial's, so not generate's tokens: its own, again for
     # a seed. What Whisper's wrapper does with them (here: a second call of the loop for a
