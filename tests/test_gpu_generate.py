@@ -620,6 +620,48 @@ def test_a_streamer_hears_only_the_loop_whose_tokens_stand(cuda):
     assert torch.equal(streamed, out[:, 9:].cpu())
 
 
+def test_one_executable_samples_at_every_temperature_and_top_p(cuda):
+    # Sampling's temperature and top-p are read from the device (grape.torch.warpers): on CUDA
+    # generate's warpers bit for bit (PyTorch divides by a host scalar as a multiplication by
+    # its float32 reciprocal there, which grape's multiplies by). Calls at three temperatures
+    # and top-p values share the first call's executable, and each samples what an executable
+    # captured for its own values samples.
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+    from grape.torch.warpers import DeviceTemperature, DeviceTopP
+
+    scores = torch.randn(4, 3000, generator=torch.Generator().manual_seed(0)).cuda() * 4
+    scores[0, :50] = -float("inf")
+    for t in (0.05, 0.2, 0.7, 1.0, 1.3, 3.7):
+        assert torch.equal(DeviceTemperature(t, scores.device)(None, scores),
+                           TemperatureLogitsWarper(t)(None, scores)), t
+    for p in (0.01, 0.3, 0.5, 0.9, 0.999):
+        assert torch.equal(DeviceTopP(p, scores.device)(None, scores),
+                           TopPLogitsWarper(p)(None, scores)), p
+    model = _small_llama()
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    values = [(0.6, 0.8), (1.9, 0.4), (1.0, 0.95)]
+    shared = []
+    for call, (t, p) in enumerate(values):
+        out = grape.generate(model, ids, mask, seed=5, max_new_tokens=16, do_sample=True,
+                             temperature=t, top_p=p, top_k=0)
+        assert last_stats().graphed and last_stats().captured == (call == 0)
+        shared.append(out)
+    assert len({tuple(o.flatten().tolist()) for o in shared}) == 3
+    for (t, p), out in zip(values, shared, strict=True):
+        clear_cache(model)
+        own = grape.generate(model, ids, mask, seed=5, max_new_tokens=16, do_sample=True,
+                             temperature=t, top_p=p, top_k=0)
+        assert last_stats().captured and torch.equal(own, out), (t, p)
+
+
 def test_a_model_that_reads_cache_positions_it_never_wrote_falls_back(cuda):
     # FSMT attends over the static cache's unused tail (its causal mask spans the tokens it is
     # given): found before capture, the documented fallback, the GPU usable after.

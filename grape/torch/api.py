@@ -351,7 +351,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     ``generate``. ``seed`` seeds sampling (default: drawn from torch's global generator, so
     ``torch.manual_seed`` makes a call repeatable); sampled tokens follow the processed
     distribution exactly but are not ``torch.multinomial``'s, so they differ from
-    ``generate``'s for the same seed. A ``streamer`` (as ``generate`` takes one: not with
+    ``generate``'s for the same seed. The temperature and ``top_p`` are read from the device
+    (``grape.torch.warpers``): calls that differ only in them share one executable. A
+    ``streamer`` (as ``generate`` takes one: not with
     beams) is handed what ``generate`` hands it, each token while the launch is still running:
     the host follows the launch from a side stream (``grape.torch.streaming``), and the
     generation still reads back once. ``compile=True`` runs the step's kernels from
@@ -657,6 +659,7 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
     decoder = entry.decoder
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
         decoder.set_seed(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
+        decoder.set_sampling(options)  # (the executable may be another temperature's)
     updates = 0
     if entry.inputs is None:
         prompt.prefill(decoder)

@@ -58,6 +58,7 @@ from grape.torch.options import NotGraphable, Options, sampling_warpers
 from grape.torch.parallel import group_of
 from grape.torch.sdpa_mask import convert_once
 from grape.torch.static_layers import CountedLayer, Tokens
+from grape.torch.warpers import DeviceTemperature, DeviceTopP
 
 __all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "static_cache"]
 
@@ -944,6 +945,15 @@ class TokenDecoder(Decoder):
             self.uniforms = torch.zeros((options.room, rows), dtype=torch.float32,
                                         device=device)
             self.generator = torch.Generator(device=device)
+
+    def set_sampling(self, options: Options) -> None:
+        """This call's temperature and top-p (sampling only; an executable captured for
+        another call's reads them where the warpers keep them: ``grape.torch.warpers``)."""
+        for warper in self.warpers:
+            if isinstance(warper, DeviceTemperature):
+                warper.set(options.temperature)
+            elif isinstance(warper, DeviceTopP):
+                warper.set(options.top_p)
 
     def set_seed(self, seed: int) -> None:
         """Draw this call's random numbers (sampling only): one kernel, before the loop."""

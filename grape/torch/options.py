@@ -34,6 +34,7 @@ from transformers.generation.logits_process import (
 )
 
 from grape.errors import GrapeError
+from grape.torch.warpers import DeviceTemperature, DeviceTopP
 
 __all__ = ["NotGraphable", "Options", "check_positions", "decoder_prompt", "resolve",
            "sampling_warpers", "sequence_head"]
@@ -180,8 +181,10 @@ class Options:
     @property
     def key(self) -> tuple:
         """What the generation's graph depends on (everything but the prompt and the seed)."""
+        # (sampling's temperature and top-p are read from the device, set for each call:
+        # only whether top-p applies is the graph's)
         return (self.strategy, self.max_new_tokens, self.min_new_tokens, self.eos, self.pad,
-                self.temperature, self.top_k, self.top_p, self.num_beams, self.length_penalty,
+                self.top_k, self.top_p < 1.0, self.num_beams, self.length_penalty,
                 self.early_stopping, self.cache_length, self.return_dict, self.kept,
                 self.start, self.forced_bos, self.forced_eos, self.repetition_penalty,
                 self.no_repeat_ngram, self.source_ngram, self.source, self.bad_words,
@@ -451,7 +454,7 @@ def resolve(model: torch.nn.Module, input_ids: Any, attention_mask: Any,
         raise GrapeError(f"expected encoder_repetition_penalty to be a positive number, found "
                          f"{config.encoder_repetition_penalty!r}")
     try:  # the warpers check their own values, as they do inside generate
-        sampling_warpers(options, torch.device("cpu"))
+        _check_sampling(options)
     except ValueError as e:
         raise GrapeError(f"expected sampling options generate accepts, found: "
                          f"{str(e).splitlines()[0]}") from None
@@ -716,18 +719,31 @@ def _cutoffs(config: GenerationConfig) -> tuple[tuple[str, float], ...]:
 def sampling_warpers(options: Options, device: torch.device) -> list[Any]:
     """generate's warpers for sampling with ``options``, in its order: temperature, top-k,
     top-p, then the cutoffs (``Options.cutoffs``); each keeps at least one token, as generate's
-    do without beams. None for the other strategies."""
+    do without beams. None for the other strategies. The temperature and top-p are
+    ``grape.torch.warpers``' (generate's bit for bit, their values on the device, set for each
+    call): the temperature always (1 changes no bit), top-p where it is below 1."""
     if options.strategy != "sample":
         return []
-    warpers: list[Any] = []
-    if options.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(options.temperature))
+    warpers: list[Any] = [DeviceTemperature(options.temperature, device)]
     if options.top_k:
         warpers.append(TopKLogitsWarper(options.top_k))
     if options.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(options.top_p))
+        warpers.append(DeviceTopP(options.top_p, device))
     made = {name: warper for name, warper, _ in _CUTOFFS}
     return warpers + [made[name](value, device) for name, value in options.cutoffs]
+
+
+def _check_sampling(options: Options) -> None:
+    """generate's warpers, made and dropped: they check their own values."""
+    if options.strategy != "sample":
+        return
+    TemperatureLogitsWarper(options.temperature)
+    TopPLogitsWarper(options.top_p)
+    if options.top_k:
+        TopKLogitsWarper(options.top_k)
+    made = {name: warper for name, warper, _ in _CUTOFFS}
+    for name, value in options.cutoffs:
+        made[name](value, torch.device("cpu"))
 
 
 def source_of(model: torch.nn.Module) -> str:
