@@ -662,6 +662,39 @@ def test_one_executable_samples_at_every_temperature_and_top_p(cuda):
         assert last_stats().captured and torch.equal(own, out), (t, p)
 
 
+def test_threads_generating_with_one_model_each_get_their_own_tokens(cuda):
+    # A server's threads share the model, and so its executables and the decoder's buffers:
+    # grape runs one generation at a time per model, so that a call of the same shape on
+    # another thread cannot overwrite a generation in flight.
+    import threading
+
+    import grape
+    from grape.torch.api import last_stats
+
+    model = _small_llama()
+    prompts = [torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(i)).cuda()
+               for i in range(4)]
+    kwargs = dict(max_new_tokens=64, eos_token_id=None)
+    alone = [grape.generate(model, ids, **kwargs) for ids in prompts]
+    found, errors = {}, []
+
+    def worker(i):
+        try:
+            for _ in range(10):
+                out = grape.generate(model, prompts[i], **kwargs)
+                assert last_stats().graphed and not last_stats().captured
+                found.setdefault(i, []).append(torch.equal(out, alone[i]))
+        except Exception as e:  # (a thread's failure, reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert {i: all(v) for i, v in found.items()} == dict.fromkeys(range(4), True)
+
+
 def test_a_model_that_reads_cache_positions_it_never_wrote_falls_back(cuda):
     # FSMT attends over the static cache's unused tail (its causal mask spans the tokens it is
     # given): found before capture, the documented fallback, the GPU usable after.

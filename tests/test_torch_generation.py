@@ -1119,6 +1119,34 @@ def test_grape_generate_takes_embeddings_where_generate_takes_them():
                        prompt_bucket=8)
 
 
+def test_each_thread_reads_the_stats_of_its_own_last_call():
+    # Threads that generate side by side (a server's) each get their own last_stats(): here
+    # one thread's call falls back (a CPU model), and another thread has made none.
+    import threading
+
+    import grape
+    from grape.torch.api import last_stats
+
+    model = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    seen = {}
+
+    def call():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            grape.generate(model, ids, mask, max_new_tokens=3)
+        seen["caller"] = last_stats()
+
+    def idle():
+        seen["idle"] = last_stats()
+    for target in (call, idle):
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+    assert seen["caller"].reason == "the model is on cpu, and graphs need a CUDA device"
+    assert seen["idle"].reason == "no call yet"
+
+
 def _llava():
     """A small LLaVA: a CLIP vision tower of 4x4 patches over 32-pixel images, a Llama."""
     transformers.logging.set_verbosity_error()

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -187,6 +188,7 @@ class _Entry:
 @dataclass
 class _Cache:
     entries: dict[tuple, _Entry] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
     compiled: Any = None  # the model's forward under torch.compile, made on first use
 
     def step_model(self, model: torch.nn.Module) -> Any:
@@ -201,11 +203,18 @@ class _Cache:
 # Per model: its built loops. They hold the model (their decoders call it), so they and it stay
 # until clear_cache(model); a weak key would not help, the value keeping the key alive.
 _CACHES: dict[torch.nn.Module, _Cache] = {}
-_LAST = GenerationStats(graphed=False, reason="no call yet")
+# Each thread's last call (threads that generate side by side each read their own).
+_STATS = threading.local()
+_NO_CALL = GenerationStats(graphed=False, reason="no call yet")
 
 
 def last_stats() -> GenerationStats:
-    return _LAST
+    """What this thread's last ``generate`` call did."""
+    return getattr(_STATS, "last", _NO_CALL)
+
+
+def _set_last(stats: GenerationStats) -> None:
+    _STATS.last = stats
 
 
 def clear_cache(model: torch.nn.Module | None = None) -> None:
@@ -214,8 +223,11 @@ def clear_cache(model: torch.nn.Module | None = None) -> None:
     models = [model] if model is not None else list(_CACHES)
     for m in models:
         cache = _CACHES.pop(m, None)
-        for entry in (cache.entries.values() if cache else ()):
-            entry.loop.close()
+        if cache is None:
+            continue
+        with cache.lock:  # (after a generation in flight on another thread)
+            for entry in cache.entries.values():
+                entry.loop.close()
 
 
 def _decoder(model: torch.nn.Module, batch: int, prompt_len: int, options: Options,
@@ -480,7 +492,6 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
     """One generation graphed, or ``fallback()`` after a warning that starts with
     ``falling_back`` and says why. ``wrapped``: a call a model's own generate made of the
     generic loop (``resolve``)."""
-    global _LAST
     compile, prompt_bucket, exact_lengths = args.compile, args.prompt_bucket, args.exact_lengths
     try:
         options, mask = resolve(model, input_ids, attention_mask,
@@ -532,7 +543,7 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
     except _COMPILE_ERRORS as e:  # only raised with compile=True
         reason = f"torch.compile failed on the step: {type(e).__name__}: {e}".splitlines()[0]
     warnings.warn(f"{falling_back}: {reason}", stacklevel=3)
-    _LAST = GenerationStats(graphed=False, reason=reason)
+    _set_last(GenerationStats(graphed=False, reason=reason))
     return fallback()
 
 
@@ -541,12 +552,10 @@ def _through_own_generate(model: torch.nn.Module, input_ids: Any,
                           args: _GrapeArgs) -> Any:
     """The model's own ``generate`` as it is, each call it makes of ``GenerationMixin.generate``
     graphed (``grape.torch.own_generate``); ``last_stats`` sums the calls."""
-    global _LAST
     name = type(model).__name__
     calls: list[GenerationStats] = []
 
     def inner(model: torch.nn.Module, call_args: tuple, call_kwargs: dict) -> Any:
-        global _LAST
 
         def fallback() -> Any:
             return GenerationMixin.generate(model, *call_args, **call_kwargs)
@@ -563,9 +572,9 @@ def _through_own_generate(model: torch.nn.Module, input_ids: Any,
             # there, as generate's own.
             reason = str(e).splitlines()[0]
             warnings.warn(f"{falling_back}: {reason}", stacklevel=2)
-            _LAST = GenerationStats(graphed=False, reason=reason)
+            _set_last(GenerationStats(graphed=False, reason=reason))
             out = fallback()
-        calls.append(_LAST)
+        calls.append(last_stats())
         return out
 
     given = hf_kwargs if attention_mask is None else dict(hf_kwargs, attention_mask=attention_mask)
@@ -575,15 +584,15 @@ def _through_own_generate(model: torch.nn.Module, input_ids: Any,
     except NotGraphable as e:  # the class cannot be routed: its generate runs as it is
         reason = str(e).splitlines()[0]
         warnings.warn(f"grape.generate runs model.generate instead: {reason}", stacklevel=3)
-        _LAST = GenerationStats(graphed=False, reason=reason)
+        _set_last(GenerationStats(graphed=False, reason=reason))
         return model.generate(input_ids, **given)
     if not calls:
         reason = (f"{name}'s own generate never called GenerationMixin.generate, the part "
                   f"grape graphs")
         warnings.warn(f"grape.generate ran model.generate as it is: {reason}", stacklevel=3)
-        _LAST = GenerationStats(graphed=False, reason=reason)
+        _set_last(GenerationStats(graphed=False, reason=reason))
     else:
-        _LAST = _summed(calls)
+        _set_last(_summed(calls))
     return result
 
 
@@ -636,53 +645,52 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
     ``syncs_before``: the read-backs that took (a decoder prompt's check for its start
     token). ``feed``: the call's streamer, handed each token while the launch runs
     (``grape.torch.streaming``)."""
-    global _LAST
     cache = _CACHES.setdefault(model, _Cache())
-    key = (prompt.key, options.key, compiled, exact, concurrent)
-    entry = cache.entries.get(key)
-    captured = entry is None
-    if entry is None:
-        step_model = cache.step_model(model) if compiled else None
-        group = group_of(model)
-        try:
-            built, failure = _build(model, prompt, options, step_model, exact, warn_whole,
-                                    concurrent), None
-        except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
-            built, failure = None, e
-        # Split over ranks: every rank graphs, or every rank falls back together (a rank
-        # that fell back alone would leave the others waiting in their first all-reduce).
-        if group is not None and not agree(failure is None, group):
-            raise failure or NotGraphable("another rank could not graph its step")
-        if failure is not None:
-            raise failure
-        entry = cache.entries[key] = built
-    decoder = entry.decoder
-    if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
-        decoder.set_seed(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
-        decoder.set_sampling(options)  # (the executable may be another temperature's)
-    updates = 0
-    if entry.inputs is None:
-        prompt.prefill(decoder)
-    else:
-        updates = entry.inputs.point(entry.loop.graph, entry.loop.executable, prompt.tensors())
-    head_ids = prompt.ids if caller_ids is None else caller_ids
-    if feed is None:
-        entry.loop.launch()
-    else:
-        feed.follow(decoder, decoder.sequence_head(head_ids, prompt.decoder_ids),
-                    entry.loop.launch, prompt_inside=entry.inputs is not None)
-    result = decoder.result(head_ids, prompt.decoder_ids)
-    if feed is not None:
-        feed.end()
-    _LAST = GenerationStats(graphed=True, captured=captured,
-                            capture_s=entry.capture_s if captured else 0.0,
-                            copy_bytes=entry.copy_bytes + padded_bytes, pointer_updates=updates,
-                            prefill_graphed=entry.inputs is not None,
-                            host_syncs=1 + syncs_before,
-                            launches=1, attention=entry.attention,
-                            step_nodes=len(entry.loop.capture.ir),
-                            step_depth=(entry.loop.concurrency["body"].depth
-                                        if "body" in entry.loop.concurrency
-                                        else len(entry.loop.capture.ir)),
-                            streamed_while_running=0 if feed is None else feed.while_running)
-    return result
+    # One generation at a time per model: its executables share the decoder's buffers (a
+    # second thread's call of the same shape would overwrite them mid-generation).
+    with cache.lock:
+        key = (prompt.key, options.key, compiled, exact, concurrent)
+        entry = cache.entries.get(key)
+        captured = entry is None
+        if entry is None:
+            step_model = cache.step_model(model) if compiled else None
+            group = group_of(model)
+            try:
+                built, failure = _build(model, prompt, options, step_model, exact, warn_whole,
+                                        concurrent), None
+            except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
+                built, failure = None, e
+            # Split over ranks: every rank graphs, or every rank falls back together (a rank
+            # that fell back alone would leave the others waiting in their first all-reduce).
+            if group is not None and not agree(failure is None, group):
+                raise failure or NotGraphable("another rank could not graph its step")
+            if failure is not None:
+                raise failure
+            entry = cache.entries[key] = built
+        decoder = entry.decoder
+        if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
+            decoder.set_seed(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
+            decoder.set_sampling(options)  # (the executable may be another temperature's)
+        updates = 0
+        if entry.inputs is None:
+            prompt.prefill(decoder)
+        else:
+            updates = entry.inputs.point(entry.loop.graph, entry.loop.executable, prompt.tensors())
+        head_ids = prompt.ids if caller_ids is None else caller_ids
+        if feed is None:
+            entry.loop.launch()
+        else:
+            feed.follow(decoder, decoder.sequence_head(head_ids, prompt.decoder_ids),
+                        entry.loop.launch, prompt_inside=entry.inputs is not None)
+        result = decoder.result(head_ids, prompt.decoder_ids)
+        if feed is not None:
+            feed.end()
+        _set_last(GenerationStats(
+            graphed=True, captured=captured, capture_s=entry.capture_s if captured else 0.0,
+            copy_bytes=entry.copy_bytes + padded_bytes, pointer_updates=updates,
+            prefill_graphed=entry.inputs is not None, host_syncs=1 + syncs_before,
+            launches=1, attention=entry.attention, step_nodes=len(entry.loop.capture.ir),
+            step_depth=(entry.loop.concurrency["body"].depth
+                        if "body" in entry.loop.concurrency else len(entry.loop.capture.ir)),
+            streamed_while_running=0 if feed is None else feed.while_running))
+        return result
