@@ -16,8 +16,8 @@ another model's ``generate``) runs eagerly, as it would without grape.
 
 The class is swapped on the instance, not patched on ``GenerationMixin``: other models, and
 this one outside the call, are untouched. Another thread calling the same model's ``generate``
-during the call would be routed too; grape's generation is not thread-safe per model anyway
-(one cache per model).
+during the call would be routed too (and graphed: grape runs one generation at a time per
+model).
 """
 
 from __future__ import annotations
