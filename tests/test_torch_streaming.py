@@ -93,6 +93,6 @@ def test_a_feed_hands_on_each_token_once_in_order_and_the_head_first():
     for made in (0, 1, 1, 3, 2):
         if made:
             feed.deliver(head, tokens, made)
-    feed.finish(head, tokens, 3)
+    feed.end()
     assert streamer.calls == [("put", [[4, 5], [6, 7]]), ("put", [10, 20]), ("put", [11, 21]),
                               ("put", [12, 22]), ("end",)]

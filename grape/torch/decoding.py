@@ -888,8 +888,8 @@ class Decoder:
                 break
             self.step()
         result = self.result(input_ids, decoder_ids)
-        if feed is not None:
-            feed.finish(head, self.tokens.cpu(), int(self.count[0]))
+        if feed is not None:  # (every token handed on in the loop)
+            feed.end()
         return result
 
     def sequence_head(self, input_ids: torch.Tensor, decoder_ids: torch.Tensor | None = None

@@ -98,13 +98,8 @@ class TokenFeed:
                 return
             time.sleep(POLL_S)
 
-    def finish(self, head: torch.Tensor, tokens: torch.Tensor, made: int) -> None:
-        """The generation's last tokens, then ``streamer.end()``."""
-        self.deliver(head, tokens, made)
-        self.end()
-
     def end(self) -> None:
-        """``streamer.end()``, where :meth:`follow` has handed on every token."""
+        """``streamer.end()``, once every token is handed on."""
         self.streamer.end()
 
 
