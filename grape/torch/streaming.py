@@ -11,8 +11,8 @@ count that covers it, and the side stream reads the count before the tokens, so 
 handed on is final. The side stream waits only for the count's reset, enqueued just before the
 launch (so a count left by the previous generation is never read), and overlaps the loop's
 kernels after that; the loop's stream is never synchronised by the following, so a generation
-still costs one host sync, where its result is read. Whatever the following has not handed on
-by then: its last copies follow the launch's end, and hand on every token it made.
+still costs one host sync, where its result is read. The last copies are made once the launch
+has ended, so every token it made is handed on before the call returns.
 
 A loop whose result turns out unusable after the launch (exact lengths over a mask that is not
 left-padded, ``grape.torch.exact``) hands on nothing: its prompt check is followed too, and the
