@@ -812,6 +812,54 @@ def test_a_cache_layer_of_a_kind_grape_does_not_know_is_refused_by_name(monkeypa
         static_cache(m, 16, torch.zeros(1, dtype=torch.long))
 
 
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_dynamic_sparse_attentions_indexer_keys_are_held_and_follow_beams(num_beams):
+    # DeepSeek-V3.2's and GLM-MoE-DSA's layers keep an indexer's keys beside the cache, at a
+    # length counted on the device: grape writes them as the model does and reorders them by
+    # beam. Four keys per query of up to 17: which keys the indexer picks decides the tokens.
+    if "glm_moe_dsa" not in transformers.CONFIG_MAPPING:
+        pytest.skip("this transformers has no dynamic sparse attention model")
+    from grape.torch.static_layers import CountedIndexedLayer
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(
+        "glm_moe_dsa", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, head_dim=8, index_topk=4, index_head_dim=16,
+        index_n_heads=2, **COMMON)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert all(type(layer) is CountedIndexedLayer
+               for layer in static_cache(m, 17, torch.zeros(1, dtype=torch.long)).layers)
+    ids, mask = _prompt()
+    _held_to_generate(m, ids, mask, 10, max_new_tokens=10, num_beams=num_beams,
+                      return_dict_in_generate=True, output_scores=True)
+
+
+def test_a_layer_type_the_static_cache_has_no_layer_for_is_not_graphable(monkeypatch):
+    # transformers' static cache looks each of the config's layer types up and raises a bare
+    # KeyError for one it has no static layer for (DeepSeek-V4's compressed attention).
+    config = transformers.AutoConfig.for_model("llama", **CONFIGS["llama"], **COMMON)
+    m = transformers.AutoModelForCausalLM.from_config(config)
+
+    def unknown(**kwargs):
+        raise KeyError("heavily_compressed_attention")
+
+    monkeypatch.setattr("grape.torch.decoding.StaticCache", unknown)
+    with pytest.raises(NotGraphable, match="LlamaForCausalLM's config lists "
+                                           "'heavily_compressed_attention' layers, which "
+                                           "transformers' static cache has no layer for"):
+        static_cache(m, 16, torch.zeros(1, dtype=torch.long))
+
+    def broken(**kwargs):  # a KeyError over a type it does have is not grape's to explain
+        raise KeyError("full_attention")
+
+    monkeypatch.setattr("grape.torch.decoding.StaticCache", broken)
+    with pytest.raises(KeyError):
+        static_cache(m, 16, torch.zeros(1, dtype=torch.long))
+
+
 def test_a_draw_is_the_inverse_transform_of_the_normalised_distribution():
     # sample() cumulates unnormalised weights and scales its target by their total: the token
     # is the one a normalised cumulative distribution gives, away from its float64 rounding.

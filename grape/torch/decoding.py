@@ -57,7 +57,12 @@ from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.options import NotGraphable, Options, sampling_warpers
 from grape.torch.parallel import group_of
 from grape.torch.sdpa_mask import convert_once
-from grape.torch.static_layers import CountedLayer, Tokens
+from grape.torch.static_layers import (
+    CountedIndexedLayer,
+    CountedLayer,
+    StaticIndexedLayer,
+    Tokens,
+)
 from grape.torch.warpers import DeviceTemperature, DeviceTopP
 
 __all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "static_cache"]
@@ -120,7 +125,18 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
         A layer that keeps host-side state the window cannot excuse, or a kind of layer grape
         does not know to hold in a graph.
     """
-    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    try:
+        cache = StaticCache(config=model.config, max_cache_len=max_len)
+    except KeyError as e:
+        # transformers' static cache makes its layers from the config's layer types, and
+        # a type it has no static layer for (DeepSeek-V4's compressed attention) is a
+        # KeyError there: generate itself runs such a model on its dynamic cache alone.
+        kind = e.args[0] if e.args else None
+        if kind in hf_cache.STATIC_LAYER_TYPE_MAPPING:
+            raise
+        raise NotGraphable(f"{type(model).__name__}'s config lists {kind!r} layers, which "
+                           f"transformers' static cache has no layer for (it holds "
+                           f"{', '.join(hf_cache.STATIC_LAYER_TYPE_MAPPING)})") from None
     for i, made in enumerate(cache.layers):
         kind = type(made)
         if kind in (StaticLayer, StaticSlidingWindowLayer) and made.max_cache_len >= max_len:
@@ -132,6 +148,15 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
             cache.layers[i].is_sliding = bool(getattr(made, "is_sliding", False))
             continue
         if isinstance(made, _EMPTY):
+            continue
+        if kind is StaticIndexedLayer and made.max_cache_len >= max_len:
+            if layer is not CountedLayer:
+                raise ExactRefused(f"exact lengths count attention caches alone, and cache "
+                                   f"layer {i} keeps an indexer's keys ({kind.__name__}) at "
+                                   f"a length of its own")
+            cache.layers[i] = CountedIndexedLayer(max_cache_len=max_len, count=count,
+                                                  tokens=tokens)
+            cache.layers[i].ranged = ranged
             continue
         if isinstance(made, _RECURRENT) and (not isinstance(made, StaticLayer)
                                              or kind is _HYBRID):

@@ -34,11 +34,19 @@ CHUNK_BYTES = 64 << 20
 
 def state_tensors(layer: Any) -> list[torch.Tensor]:
     """Every tensor of a cache layer that holds per-row state: keys and values, convolution
-    and recurrent states (beam search reorders them all by beam, in place)."""
+    and recurrent states, and any other tensor the layer keeps with a row per sequence, as
+    its keys have (an indexer's keys beside them, in dynamic sparse attention): beam search
+    reorders them all by beam, in place. A layer's counts (0- or 1-dimensional) are shared by
+    its rows and stay."""
     held = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
             if t is not None]
     for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
         held += [t for t in states.values() if t is not None]
+    if held and held[0].ndim >= 2:
+        rows = held[0].shape[0]
+        known = {id(t) for t in held}
+        held += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)
+                 and t.ndim >= 2 and t.shape[0] == rows and id(t) not in known]
     return held
 
 

@@ -31,13 +31,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import transformers.cache_utils
 from transformers.cache_utils import StaticLayer
 
 from grape.errors import GrapeError
 from grape.torch.cache_length import CacheLength
 from grape.torch.options import NotGraphable
 
-__all__ = ["CountedLayer", "Tokens"]
+__all__ = ["CountedIndexedLayer", "CountedLayer", "Tokens"]
+
+# Dynamic sparse attention's static layer (DeepSeek-V3.2, GLM-MoE-DSA): a static layer with an
+# indexer's key cache beside it. transformers versions without it have none.
+StaticIndexedLayer: Any = getattr(transformers.cache_utils, "StaticIndexedLayer", None)
 
 
 class Tokens:
@@ -116,3 +121,16 @@ class CountedLayer(StaticLayer):
                                "than once), where grape's cache takes one write per layer and "
                                "forward")
         self.written_in = self.tokens.forward
+
+
+if StaticIndexedLayer is not None:
+    class CountedIndexedLayer(CountedLayer, StaticIndexedLayer):
+        """A :class:`CountedLayer` with transformers' indexer key cache beside its keys and
+        values (``StaticIndexedLayer``). The indexer counts its own tokens in a device tensor,
+        written at ``arange(n) + length`` and advanced in place (``update_indexer``), as a
+        recurrent layer counts its own: each forward writes it once with the tokens it was
+        given, so its count stays the decoder's, and ``reset`` zeroes it with the cache. Its
+        keys are one tensor per layer with a row per sequence, reordered by beam with the
+        layer's other state (``grape.torch.rows``)."""
+else:  # pragma: no cover - transformers without dynamic sparse attention
+    CountedIndexedLayer = None
