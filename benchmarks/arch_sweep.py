@@ -55,6 +55,19 @@ from typing import Any
 SMALL = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 4000,
          "head_dim": 64, "max_position_embeddings": 512}
+# Mixture-of-experts configs' names for their experts' count and sizes: left at their
+# defaults (up to 256 experts) a dozen MoE models exceed the CPU's bound below, and on a GPU
+# they spend the sweep's time on parameters rather than on routing, which 8 experts with 2
+# chosen per token exercise as well.
+SMALL |= {"num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8,
+          "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 256,
+          "shared_expert_intermediate_size": 256}
+# Latent attention's own sizes (DeepSeek's defaults: ranks of 512 and 1,536).
+MLA_SMALL = {"kv_lora_rank": 64, "q_lora_rank": 128, "qk_rope_head_dim": 32, "head_dim": 32,
+             "qk_nope_head_dim": 32, "v_head_dim": 64}
+# Dynamic sparse attention's keys per query (2,048 by default): fewer than a sweep's sequence
+# holds, so that which keys its indexer picks matters (its keys' cache read, reordered by beam).
+SMALL |= {"index_topk": 8}
 # Configs that name their sizes otherwise keep their defaults: up to hundreds of millions of
 # parameters are still quick on a GPU; billions are refused (two ended the first CPU sweep).
 MAX_PARAMETERS = {"cuda": 1_000_000_000, "cpu": 100_000_000}
@@ -127,8 +140,17 @@ def small_configs(model_type: str) -> list[Any]:
     def config(layers: int) -> Any:
         sizes = {**SMALL, **(SEQ2SEQ_SMALL if SEQ2SEQ[0] or SPEECH[0] else {}),
                  "num_hidden_layers": layers}
-        return transformers.AutoConfig.for_model(model_type, **sizes, bos_token_id=1,
+        made = transformers.AutoConfig.for_model(model_type, **sizes, bos_token_id=1,
                                                  eos_token_id=2, pad_token_id=0)
+        if getattr(made, "kv_lora_rank", None):
+            # Latent attention (DeepSeek's MLA) makes keys and values for every query head,
+            # yet its attention repeats them by the config's groups: its configs keep as
+            # many key-value heads as query heads.
+            made = transformers.AutoConfig.for_model(
+                model_type, **{**sizes, **MLA_SMALL,
+                               "num_key_value_heads": made.num_attention_heads},
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        return made
 
     small = config(SMALL["num_hidden_layers"])
     kinds = _layer_kinds(small)
