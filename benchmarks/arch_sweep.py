@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -140,8 +141,18 @@ def small_configs(model_type: str) -> list[Any]:
     def config(layers: int) -> Any:
         sizes = {**SMALL, **(SEQ2SEQ_SMALL if SEQ2SEQ[0] or SPEECH[0] else {}),
                  "num_hidden_layers": layers}
-        made = transformers.AutoConfig.for_model(model_type, **sizes, bos_token_id=1,
-                                                 eos_token_id=2, pad_token_id=0)
+        while True:
+            try:
+                made = transformers.AutoConfig.for_model(model_type, **sizes, bos_token_id=1,
+                                                         eos_token_id=2, pad_token_id=0)
+                break
+            except AttributeError as e:
+                # A size the config derives itself (Falcon's head_dim, a property without a
+                # setter): left to the config.
+                derived = re.match(r"property '(\w+)' of", str(e))
+                if not derived or derived[1] not in sizes:
+                    raise
+                del sizes[derived[1]]
         if getattr(made, "kv_lora_rank", None):
             # Latent attention (DeepSeek's MLA) makes keys and values for every query head,
             # yet its attention repeats them by the config's groups: its configs keep as
