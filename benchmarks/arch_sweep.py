@@ -138,9 +138,9 @@ def small_configs(model_type: str) -> list[Any]:
     attention nor grape's on it. The first that builds is used."""
     import transformers
 
-    def config(layers: int) -> Any:
+    def config(layers: int, **extra: Any) -> Any:
         sizes = {**SMALL, **(SEQ2SEQ_SMALL if SEQ2SEQ[0] or SPEECH[0] else {}),
-                 "num_hidden_layers": layers}
+                 "num_hidden_layers": layers, **extra}
         while True:
             try:
                 made = transformers.AutoConfig.for_model(model_type, **sizes, bos_token_id=1,
@@ -171,6 +171,13 @@ def small_configs(model_type: str) -> list[Any]:
         grown = config(layers)
         if _attends(_layer_kinds(grown) or []):
             return [grown, small]
+    if hasattr(small, "attn_layer_indices"):
+        # Bamba's and Granite-MoE-Hybrid's defaults place no attention layer at any depth:
+        # their checkpoints name where it goes. The last of the small config's layers.
+        placed = config(SMALL["num_hidden_layers"],
+                        attn_layer_indices=[SMALL["num_hidden_layers"] - 1])
+        if _attends(_layer_kinds(placed) or []):
+            return [placed, small]
     return [small]
 
 
