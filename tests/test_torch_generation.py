@@ -736,14 +736,14 @@ def test_a_model_that_leaves_the_static_cache_unwritten_is_not_graphable(model_t
 
 
 def test_a_forward_that_fails_on_grape_s_inputs_is_a_reason_naming_the_model_s_line():
-    from grape.torch.api import _model_code
+    from grape.torch.model_code import model_code
 
     model = torch.nn.Linear(2, 2)
 
     def forward_of_some_model():
         raise TypeError("create_mask() got an unexpected keyword argument 'block_ids'")
 
-    with pytest.raises(NotGraphable) as info, _model_code(model):
+    with pytest.raises(NotGraphable) as info, model_code(model):
         forward_of_some_model()
     message = str(info.value)
     assert message.startswith("Linear failed on grape's static cache and fixed-shape inputs: "
@@ -751,8 +751,29 @@ def test_a_forward_that_fails_on_grape_s_inputs_is_a_reason_naming_the_model_s_l
     assert f"{__file__}:" in message and "forward_of_some_model" not in message  # the line
     assert "raise TypeError" in message and "\n" not in message
     # grape's own refusals pass through as they are
-    with pytest.raises(GrapeError, match="as it was"), _model_code(model):
+    with pytest.raises(GrapeError, match="as it was"), model_code(model):
         raise GrapeError("as it was")
+
+
+def test_the_host_loop_refuses_a_forward_that_fails_on_grapes_cache_as_generate_does():
+    # MiniMax and xLSTM (transformers 5.25) raise inside their forward when given a static
+    # cache: grape.generate falls back naming the line, and the host loop, which stands for it
+    # on any device, says the same rather than raising the model's error.
+    m = _built("llama", CONFIGS["llama"])
+    own = m.model.forward
+
+    def forward(*args, **kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))  # (5.2x calls it cache)
+        if isinstance(cache, transformers.StaticCache):
+            raise ValueError("Llama uses cache of its own and is not compatible with this one")
+        return own(*args, **kwargs)
+
+    m.model.forward = forward
+    ids, mask = _prompt()
+    with pytest.raises(NotGraphable, match="LlamaForCausalLM failed on grape's static cache "
+                                           "and fixed-shape inputs: ValueError: Llama uses "
+                                           "cache of its own"):
+        _host(m, ids, mask, max_new_tokens=4)
 
 
 # Models whose cache layers keep a recurrent state (Mamba's convolution and SSM states), alone

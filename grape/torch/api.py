@@ -46,12 +46,11 @@ raises ``GrapeError``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -62,9 +61,10 @@ from grape.errors import CaptureError, GrapeError, GraphError, UnsupportedError
 from grape.passes.audit import step_dependence
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.beam import BeamDecoder
-from grape.torch.capture import capture, culprit, frozen_heap
+from grape.torch.capture import capture, frozen_heap
 from grape.torch.decoding import Decoder, ExactRefused, TokenDecoder
 from grape.torch.loop import DeviceLoop
+from grape.torch.model_code import COMPILE_ERRORS, model_code
 from grape.torch.options import (
     NotGraphable,
     Options,
@@ -89,14 +89,6 @@ EXACT_FROM = 1024
 
 # generate's arguments for an encoder-decoder model's decoder prompt (grape.torch.options).
 _DECODER_PROMPT = ("decoder_input_ids", "decoder_attention_mask")
-
-try:  # what a failing torch.compile raises (Dynamo's and Inductor's errors)
-    from torch._dynamo.exc import TorchDynamoException
-    from torch._inductor.exc import InductorError
-
-    _COMPILE_ERRORS: tuple[type[Exception], ...] = (TorchDynamoException, InductorError)
-except ImportError:  # pragma: no cover - torch without Inductor
-    _COMPILE_ERRORS = ()
 
 
 @dataclass
@@ -260,7 +252,7 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
     began = time.perf_counter()
     input_ids = prompt.ids
     batch, prompt_len = input_ids.shape[0], prompt.length
-    with _model_code(model):
+    with model_code(model):
         decoder = _decoder(model, batch, prompt_len, options, step_model, exact)
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
         decoder.set_seed(0)
@@ -271,7 +263,7 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
         return _NoStaging() if step_model is not None else HostConstants(arena, device)
 
     staged = [staging(), staging()]
-    with _model_code(model):  # eagerly: nothing is being captured yet
+    with model_code(model):  # eagerly: nothing is being captured yet
         decoder.check_written_only(input_ids, prompt.mask, prompt.decoder_ids,
                                    prompt.decoder_mask, prompt.embeds, dict(prompt.model_inputs))
         if decoder.uses_mask and prompt_len > 1:
@@ -325,24 +317,6 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
     attention = dict(decoder.lengths.served) if exact else {}
     return _Entry(decoder, loop, time.perf_counter() - began, arena, inputs, copy_bytes,
                   attention)
-
-
-@contextlib.contextmanager
-def _model_code(model: torch.nn.Module) -> Iterator[None]:
-    """Where the model's own code runs on grape's fixed-shape state (a static cache, a
-    full-length mask, positions as tensors), eagerly: an architecture that fails there (a
-    cache of its own kind, a mask function its version cannot call) is a reason to run
-    ``model.generate``, said in one line with the place that raised, not a traceback. grape's
-    own refusals, and compilation's errors (reported as such), pass through."""
-    try:
-        yield
-    except (GrapeError, NotGraphable, *_COMPILE_ERRORS):
-        raise
-    except Exception as e:
-        message = (str(e).strip().splitlines() or [""])[0]
-        raise NotGraphable(f"{type(model).__name__} failed on grape's static cache and "
-                           f"fixed-shape inputs: {type(e).__name__}: {message} (at "
-                           f"{culprit(e)})") from None
 
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
@@ -540,7 +514,7 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
         return out
     except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
         reason = str(e).splitlines()[0]
-    except _COMPILE_ERRORS as e:  # only raised with compile=True
+    except COMPILE_ERRORS as e:  # only raised with compile=True
         reason = f"torch.compile failed on the step: {type(e).__name__}: {e}".splitlines()[0]
     warnings.warn(f"{falling_back}: {reason}", stacklevel=3)
     _set_last(GenerationStats(graphed=False, reason=reason))

@@ -19,6 +19,7 @@ import torch
 
 from grape.torch.beam import BeamDecoder
 from grape.torch.decoding import Decoder, TokenDecoder
+from grape.torch.model_code import model_code
 from grape.torch.options import (
     NotGraphable,
     Options,
@@ -107,16 +108,19 @@ def loop_on_host(model: torch.nn.Module, ids: torch.Tensor | None = None,
     cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
     length = (ids if embeds is None else embeds).shape[1]
     check_positions(model, options, length)
-    decoder = cls(model, ids.shape[0], length, options)
+    with model_code(model):  # a model that fails on grape's state: as grape.generate says
+        decoder = cls(model, ids.shape[0], length, options)
     if options.strategy == "sample":
         decoder.set_seed(seed)
     extra = {k: kwargs[k] for k in options.model_inputs}
     call = HostCall(decoder, options, ids, mask, decoder_ids, decoder_mask, embeds, extra)
-    if check_written:
-        decoder.check_written_only(ids, mask, decoder_ids, decoder_mask, embeds, extra)
-    if calls is not None:
-        calls.append(call)
     feed = None if options.streamer is None else TokenFeed(options.streamer)
-    out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra, feed)
+    with model_code(model):
+        if check_written:
+            decoder.check_written_only(ids, mask, decoder_ids, decoder_mask, embeds, extra)
+        if calls is not None:
+            calls.append(call)
+        out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra,
+                                       feed)
     note_no_speech(options)
     return out

@@ -1,0 +1,48 @@
+"""Where a Hugging Face model's own code runs on grape's fixed-shape state, and fails there.
+
+grape hands a model a static cache, a full-length mask and positions as tensors. An
+architecture whose forward cannot take them (a cache of its own kind, as MiniMax and xLSTM
+keep; a mask function its transformers version cannot call) raises inside its own code: that
+is a reason to run ``model.generate`` instead, said in one line with the place that raised,
+not a traceback. ``grape.generate`` and the host loop (``grape.torch.host_loop``) refuse alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from grape.errors import GrapeError
+from grape.torch.options import NotGraphable
+
+__all__ = ["COMPILE_ERRORS", "model_code"]
+
+try:  # what a failing torch.compile raises (Dynamo's and Inductor's errors)
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
+
+    COMPILE_ERRORS: tuple[type[Exception], ...] = (TorchDynamoException, InductorError)
+except ImportError:  # pragma: no cover - torch without Inductor
+    COMPILE_ERRORS = ()
+
+
+@contextlib.contextmanager
+def model_code(model: torch.nn.Module) -> Iterator[None]:
+    """Runs the model's own code, eagerly: what it raises becomes :class:`NotGraphable`,
+    naming the model, the error and the line that raised. grape's own refusals, and
+    compilation's errors (reported as such), pass through."""
+    try:
+        yield
+    except (GrapeError, NotGraphable, *COMPILE_ERRORS):
+        raise
+    except Exception as e:
+        # (imported here: the culprit's frames filter is the capture module's, and the host
+        # loop, which runs anywhere, need not load the CUDA backend to name a line)
+        from grape.torch.capture import culprit
+
+        message = (str(e).strip().splitlines() or [""])[0]
+        raise NotGraphable(f"{type(model).__name__} failed on grape's static cache and "
+                           f"fixed-shape inputs: {type(e).__name__}: {message} (at "
+                           f"{culprit(e)})") from None
