@@ -144,3 +144,35 @@ def test_every_way_to_take_values_to_the_host_is_refused_as_a_capture_refuses_it
     take()  # and outside, as ever
     with as_captured():
         assert type(t + 1) is torch.Tensor  # what stays on the device runs
+
+
+def test_whether_the_cache_holds_anything_is_known_in_the_prompt_and_in_every_step():
+    # GIT (transformers 5.25) widens its mask only `if cache_length > 0`: over the whole cache
+    # the range cannot say, but the decoder knows that the prompt meets an empty cache and
+    # every step one holding at least the prompt, so neither forward reads the count back.
+    from grape.torch.decoding import TokenDecoder
+    from grape.torch.options import resolve
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.for_model(
+        "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, **COMMON)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    inner, asked = model.model.forward, []
+
+    def forward(*args, **kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        asked.append(bool(cache.get_seq_length() > 0))  # a host question, as GIT asks it
+        return inner(*args, **kwargs)
+
+    model.model.forward = forward
+    ids = torch.randint(30, VOCAB, (2, 7))
+    options, m = resolve(model, ids, None, {"max_new_tokens": 4})
+    decoder = TokenDecoder(model, 2, 7, options)
+    decoder.prefill(ids, m)  # eagerly first: the layers' buffers are made lazily
+    with as_captured():
+        decoder.prefill(ids, m)
+        decoder.step()
+        decoder.step()
+    assert asked == [False, False, True, True]
+    assert type(decoder.cache.layers[0].cumulative_length) is CacheLength

@@ -325,8 +325,12 @@ class Decoder:
             kwargs["inputs_embeds"] = embeds
         if model_inputs:
             kwargs.update(model_inputs)
-        # what the attention layers may write (Tokens)
-        self.given.begin((ids if embeds is None else embeds).shape[1])
+        # What the attention layers may write (Tokens), and what the cache holds before: the
+        # prompt is written from position 0; every step after it, past the prompt (a
+        # decoder-only model's) or the decoder's prompt (an encoder-decoder's), within the cache.
+        past = (0, 0) if first else (self.head_len if self.seq2seq else self.prompt_len,
+                                     self.max_len - 1)
+        self.given.begin((ids if embeds is None else embeds).shape[1], past)
         if self.keeps_last_logits:
             kwargs["logits_to_keep"] = 1
         if self.seq2seq:

@@ -53,10 +53,15 @@ class Tokens:
     def __init__(self) -> None:
         self.n: int | None = None
         self.forward = 0
+        # The range of tokens already in the cache as this forward begins, where the decoder
+        # knows it (None: anything the cache holds).
+        self.past: tuple[int, int] | None = None
 
-    def begin(self, n: int) -> None:
-        """A forward given ``n`` tokens begins."""
+    def begin(self, n: int, past: tuple[int, int] | None = None) -> None:
+        """A forward given ``n`` tokens begins, with between ``past[0]`` and ``past[1]``
+        tokens in the cache before them."""
         self.n = n
+        self.past = past
         self.forward += 1
 
 
@@ -78,6 +83,29 @@ class CountedLayer(StaticLayer):
         # code; the count's plain view where they run it compiled (Dynamo traces a plain
         # tensor; a subclass would be one more thing for it to guard).
         self.ranged = True
+
+    @property
+    def cumulative_length(self) -> torch.Tensor:
+        """The length transformers reads. A CacheLength answers host questions from the range
+        it can take; within one forward that range is narrower than the cache's size where the
+        decoder says (``Tokens.past``): none yet while the prompt is read, at least the prompt
+        at every step after. So a model's ``if past_length > 0`` (GIT's, under transformers
+        5.25) is answered on the host, where over the whole cache it would read the count
+        back, which a capture refuses."""
+        length = self._length
+        past = None if self.tokens is None else self.tokens.past
+        if past is None or not isinstance(length, CacheLength):
+            return length
+        bounded = self._bounded.get(past)
+        if bounded is None:
+            low, high = max(past[0], 0), min(past[1], self.max_cache_len)
+            bounded = self._bounded[past] = CacheLength.of(length._count, low, high)
+        return bounded
+
+    @cumulative_length.setter
+    def cumulative_length(self, value: torch.Tensor) -> None:
+        self._length = value
+        self._bounded: dict[tuple[int, int], CacheLength] = {}
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
