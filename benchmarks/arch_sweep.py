@@ -118,11 +118,14 @@ def _first_line(e: BaseException) -> str:
 
 
 def _layer_kinds(config: Any) -> list[str] | None:
-    """Each layer's kind, where the config lists them (hybrids of attention and recurrence)."""
-    for name in ("layer_types", "layers_block_type"):
-        kinds = getattr(config, name, None)
-        if isinstance(kinds, list | tuple) and kinds and all(isinstance(k, str) for k in kinds):
-            return list(kinds)
+    """Each layer's kind, where the config lists them (hybrids of attention and recurrence;
+    a composite config's in its text part)."""
+    for part in (config, config.get_text_config()):
+        for name in ("layer_types", "layers_block_type"):
+            kinds = getattr(part, name, None)
+            if isinstance(kinds, list | tuple) and kinds and all(isinstance(k, str)
+                                                                  for k in kinds):
+                return list(kinds)
     return None
 
 
@@ -138,9 +141,25 @@ def small_configs(model_type: str) -> list[Any]:
     attention nor grape's on it. The first that builds is used."""
     import transformers
 
+    # A composite config (a vision-language model's text and vision configs, Mllama's,
+    # Llama 4's, Qwen3.5's) takes its sizes in its parts: each part is given the small sizes
+    # too, where the config accepts them so (billions of parameters otherwise).
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    parts = [name for name, value in vars(transformers.AutoConfig.for_model(model_type)).items()
+             if isinstance(value, transformers.PretrainedConfig)]
+
     def config(layers: int, **extra: Any) -> Any:
         sizes = {**SMALL, **(SEQ2SEQ_SMALL if SEQ2SEQ[0] or SPEECH[0] else {}),
                  "num_hidden_layers": layers, **extra}
+        if parts:
+            try:
+                made = transformers.AutoConfig.for_model(
+                    model_type, **sizes,
+                    **{p: {**SMALL, "num_hidden_layers": layers, **ids} for p in parts}, **ids)
+            except Exception:
+                pass  # the parts keep their defaults
+            else:
+                sizes.update({p: getattr(made, p).to_dict() for p in parts})
         while True:
             try:
                 made = transformers.AutoConfig.for_model(model_type, **sizes, bos_token_id=1,
