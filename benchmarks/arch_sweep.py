@@ -296,8 +296,11 @@ def speech_source(model, batch: int, generator, device: Any) -> tuple[Any, Any]:
     if name == "input_values":
         layouts = [(batch, SAMPLES)]
     elif name == "input_features":
-        size = next((getattr(config, f) for f in FEATURE_FIELDS
-                     if isinstance(getattr(config, f, None), int)), None)
+        # (a composite config names it in its encoder's part: Canary's, Cohere-ASR's)
+        parts = [config, *(v for v in vars(config).values()
+                           if hasattr(v, "to_dict") and hasattr(v, "model_type"))]
+        size = next((getattr(p, f) for p in parts for f in FEATURE_FIELDS
+                     if isinstance(getattr(p, f, None), int)), None)
         if size is None:
             raise ValueError(f"expected the config to name its feature size by one of "
                              f"{FEATURE_FIELDS}, found none")
