@@ -758,7 +758,7 @@ def test_a_forward_that_fails_on_grape_s_inputs_is_a_reason_naming_the_model_s_l
 def test_the_host_loop_refuses_a_forward_that_fails_on_grapes_cache_as_generate_does():
     # MiniMax and xLSTM (transformers 5.25) raise inside their forward when given a static
     # cache: grape.generate falls back naming the line, and the host loop, which stands for it
-    # on any device, says the same rather than raising the model's error.
+    # on any device, says the same where grape.generate first runs the model (check_written).
     m = _built("llama", CONFIGS["llama"])
     own = m.model.forward
 
@@ -773,7 +773,7 @@ def test_the_host_loop_refuses_a_forward_that_fails_on_grapes_cache_as_generate_
     with pytest.raises(NotGraphable, match="LlamaForCausalLM failed on grape's static cache "
                                            "and fixed-shape inputs: ValueError: Llama uses "
                                            "cache of its own"):
-        _host(m, ids, mask, max_new_tokens=4)
+        _host(m, ids, mask, max_new_tokens=4, check_written=True)
 
 
 # Models whose cache layers keep a recurrent state (Mamba's convolution and SSM states), alone

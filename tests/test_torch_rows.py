@@ -151,3 +151,22 @@ def test_a_storage_that_a_loose_tensor_shares_is_not_moved():
     reorder = RowReorder([layer], ROWS)
     assert reorder.stacks == [] and len(reorder.loose) == 2
     assert layer.keys is whole
+
+
+def test_state_is_every_tensor_with_a_row_per_sequence_each_storage_once():
+    # Dynamic sparse attention's layers keep an indexer's keys beside keys and values: per-row
+    # state too. Counts are not, and a buffer the keys view is the keys' memory: listed twice,
+    # a reorder done tensor by tensor (the beam decoder's, before the cache is stacked) would
+    # move its rows twice.
+    indexed = _layer()
+    indexed.indexer_keys = torch.randn(ROWS, 6, 8)
+    indexed.indexer_cumulative_length = torch.tensor(3)
+    assert [id(t) for t in state_tensors(indexed)] == [
+        id(indexed.keys), id(indexed.values), id(indexed.indexer_keys)]
+    token_major = _token_major()
+    assert [id(t) for t in state_tensors(token_major)] == [id(token_major.keys),
+                                                           id(token_major.values)]
+    before = token_major.key_buffer.clone()
+    for state in state_tensors(token_major):
+        state.copy_(state.index_select(0, ORDER))
+    assert torch.equal(token_major.key_buffer, before.index_select(0, ORDER))

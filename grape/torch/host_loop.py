@@ -114,13 +114,15 @@ def loop_on_host(model: torch.nn.Module, ids: torch.Tensor | None = None,
         decoder.set_seed(seed)
     extra = {k: kwargs[k] for k in options.model_inputs}
     call = HostCall(decoder, options, ids, mask, decoder_ids, decoder_mask, embeds, extra)
-    feed = None if options.streamer is None else TokenFeed(options.streamer)
-    with model_code(model):
-        if check_written:
+    if check_written:
+        # (where grape.generate first runs the model, before capture: a forward that fails
+        # there is a reason to fall back, as it is there; a streamer's own errors, later,
+        # stay the caller's)
+        with model_code(model):
             decoder.check_written_only(ids, mask, decoder_ids, decoder_mask, embeds, extra)
-        if calls is not None:
-            calls.append(call)
-        out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra,
-                                       feed)
+    if calls is not None:
+        calls.append(call)
+    feed = None if options.streamer is None else TokenFeed(options.streamer)
+    out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra, feed)
     note_no_speech(options)
     return out

@@ -43,10 +43,13 @@ def state_tensors(layer: Any) -> list[torch.Tensor]:
     for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
         held += [t for t in states.values() if t is not None]
     if held and held[0].ndim >= 2:
+        # (a tensor over memory already held is another view of it, as exact lengths' token-
+        # major buffers are of their keys and values: reordered once, through the first)
         rows = held[0].shape[0]
-        known = {id(t) for t in held}
+        storages = {t.untyped_storage().data_ptr() for t in held}
         held += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)
-                 and t.ndim >= 2 and t.shape[0] == rows and id(t) not in known]
+                 and t.ndim >= 2 and t.shape[0] == rows
+                 and t.untyped_storage().data_ptr() not in storages]
     return held
 
 
