@@ -4,7 +4,8 @@ grape hands a model a static cache, a full-length mask and positions as tensors.
 architecture whose forward cannot take them (a cache of its own kind, as MiniMax and xLSTM
 keep; a mask function its transformers version cannot call) raises inside its own code: that
 is a reason to run ``model.generate`` instead, said in one line with the place that raised,
-not a traceback. ``grape.generate`` and the host loop (``grape.torch.host_loop``) refuse alike.
+not a traceback. ``grape.generate`` refuses so where it first runs the model, before capture,
+and the host loop (``grape.torch.host_loop``) where it runs the same check (``check_written``).
 """
 
 from __future__ import annotations
