@@ -729,8 +729,13 @@ def sampling_warpers(options: Options, device: torch.device) -> list[Any]:
         warpers.append(TopKLogitsWarper(options.top_k))
     if options.top_p < 1.0:
         warpers.append(DeviceTopP(options.top_p, device))
+    return warpers + _cutoff_warpers(options, device)
+
+
+def _cutoff_warpers(options: Options, device: torch.device) -> list[Any]:
+    """generate's warpers for ``Options.cutoffs``, in order."""
     made = {name: warper for name, warper, _ in _CUTOFFS}
-    return warpers + [made[name](value, device) for name, value in options.cutoffs]
+    return [made[name](value, device) for name, value in options.cutoffs]
 
 
 def _check_sampling(options: Options) -> None:
@@ -741,9 +746,7 @@ def _check_sampling(options: Options) -> None:
     TopPLogitsWarper(options.top_p)
     if options.top_k:
         TopKLogitsWarper(options.top_k)
-    made = {name: warper for name, warper, _ in _CUTOFFS}
-    for name, value in options.cutoffs:
-        made[name](value, torch.device("cpu"))
+    _cutoff_warpers(options, torch.device("cpu"))
 
 
 def source_of(model: torch.nn.Module) -> str:
