@@ -543,6 +543,28 @@ def test_positions_made_from_the_cache_length_are_captured(cuda, model_type):
     _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, max_new_tokens=12)
 
 
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("beams", [1, 3])
+def test_a_sliding_window_shorter_than_the_generation_is_one_launch(cuda, model_type, beams):
+    # A window of 6 tokens under a 9-token prompt and 12 new ones: transformers rolls it by a
+    # count on the host, which a capture would freeze, so grape fell back to generate until
+    # grape.torch.static_layers.CountedSlidingLayer decided the roll and the mask's offset on
+    # the device. (Gemma 2's own window is 4,096 tokens, Gemma 3's 512 to 1,024, GPT-OSS's 128,
+    # which its experts' grouped GEMM runs in bf16 alone: in benchmarks/arch_sweep.py.)
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=300, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        sliding_window=6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).cuda().eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, max_new_tokens=12,
+                         num_beams=beams, do_sample=False)
+
 def test_stop_strings_end_rows_inside_the_launch(cuda):
     # A stop string from the first row's own text ends that row inside the one launch (the
     # tokenizer's table of token texts moved to the GPU before the capture).

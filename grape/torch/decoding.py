@@ -60,6 +60,7 @@ from grape.torch.sdpa_mask import convert_once
 from grape.torch.static_layers import (
     CountedIndexedLayer,
     CountedLayer,
+    CountedSlidingLayer,
     StaticIndexedLayer,
     Tokens,
 )
@@ -157,6 +158,21 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
             cache.layers[i] = CountedIndexedLayer(max_cache_len=max_len, count=count,
                                                   tokens=tokens)
             cache.layers[i].ranged = ranged
+            continue
+        if kind is StaticSlidingWindowLayer and isinstance(made.max_cache_len, int):
+            # A window shorter than the generation: its roll and its mask's offset decided on
+            # the device (grape.torch.static_layers.CountedSlidingLayer).
+            if layer is not CountedLayer:
+                raise ExactRefused(f"exact lengths count whole caches, and cache layer {i} is "
+                                   f"a sliding window of {made.max_cache_len} tokens")
+            if not ranged:
+                raise NotGraphable(f"cache layer {i} is a sliding window of "
+                                   f"{made.max_cache_len} tokens, shorter than the generation's "
+                                   f"{max_len}, whose mask offset a compiled step would read "
+                                   f"back")
+            cache.layers[i] = CountedSlidingLayer(max_cache_len=max_len,
+                                                  window=made.max_cache_len, count=count,
+                                                  tokens=tokens)
             continue
         if isinstance(made, _RECURRENT) and (not isinstance(made, StaticLayer)
                                              or kind is _HYBRID):

@@ -38,7 +38,7 @@ from grape.errors import GrapeError
 from grape.torch.cache_length import CacheLength
 from grape.torch.options import NotGraphable
 
-__all__ = ["CountedIndexedLayer", "CountedLayer", "Tokens"]
+__all__ = ["CountedIndexedLayer", "CountedLayer", "CountedSlidingLayer", "Tokens"]
 
 # Dynamic sparse attention's static layer (DeepSeek-V3.2, GLM-MoE-DSA): a static layer with an
 # indexer's key cache beside it. transformers versions without it have none.
@@ -78,6 +78,9 @@ class CountedLayer(StaticLayer):
         self.count = count
         self.tokens = tokens
         self.written_in = -1  # the forward that last wrote this layer (Tokens.forward)
+        # The most tokens the count reaches: the buffers' length here (a sliding window's
+        # buffers are shorter than the generation its count runs through).
+        self.length_bound = max_cache_len
         # The length transformers' code reads: a CacheLength, whose host questions its range
         # answers (grape.torch.cache_length), where the decoder's steps run the model's own
         # code; the count's plain view where they run it compiled (Dynamo traces a plain
@@ -98,7 +101,7 @@ class CountedLayer(StaticLayer):
             return length
         bounded = self._bounded.get(past)
         if bounded is None:
-            low, high = max(past[0], 0), min(past[1], self.max_cache_len)
+            low, high = max(past[0], 0), min(past[1], self.length_bound)
             bounded = self._bounded[past] = CacheLength.of(length._count, low, high)
         return bounded
 
@@ -117,7 +120,7 @@ class CountedLayer(StaticLayer):
         and advances it as transformers' does, once per forward too."""
         if self.count.device == self.device:
             length = self.count.view(())  # what transformers reads as the length
-            self.cumulative_length = (CacheLength.of(length, 0, self.max_cache_len)
+            self.cumulative_length = (CacheLength.of(length, 0, self.length_bound)
                                       if self.ranged else length)
         else:
             self.count = None
@@ -149,6 +152,108 @@ class CountedLayer(StaticLayer):
                                "than once), where grape's cache takes one write per layer and "
                                "forward")
         self.written_in = self.tokens.forward
+
+
+class CountedSlidingLayer(CountedLayer):
+    """transformers' ``StaticSlidingWindowLayer`` (the last ``window`` tokens, oldest first)
+    for a generation longer than the window, with its position counted on the device.
+
+    transformers' layer counts its tokens on the host: once the window is full, each token
+    rolls the buffers left by one and writes at the end, and the mask's offset (the position
+    of the window's first slot) is that host count less the window. A captured step would
+    freeze both at their capture-time values. Here a decode step's token is written as
+    transformers writes it, decided on the device: every slot takes its right neighbour's
+    contents where the count has reached the window (a gather over slot indices shifted by
+    that comparison), and the token lands at ``min(count, window - 1)``; the buffers hold what
+    transformers' would, bit for bit. The mask's offset, ``max(count - window + 1, 0)``, is a
+    :class:`CacheLength` whose range the decoder's ``Tokens.past`` bounds, so transformers'
+    host question of it (whether to pad the 2D mask past its end) is answered on the host and
+    its keys' positions are computed on the device. A forward of several tokens (a prompt)
+    runs transformers' own arithmetic, at the cache length the decoder knows on the host
+    (``Tokens.past`` exact); anywhere else it is refused."""
+
+    is_sliding = True
+
+    def __init__(self, max_cache_len: int, window: int, count: torch.Tensor,
+                 tokens: Tokens | None = None) -> None:
+        if not 0 < window < max_cache_len:
+            raise GrapeError(f"expected a sliding window shorter than the generation's "
+                             f"{max_cache_len} tokens, found {window}")
+        super().__init__(max_cache_len=window, count=count, tokens=tokens)
+        self.window = window
+        self.length_bound = max_cache_len  # the count runs through the whole generation
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        if self.count is None:
+            raise NotGraphable(f"a sliding window of {self.window} tokens on another device "
+                               f"than the cache's count, whose position grape keeps on the "
+                               f"count's device alone")
+        self._slots = torch.arange(self.window, device=self.device)
+
+    def _past(self, n: int) -> int:
+        """The tokens in the cache before a forward of ``n`` tokens, as the host knows them."""
+        past = None if self.tokens is None else self.tokens.past
+        if past is None or past[0] != past[1]:
+            raise NotGraphable(f"a forward of {n} tokens into a sliding window of "
+                               f"{self.window} tokens at a cache length known on the device "
+                               f"alone, where grape writes several tokens into a window only "
+                               f"where the host knows the length (a prompt)")
+        return past[0]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        if self.tokens is not None and self.tokens.n is not None and not (
+                torch.compiler.is_compiling()):
+            self._check(n)
+        window = self.window
+        if n == 1:
+            # transformers' roll, where the window is full; its identity, where not.
+            source = (self._slots + (self.count >= window)).clamp_(max=window - 1)
+            at = self.count.clamp(max=window - 1)
+            for buffer, state in ((self.keys, key_states), (self.values, value_states)):
+                buffer.copy_(buffer.index_select(2, source))
+                buffer.index_copy_(2, at, state)
+            return self.keys, self.values
+        past = self._past(n)
+        # transformers' StaticSlidingWindowLayer.update, at the host's count
+        if past >= window:
+            keys = torch.cat((self.keys[:, :, 1:], key_states), dim=-2)
+            values = torch.cat((self.values[:, :, 1:], value_states), dim=-2)
+        elif past + n > window:
+            keys = key_states if past == 0 else torch.cat((self.keys[:, :, :past], key_states),
+                                                          dim=-2)
+            values = value_states if past == 0 else torch.cat(
+                (self.values[:, :, :past], value_states), dim=-2)
+        else:
+            at = torch.arange(n, device=self.device) + self.count
+            self.keys.index_copy_(2, at, key_states)
+            self.values.index_copy_(2, at, value_states)
+            return self.keys, self.values
+        self.keys.copy_(keys[:, :, -window:])
+        self.values.copy_(values[:, :, -window:])
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, Any]:
+        window = self.window
+        if query_length == 1:
+            # Full or not, the keys are the window's slots; the first holds position
+            # max(count - window + 1, 0).
+            offset = (self.count.view(()) - (window - 1)).clamp(min=0)
+            past = None if self.tokens is None else self.tokens.past
+            low, high = past if past is not None else (0, self.length_bound)
+            return window, CacheLength.of(offset, max(low - window + 1, 0),
+                                          max(min(high, self.length_bound) - window + 1, 0))
+        past = self._past(query_length)  # transformers' sizes, at the host's count
+        offset = max(past - window + 1, 0)
+        if past >= window:
+            return window + query_length - 1, offset
+        if past + query_length > window:
+            return past + query_length, offset
+        return window, offset
 
 
 if StaticIndexedLayer is not None:

@@ -1,0 +1,118 @@
+"""A sliding window shorter than the generation (grape.torch.static_layers.CountedSlidingLayer):
+the buffers and mask sizes transformers' StaticSlidingWindowLayer keeps, with its position on the
+device; decode steps that read nothing back; and generations with ``generate``'s tokens on
+models whose windows are shorter than the prompt, the generation, or both (Mistral, Gemma 3,
+GPT-OSS), where grape fell back to ``generate`` before."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+from transformers.cache_utils import StaticSlidingWindowLayer  # noqa: E402
+
+from grape.errors import GrapeError  # noqa: E402
+from grape.torch.cache_length import CacheLength  # noqa: E402
+from grape.torch.options import NotGraphable  # noqa: E402
+from grape.torch.readback import ReadBack, as_captured  # noqa: E402
+from grape.torch.static_layers import CountedSlidingLayer, Tokens  # noqa: E402
+
+MAX_LEN = 20
+
+
+def _states(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)
+
+
+@pytest.mark.parametrize("window,prompt", [(8, 5), (8, 8), (8, 13), (4, 1), (19, 3)])
+def test_the_window_holds_what_transformers_layer_holds_at_every_token(window, prompt):
+    theirs = StaticSlidingWindowLayer(max_cache_len=MAX_LEN, sliding_window=window)
+    count, tokens = torch.zeros(1, dtype=torch.long), Tokens()
+    ours = CountedSlidingLayer(max_cache_len=MAX_LEN, window=window, count=count, tokens=tokens)
+    for step, n in enumerate([prompt] + [1] * (MAX_LEN - prompt)):
+        past = int(count)
+        tokens.begin(n, (past, past) if step == 0 else (prompt, MAX_LEN - 1))
+        expected_sizes = theirs.get_mask_sizes(n)
+        length, offset = ours.get_mask_sizes(n)
+        assert (length, int(offset)) == expected_sizes, f"token {past}"
+        k, v = _states(n, seed=step)
+        expected = theirs.update(k, v)
+        got = ours.update(k, v)
+        for e, g in zip(expected, got, strict=True):
+            assert torch.equal(e, g), f"token {past}: attention's keys or values differ"
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        count += n
+
+
+def test_a_steps_mask_offset_answers_the_padding_question_without_reading_back():
+    window = 8
+    count, tokens = torch.tensor([11]), Tokens()
+    layer = CountedSlidingLayer(max_cache_len=MAX_LEN, window=window, count=count, tokens=tokens)
+    layer.lazy_initialization(*_states(1, 0))
+    tokens.begin(1, (6, MAX_LEN - 1))
+    length, offset = layer.get_mask_sizes(1)
+    assert isinstance(offset, CacheLength) and int(offset) == 11 - window + 1
+    with as_captured():
+        # transformers' prepare_padding_mask: pad the decoder's 2D mask past its end?
+        assert not bool(length + offset - MAX_LEN > 0)
+        keys = torch.arange(length) + offset  # the window's positions, on the device
+    assert keys.tolist() == list(range(4, 12))
+    count.fill_(3)  # the next forward, before the window fills: its first slot is position 0
+    length, offset = layer.get_mask_sizes(1)
+    assert (torch.arange(length) + offset).tolist() == list(range(8))
+    with pytest.raises(ReadBack), as_captured():
+        bool(offset > 2)  # 0..12: not decided by the range, so read
+
+
+def test_several_tokens_where_only_the_device_knows_the_length_are_refused():
+    count, tokens = torch.tensor([9]), Tokens()
+    layer = CountedSlidingLayer(max_cache_len=MAX_LEN, window=8, count=count, tokens=tokens)
+    tokens.begin(2, (4, MAX_LEN - 1))
+    with pytest.raises(NotGraphable, match="a forward of 2 tokens into a sliding window of 8"):
+        layer.update(*_states(2, 0))
+    with pytest.raises(GrapeError, match="shorter than the generation's 20 tokens, found 20"):
+        CountedSlidingLayer(max_cache_len=MAX_LEN, window=MAX_LEN, count=count)
+
+
+VOCAB = 300
+SMALL = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "max_position_embeddings": 128, "bos_token_id": 1, "eos_token_id": 2,
+         "pad_token_id": 0}
+
+
+def _model(model_type: str, window: int):
+    config = transformers.AutoConfig.for_model(model_type, **SMALL, sliding_window=window)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("window", [6, 20])  # shorter than the prompt; than the generation
+@pytest.mark.parametrize("beams", [1, 3])
+def test_windows_shorter_than_the_generation_are_graphed_with_generates_tokens(
+        model_type, window, beams):
+    from grape.torch.host_loop import generate_on_host
+
+    model = _model(model_type, window)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: positions the window holds, then drops
+    kw = dict(max_new_tokens=20, do_sample=False, num_beams=beams, eos_token_id=None,
+              pad_token_id=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model.generate(ids, attention_mask=mask, cache_implementation="static", **kw)
+        calls = []
+        got = generate_on_host(model, ids, mask, check_written=True, calls=calls, **kw)
+        decoder = calls[-1].again()
+        assert any(isinstance(layer, CountedSlidingLayer) for layer in decoder.layers)
+        with as_captured():
+            decoder.step()  # a decode step as a capture runs it: nothing read back
+    assert torch.equal(got, expected)
