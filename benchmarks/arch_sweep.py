@@ -70,6 +70,13 @@ MLA_SMALL = {"kv_lora_rank": 64, "q_lora_rank": 128, "qk_rope_head_dim": 32, "he
 # Dynamic sparse attention's keys per query (2,048 by default): fewer than a sweep's sequence
 # holds, so that which keys its indexer picks matters (its keys' cache read, reordered by beam).
 SMALL |= {"index_topk": 8}
+# Sliding windows shorter than the sweep's prompt and generation (16 + 24 tokens), so that a
+# window's roll and mask offset are exercised (Mistral's default window is 4,096 tokens,
+# Gemma 3's 512 to 1,024, GPT-OSS's 128); per-layer embeddings' sizes (Gemma 3n's and 4's
+# 262,144 x 256 a layer otherwise); one layer reading an earlier one's keys (Gemma 3n's 15 of 35
+# by default, more than two layers hold).
+SMALL |= {"sliding_window": 8, "vocab_size_per_layer_input": 4000,
+          "hidden_size_per_layer_input": 64, "num_kv_shared_layers": 1}
 # Configs that name their sizes otherwise keep their defaults: up to hundreds of millions of
 # parameters are still quick on a GPU; billions are refused (two ended the first CPU sweep).
 MAX_PARAMETERS = {"cuda": 1_000_000_000, "cpu": 100_000_000}
@@ -134,7 +141,20 @@ def _attends(kinds: list[str]) -> bool:
     return any(("attention" in k and "linear" not in k) or k == "hybrid" for k in kinds)
 
 
-def small_configs(model_type: str) -> list[Any]:
+def _layer_pattern(default: Any, layers: int) -> dict[str, Any]:
+    """A layer pattern a config keeps as (kinds, repeats) pairs (GPT-Neo's attention_types,
+    whose expansion must have one kind a layer): its first kinds over ``layers``."""
+    pattern = getattr(default, "attention_types", None)
+    if (isinstance(pattern, list) and pattern and isinstance(pattern[0], list | tuple)
+            and len(pattern[0]) == 2 and isinstance(pattern[0][0], list)):
+        kinds = pattern[0][0]
+        if layers % len(kinds) == 0:
+            return {"attention_types": [[kinds, layers // len(kinds)]]}
+        return {"attention_types": [[kinds[:1], layers]]}
+    return {}
+
+
+def small_configs(model_type: str, seq2seq_sizes: bool = False) -> list[Any]:
     """The small config, and before it, for a hybrid whose layer pattern puts its first
     attention layer past the second (Jamba's at the fifth, Qwen3-Next's at the fourth), the
     same with the fewest layers, up to 8, that hold one: with linear layers alone Hugging
@@ -149,9 +169,11 @@ def small_configs(model_type: str) -> list[Any]:
     parts = [name for name, value in vars(transformers.AutoConfig.for_model(model_type)).items()
              if isinstance(value, transformers.PretrainedConfig)]
 
+    default = transformers.AutoConfig.for_model(model_type)
+
     def config(layers: int, **extra: Any) -> Any:
-        sizes = {**SMALL, **(SEQ2SEQ_SMALL if SEQ2SEQ[0] or SPEECH[0] else {}),
-                 "num_hidden_layers": layers, **extra}
+        sizes = {**SMALL, **(SEQ2SEQ_SMALL if SEQ2SEQ[0] or SPEECH[0] or seq2seq_sizes else {}),
+                 "num_hidden_layers": layers, **_layer_pattern(default, layers), **extra}
         if parts:
             try:
                 made = transformers.AutoConfig.for_model(
@@ -173,7 +195,19 @@ def small_configs(model_type: str) -> list[Any]:
                 if not derived or derived[1] not in sizes:
                     raise
                 del sizes[derived[1]]
-            except Exception:
+            except Exception as e:
+                # Mamba-2's heads: as many as its inner width holds at the small head size.
+                heads = re.search(r"hidden_size \* expand \((\d+)\) must equal num_heads \* "
+                                  r"head_dim", str(e))
+                if heads and "num_heads" not in sizes:
+                    sizes["num_heads"] = int(heads[1]) // sizes["head_dim"]
+                    continue
+                # A layer pattern the config lists in full, whatever the count (Zamba's):
+                # its first layers.
+                kinds = _layer_kinds(default)
+                if "layer_types" in str(e) and kinds and "layer_types" not in sizes:
+                    sizes["layer_types"] = kinds[:layers]
+                    continue
                 if sizes.pop("num_experts_per_tok", None) is None:
                     raise
         if getattr(made, "kv_lora_rank", None):
@@ -220,9 +254,15 @@ def build(model_type: str, device: str, dtype: Any):
             continue
         config = candidate
         break
-    with torch.device("meta"):
-        count = sum(p.numel() for p in
-                    _auto().from_config(config).parameters())
+    try:
+        with torch.device("meta"):
+            count = sum(p.numel() for p in _auto().from_config(config).parameters())
+    except Exception:
+        # An encoder-decoder's decoder built alone (Whisper's, PLBart's) takes its sizes by
+        # the encoder-decoder names.
+        config = small_configs(model_type, seq2seq_sizes=True)[-1]
+        with torch.device("meta"):
+            count = sum(p.numel() for p in _auto().from_config(config).parameters())
     most = MAX_PARAMETERS[device]
     if count > most:
         raise ValueError(f"expected at most {most:,} parameters at the small size, found "
