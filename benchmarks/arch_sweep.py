@@ -75,8 +75,11 @@ SMALL |= {"index_topk": 8}
 # Gemma 3's 512 to 1,024, GPT-OSS's 128); per-layer embeddings' sizes (Gemma 3n's and 4's
 # 262,144 x 256 a layer otherwise); one layer reading an earlier one's keys (Gemma 3n's 15 of 35
 # by default, more than two layers hold).
-SMALL |= {"sliding_window": 8, "vocab_size_per_layer_input": 4000,
-          "hidden_size_per_layer_input": 64, "num_kv_shared_layers": 1}
+# Given only to configs that define them: transformers reads some of them on any config (a
+# static cache makes every layer a sliding one where a config has a window and no layer types,
+# and drops the last num_kv_shared_layers layers' caches).
+DEFINED_SMALL = {"sliding_window": 8, "vocab_size_per_layer_input": 4000,
+                 "hidden_size_per_layer_input": 64, "num_kv_shared_layers": 1}
 # Configs that name their sizes otherwise keep their defaults: up to hundreds of millions of
 # parameters are still quick on a GPU; billions are refused (two ended the first CPU sweep).
 MAX_PARAMETERS = {"cuda": 1_000_000_000, "cpu": 100_000_000}
@@ -141,6 +144,11 @@ def _attends(kinds: list[str]) -> bool:
     return any(("attention" in k and "linear" not in k) or k == "hybrid" for k in kinds)
 
 
+def _defined(default: Any) -> dict[str, Any]:
+    """The DEFINED_SMALL sizes a config defines (and not as 0 or None)."""
+    return {k: v for k, v in DEFINED_SMALL.items() if getattr(default, k, None)}
+
+
 def _layer_pattern(default: Any, layers: int) -> dict[str, Any]:
     """A layer pattern a config keeps as (kinds, repeats) pairs (GPT-Neo's attention_types,
     whose expansion must have one kind a layer): its first kinds over ``layers``."""
@@ -173,12 +181,14 @@ def small_configs(model_type: str, seq2seq_sizes: bool = False) -> list[Any]:
 
     def config(layers: int, **extra: Any) -> Any:
         sizes = {**SMALL, **(SEQ2SEQ_SMALL if SEQ2SEQ[0] or SPEECH[0] or seq2seq_sizes else {}),
+                 **_defined(default),
                  "num_hidden_layers": layers, **_layer_pattern(default, layers), **extra}
         if parts:
             try:
                 made = transformers.AutoConfig.for_model(
                     model_type, **sizes,
-                    **{p: {**SMALL, "num_hidden_layers": layers, **ids} for p in parts}, **ids)
+                    **{p: {**SMALL, **_defined(getattr(default, p)), "num_hidden_layers": layers,
+                           **ids} for p in parts}, **ids)
             except Exception:
                 pass  # the parts keep their defaults
             else:

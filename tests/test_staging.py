@@ -80,6 +80,19 @@ def test_moves_and_mixed_ops_are_staged_and_device_work_is_not(staging):
     assert recorder.copies == [16, 16]
 
 
+def test_a_host_scalar_written_through_an_index_is_staged(staging):
+    # x[index] = 1 on a CUDA tensor hands index_put_ the 1 as a host scalar tensor, which it
+    # copies to the device itself (Speech2Text's encoder mask fell back on the H200 there); on
+    # the meta device PyTorch makes the value on meta, so the call is made as CUDA's is.
+    stage, recorder = staging
+    x = torch.zeros(2, 5, device="meta")
+    rows = torch.arange(2, device="meta")
+    with stage:
+        x.index_put_((rows, rows), torch.tensor(1.0))
+        x.index_put_((rows, rows), torch.ones(2, device="meta"))  # on the device: not staged
+    assert recorder.copies == [4] and stage.values == [torch.tensor(1.0).numpy().tobytes()]
+
+
 def test_the_stage_can_be_entered_again_and_keeps_its_values(staging):
     stage, recorder = staging
     for _ in range(2):

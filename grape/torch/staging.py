@@ -134,6 +134,11 @@ class _Copies(TorchDispatchMode):
             return staged.to(**rest) if rest else staged
         if func is _aten.copy_.default and staging.on_device(args[0]) and _host(args[1]):
             return args[0].copy_(staging.stage(args[1]))
+        if (func in _VALUE_COPIED and staging.on_device(args[0]) and len(args) > 2
+                and _host(args[2]) and args[2].dim() == 0):
+            # ``x[index] = 1`` on a CUDA tensor: PyTorch makes the value a host scalar tensor,
+            # which index_put_ then copies to the device itself (Speech2Text's mask).
+            args = (args[0], args[1], staging.stage(args[2]), *args[3:])
         flat = [*args, *kwargs.values()]
         if (any(staging.on_device(a) for a in _leaves(flat))
                 and any(_host_array(a) for a in _leaves(flat))):
@@ -143,6 +148,10 @@ class _Copies(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+# Operations that copy a host scalar tensor given as their value to the device, where most
+# take it as a kernel's argument.
+_VALUE_COPIED = {_aten.index_put_.default, _aten.index_put.default,
+                 _aten._index_put_impl_.default}
 _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 
