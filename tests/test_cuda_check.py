@@ -96,3 +96,28 @@ def test_applied_updates_are_called_directly_and_a_failure_names_its_node(monkey
     with observe(span):  # observed: each update goes through the checker, which marks it
         Graph.apply(Executable(), [updates[0], updates[2]])
     assert seen == ["cuGraphExecKernelNodeSetParams"] * 2
+
+
+def test_a_call_failing_for_want_of_a_context_is_made_again_once_one_is_current(monkeypatch):
+    # A second thread generating with executables the first built: the runtime makes the
+    # primary context current for its own calls, the driver saw none, and the launch failed
+    # with CUDA_ERROR_INVALID_CONTEXT on the H200. The checker makes it current and calls again.
+    import grape.cuda.check as check
+
+    state = {"current": False, "calls": 0}
+
+    def launch(*args):
+        state["calls"] += 1
+        if not state["current"]:
+            return (driver.CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        return (driver.CUresult.CUDA_SUCCESS, 7)
+
+    monkeypatch.setattr(check, "_thread_has_context", lambda: state["current"])
+    monkeypatch.setattr(check, "_make_primary_current",
+                        lambda: state.update(current=True) or True)
+    monkeypatch.setattr(check, "_describe", lambda status: status.name)  # (no driver needed)
+    assert call(launch, doing="launching") == 7 and state["calls"] == 2
+    # A thread that had a context: the failure is the call's own, raised as it was.
+    state.update(calls=0)
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_CONTEXT.*while launching$"):
+        call(lambda: (driver.CUresult.CUDA_ERROR_INVALID_CONTEXT,), doing="launching")

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from grape.errors import GrapeError  # noqa: E402
 from grape.torch.beam import BeamDecoder  # noqa: E402
-from grape.torch.decoding import TokenDecoder, sample, static_cache  # noqa: E402
+from grape.torch.decoding import ExactRefused, TokenDecoder, sample, static_cache  # noqa: E402
 from grape.torch.host_loop import generate_on_host  # noqa: E402
 from grape.torch.options import NotGraphable, resolve  # noqa: E402
 
@@ -145,16 +145,22 @@ def test_top_k_and_top_p_keep_the_draws_inside_their_set():
         assert token.item() in allowed, i
 
 
-def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_refused():
+def test_a_sliding_window_that_holds_the_generation_is_a_static_layer_else_a_counted_window():
     config = transformers.AutoConfig.for_model("mistral", **CONFIGS["mistral"], **COMMON)
     m = transformers.AutoModelForCausalLM.from_config(config)
-    from grape.torch.static_layers import CountedLayer
+    from grape.torch.exact import TokenMajorLayer
+    from grape.torch.static_layers import CountedLayer, CountedSlidingLayer
 
     count = torch.zeros(1, dtype=torch.long)
     assert all(type(layer) is CountedLayer for layer in static_cache(m, 64, count).layers)
-    with pytest.raises(NotGraphable, match="keeps its position on the host, for a generation "
-                                           "of 65 tokens"):
-        static_cache(m, 65, torch.zeros(1, dtype=torch.long))
+    # Shorter than the generation: held on the device (tests/test_torch_sliding_window.py),
+    # except by exact lengths and compiled steps, which refuse it with the reason.
+    shorter = static_cache(m, 65, count).layers
+    assert all(type(layer) is CountedSlidingLayer and layer.window == 64 for layer in shorter)
+    with pytest.raises(ExactRefused, match="a sliding window of 64 tokens"):
+        static_cache(m, 65, count, TokenMajorLayer)
+    with pytest.raises(NotGraphable, match="whose mask offset a compiled step would read back"):
+        static_cache(m, 65, count, ranged=False)
 
 
 @pytest.mark.parametrize("kwargs, reason", [
@@ -640,7 +646,7 @@ def test_stop_strings_end_sequences_where_generate_ends_them(kind, strategy):
                                         else {"num_beams": 3} if strategy == "beam 3" else {}))
     free = _host(m, ids, mask, **kwargs)
     new = free[0, free.shape[1] - 12:].tolist()
-    text = tokenizer.decode(new[4:6])
+    text = "".join(tokenizer.convert_ids_to_tokens(new[4:6]))  # (as StopStringCriteria reads)
     stop = dict(kwargs, stop_strings=[text[1:], "jjjjjjjj"], tokenizer=tokenizer)
     out = _host(m, ids, mask, **stop)
     reference = m.generate(ids, attention_mask=mask, **_same_layout(m, ids, 12), **stop)

@@ -54,7 +54,9 @@ def _whisper(boost=()):
     if boost:
         raised = torch.zeros(config.vocab_size)
         raised[list(boost)] = 100.0
-        model.proj_out.register_forward_hook(lambda module, args, out: out + raised)
+        # (a buffer, so that model.cuda() moves it: the GPU tests build the same model)
+        model.proj_out.register_buffer("raised", raised)
+        model.proj_out.register_forward_hook(lambda module, args, out: out + module.raised)
     features = torch.randn(2, 16, 100, generator=torch.Generator().manual_seed(0))
     return model, features
 

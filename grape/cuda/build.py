@@ -15,7 +15,7 @@ import numpy as np
 from cuda.bindings import driver
 
 from grape.cuda.capability import require
-from grape.cuda.check import call, check_status, observing
+from grape.cuda.check import call, check_status, observing, rebound
 from grape.cuda.context import current_context, memory_info, synchronize
 from grape.cuda.functions import resolve
 from grape.cuda.resource import Resource
@@ -313,6 +313,8 @@ class Graph(Resource):
         for u in updates:
             status = u.fn(handle, *u.args)[0]
             if status is not _SUCCESS:  # enum members are singletons; anything else is checked
+                if status is driver.CUresult.CUDA_ERROR_INVALID_CONTEXT and rebound():
+                    status = u.fn(handle, *u.args)[0]  # a thread without a context, given one
                 check_status(status, f"updating node {u.node!r}")
 
 

@@ -9,6 +9,7 @@ such error, never at import.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +17,8 @@ from cuda.bindings import driver, nvrtc, runtime
 
 from grape.errors import CudaError, UnsupportedError
 
-__all__ = ["OBSERVED", "call", "check_status", "device_status", "observe", "observing"]
+__all__ = ["OBSERVED", "call", "check_status", "device_status", "observe", "observing",
+           "rebound"]
 
 # Driver calls whose host time and GPU work a trace of grape's own runs needs: the launches, and
 # what brings an executable to a shape before one. torch.profiler does not record cuda-python's
@@ -80,10 +82,53 @@ def call(fn: Callable[..., tuple], *args: Any, doing: str) -> Any:
             raise UnsupportedError(f"the installed driver lacks {getattr(fn, '__name__', fn)} "
                                    f"(a newer driver has it), while {doing}") from None
         raise CudaError(f"no usable CUDA library ({first_line}), while {doing}") from None
+    if status is driver.CUresult.CUDA_ERROR_INVALID_CONTEXT and rebound():
+        status, *values = fn(*args) if _OBSERVER is None else _observed(fn, args)
     check_status(status, doing)
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+# Primary contexts this process has retained, by device ordinal: retained once, made current
+# in each thread that needs one.
+_PRIMARY: dict[int, Any] = {}
+_LOCK = threading.Lock()
+
+
+def _thread_has_context() -> bool:
+    status, ctx = driver.cuCtxGetCurrent()
+    return status is not driver.CUresult.CUDA_SUCCESS or int(ctx) != 0
+
+
+def _make_primary_current() -> bool:
+    """Make current, in this thread, the primary context of the runtime's device for it (the
+    one PyTorch's work in this thread uses)."""
+    status, ordinal = runtime.cudaGetDevice()
+    if status is not runtime.cudaError_t.cudaSuccess:
+        return False
+    with _LOCK:
+        ctx = _PRIMARY.get(ordinal)
+        if ctx is None:
+            status, device = driver.cuDeviceGet(ordinal)
+            if status is not driver.CUresult.CUDA_SUCCESS:
+                return False
+            status, ctx = driver.cuDevicePrimaryCtxRetain(device)
+            if status is not driver.CUresult.CUDA_SUCCESS:
+                return False
+            _PRIMARY[ordinal] = ctx
+    return driver.cuCtxSetCurrent(ctx)[0] is driver.CUresult.CUDA_SUCCESS
+
+
+def rebound() -> bool:
+    """After a driver call failed with ``CUDA_ERROR_INVALID_CONTEXT``: whether this thread had
+    no current context and now has the primary one, so that the call may be made again.
+
+    The runtime API makes a device's primary context current in each thread that uses it, for
+    its own calls; the driver API sees none in a thread that has made no driver call of its own
+    (a second thread generating with a model whose executables the first built: the H200 ran
+    into it). Checked only after such a failure, so the launch path pays nothing."""
+    return not _thread_has_context() and _make_primary_current()
 
 
 def check_status(status: Any, doing: str) -> None:

@@ -52,6 +52,7 @@ from grape.errors import GrapeError
 from grape.torch.cache_length import ranged_arange
 from grape.torch.control import capturing
 from grape.torch.decode_mask import running_mask
+from grape.torch.deferred_checks import DeferredChecks
 from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.options import NotGraphable, Options, sampling_warpers
@@ -231,6 +232,7 @@ class Decoder:
         # layer counts its own, in step with it.
         self.written = torch.zeros((1,), dtype=torch.long, device=device)
         self.given = Tokens()  # given to each forward: the layers write that many
+        self.checks = DeferredChecks(device)  # the model's checks, read with the result
         self.cache = static_cache(model, self.max_len, self.written,
                                   TokenMajorLayer if exact else CountedLayer, self.given,
                                   ranged=step_model is None)
@@ -454,6 +456,10 @@ class Decoder:
                 # and the mode costs a Python call per torch function (2 to 4% of a GPT-2-small
                 # prompt's eager forward on the CPU: benchmarks/ranged_arange_cost.py).
                 stack.enter_context(ranged_arange())
+            if capturing():
+                # The model's checks of device values (a vision-language prompt's image
+                # tokens against its features), on the device until the result is read.
+                stack.enter_context(self.checks.deferring())
             if not first and self.step_model is self.model:
                 stack.enter_context(convert_once())
                 if self.lengths is None:
@@ -482,6 +488,7 @@ class Decoder:
                 if isinstance(layer, CountedLayer) and layer.is_initialized:
                     layer.values.fill_(self._poison)  # the keys stay: the same weights
         self.written.zero_()  # the prompt is written from position 0
+        self.checks.reset()
         self._reset()
         copied = self._keep_source(input_ids)
         if self.seq2seq:
@@ -566,7 +573,8 @@ class Decoder:
         ones = attention_mask is None
         mask = (torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
                 if ones else attention_mask)
-        with prompt_padding_on_device():
+        with prompt_padding_on_device(), (self.checks.deferring() if capturing()
+                                          else contextlib.nullcontext()):
             outputs = self.model.get_encoder()(**{self.options.source: input_ids},
                                                attention_mask=mask, return_dict=True)
         # As generate expands them per beam: every tensor the encoder returned (some decoders
@@ -943,7 +951,9 @@ class Decoder:
         return self._rows(self.head(input_ids, decoder_ids))
 
     def _check_lengths(self) -> None:
-        """After a generation (its result read back): exact lengths had a left-padded prompt."""
+        """After a generation (its result read back): the model's deferred checks held
+        (``grape.torch.deferred_checks``), and exact lengths had a left-padded prompt."""
+        self.checks.raise_failed()
         if self.lengths is not None and not bool(self.lengths.ok):
             raise NotLeftPadded("exact lengths need left-padded prompts (each row's ones in one "
                                 "run at the end), and this attention mask has a zero after a one")
