@@ -576,13 +576,15 @@ def test_stop_strings_end_rows_inside_the_launch(cuda):
     tokenizer = word_tokenizer(500)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
-    free = grape.generate(model, ids, max_new_tokens=12, eos_token_id=None)  # 12 tokens each
+    # An EOS id (one the rows do not make here): without one generate leaves a stopped row's
+    # later tokens as the model made them, not padded (it pads only beside an EOS criterion).
+    ends = dict(eos_token_id=499, pad_token_id=0)
+    free = grape.generate(model, ids, max_new_tokens=12, **ends)  # 12 tokens each
     # (the tokens' own strings, which StopStringCriteria matches: a stop string made by decode
     # stopped the row on this machine and not on the H100, grape and generate alike, where
     # another tokenizers release may join them otherwise)
     text = "".join(tokenizer.convert_ids_to_tokens(free[0, 9 + 4:9 + 6].tolist()))
-    kwargs = dict(max_new_tokens=12, eos_token_id=None, stop_strings=[text[1:]],
-                  tokenizer=tokenizer)
+    kwargs = dict(max_new_tokens=12, **ends, stop_strings=[text[1:]], tokenizer=tokenizer)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback
         out = grape.generate(model, ids, **kwargs)

@@ -116,3 +116,21 @@ def test_windows_shorter_than_the_generation_are_graphed_with_generates_tokens(
         with as_captured():
             decoder.step()  # a decode step as a capture runs it: nothing read back
     assert torch.equal(got, expected)
+
+
+def test_a_cross_attention_window_shorter_than_the_source_is_refused_with_the_reason():
+    # transformers' static cross-attention cache makes a sliding layer of T5Gemma's decoder a
+    # window of the source's keys (here the last 6 of 12), which grape does not reproduce.
+    from grape.torch.host_loop import generate_on_host
+
+    part = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                sliding_window=6)
+    config = transformers.T5GemmaConfig(encoder=part, decoder=part, vocab_size=VOCAB,
+                                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5GemmaForConditionalGeneration(config).eval()
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(NotGraphable, match="cross-attention cache layer 0 is a sliding window "
+                                           "of 6 tokens over a source of 12"):
+        generate_on_host(model, ids, max_new_tokens=4, do_sample=False)

@@ -586,7 +586,18 @@ class Decoder:
         if self.encoded is None or self.encoded.shape != encoded.shape:
             self.encoded = torch.empty_like(encoded)
         if self.cross is None:
-            self.cross = StaticCache(config=self.model.config, max_cache_len=encoded.shape[1])
+            cross = StaticCache(config=self.model.config, max_cache_len=encoded.shape[1])
+            for i, layer in enumerate(cross.layers):
+                if isinstance(layer, StaticSlidingWindowLayer) and isinstance(
+                        layer.max_cache_len, int) and layer.max_cache_len < encoded.shape[1]:
+                    # transformers' static cross-attention cache keeps a sliding layer's
+                    # window of the source's keys, not the source (T5Gemma's, with a window
+                    # shorter than the source): grape does not reproduce that.
+                    raise NotGraphable(f"cross-attention cache layer {i} is a sliding window "
+                                       f"of {layer.max_cache_len} tokens over a source of "
+                                       f"{encoded.shape[1]}, whose keys transformers' static "
+                                       f"cache cuts to the window")
+            self.cross = cross
             self.cache = EncoderDecoderCache(self.cache, self.cross)
         self.encoded.copy_(encoded)
         outputs["last_hidden_state"] = self.encoded
