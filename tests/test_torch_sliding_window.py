@@ -134,3 +134,18 @@ def test_a_cross_attention_window_shorter_than_the_source_is_refused_with_the_re
     with pytest.raises(NotGraphable, match="cross-attention cache layer 0 is a sliding window "
                                            "of 6 tokens over a source of 12"):
         generate_on_host(model, ids, max_new_tokens=4, do_sample=False)
+
+
+def test_the_layers_of_one_forward_share_their_slots_and_the_next_forward_makes_its_own():
+    count, tokens = torch.tensor([9]), Tokens()
+    layers = [CountedSlidingLayer(max_cache_len=MAX_LEN, window=8, count=count, tokens=tokens)
+              for _ in range(2)]
+    for layer in layers:
+        layer.lazy_initialization(*_states(1, 0))
+    tokens.begin(1, (5, MAX_LEN - 1))
+    first = layers[0]._where()
+    assert layers[1]._where() is first  # computed once a forward
+    assert first[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 7] and first[1].tolist() == [7]
+    count.fill_(3)
+    tokens.begin(1, (2, MAX_LEN - 1))
+    assert layers[1]._where()[0].tolist() == list(range(8))  # not full yet: its own slots

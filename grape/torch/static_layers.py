@@ -56,6 +56,9 @@ class Tokens:
         # The range of tokens already in the cache as this forward begins, where the decoder
         # knows it (None: anything the cache holds).
         self.past: tuple[int, int] | None = None
+        # What the layers of one forward compute alike from the count (a sliding window's
+        # slots), made by the first and read by the others: a kernel or more a layer fewer.
+        self.shared: dict[Any, Any] = {}
 
     def begin(self, n: int, past: tuple[int, int] | None = None) -> None:
         """A forward given ``n`` tokens begins, with between ``past[0]`` and ``past[1]``
@@ -63,6 +66,7 @@ class Tokens:
         self.n = n
         self.past = past
         self.forward += 1
+        self.shared.clear()
 
 
 class CountedLayer(StaticLayer):
@@ -212,8 +216,7 @@ class CountedSlidingLayer(CountedLayer):
         window = self.window
         if n == 1:
             # transformers' roll, where the window is full; its identity, where not.
-            source = (self._slots + (self.count >= window)).clamp_(max=window - 1)
-            at = self.count.clamp(max=window - 1)
+            source, at = self._where()
             for buffer, state in ((self.keys, key_states), (self.values, value_states)):
                 buffer.copy_(buffer.index_select(2, source))
                 buffer.index_copy_(2, at, state)
@@ -236,6 +239,20 @@ class CountedSlidingLayer(CountedLayer):
         self.keys.copy_(keys[:, :, -window:])
         self.values.copy_(values[:, :, -window:])
         return keys, values
+
+    def _where(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's gather (each slot's source) and write position, from the count;
+        computed once a forward for every layer of this window."""
+        shared = None if self.tokens is None else self.tokens.shared
+        key = ("sliding window", self.window, self.count.device)
+        if shared is not None and key in shared:
+            return shared[key]
+        window = self.window
+        made = ((self._slots + (self.count >= window)).clamp_(max=window - 1),
+                self.count.clamp(max=window - 1))
+        if shared is not None:
+            shared[key] = made
+        return made
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, Any]:
         window = self.window
