@@ -145,8 +145,14 @@ def _attends(kinds: list[str]) -> bool:
 
 
 def _defined(default: Any) -> dict[str, Any]:
-    """The DEFINED_SMALL sizes a config defines (and not as 0 or None)."""
-    return {k: v for k, v in DEFINED_SMALL.items() if getattr(default, k, None)}
+    """The DEFINED_SMALL sizes a config defines (and not as 0 or None). An encoder-decoder's
+    window lies between its source (PROMPT tokens) and its decoder's generation: transformers'
+    static cross-attention cache would cut a shorter one's source keys to the window, which
+    grape refuses (T5Gemma's)."""
+    sizes = {k: v for k, v in DEFINED_SMALL.items() if getattr(default, k, None)}
+    if "sliding_window" in sizes and (SEQ2SEQ[0] or SPEECH[0]):
+        sizes["sliding_window"] = PROMPT + 4
+    return sizes
 
 
 def _layer_pattern(default: Any, layers: int) -> dict[str, Any]:
