@@ -494,6 +494,15 @@ _PROCESSORS = dict(eos_token_id=[5, 7, 11], sequence_bias=[[[40], 1.5], [[41, 42
                    exponential_decay_length_penalty=(4, 1.5), renormalize_logits=True)
 
 
+def _left_padded_pair():
+    """Two 9-token prompts over a 300-token vocabulary on the GPU, the first left-padded by 3."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    return ids, mask
+
+
 @pytest.mark.parametrize("kwargs", [
     {"num_beams": 4, "num_return_sequences": 3, "eos_token_id": [5, 7, 11]},
     {"do_sample": True, "top_k": 1, "num_return_sequences": 2, "eos_token_id": [5, 7, 11]},
@@ -508,10 +517,7 @@ def test_generates_options_run_inside_the_launch(cuda, kwargs):
     # prompt's tokens favoured, invalid values removed, EOS raised by a decaying length
     # penalty, scores renormalised. Each captured, generate's tokens.
     model = _small_llama()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+    ids, mask = _left_padded_pair()
     _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, max_new_tokens=12, **kwargs)
 
 
@@ -536,12 +542,8 @@ def test_positions_made_from_the_cache_length_are_captured(cuda, model_type):
                                                    pad_token_id=0, **sizes)
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config).cuda().eval()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+    ids, mask = _left_padded_pair()
     _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, max_new_tokens=12)
-
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "gemma2", "gemma3_text"])
@@ -558,10 +560,7 @@ def test_a_sliding_window_shorter_than_the_generation_is_one_launch(cuda, model_
         sliding_window=6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).cuda().eval()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 300, (2, 9), generator=g).cuda()
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+    ids, mask = _left_padded_pair()
     _one_launch_per_call(model, [ids, ids.roll(1, dims=1)], mask, max_new_tokens=12,
                          num_beams=beams, do_sample=False)
 
@@ -580,9 +579,7 @@ def test_stop_strings_end_rows_inside_the_launch(cuda):
     # later tokens as the model made them, not padded (it pads only beside an EOS criterion).
     ends = dict(eos_token_id=499, pad_token_id=0)
     free = grape.generate(model, ids, max_new_tokens=12, **ends)  # 12 tokens each
-    # (the tokens' own strings, which StopStringCriteria matches: a stop string made by decode
-    # stopped the row on this machine and not on the H100, grape and generate alike, where
-    # another tokenizers release may join them otherwise)
+    # (the tokens' own strings, as StopStringCriteria matches them)
     text = "".join(tokenizer.convert_ids_to_tokens(free[0, 9 + 4:9 + 6].tolist()))
     kwargs = dict(max_new_tokens=12, **ends, stop_strings=[text[1:]], tokenizer=tokenizer)
     with warnings.catch_warnings():
