@@ -423,6 +423,23 @@ def test_a_batch_of_audio_of_two_lengths_decodes_its_longer_row_alone(num_beams)
     assert [c.decoder_ids.shape[0] for c in calls] == [2, 1]
 
 
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_long_form_conditioned_on_the_previous_window_makes_its_tokens(num_beams):
+    # condition_on_prev_tokens=True: Whisper puts the previous window's text before each later
+    # window's start token, so the second call's decoder prompt is longer than the first's (a
+    # shape of its own: on a GPU, an executable of its own).
+    model, features = _whisper(boost=(320,))
+    audio = torch.cat([features, features.flip(2), features.roll(7, dims=2)], dim=2)
+    kwargs = dict(language="en", return_timestamps=True, max_new_tokens=10,
+                  attention_mask=torch.ones(2, 300, dtype=torch.long),
+                  condition_on_prev_tokens=True, num_beams=num_beams)
+    calls = []
+    ours = generate_on_host(model, audio, calls=calls, **kwargs)
+    assert torch.equal(ours, model.generate(audio, cache_implementation="static", **kwargs))
+    assert len(calls) == 2 and calls[1].decoder_ids.shape[1] > calls[0].decoder_ids.shape[1]
+    assert calls[1].decoder_ids[0, 0].item() == 308  # the previous-text token leads
+
 def test_whispers_long_form_segments_are_its_own():
     # return_segments=True: Whisper asks the loop for its return dict and cuts each window's
     # tokens into timed segments; grape's dicts give the same segments, window by window.
