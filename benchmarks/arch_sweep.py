@@ -409,6 +409,10 @@ def _reference(model, ids, mask, kw, row: dict[str, Any]):
     return None
 
 
+def _fell_back(message: str) -> bool:
+    return "runs model.generate" in message or "GenerationMixin.generate as it is" in message
+
+
 def _graphed_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None:
     import grape
     from grape.torch.api import last_stats
@@ -422,13 +426,14 @@ def _graphed_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None:
         row.update(stage="grape", error=_first_line(e),
                    where=traceback.format_exc().strip().splitlines()[-3:])
         return
-    fell = [str(w.message).splitlines()[0] for w in caught
-            if "runs model.generate" in str(w.message)]
+    # (a model with a generate of its own falls back call by call: "runs X.generate's call of
+    # GenerationMixin.generate as it is: why")
+    fell = [str(w.message).splitlines()[0] for w in caught if _fell_back(str(w.message))]
     row.update(stage="done", graphed=bool(stats and stats.graphed),
                prefill_graphed=bool(stats and stats.prefill_graphed),
                fallback=fell[0][:900] if fell else None,
-               other_warnings=sorted({str(w.message).splitlines()[0][:200] for w in caught
-                                      if "runs model.generate" not in str(w.message)})[:3])
+               other_warnings=sorted({str(w.message).splitlines()[0][:400] for w in caught
+                                      if not _fell_back(str(w.message))})[:3])
     if CONCURRENT[0] and stats is not None and stats.graphed:
         row.update(step_nodes=stats.step_nodes, step_depth=stats.step_depth)
     _compare(out, reference, row)
