@@ -479,8 +479,9 @@ def _host_loop_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None
 
 
 def _read_backs(call) -> dict[str, Any]:
-    """One decode step run as a capture would see it (grape.torch.readback): whether it reads
-    a value back to the host, which a capture refuses, and at which line of the model."""
+    """One decode step, and then the prompt, run as a capture would see them
+    (grape.torch.readback): whether each reads a value back to the host, which a capture
+    refuses, and at which line of the model."""
     from grape.torch.capture import culprit
     from grape.torch.readback import ReadBack, as_captured
 
@@ -494,7 +495,21 @@ def _read_backs(call) -> dict[str, Any]:
         return {"step_reads_back": True, "read_back_at": culprit(e)[-300:]}
     except Exception as e:
         return {"read_back_error": _first_line(e)}
-    return {"step_reads_back": False}
+    found: dict[str, Any] = {"step_reads_back": False}
+    try:  # the prompt, as the launch captures it with the steps
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            decoder = call.again()
+            with as_captured():
+                decoder.prefill(call.ids, call.mask, call.decoder_ids, call.decoder_mask,
+                                call.embeds, call.model_inputs)
+    except ReadBack as e:
+        found.update(prompt_reads_back=True, prompt_read_back_at=culprit(e)[-300:])
+    except Exception as e:
+        found.update(prompt_read_back_error=_first_line(e))
+    else:
+        found.update(prompt_reads_back=False)
+    return found
 
 
 def _reordering(call) -> dict[str, Any]:
@@ -671,6 +686,15 @@ def summary(rows: list[dict[str, Any]]) -> str:
                           for r in probed if r.get("step_reads_back") is not False})
         clean = sum(1 for r in probed if r.get("step_reads_back") is False)
         lines.append(f"decode steps run as a capture sees them in {len(probed)} rows: {clean} "
+                     f"read nothing back; {len({a for a, _ in reading})} types do:")
+        lines += [f"  {arch}: {where}" for arch, where in reading]
+    prompts = [r for r in probed if "prompt_reads_back" in r or "prompt_read_back_error" in r]
+    if prompts:
+        reading = sorted({(r["arch"], r.get("prompt_read_back_at",
+                                            r.get("prompt_read_back_error", "")))
+                          for r in prompts if r.get("prompt_reads_back") is not False})
+        clean = sum(1 for r in prompts if r.get("prompt_reads_back") is False)
+        lines.append(f"prompts run as a capture sees them in {len(prompts)} rows: {clean} "
                      f"read nothing back; {len({a for a, _ in reading})} types do:")
         lines += [f"  {arch}: {where}" for arch, where in reading]
     return "\n".join(lines)

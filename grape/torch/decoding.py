@@ -57,6 +57,7 @@ from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.options import NotGraphable, Options, sampling_warpers
 from grape.torch.parallel import group_of
+from grape.torch.readback import probing
 from grape.torch.sdpa_mask import convert_once
 from grape.torch.static_layers import (
     CountedIndexedLayer,
@@ -456,7 +457,7 @@ class Decoder:
                 # and the mode costs a Python call per torch function (2 to 4% of a GPT-2-small
                 # prompt's eager forward on the CPU: benchmarks/ranged_arange_cost.py).
                 stack.enter_context(ranged_arange())
-            if capturing():
+            if capturing() or probing():
                 # The model's checks of device values (a vision-language prompt's image
                 # tokens against its features), on the device until the result is read.
                 stack.enter_context(self.checks.deferring())
@@ -573,7 +574,7 @@ class Decoder:
         ones = attention_mask is None
         mask = (torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
                 if ones else attention_mask)
-        with prompt_padding_on_device(), (self.checks.deferring() if capturing()
+        with prompt_padding_on_device(), (self.checks.deferring() if capturing() or probing()
                                           else contextlib.nullcontext()):
             outputs = self.model.get_encoder()(**{self.options.source: input_ids},
                                                attention_mask=mask, return_dict=True)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from grape.torch.control import capturing
+from grape.torch.readback import probing
 
 __all__ = ["DeferredChecks"]
 
@@ -45,7 +46,7 @@ _ACTIVE: ContextVar[DeferredChecks | None] = ContextVar("grape_deferred_checks",
 
 def _active() -> DeferredChecks | None:
     checks = _ACTIVE.get()
-    return checks if checks is not None and capturing() else None
+    return checks if checks is not None and (capturing() or probing()) else None
 
 
 class DeferredChecks:

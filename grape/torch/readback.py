@@ -15,13 +15,15 @@ there already), are refused by name. What it cannot see: a copy from pageable ho
 the device (a host constant made with ``torch.tensor(..., device="cuda")``), which a capture
 refuses too, and which on the CPU is no copy at all; a ``.to("cpu")``; and kernels that cannot
 be captured for other reasons (a CUDA kernel that copies to the host inside, as ``histc`` of
-integers does).
+integers does). grape's own capture-time handling of what would be read acts inside as under a
+capture (:func:`probing`: a model's checks of device values, deferred to the device).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -30,7 +32,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from grape.torch.cache_length import ranged_arange
 
-__all__ = ["ReadBack", "as_captured"]
+__all__ = ["ReadBack", "as_captured", "probing"]
+
+# Inside as_captured: grape's own capture-time behaviour that changes what is read (checks
+# deferred to the device, grape.torch.deferred_checks) acts as under a capture.
+_PROBING: ContextVar[bool] = ContextVar("grape_probing_as_captured", default=False)
+
+
+def probing() -> bool:
+    """Whether the work runs inside :func:`as_captured`."""
+    return _PROBING.get()
 
 
 class ReadBack(RuntimeError):
@@ -71,11 +82,13 @@ def as_captured() -> Iterator[None]:
     saved = getattr(import_utils, "is_cuda_stream_capturing", None)
     if saved is not None:
         import_utils.is_cuda_stream_capturing = lambda: True
+    token = _PROBING.set(True)
     try:
         # (as grape's decoders do under a capture: positions over the cache's length made on
         # the device, grape.torch.cache_length)
         with _Refusing(), _RefusingByName(), ranged_arange():
             yield
     finally:
+        _PROBING.reset(token)
         if saved is not None:
             import_utils.is_cuda_stream_capturing = saved
