@@ -137,16 +137,17 @@ class CountedLayer(StaticLayer):
         if self.count is None:
             return super().update(key_states, value_states, *args, **kwargs)
         n = key_states.shape[-2]
-        if self.tokens is not None and self.tokens.n is not None and not (
-                torch.compiler.is_compiling()):
-            self._check(n)
+        self._check(n)
         at = self.count if n == 1 else torch.arange(n, device=self.device) + self.count
         self.keys.index_copy_(2, at, key_states)
         self.values.index_copy_(2, at, value_states)
         return self.keys, self.values
 
     def _check(self, n: int) -> None:
-        """Refuse, before it lands, a write other than one of the forward's tokens."""
+        """Refuse, before it lands, a write other than one of the forward's tokens (where the
+        decoder says how many it gave, outside a compiled trace)."""
+        if self.tokens is None or self.tokens.n is None or torch.compiler.is_compiling():
+            return
         if n != self.tokens.n:
             raise NotGraphable(f"the forward wrote {n} tokens to the cache for the "
                                f"{self.tokens.n} it was given (it adds tokens of its own), "
@@ -210,9 +211,7 @@ class CountedSlidingLayer(CountedLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
-        if self.tokens is not None and self.tokens.n is not None and not (
-                torch.compiler.is_compiling()):
-            self._check(n)
+        self._check(n)
         window = self.window
         if n == 1:
             # transformers' roll, where the window is full; its identity, where not.
