@@ -126,7 +126,7 @@ def rebound() -> bool:
 
     The runtime API makes a device's primary context current in each thread that uses it, for
     its own calls; the driver API sees none in a thread that has made no driver call of its own
-    (a second thread generating with a model whose executables the first built: the H200 ran
+    (a second thread generating with a model whose executables the first built: an H100 ran
     into it). Checked only after such a failure, so the launch path pays nothing."""
     return not _thread_has_context() and _make_primary_current()
 

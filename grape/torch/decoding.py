@@ -57,7 +57,6 @@ from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.options import NotGraphable, Options, sampling_warpers
 from grape.torch.parallel import group_of
-from grape.torch.readback import probing
 from grape.torch.sdpa_mask import convert_once
 from grape.torch.static_layers import (
     CountedIndexedLayer,
@@ -161,7 +160,7 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
                                                   tokens=tokens)
             cache.layers[i].ranged = ranged
             continue
-        if kind is StaticSlidingWindowLayer and isinstance(made.max_cache_len, int):
+        if kind is StaticSlidingWindowLayer:
             # A window shorter than the generation: its roll and its mask's offset decided on
             # the device (grape.torch.static_layers.CountedSlidingLayer).
             if layer is not CountedLayer:
@@ -457,10 +456,9 @@ class Decoder:
                 # and the mode costs a Python call per torch function (2 to 4% of a GPT-2-small
                 # prompt's eager forward on the CPU: benchmarks/ranged_arange_cost.py).
                 stack.enter_context(ranged_arange())
-            if capturing() or probing():
-                # The model's checks of device values (a vision-language prompt's image
-                # tokens against its features), on the device until the result is read.
-                stack.enter_context(self.checks.deferring())
+            # The model's checks of device values (a vision-language prompt's image tokens
+            # against its features), on the device until the result is read (under a capture).
+            stack.enter_context(self.checks.deferring())
             if not first and self.step_model is self.model:
                 stack.enter_context(convert_once())
                 if self.lengths is None:
@@ -574,8 +572,7 @@ class Decoder:
         ones = attention_mask is None
         mask = (torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
                 if ones else attention_mask)
-        with prompt_padding_on_device(), (self.checks.deferring() if capturing() or probing()
-                                          else contextlib.nullcontext()):
+        with prompt_padding_on_device(), self.checks.deferring():
             outputs = self.model.get_encoder()(**{self.options.source: input_ids},
                                                attention_mask=mask, return_dict=True)
         # As generate expands them per beam: every tensor the encoder returned (some decoders
@@ -589,8 +586,8 @@ class Decoder:
         if self.cross is None:
             cross = StaticCache(config=self.model.config, max_cache_len=encoded.shape[1])
             for i, layer in enumerate(cross.layers):
-                if isinstance(layer, StaticSlidingWindowLayer) and isinstance(
-                        layer.max_cache_len, int) and layer.max_cache_len < encoded.shape[1]:
+                if (isinstance(layer, StaticSlidingWindowLayer)
+                        and layer.max_cache_len < encoded.shape[1]):
                     # transformers' static cross-attention cache keeps a sliding layer's
                     # window of the source's keys, not the source (T5Gemma's, with a window
                     # shorter than the source): grape does not reproduce that.

@@ -63,8 +63,13 @@ class DeferredChecks:
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
-        """Inside the block, during a capture, tensor checks are deferred to the device and
-        device tensors formatted into messages are not read (see the module)."""
+        """Inside the block, during a capture (or ``grape.torch.readback``'s probe of one),
+        tensor checks are deferred to the device and device tensors formatted into messages
+        are not read (see the module). Anywhere else the block changes nothing: PyTorch's
+        functions are not even wrapped, so an eager forward pays nothing for it."""
+        if not (capturing() or probing()):
+            yield
+            return
         token = _ACTIVE.set(self)
         try:
             with _wrapped():
