@@ -9,6 +9,7 @@ the profiler's.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -218,12 +219,19 @@ def _attribute_marked_calls(out: Decoded, by_corr: dict[int, list[GpuRecord]]) -
     groups are paired in order (the GPU runs one stream's launches in the order they were
     issued), and only where they pair up: as many groups as launches, each group starting after
     its launch began (within the clocks' slack). Otherwise the work stays orphaned, as before.
+
+    Work under correlation 0 is no group: CUPTI gives that to the kernels of a conditional
+    node's bodies where it cannot name their launch (an H100, driver 580.159.04: a device
+    loop's 21,948 body kernels under 0, its 459 others under the launch's own correlation).
+    Where the launches pair with their groups, each such operation joins the last launch whose
+    call began before it.
     """
     marked = [(op, _marked_call(op)) for op in out.ops]
     marked = [(op, name) for op, name in marked if name is not None]
     if not marked:
         return
     launches = [(op, name) for op, name in marked if name in ("cuGraphLaunch", "cudaGraphLaunch")]
+    unnamed = by_corr.pop(0, [])
     groups = sorted(by_corr.items(), key=lambda item: min(o.ts for o in item[1]))
     paired = len(launches) == len(groups) and all(
         min(o.ts for o in ops) >= op.ts - _CLOCK_SLACK_US
@@ -231,6 +239,19 @@ def _attribute_marked_calls(out: Decoded, by_corr: dict[int, list[GpuRecord]]) -
     taken = {id(op) for op, _ in marked}
     out.ops = [op for op in out.ops if id(op) not in taken]
     pairs = dict(zip((id(op) for op, _ in launches), groups, strict=True)) if paired else {}
+    if pairs:
+        starts = [op.ts - _CLOCK_SLACK_US for op, _ in launches]
+        joined: dict[int, list[GpuRecord]] = defaultdict(list)
+        for gpu in unnamed:
+            if (i := bisect.bisect_right(starts, gpu.ts) - 1) >= 0:
+                joined[id(launches[i][0])].append(gpu)
+            else:
+                by_corr[0].append(gpu)
+        for key, extra in joined.items():
+            correlation, ops = pairs[key]
+            pairs[key] = (correlation, sorted([*ops, *extra], key=lambda r: (r.ts, -r.dur)))
+    elif unnamed:
+        by_corr[0] = unnamed
     for op, name in marked:
         correlation, ops = pairs.get(id(op), (None, None))
         call = HostCall(name=name, category="driver", ts=op.ts, dur=op.dur, tid=op.tid,

@@ -360,7 +360,7 @@ def test_one_iteration_that_obviously_repeats_is_flagged_with_what_to_do(tmp_pat
 
 def _grape_launches(t0: float, corr: int, kernels: int = 3) -> list[dict]:
     """A grape launch as the profiler records it: grape's annotation of the driver call, and
-    the graph's kernels under a correlation no recorded call has."""
+    the graph's kernels under a correlation no recorded call has (CUPTI's count from 1)."""
     return [_x("aten::add", "cpu_op", t0, 1),
             _x("cudaLaunchKernel", "cuda_runtime", t0 + 1, 2, corr + 1000),
             _x("add", "kernel", t0 + 2, 1, corr + 1000, stream=7),
@@ -370,7 +370,7 @@ def _grape_launches(t0: float, corr: int, kernels: int = 3) -> list[dict]:
 
 
 def test_grape_s_marked_launches_take_the_gpu_work_they_caused(tmp_path):
-    events = [e for i in range(3) for e in _grape_launches(100 * i, corr=i)]
+    events = [e for i in range(3) for e in _grape_launches(100 * i, corr=i + 1)]
     t = read_trace(_write(tmp_path, events))
     assert not t.orphans
     graphs = [launch for launch in t.launches if launch.is_graph]
@@ -385,12 +385,35 @@ def test_grape_s_marked_launches_take_the_gpu_work_they_caused(tmp_path):
 
 
 def test_marked_launches_that_do_not_pair_with_the_orphaned_work_leave_it_orphaned(tmp_path):
-    events = [e for i in range(2) for e in _grape_launches(100 * i, corr=i)]
+    events = [e for i in range(2) for e in _grape_launches(100 * i, corr=i + 1)]
     events.append(_x("stray", "kernel", 400, 1, 77, stream=7))  # a third group, two launches
     t = read_trace(_write(tmp_path, events))
     assert not [launch for launch in t.launches if launch.is_graph]
     assert len(t.orphans) == 7
     assert [c.name for c in t.calls].count("cuGraphLaunch") == 2  # the calls are kept
+
+
+def test_a_conditional_body_s_work_under_correlation_0_joins_the_launch_before_it(tmp_path):
+    # On an H100 CUPTI gave a device loop's body kernels correlation 0 and the graph's others
+    # the launch's own: each launch keeps both, in the order they ran.
+    events = []
+    for i in range(2):
+        events += _grape_launches(100 * i, corr=i + 1, kernels=2)
+        events += [_x(f"body{j}", "kernel", 100 * i + 20 + 2 * j, 1, 0, stream=7)
+                   for j in range(4)]
+    t = read_trace(_write(tmp_path, events))
+    graphs = [launch for launch in t.launches if launch.is_graph]
+    assert not t.orphans
+    assert [[op.name for op in g.ops] for g in graphs] == [
+        ["k0", "k1", "body0", "body1", "body2", "body3"]] * 2
+
+
+def test_work_under_correlation_0_stays_orphaned_where_the_launches_do_not_pair(tmp_path):
+    events = _grape_launches(100, corr=1) + [_x("stray", "kernel", 400, 1, 77, stream=7),
+                                             _x("body", "kernel", 120, 1, 0, stream=7)]
+    t = read_trace(_write(tmp_path, events))
+    assert not [launch for launch in t.launches if launch.is_graph]
+    assert sorted(op.name for op in t.orphans) == ["body", "k0", "k1", "k2", "stray"]
 
 
 def test_the_committed_recordings_of_grape_s_own_launches_are_graph_launches():
