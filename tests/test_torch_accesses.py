@@ -256,3 +256,29 @@ def test_random_operations_draw_the_same_numbers_in_every_replay():
     assert found.held and found.moved, found
     # The generator is left as one run of the block leaves it.
     assert torch.equal(torch.rand(8), next_after_one_run)
+
+
+def test_a_marker_is_made_without_the_fill_deterministic_algorithms_add(monkeypatch):
+    # Under torch.use_deterministic_algorithms every new tensor is filled by a kernel; a
+    # capture's marker made so put a kernel before each operation of the graph, outside any
+    # dispatch (H100: 145 more kernels in a small GPT-2 step, and its concurrent DAG a chain).
+    from grape.torch.capture import _unfilled
+
+    asked = []
+    empty = torch.empty
+
+    def recording(*args, **kwargs):
+        asked.append(torch.utils.deterministic.fill_uninitialized_memory)
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recording)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        marker = _unfilled(509, torch.device("cpu"))
+        assert marker.numel() == 509 and marker.dtype == torch.uint8
+        assert asked == [False]
+        assert torch.utils.deterministic.fill_uninitialized_memory  # as it was
+    finally:
+        torch.use_deterministic_algorithms(before)

@@ -320,7 +320,7 @@ class _Marks(TorchDispatchMode):
         self.ends: list[int] = []  # with accesses: the graph's node count as each returned
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        marker = torch.empty(MARKER_BYTES, dtype=torch.uint8, device=self.device)
+        marker = _unfilled(MARKER_BYTES, self.device)
         self.marks.append(Mark(captured_nodes(self.stream), marker.data_ptr()))
         del marker
         out = func(*args, **(kwargs or {}))
@@ -328,6 +328,20 @@ class _Marks(TorchDispatchMode):
             self.ends.append(captured_nodes(self.stream))
             self.accesses.append(_accessed(func, args, kwargs or {}, out))
         return out
+
+
+def _unfilled(size: int, device: torch.device) -> torch.Tensor:
+    """``size`` bytes that no kernel writes. Under ``torch.use_deterministic_algorithms`` a new
+    tensor is filled (``torch.utils.deterministic.fill_uninitialized_memory``): a marker made
+    so put a fill kernel into the graph before every operation, outside any dispatch, which
+    widened to the tensor its block had held and left a concurrent step one chain (H100: a
+    small GPT-2's step, 362 of its 363 nodes on the longest path, and 145 kernels more)."""
+    fills = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        return torch.empty(size, dtype=torch.uint8, device=device)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fills
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int] | None:
