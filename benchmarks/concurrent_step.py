@@ -63,31 +63,27 @@ def _overlap(path: Path) -> dict[str, float]:
 
 
 def _predicted(irs: dict[str, Any], chain_trace: Path, iterations: int) -> dict[str, float]:
+    """Each way's launch on the simulated GPU, with the chain's kernel durations and the
+    choices its trace shows the prompt's attention IF nodes making (the streams their bodies
+    ran on: ``grape.sim.traced_choices``)."""
+    import dataclasses
+
     from grape.profile import DEFAULT_PROFILE, load_profile
-    from grape.sim.graph import Durations, run_graph
+    from grape.sim.graph import Choices, Durations, run_graph
+    from grape.sim.traced_choices import choices_in_trace
     from grape.sim.whatif import costs_from_profile
     from grape.trace import read_trace
 
     costs = costs_from_profile(load_profile(DEFAULT_PROFILE))
-    durations = Durations.from_ops(read_trace(chain_trace).gpu_ops, chain_trace.name)
-    return {way: run_graph(ir, durations, costs, _choices(ir, iterations)).gpu_time
-            for way, ir in irs.items()}
-
-
-def _choices(ir, iterations: int):
-    """What the launch's conditional nodes did: the loop's iterations, and the prompt's
-    attention paths. The prologue's IF nodes are ``grape.torch.hfmasks``' pairs (``control.cond``
-    captures the unmasked branch, then the masked one on the negated predicate); this
-    benchmark's prompt has no padding, so the first of each pair ran. Any other conditional is
-    left unnamed, and the simulator refuses it."""
-    from grape.ir import ConditionalKind
-    from grape.sim.graph import Choices, conditionals
-
-    paths = sorted((name for name, kind in conditionals(ir).items()
-                    if kind is ConditionalKind.IF and name.startswith("prologue:n")),
-                   key=lambda name: int(name.removeprefix("prologue:n")))
-    return Choices(iterations={"grape:while": iterations},
-                   taken={name: i % 2 == 0 for i, name in enumerate(paths)})
+    trace = read_trace(chain_trace)
+    durations = Durations.from_ops(trace.gpu_ops, chain_trace.name)
+    loop = Choices(iterations={"grape:while": iterations})
+    predicted = {}
+    for way, ir in irs.items():
+        seen = choices_in_trace(ir, trace.launches, chain_trace.name)
+        choices = dataclasses.replace(loop, taken=seen.taken, branch=seen.branch)
+        predicted[way] = run_graph(ir, durations, costs, choices).gpu_time
+    return predicted
 
 
 def measure(model, arch: str, strategy: str, args) -> dict[str, Any]:

@@ -134,9 +134,12 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--while", dest="while_counts", action="append", default=[],
                      metavar="NODE=N", help="kernel graphs: WHILE node NODE iterates N times")
     sim.add_argument("--if", dest="if_taken", action="append", default=[],
-                     metavar="NODE=taken|skipped", help="kernel graphs: whether IF node NODE runs")
+                     metavar="NODE=taken|skipped",
+                     help="kernel graphs: whether IF node NODE runs (default: as the first "
+                          "--durations trace shows, by the streams the bodies ran on)")
     sim.add_argument("--switch", dest="switch_branches", action="append", default=[],
-                     metavar="NODE=I", help="kernel graphs: the branch SWITCH node NODE takes")
+                     metavar="NODE=I", help="kernel graphs: the branch SWITCH node NODE takes "
+                                            "(default: as for --if)")
     sim.add_argument("--sequence", metavar="SHAPES",
                      help="graph families: the shapes to run, in order, as A,B,... or "
                           "FIRST:LAST[:STRIDE] (default: every saved shape, as saved)")
@@ -533,7 +536,7 @@ def _simulate_family(args: argparse.Namespace) -> None:
         raise GrapeError(f"{args.trace}: expected shapes of the family in --sequence, found "
                          f"{missing[0]!r} (it has {len(saved.shapes)})")
     graphs = {s: saved.graph(s) for s in dict.fromkeys(sequence)}
-    durations, profile, costs = _graph_inputs(args)
+    durations, profile, costs, _ = _graph_inputs(args)
     program, updated = family_program(graphs, sequence, durations, costs, _choices(args),
                                       whole=args.update_whole, name=args.trace.name,
                                       variants=saved.variants, device=args.update_device)
@@ -599,21 +602,47 @@ def _refuse_trace_flags(args: argparse.Namespace, what: str, sequence: bool = Fa
                          f"{what} {args.trace}, found none")
 
 
-def _graph_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def _graph_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """Kernel graphs and families: the duration table (the ``--durations`` traces merged, the
-    first one's figure winning), the device profile and its costs."""
+    first one's figure winning), the device profile and its costs, and the first trace."""
     from grape.profile import load_profile
     from grape.sim.graph import Durations
     from grape.sim.whatif import costs_from_profile
 
-    tables = [Durations.from_ops(read_trace(p).gpu_ops, str(p)) for p in args.durations]
+    traces = [read_trace(p) for p in args.durations]
+    tables = [Durations.from_ops(t.gpu_ops, str(p)) for t, p in zip(traces, args.durations,
+                                                                     strict=True)]
     durations = tables[0]
     for table in tables[1:]:
         durations = durations.merged(table)
     profile = load_profile(args.profile)
     overrides = ({} if args.node_overhead is None
                  else {"graph_node_overhead": args.node_overhead})
-    return durations, profile, costs_from_profile(profile, **overrides)
+    return durations, profile, costs_from_profile(profile, **overrides), traces[0]
+
+
+def _traced_choices(graph: Any, given: Any, trace: Any, args: argparse.Namespace) -> Any:
+    """``given``, and where the graph's outer IF or SWITCH nodes have no choice given, the
+    choices the first durations trace shows its launches making (grape.sim.traced_choices)."""
+    import dataclasses
+
+    from grape.ir import ConditionalKind
+    from grape.sim.graph import conditionals
+    from grape.sim.traced_choices import choices_in_trace
+
+    open_nodes = [name for name, kind in conditionals(graph).items() if "/" not in name
+                  and kind is not ConditionalKind.WHILE
+                  and name not in given.taken and name not in given.branch]
+    if not open_nodes:
+        return given
+    seen = choices_in_trace(graph, trace.launches, str(args.durations[0]))
+    taken = {n: seen.taken[n] for n in open_nodes if n in seen.taken}
+    branch = {n: seen.branch[n] for n in open_nodes if n in seen.branch}
+    ran = sum(taken.values()) + sum(b < len(graph.op(n).bodies) for n, b in branch.items())
+    print(f"  conditional nodes as {args.durations[0]} shows them: {ran} of "
+          f"{len(open_nodes)} ran a body (the streams their bodies ran on)")
+    return dataclasses.replace(given, taken={**taken, **given.taken},
+                               branch={**branch, **given.branch})
 
 
 def _graph_outputs(args: argparse.Namespace, program: Any, result: Any, profile: Any) -> None:
@@ -673,7 +702,8 @@ def _simulate_graph(args: argparse.Namespace) -> None:
     graph = KernelGraph.load(args.trace)
     choices = _choices(args)
     check_choices(graph, choices, str(args.trace))
-    durations, profile, costs = _graph_inputs(args)
+    durations, profile, costs, traced = _graph_inputs(args)
+    choices = _traced_choices(graph, choices, traced, args)
     program, run = program_from_graph(graph, durations, costs, choices, args.launches,
                                       name=args.trace.name)
     result = simulate(program, costs, record=args.chrome is not None)
