@@ -197,9 +197,33 @@ def decode(events: Iterable[Any], source: str) -> Decoded:
         ops = by_corr.pop(call.correlation, None) if call.correlation is not None else None
         if ops:
             out.launches.append(LaunchRecord(call, tuple(ops)))
+    unnamed = by_corr.pop(0, [])  # (no call of the trace had it)
     _attribute_marked_calls(out, by_corr)
+    by_corr[0] = _join_graph_launches(out, unnamed)
     out.orphans = sorted((op for ops in by_corr.values() for op in ops), key=lambda o: o.ts)
     return out
+
+
+def _join_graph_launches(out: Decoded, unnamed: list[GpuRecord]) -> list[GpuRecord]:
+    """Give work under correlation 0 to the last graph launch whose call began before it, and
+    return what no launch takes. CUPTI gives correlation 0 to the kernels of a conditional
+    node's bodies where it cannot name their launch (an H100, driver 580.159.04: a device
+    loop's 21,948 body kernels under 0, its 459 others under the launch's own correlation);
+    CUPTI numbers calls from 1."""
+    graphs = [i for i, launch in enumerate(out.launches) if launch.is_graph]
+    if not unnamed or not graphs:
+        return unnamed
+    starts = [out.launches[i].call.ts - _CLOCK_SLACK_US for i in graphs]
+    joined: dict[int, list[GpuRecord]] = defaultdict(list)
+    left = []
+    for op in unnamed:
+        k = bisect.bisect_right(starts, op.ts) - 1
+        (joined[graphs[k]] if k >= 0 else left).append(op)
+    for i, extra in joined.items():
+        launch = out.launches[i]
+        out.launches[i] = LaunchRecord(launch.call, tuple(
+            sorted([*launch.ops, *extra], key=lambda r: (r.ts, -r.dur))))
+    return left
 
 
 def _marked_call(op: HostCall) -> str | None:
@@ -219,19 +243,12 @@ def _attribute_marked_calls(out: Decoded, by_corr: dict[int, list[GpuRecord]]) -
     groups are paired in order (the GPU runs one stream's launches in the order they were
     issued), and only where they pair up: as many groups as launches, each group starting after
     its launch began (within the clocks' slack). Otherwise the work stays orphaned, as before.
-
-    Work under correlation 0 is no group: CUPTI gives that to the kernels of a conditional
-    node's bodies where it cannot name their launch (an H100, driver 580.159.04: a device
-    loop's 21,948 body kernels under 0, its 459 others under the launch's own correlation).
-    Where the launches pair with their groups, each such operation joins the last launch whose
-    call began before it.
     """
     marked = [(op, _marked_call(op)) for op in out.ops]
     marked = [(op, name) for op, name in marked if name is not None]
     if not marked:
         return
     launches = [(op, name) for op, name in marked if name in ("cuGraphLaunch", "cudaGraphLaunch")]
-    unnamed = by_corr.pop(0, [])
     groups = sorted(by_corr.items(), key=lambda item: min(o.ts for o in item[1]))
     paired = len(launches) == len(groups) and all(
         min(o.ts for o in ops) >= op.ts - _CLOCK_SLACK_US
@@ -239,19 +256,6 @@ def _attribute_marked_calls(out: Decoded, by_corr: dict[int, list[GpuRecord]]) -
     taken = {id(op) for op, _ in marked}
     out.ops = [op for op in out.ops if id(op) not in taken]
     pairs = dict(zip((id(op) for op, _ in launches), groups, strict=True)) if paired else {}
-    if pairs:
-        starts = [op.ts - _CLOCK_SLACK_US for op, _ in launches]
-        joined: dict[int, list[GpuRecord]] = defaultdict(list)
-        for gpu in unnamed:
-            if (i := bisect.bisect_right(starts, gpu.ts) - 1) >= 0:
-                joined[id(launches[i][0])].append(gpu)
-            else:
-                by_corr[0].append(gpu)
-        for key, extra in joined.items():
-            correlation, ops = pairs[key]
-            pairs[key] = (correlation, sorted([*ops, *extra], key=lambda r: (r.ts, -r.dur)))
-    elif unnamed:
-        by_corr[0] = unnamed
     for op, name in marked:
         correlation, ops = pairs.get(id(op), (None, None))
         call = HostCall(name=name, category="driver", ts=op.ts, dur=op.dur, tid=op.tid,

@@ -408,6 +408,20 @@ def test_a_conditional_body_s_work_under_correlation_0_joins_the_launch_before_i
         ["k0", "k1", "body0", "body1", "body2", "body3"]] * 2
 
 
+def test_a_pytorch_replay_s_conditional_body_under_correlation_0_joins_its_launch(tmp_path):
+    # torch's CUDAGraph.replay of a graph with an IF node (grape.torch.control): the runtime's
+    # launch call has the graph's kernels, the body's come under 0; an eager kernel after.
+    events = [_x("cudaGraphLaunch", "cuda_runtime", 0, 5, 11),
+              _x("top", "kernel", 6, 2, 11, stream=7),
+              _x("body", "kernel", 9, 2, 0, stream=40),
+              _x("cudaLaunchKernel", "cuda_runtime", 20, 3, 12),
+              _x("eager", "kernel", 24, 2, 12, stream=7)]
+    t = read_trace(_write(tmp_path, events))
+    assert not t.orphans
+    assert [[op.name for op in launch.ops] for launch in t.launches] == [["top", "body"],
+                                                                         ["eager"]]
+
+
 def test_work_under_correlation_0_stays_orphaned_where_the_launches_do_not_pair(tmp_path):
     events = _grape_launches(100, corr=1) + [_x("stray", "kernel", 400, 1, 77, stream=7),
                                              _x("body", "kernel", 120, 1, 0, stream=7)]
