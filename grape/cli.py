@@ -371,6 +371,7 @@ def _simulate(args: argparse.Namespace) -> None:
     trace = read_trace(args.trace, args.iterations)
     _warn_split(trace)
     profile = load_profile(args.profile)
+    _warn_device(profile, trace, args.trace)
     costs = costs_from_profile(profile)
     program = unprofiled_program(trace, profile)
     base = simulate(program, costs)
@@ -491,6 +492,14 @@ def _simulate_ranks(args: argparse.Namespace) -> None:
 def _warn_split(trace: Trace) -> None:
     if trace.split_warning:
         print(f"grape: warning: {trace.split_warning}", file=sys.stderr)
+
+
+def _warn_device(profile: Any, trace: Trace, path: Path) -> None:
+    """A trace from another GPU than the profile's: said, since the costs are the profile's."""
+    from grape.profile import other_device
+
+    if note := other_device(profile, trace.gpu, str(path)):
+        print(f"grape: warning: {note}", file=sys.stderr)
 
 
 def _is_graph_file(path: Path) -> bool:
@@ -616,6 +625,7 @@ def _graph_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     for table in tables[1:]:
         durations = durations.merged(table)
     profile = load_profile(args.profile)
+    _warn_device(profile, traces[0], args.durations[0])
     overrides = ({} if args.node_overhead is None
                  else {"graph_node_overhead": args.node_overhead})
     return durations, profile, costs_from_profile(profile, **overrides), traces[0]

@@ -14,7 +14,8 @@ from typing import Any
 from grape.errors import ProfileError
 from grape.jsonio import check_schema, load_json
 
-__all__ = ["CONSTANTS", "DEFAULT_PROFILE", "PROFILE_SCHEMA", "DeviceProfile", "load_profile"]
+__all__ = ["CONSTANTS", "DEFAULT_PROFILE", "PROFILE_SCHEMA", "DeviceProfile", "load_profile",
+           "other_device"]
 
 PROFILE_SCHEMA = "grape.device"
 # The H200 profile ships inside the package, so an installed grape predicts without a checkout.
@@ -96,6 +97,18 @@ class DeviceProfile:
             raise ProfileError(f"{self.path}: expected {'.'.join(keys)} ({name}) a finite "
                                f"number, found {value!r:.60}")
         return float(value)
+
+
+def other_device(profile: DeviceProfile, device: str | None, what: str) -> str | None:
+    """Why ``profile`` may misprice ``what`` (a trace) that ran on ``device``, or None where
+    they name the same GPU or the trace names none. A profile's launch and per-node costs are
+    its GPU's: on an H100 a graph's kernels stood 0.417 us apart under CUPTI where the H200
+    profile puts CUPTI's own gap at 0.096, and the simulator took the rest for the machine."""
+    if not device or device == profile.device:
+        return None
+    return (f"{what} ran on {device}, and the device profile {Path(profile.path).name} "
+            f"describes {profile.device}: its launch and per-node costs are that GPU's "
+            f"(`grape characterize --out P` on the trace's GPU, then --profile P)")
 
 
 def load_profile(path: str | Path) -> DeviceProfile:

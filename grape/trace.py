@@ -156,6 +156,12 @@ class Trace:
         return self.device.get("name", "unknown device")
 
     @property
+    def gpu(self) -> str | None:
+        """The GPU the trace ran on, by name, where it says: its device properties' name,
+        else the grape block's device."""
+        return self.device.get("name") or (self.grape.device if self.grape else None) or None
+
+    @property
     def streams(self) -> list[tuple[int, int]]:
         """(device, stream) pairs that ran work, in order."""
         return sorted({(op.device, op.stream) for op in self.gpu_ops})

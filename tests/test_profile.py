@@ -77,3 +77,31 @@ def test_characterize_only_merges_its_steps_into_the_profile(monkeypatch, tmp_pa
     monkeypatch.setattr(char, "characterize", lambda reps, progress, only=(): _measured("A100"))
     assert main(["characterize", "--only", "graph_copy_nodes", "--out", str(path)]) == 2
     assert json.loads(path.read_text()) == after
+
+
+def test_a_trace_from_another_gpu_than_the_profile_s_is_said_to_be(tmp_path, capsys):
+    # The profile's launch and per-node costs are its GPU's: a trace recorded on an H100,
+    # simulated with the H200 profile, says so (and a trace of the profile's GPU says nothing).
+    import gzip
+    import json
+    from pathlib import Path
+
+    from grape.profile import DEFAULT_PROFILE, other_device
+
+    profile = load_profile(DEFAULT_PROFILE)
+    assert other_device(profile, profile.device, "t") is None
+    assert other_device(profile, None, "t") is None
+    source = (Path(__file__).parent.parent / "traces" / "h200"
+              / "gpt2_small_decode_b1_kv32.graph.json.gz")
+    with gzip.open(source, "rt") as f:
+        doc = json.load(f)
+    assert main(["simulate", str(source)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    doc["deviceProperties"][0]["name"] = "NVIDIA H100 80GB HBM3"
+    moved = tmp_path / "h100.graph.json.gz"
+    with gzip.open(moved, "wt") as f:
+        json.dump(doc, f)
+    assert main(["simulate", str(moved)]) == 0
+    err = capsys.readouterr().err
+    assert (f"grape: warning: {moved} ran on NVIDIA H100 80GB HBM3, and the device profile "
+            f"h200.json describes NVIDIA H200") in err

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from grape.errors import GrapeError
-from grape.profile import DeviceProfile
+from grape.profile import DeviceProfile, other_device
 from grape.program import Launch, StreamWait
 from grape.sim.engine import simulate
 from grape.sim.memory import executable_bytes
@@ -115,6 +115,11 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
         traces[(path.parent, trace.workload, trace.mode)] = trace
     out = []
     costs = costs_from_profile(profile)
+    for gpu in dict.fromkeys(t.gpu for t in traces.values()):
+        where = [t.source for t in traces.values() if t.gpu == gpu]
+        what = where[0] if len(where) == 1 else f"{len(where)} traces ({where[0]}, ...)"
+        if note := other_device(profile, gpu, what):
+            progress(f"grape: warning: {note}")
     folders = Counter(workload for _, workload in {(f, w) for f, w, _ in traces})
     for (folder, workload, _), trace in traces.items():
         found = attempt(Path(trace.source), lambda trace=trace, folder=folder: predictions(
