@@ -145,8 +145,9 @@ def _parser() -> argparse.ArgumentParser:
                           "FIRST:LAST[:STRIDE] (default: every saved shape, as saved)")
     sim.add_argument("--launches", type=_positive, default=1, metavar="N",
                      help="kernel graphs: launches, each waited for (default 1)")
-    sim.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="FILE",
-                     help=f"device profile (default {DEFAULT_PROFILE})")
+    sim.add_argument("--profile", type=Path, metavar="FILE",
+                     help=f"device profile (default: the one shipped for the trace's GPU, "
+                          f"else {DEFAULT_PROFILE})")
     sim.add_argument("--iterations", type=_positive, metavar="N",
                      help="split the trace into N equal iterations instead of detecting them")
     sim.add_argument("--graph", action="store_true",
@@ -203,7 +204,9 @@ def _parser() -> argparse.ArgumentParser:
                     "error and the median; exits 1 past the bounds.")
     val.add_argument("dirs", nargs="+", type=Path, metavar="PATH",
                      help="a directory (its traces, recursively) or a trace file")
-    val.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, metavar="FILE")
+    val.add_argument("--profile", type=Path, metavar="FILE",
+                     help="device profile (default: the one shipped for each trace's GPU, "
+                          "else the H200's)")
     val.add_argument("--median-bound", type=_amount, default=5.0, metavar="PCT")
     val.add_argument("--max-bound", type=_amount, default=15.0, metavar="PCT")
     val.set_defaults(run=_validate)
@@ -337,7 +340,6 @@ def _record(args: argparse.Namespace) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> None:
-    from grape.profile import load_profile
     from grape.program import GraphLaunch
     from grape.sim.engine import simulate
     from grape.sim.memory import executable_bytes
@@ -370,7 +372,7 @@ def _simulate(args: argparse.Namespace) -> None:
                          f"the trace {args.trace}")
     trace = read_trace(args.trace, args.iterations)
     _warn_split(trace)
-    profile = load_profile(args.profile)
+    profile = _profile(args, trace)
     _warn_device(profile, trace, args.trace)
     costs = costs_from_profile(profile)
     program = unprofiled_program(trace, profile)
@@ -439,7 +441,6 @@ def _simulate(args: argparse.Namespace) -> None:
 
 def _simulate_ranks(args: argparse.Namespace) -> None:
     """``--rank``: several ranks' eager traces of one step, run together."""
-    from grape.profile import load_profile
     from grape.sim.engine import simulate
     from grape.sim.ranks import mark_collectives, predict_ranks
     from grape.sim.whatif import costs_from_profile, unprofiled_program
@@ -459,11 +460,13 @@ def _simulate_ranks(args: argparse.Namespace) -> None:
     if any(_is_graph_file(p) or _is_family_file(p) for p in paths):
         raise GrapeError("expected a trace per rank with --rank, found a kernel graph or a "
                          "family file")
-    profile = load_profile(args.profile)
-    costs = costs_from_profile(profile)
     traces = [read_trace(p, args.iterations) for p in paths]
     for t in traces:
         _warn_split(t)
+    profile = _profile(args, traces[0])
+    for t, p in zip(traces, paths, strict=True):
+        _warn_device(profile, t, p)
+    costs = costs_from_profile(profile)
     programs = [mark_collectives(unprofiled_program(t, profile)) for t in traces]
     _, eager = predict_ranks(programs, costs)
     rows = [("predicted, ranks together", [r.per_iteration for r in eager])]
@@ -492,6 +495,13 @@ def _simulate_ranks(args: argparse.Namespace) -> None:
 def _warn_split(trace: Trace) -> None:
     if trace.split_warning:
         print(f"grape: warning: {trace.split_warning}", file=sys.stderr)
+
+
+def _profile(args: argparse.Namespace, trace: Trace) -> DeviceProfile:
+    """``--profile``, else the profile shipped for the GPU ``trace`` ran on (else the H200's)."""
+    from grape.profile import load_profile, profile_for
+
+    return load_profile(args.profile) if args.profile else profile_for(trace.gpu)
 
 
 def _warn_device(profile: Any, trace: Trace, path: Path) -> None:
@@ -614,7 +624,6 @@ def _refuse_trace_flags(args: argparse.Namespace, what: str, sequence: bool = Fa
 def _graph_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """Kernel graphs and families: the duration table (the ``--durations`` traces merged, the
     first one's figure winning), the device profile and its costs, and the first trace."""
-    from grape.profile import load_profile
     from grape.sim.graph import Durations
     from grape.sim.whatif import costs_from_profile
 
@@ -624,7 +633,7 @@ def _graph_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     durations = tables[0]
     for table in tables[1:]:
         durations = durations.merged(table)
-    profile = load_profile(args.profile)
+    profile = _profile(args, traces[0])
     _warn_device(profile, traces[0], args.durations[0])
     overrides = ({} if args.node_overhead is None
                  else {"graph_node_overhead": args.node_overhead})
@@ -739,7 +748,7 @@ def _validate(args: argparse.Namespace) -> None:
         failures.append(line)
         print(f"grape validate: error: {line}", file=sys.stderr)
 
-    predictions = validate(paths, load_profile(args.profile),
+    predictions = validate(paths, load_profile(args.profile) if args.profile else None,
                            lambda line: print(line, file=sys.stderr), failed)
     if not predictions and not failures:
         raise GrapeError(f"expected grape traces with measured wall times under "

@@ -15,10 +15,11 @@ from grape.errors import ProfileError
 from grape.jsonio import check_schema, load_json
 
 __all__ = ["CONSTANTS", "DEFAULT_PROFILE", "PROFILE_SCHEMA", "DeviceProfile", "load_profile",
-           "other_device"]
+           "other_device", "profile_for"]
 
 PROFILE_SCHEMA = "grape.device"
-# The H200 profile ships inside the package, so an installed grape predicts without a checkout.
+# The profiles ship inside the package, so an installed grape predicts without a checkout; a
+# trace is priced with its own GPU's where one is shipped (profile_for), else the H200's.
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "h200.json"
 PROFILE_VERSION = 1
 
@@ -97,6 +98,18 @@ class DeviceProfile:
             raise ProfileError(f"{self.path}: expected {'.'.join(keys)} ({name}) a finite "
                                f"number, found {value!r:.60}")
         return float(value)
+
+
+def profile_for(device: str | None, shipped: Path | None = None) -> DeviceProfile:
+    """The profile shipped for ``device`` (a GPU's name as traces give it), else the default
+    one: each of ``shipped`` (grape's ``profiles`` folder) names the GPU it was measured on."""
+    folder = DEFAULT_PROFILE.parent if shipped is None else shipped
+    if device:
+        for path in sorted(folder.glob("*.json")):
+            profile = load_profile(path)
+            if profile.device == device:
+                return profile
+    return load_profile(DEFAULT_PROFILE)
 
 
 def other_device(profile: DeviceProfile, device: str | None, what: str) -> str | None:

@@ -105,3 +105,18 @@ def test_a_trace_from_another_gpu_than_the_profile_s_is_said_to_be(tmp_path, cap
     err = capsys.readouterr().err
     assert (f"grape: warning: {moved} ran on NVIDIA H100 80GB HBM3, and the device profile "
             f"h200.json describes NVIDIA H200") in err
+
+
+def test_a_trace_is_priced_with_the_profile_shipped_for_its_gpu(tmp_path):
+    # grape's profiles folder holds one profile a GPU; a trace of a GPU none describes gets
+    # the default (the H200's), and says so (above).
+    from grape.profile import DEFAULT_PROFILE, profile_for
+
+    h200 = json.loads(DEFAULT_PROFILE.read_text())
+    (tmp_path / "h200.json").write_text(json.dumps(h200))
+    (tmp_path / "h100.json").write_text(json.dumps({**h200, "device": "NVIDIA H100 80GB HBM3"}))
+    assert profile_for("NVIDIA H100 80GB HBM3", tmp_path).path == str(tmp_path / "h100.json")
+    assert profile_for("NVIDIA H200", tmp_path).path == str(tmp_path / "h200.json")
+    for other in ("NVIDIA B200", None):
+        assert profile_for(other, tmp_path).path == str(DEFAULT_PROFILE)
+    assert profile_for("NVIDIA H200").device == "NVIDIA H200"  # the folder grape ships

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from grape.errors import GrapeError
-from grape.profile import DeviceProfile, other_device
+from grape.profile import DeviceProfile, other_device, profile_for
 from grape.program import Launch, StreamWait
 from grape.sim.engine import simulate
 from grape.sim.memory import executable_bytes
@@ -77,10 +77,11 @@ class Prediction:
         return (self.predicted - self.measured) / self.measured
 
 
-def validate(paths: Iterable[Path], profile: DeviceProfile,
+def validate(paths: Iterable[Path], profile: DeviceProfile | None,
              progress: Callable[[str], None] = lambda line: None,
              failed: Callable[[Path, GrapeError], None] | None = None) -> list[Prediction]:
-    """Predictions for every grape trace in ``paths`` that carries a measured wall time.
+    """Predictions for every grape trace in ``paths`` that carries a measured wall time, each
+    priced with ``profile``, or where that is None with the profile shipped for its GPU.
 
     A trace that cannot be read or predicted raises its ``GrapeError``, or, where ``failed`` is
     given, is passed to it with the error and the rest go on.
@@ -114,16 +115,20 @@ def validate(paths: Iterable[Path], profile: DeviceProfile,
             continue
         traces[(path.parent, trace.workload, trace.mode)] = trace
     out = []
-    costs = costs_from_profile(profile)
+    # Each GPU's traces priced with the profile given, else with the one shipped for it.
+    priced: dict[str | None, tuple[DeviceProfile, Costs]] = {}
     for gpu in dict.fromkeys(t.gpu for t in traces.values()):
+        chosen = profile if profile is not None else profile_for(gpu)
+        priced[gpu] = chosen, costs_from_profile(chosen)
         where = [t.source for t in traces.values() if t.gpu == gpu]
         what = where[0] if len(where) == 1 else f"{len(where)} traces ({where[0]}, ...)"
-        if note := other_device(profile, gpu, what):
+        if note := other_device(chosen, gpu, what):
             progress(f"grape: warning: {note}")
     folders = Counter(workload for _, workload in {(f, w) for f, w, _ in traces})
     for (folder, workload, _), trace in traces.items():
         found = attempt(Path(trace.source), lambda trace=trace, folder=folder: predictions(
-            trace, profile, traces.get((folder, trace.workload, "graph")), costs))
+            trace, priced[trace.gpu][0], traces.get((folder, trace.workload, "graph")),
+            priced[trace.gpu][1]))
         if found is None:
             continue
         if folders[workload] > 1:  # recorded in several folders: say which one this is
