@@ -149,3 +149,38 @@ def test_the_layers_of_one_forward_share_their_slots_and_the_next_forward_makes_
     count.fill_(3)
     tokens.begin(1, (2, MAX_LEN - 1))
     assert layers[1]._where()[0].tolist() == list(range(8))  # not full yet: its own slots
+
+
+def test_a_compiled_step_refuses_a_short_window_as_compilation_alone_cannot_serve(monkeypatch):
+    # A compiled step reads the mask's offset as a plain tensor, which transformers' host
+    # question about it would read back: refused as CompileRefused, which grape.generate meets
+    # by graphing the model's own kernels instead (not by falling back to generate).
+    import grape.torch.api as api
+    from grape.torch.decoding import CompileRefused, TokenDecoder
+    from grape.torch.host_loop import resolve
+
+    model = _model("mistral", 6)
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(1))
+    options, _ = resolve(model, ids, None, {"max_new_tokens": 20, "eos_token_id": None})
+    with pytest.raises(CompileRefused, match="sliding window of 6 tokens"):
+        TokenDecoder(model, 1, ids.shape[1], options, step_model=model)
+    TokenDecoder(model, 1, ids.shape[1], options)  # the model's own kernels take it
+
+    # grape.generate's side: the compiled attempt refused, the uncompiled one run, said once.
+    tried = []
+
+    def graphed_generate(model, prompt, options, seed, compiled, exact, **kwargs):
+        tried.append(compiled)
+        if compiled:
+            raise CompileRefused("cache layer 0 is a sliding window of 6 tokens")
+        return "graphed"
+
+    monkeypatch.setattr(api, "_graphed_generate", graphed_generate)
+    # (tensors said to be on a GPU: the CPU passes grape.generate's device check as one would)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    with pytest.warns(UserWarning) as said:
+        out = api.generate(model, ids, max_new_tokens=20, eos_token_id=None, compile=True)
+    assert out == "graphed" and tried == [True, False]
+    assert [str(w.message) for w in said] == [
+        "grape.generate(compile=True): cache layer 0 is a sliding window of 6 tokens; the "
+        "step runs the model's own kernels instead"]

@@ -62,7 +62,7 @@ from grape.passes.audit import step_dependence
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.beam import BeamDecoder
 from grape.torch.capture import capture, frozen_heap
-from grape.torch.decoding import Decoder, ExactRefused, TokenDecoder
+from grape.torch.decoding import CompileRefused, Decoder, ExactRefused, TokenDecoder
 from grape.torch.loop import DeviceLoop
 from grape.torch.model_code import COMPILE_ERRORS, model_code
 from grape.torch.options import (
@@ -343,8 +343,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     beams) is handed what ``generate`` hands it, each token while the launch is still running:
     the host follows the launch from a side stream (``grape.torch.streaming``), and the
     generation still reads back once. ``compile=True`` runs the step's kernels from
-    ``torch.compile`` (see the module); a model that does not compile falls back to
-    ``model.generate`` with a warning, like one that does not capture. ``exact_lengths=True``
+    ``torch.compile`` (see the module); a step that does not compile, or that a compiled
+    step cannot serve (a sliding window shorter than the generation), runs the model's own
+    kernels in the one launch instead, with a warning; one that does not capture either falls
+    back to ``model.generate``, as without ``compile``. ``exact_lengths=True``
     makes each token's attention read only the keys that exist
     (``grape.torch.exact``: one kernel that takes each row's length from the device) instead of
     the whole preallocated cache, masked; its kernel differs from SDPA's, so its tokens are
@@ -492,29 +494,42 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
         ids, mask, padded = bucketed(input_ids, mask, prompt_bucket or 1, options.pad)
         prompt = _Prompt(ids, mask, decoder_ids, decoder_mask, embeds,
                          tuple((k, hf_kwargs[k]) for k in options.model_inputs))
-        exact = exact_lengths if exact_lengths is not None else (
-            not compile and options.start is None  # (an encoder-decoder's are refused)
-            and options.cache_tokens(prompt.length) >= EXACT_FROM
-            and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
-        run = functools.partial(_graphed_generate, model, prompt, options, args.seed, compile,
-                                caller_ids=input_ids, padded_bytes=padded + decoder_copied,
-                                concurrent=args.concurrent,
-                                syncs_before=int(decoder_ids is not None) + options.read_backs,
-                                # (one for the call: a loop run again streams what it makes)
-                                feed=None if options.streamer is None
-                                else TokenFeed(options.streamer))
+        def graphed(compiled: bool) -> Any:
+            exact = exact_lengths if exact_lengths is not None else (
+                not compiled and options.start is None  # (an encoder-decoder's are refused)
+                and options.cache_tokens(prompt.length) >= EXACT_FROM
+                and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
+            run = functools.partial(
+                _graphed_generate, model, prompt, options, args.seed, compiled,
+                caller_ids=input_ids, padded_bytes=padded + decoder_copied,
+                concurrent=args.concurrent,
+                syncs_before=int(decoder_ids is not None) + options.read_backs,
+                # (one for the call: a loop run again streams what it makes)
+                feed=None if options.streamer is None else TokenFeed(options.streamer))
+            try:
+                return run(exact, warn_whole=exact_lengths is True)
+            except ExactRefused:
+                if exact_lengths is not None:  # asked for: say so (below), and run generate
+                    raise
+                # Chosen by grape: the loop over the whole cache takes any mask and any cache.
+                return run(False, warn_whole=False)
+
         try:
-            out = run(exact, warn_whole=exact_lengths is True)
-        except ExactRefused:
-            if exact_lengths is not None:  # asked for: say so (below), and run generate
+            out = graphed(compile)
+        except (CompileRefused, *COMPILE_ERRORS) as e:
+            if not compile:
                 raise
-            # Chosen by grape: the loop over the whole cache takes any mask and any cache.
-            out = run(False, warn_whole=False)
+            # What compilation cannot serve, the model's own kernels can: still one launch.
+            why = (str(e) if isinstance(e, CompileRefused) else
+                   f"torch.compile failed on the step: {type(e).__name__}: {e}")
+            warnings.warn(f"grape.generate(compile=True): {why.splitlines()[0]}; the step runs "
+                          f"the model's own kernels instead", stacklevel=3)
+            out = graphed(False)
         note_no_speech(options)  # (after the graphs: a fallback would record it itself)
         return out
     except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
         reason = str(e).splitlines()[0]
-    except COMPILE_ERRORS as e:  # only raised with compile=True
+    except COMPILE_ERRORS as e:  # (compile=True, where the uncompiled step failed too)
         reason = f"torch.compile failed on the step: {type(e).__name__}: {e}".splitlines()[0]
     warnings.warn(f"{falling_back}: {reason}", stacklevel=3)
     _set_last(GenerationStats(graphed=False, reason=reason))

@@ -96,6 +96,10 @@ class ExactRefused(NotGraphable):
     """Exact lengths cannot serve this generation; the loop over the whole cache can."""
 
 
+class CompileRefused(NotGraphable):
+    """A compiled step cannot serve this generation; the model's own kernels can."""
+
+
 class NotLeftPadded(ExactRefused):
     """Exact lengths were asked of a prompt whose mask has a zero after a one."""
 
@@ -167,7 +171,7 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
                 raise ExactRefused(f"exact lengths count whole caches, and cache layer {i} is "
                                    f"a sliding window of {made.max_cache_len} tokens")
             if not ranged:
-                raise NotGraphable(f"cache layer {i} is a sliding window of "
+                raise CompileRefused(f"cache layer {i} is a sliding window of "
                                    f"{made.max_cache_len} tokens, shorter than the generation's "
                                    f"{max_len}, whose mask offset a compiled step would read "
                                    f"back")
