@@ -9,7 +9,9 @@ strategy (greedy, sampling, 5-beam search) and batch, side by side in one proces
 - ``hf_static_compiled``: ``model.generate`` with a static cache and its own compilation
   (transformers compiles the decoding forward itself for a static cache);
 - ``grape``: ``grape.generate`` (the first call of a shape captures; timed on later calls);
-- ``grape_compiled``: ``grape.generate(compile=True)``: Inductor's kernels in grape's loop;
+- ``grape_compiled``: ``grape.generate(compile=True)``: Inductor's kernels in grape's loop
+  (``compiled`` false, with the reason in ``fallback``, where a compiled step could not serve
+  and the model's own kernels ran);
 - ``grape_concurrent``: ``grape.generate(concurrent=True)``: grape's loop with the step's
   independent operations side by side (``grape.passes.concurrency``); its rows add
   ``step_nodes`` and ``step_depth`` (nodes on the step's longest path) and
@@ -177,7 +179,9 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                 warnings.simplefilter("always")
                 grape.generate(model, ids, mask, seed=7, **call)  # captures
                 first = last_stats()
-            fallback = [str(w.message) for w in fell if "runs model.generate" in str(w.message)]
+            # (a compiled step that could not serve runs the model's own kernels: said too)
+            fallback = [str(w.message) for w in fell if "runs model.generate" in str(w.message)
+                        or "runs the model's own kernels" in str(w.message)]
             seconds, out, syncs = _timed(
                 lambda c=call: grape.generate(model, ids, mask, seed=7, **c), args.repeats)
             stats = last_stats()
@@ -191,7 +195,8 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                        graphed=stats.graphed, fallback=fallback[0] if fallback else None,
                        prefill_graphed=stats.prefill_graphed,
                        pointer_updates_per_call=stats.pointer_updates,
-                       step_nodes=stats.step_nodes, step_depth=stats.step_depth)
+                       step_nodes=stats.step_nodes, step_depth=stats.step_depth,
+                       compiled=stats.compiled)
         rows.append(row)
     if "hf_static" in tokens and strategy != "sample":
         for row in rows:

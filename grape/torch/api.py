@@ -117,6 +117,8 @@ class GenerationStats:
     step_depth: int = 0
     # with a streamer: the tokens handed to it while the launch still ran (the rest after it)
     streamed_while_running: int = 0
+    # the step's kernels are Inductor's (compile=True, where a compiled step could serve)
+    compiled: bool = False
 
 
 @dataclass(frozen=True)
@@ -681,5 +683,6 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
             launches=1, attention=entry.attention, step_nodes=len(entry.loop.capture.ir),
             step_depth=(entry.loop.concurrency["body"].depth
                         if "body" in entry.loop.concurrency else len(entry.loop.capture.ir)),
-            streamed_while_running=0 if feed is None else feed.while_running))
+            streamed_while_running=0 if feed is None else feed.while_running,
+            compiled=compiled))
         return result
