@@ -184,6 +184,8 @@ class _Cache:
     entries: dict[tuple, _Entry] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
     compiled: Any = None  # the model's forward under torch.compile, made on first use
+    # (prompt key, options key) -> why a compiled step could not serve that shape
+    uncompiled: dict[tuple, str] = field(default_factory=dict)
 
     def step_model(self, model: torch.nn.Module) -> Any:
         if self.compiled is None:
@@ -516,17 +518,26 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
                 # Chosen by grape: the loop over the whole cache takes any mask and any cache.
                 return run(False, warn_whole=False)
 
-        try:
-            out = graphed(compile)
-        except (CompileRefused, *COMPILE_ERRORS) as e:
-            if not compile:
-                raise
-            # What compilation cannot serve, the model's own kernels can: still one launch.
-            why = (str(e) if isinstance(e, CompileRefused) else
-                   f"torch.compile failed on the step: {type(e).__name__}: {e}")
-            warnings.warn(f"grape.generate(compile=True): {why.splitlines()[0]}; the step runs "
-                          f"the model's own kernels instead", stacklevel=3)
+        if not compile:
             out = graphed(False)
+        else:
+            # What compilation cannot serve, the model's own kernels can: still one launch.
+            # A refusal is kept per shape, so that later calls do not compile again to fail.
+            refused = _CACHES.setdefault(model, _Cache()).uncompiled
+            shape = (prompt.key, options.key)
+            why = refused.get(shape)
+            if why is None:
+                try:
+                    out = graphed(True)
+                except (CompileRefused, *COMPILE_ERRORS) as e:
+                    why = refused[shape] = (
+                        str(e) if isinstance(e, CompileRefused) else
+                        f"torch.compile failed on the step: {type(e).__name__}: {e}"
+                    ).splitlines()[0]
+            if why is not None:
+                warnings.warn(f"grape.generate(compile=True): {why}; the step runs the model's "
+                              f"own kernels instead", stacklevel=3)
+                out = graphed(False)
         note_no_speech(options)  # (after the graphs: a fallback would record it itself)
         return out
     except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
