@@ -657,9 +657,12 @@ def _traced_choices(graph: Any, given: Any, trace: Any, args: argparse.Namespace
     seen = choices_in_trace(graph, trace.launches, str(args.durations[0]))
     taken = {n: seen.taken[n] for n in open_nodes if n in seen.taken}
     branch = {n: seen.branch[n] for n in open_nodes if n in seen.branch}
-    ran = sum(taken.values()) + sum(b < len(graph.op(n).bodies) for n, b in branch.items())
+    ran = sum(t or graph.op(n).type is ConditionalKind.IF_ELSE for n, t in taken.items()) + sum(
+        b < len(graph.op(n).bodies) for n, b in branch.items())
+    undecided = len(open_nodes) - len(taken) - len(branch)
     print(f"  conditional nodes as {args.durations[0]} shows them: {ran} of "
-          f"{len(open_nodes)} ran a body (the streams their bodies ran on)")
+          f"{len(open_nodes)} ran a body (the streams their bodies ran on)"
+          + (f"; {undecided} it cannot tell (bodies without kernels)" if undecided else ""))
     return dataclasses.replace(given, taken={**taken, **given.taken},
                                branch={**branch, **given.branch})
 

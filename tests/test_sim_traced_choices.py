@@ -134,3 +134,23 @@ def test_simulate_reads_the_choices_from_the_durations_trace(tmp_path, capsys):
     # A flag wins over the trace: the masked body taken needs its kernels' durations.
     assert main(["simulate", str(ir), "--durations", str(trace), "--if", "if0b=taken"]) == 2
     assert "expected a duration for node" in capsys.readouterr().err
+
+
+def test_a_body_without_kernels_leaves_its_node_undecided_unless_its_other_body_ran():
+    from grape.ir import Buffer, BufferRole, Memset, Span
+
+    def memset_only():
+        b = KernelGraph()
+        b.add_buffer(Buffer("x", 4, BufferRole.INTERNAL))
+        b.add("clear", Memset(dst=Span("x"), value=0, element_size=4, width=1))
+        return b
+
+    g = KernelGraph()
+    g.add("pre", _kernel("qkv"))
+    g.add("maybe", Conditional(ConditionalKind.IF, "h", (memset_only(),)), after=["pre"])
+    g.add("either", Conditional(ConditionalKind.IF_ELSE, "e", (_body("x"), memset_only())),
+          after=["maybe"])
+    choices = choices_in_launch(g, _ran([]), "t")
+    assert "maybe" not in choices.taken  # no stream shows it: the simulator asks
+    assert choices.taken["either"] is False  # x's stream absent: the other body ran
+    assert choices_in_launch(g, _ran([("x",)]), "t").taken == {"either": True}

@@ -15,8 +15,9 @@ otherwise. Streams that fit the nodes in more than one way (two IF nodes of the 
 one stream of it) are refused: placed from the last node backwards they would tell otherwise,
 and which node ran is what the caller asked. Not read: WHILE counts
 (CUPTI drops records of long loops: 3,470 of a GPT-2 loop's 107,730 kernels on the H200),
-conditionals inside bodies, and bodies without kernels; a stream a body's kernels fill that no
-node takes in order is an error, not a guess.
+conditionals inside bodies, and nodes that may have run a body without kernels (no stream
+shows it; an IF/ELSE whose other body left none ran this one). A stream a body's kernels fill
+that no node takes in order is an error, not a guess.
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ def choices_in_launch(graph: KernelGraph, ops: Sequence[GpuRecord], source: str)
         A body's stream that the nodes, taken in order, leave over; streams that fit the
         nodes in more than one way (placed from the first node and from the last, they differ).
     """
+    return _read(graph, ops, source)[0]
+
+
+def _read(graph: KernelGraph, ops: Sequence[GpuRecord], source: str) -> tuple[Choices, int]:
+    """:func:`choices_in_launch`, and how many bodies' streams the launch showed."""
     nodes = [(name, op) for name, op in graph.ops()
              if isinstance(op, Conditional) and op.type in _CHOOSING]
     bodies = {name: [_signature(body) for body in op.bodies] for name, op in nodes}
@@ -101,14 +107,25 @@ def choices_in_launch(graph: KernelGraph, ops: Sequence[GpuRecord], source: str)
     taken: dict[str, bool] = {}
     branch: dict[str, int] = {}
     for name, op in nodes:
+        # A body without kernels leaves no stream: where it may have run, the node stays
+        # undecided (the simulator then asks for it), but an IF/ELSE runs one of its two.
+        empty = [i for i, s in enumerate(bodies[name]) if not s]
+        body = ran[name]
+        if body is None and op.type is ConditionalKind.IF_ELSE:
+            if len(empty) != 1:
+                if not empty:
+                    raise SimulationError(f"{source}: expected one of IF/ELSE node {name!r}'s "
+                                          f"bodies on a stream of its own, found neither where "
+                                          f"its turn came")
+                continue
+            body = empty[0]
+        elif body is None and empty:
+            continue
         if op.type is ConditionalKind.SWITCH:
-            branch[name] = len(op.bodies) if ran[name] is None else ran[name]  # none: no branch
-        elif op.type is ConditionalKind.IF or ran[name] is not None:
-            taken[name] = ran[name] == 0
+            branch[name] = len(op.bodies) if body is None else body  # none: no branch ran
         else:
-            raise SimulationError(f"{source}: expected one of IF/ELSE node {name!r}'s bodies "
-                                  f"on a stream of its own, found neither where its turn came")
-    return Choices(taken=taken, branch=branch)
+            taken[name] = body == 0
+    return Choices(taken=taken, branch=branch), len(streams)
 
 
 def choices_in_trace(graph: KernelGraph, launches: Sequence[LaunchRecord],
@@ -121,12 +138,9 @@ def choices_in_trace(graph: KernelGraph, launches: Sequence[LaunchRecord],
     SimulationError
         No such launch, or two that chose differently.
     """
-    def entered(choices: Choices) -> bool:  # some body ran: a launch of this graph
-        return any(choices.taken.values()) or any(
-            b < len(graph.op(name).bodies) for name, b in choices.branch.items())
-
-    found = [c for c in (choices_in_launch(graph, launch.ops, source)
-                         for launch in launches if launch.is_graph) if entered(c)]
+    # A launch that showed a body's stream is one of this graph's.
+    found = [c for c, shown in (_read(graph, launch.ops, source)
+                                for launch in launches if launch.is_graph) if shown]
     if not found:
         raise SimulationError(f"{source}: expected a graph launch that ran a body of one of "
                               f"the graph's conditional nodes, found none: give --if and "
