@@ -172,9 +172,9 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
                                    f"a sliding window of {made.max_cache_len} tokens")
             if not ranged:
                 raise CompileRefused(f"cache layer {i} is a sliding window of "
-                                   f"{made.max_cache_len} tokens, shorter than the generation's "
-                                   f"{max_len}, whose mask offset a compiled step would read "
-                                   f"back")
+                                     f"{made.max_cache_len} tokens, shorter than the "
+                                     f"generation's {max_len}, whose mask offset a compiled "
+                                     f"step would read back")
             cache.layers[i] = CountedSlidingLayer(max_cache_len=max_len,
                                                   window=made.max_cache_len, count=count,
                                                   tokens=tokens)
