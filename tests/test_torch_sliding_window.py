@@ -92,7 +92,14 @@ def _model(model_type: str, window: int):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text", "gpt_oss"])
+# A recurrent state and a sliding window in one layer (CountedLinearSlidingLayer): Inkling,
+# which transformers 5.17 and 5.25 have.
+INKLING = pytest.param("inkling_text", marks=pytest.mark.skipif(
+    "inkling_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES,
+    reason="this transformers has no Inkling"))
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text", "gpt_oss", INKLING])
 @pytest.mark.parametrize("window", [6, 20])  # shorter than the prompt; than the generation
 @pytest.mark.parametrize("beams", [1, 3])
 def test_windows_shorter_than_the_generation_are_graphed_with_generates_tokens(

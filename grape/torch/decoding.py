@@ -61,6 +61,7 @@ from grape.torch.sdpa_mask import convert_once
 from grape.torch.static_layers import (
     CountedIndexedLayer,
     CountedLayer,
+    CountedLinearSlidingLayer,
     CountedSlidingLayer,
     StaticIndexedLayer,
     Tokens,
@@ -85,8 +86,11 @@ POISON = 1000.0
 # turns once, in the prompt, and is the same at every step. transformers versions without
 # them have none (the empty tuple matches nothing).
 _RECURRENT: Any = getattr(hf_cache, "LinearAttentionCacheLayerMixin", ())
-# A recurrent state beside a static attention cache, in one layer (hybrid models).
+# A recurrent state beside a static attention cache, in one layer (hybrid models), and beside
+# a sliding window (Inkling, transformers 5.25).
 _HYBRID: Any = getattr(hf_cache, "LinearAttentionAndStaticFullAttentionLayer", ())
+_HYBRID_SLIDING: Any = getattr(hf_cache, "LinearAttentionAndStaticSlidingWindowAttentionLayer",
+                               ())
 # A layer that holds nothing (a layer without attention, or one reading another's cache):
 # nothing to keep in place, no position on the host. transformers 5.2x makes them.
 _EMPTY: Any = getattr(hf_cache, "DummyLayer", ())
@@ -164,9 +168,17 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
                                                   tokens=tokens)
             cache.layers[i].ranged = ranged
             continue
-        if kind is StaticSlidingWindowLayer:
+        if kind is _HYBRID_SLIDING and made.max_cache_len >= max_len:
+            # Its window holds the whole generation: transformers' full-attention hybrid, whose
+            # attention side counts on the device (kept as made, as _HYBRID layers are).
+            cache.layers[i] = _HYBRID(max_cache_len=max_len,
+                                      number_of_states=made.number_of_states)
+            cache.layers[i].is_sliding = True  # (which layer the masks' sizes come from)
+            continue
+        if kind in (StaticSlidingWindowLayer, _HYBRID_SLIDING):
             # A window shorter than the generation: its roll and its mask's offset decided on
-            # the device (grape.torch.static_layers.CountedSlidingLayer).
+            # the device (grape.torch.static_layers.CountedSlidingLayer), a recurrent state
+            # beside it where the layer keeps one.
             if layer is not CountedLayer:
                 raise ExactRefused(f"exact lengths count whole caches, and cache layer {i} is "
                                    f"a sliding window of {made.max_cache_len} tokens")
@@ -175,9 +187,14 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
                                      f"{made.max_cache_len} tokens, shorter than the "
                                      f"generation's {max_len}, whose mask offset a compiled "
                                      f"step would read back")
-            cache.layers[i] = CountedSlidingLayer(max_cache_len=max_len,
-                                                  window=made.max_cache_len, count=count,
-                                                  tokens=tokens)
+            if kind is _HYBRID_SLIDING:
+                cache.layers[i] = CountedLinearSlidingLayer(
+                    max_cache_len=max_len, window=made.max_cache_len, count=count,
+                    tokens=tokens, number_of_states=made.number_of_states)
+            else:
+                cache.layers[i] = CountedSlidingLayer(max_cache_len=max_len,
+                                                      window=made.max_cache_len, count=count,
+                                                      tokens=tokens)
             continue
         if isinstance(made, _RECURRENT) and (not isinstance(made, StaticLayer)
                                              or kind is _HYBRID):

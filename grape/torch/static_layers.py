@@ -38,7 +38,8 @@ from grape.errors import GrapeError
 from grape.torch.cache_length import CacheLength
 from grape.torch.options import NotGraphable
 
-__all__ = ["CountedIndexedLayer", "CountedLayer", "CountedSlidingLayer", "Tokens"]
+__all__ = ["CountedIndexedLayer", "CountedLayer", "CountedLinearSlidingLayer",
+           "CountedSlidingLayer", "Tokens"]
 
 # Dynamic sparse attention's static layer (DeepSeek-V3.2, GLM-MoE-DSA): a static layer with an
 # indexer's key cache beside it. transformers versions without it have none.
@@ -283,3 +284,45 @@ if StaticIndexedLayer is not None:
         layer's other state (``grape.torch.rows``)."""
 else:  # pragma: no cover - transformers without dynamic sparse attention
     CountedIndexedLayer = None
+
+
+# A linear-attention state and an attention cache in one layer (transformers 5.25's hybrid
+# layers). Releases without linear-attention layers have none.
+LinearAttentionLayer: Any = getattr(transformers.cache_utils, "LinearAttentionLayer", None)
+
+
+if LinearAttentionLayer is not None:
+    class CountedLinearSlidingLayer(LinearAttentionLayer, CountedSlidingLayer):
+        """transformers' ``LinearAttentionAndStaticSlidingWindowAttentionLayer`` (a recurrent
+        state and a sliding window in one layer: Inkling) with its window counted on the
+        device, as :class:`CountedSlidingLayer` counts one. Built as transformers builds its
+        own: the linear-attention side first in the method order (its states, its own token
+        count, crop and compile flags), each side initialised and reset by its own code, the
+        attention side lazily allocated by an attention update (two tensors) and the state
+        side by a state update (keywords). Beam search reorders both sides' tensors by row
+        (``grape.torch.rows``)."""
+
+        def __init__(self, max_cache_len: int, window: int, count: torch.Tensor,
+                     tokens: Tokens | None = None, number_of_states: int = 1) -> None:
+            CountedSlidingLayer.__init__(self, max_cache_len=max_cache_len, window=window,
+                                         count=count, tokens=tokens)
+            LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+        def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+            if len(args) == 2 and not kwargs:
+                CountedSlidingLayer.lazy_initialization(self, *args)
+            elif not args:
+                LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+        def reset(self) -> None:
+            LinearAttentionLayer.reset(self)
+            CountedSlidingLayer.reset(self)
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            LinearAttentionLayer.reorder_cache(self, beam_idx)
+            CountedSlidingLayer.reorder_cache(self, beam_idx)
+
+        def get_seq_length(self) -> int:
+            return CountedSlidingLayer.get_seq_length(self)
+else:  # pragma: no cover - transformers without linear-attention layers
+    CountedLinearSlidingLayer = None
