@@ -171,6 +171,8 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
         if kind is _HYBRID_SLIDING and made.max_cache_len >= max_len:
             # Its window holds the whole generation: transformers' full-attention hybrid, whose
             # attention side counts on the device (kept as made, as _HYBRID layers are).
+            if layer is not CountedLayer:
+                raise _recurrent_refused(i, kind)
             cache.layers[i] = _HYBRID(max_cache_len=max_len,
                                       number_of_states=made.number_of_states)
             cache.layers[i].is_sliding = True  # (which layer the masks' sizes come from)
@@ -199,8 +201,7 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
         if isinstance(made, _RECURRENT) and (not isinstance(made, StaticLayer)
                                              or kind is _HYBRID):
             if layer is not CountedLayer:
-                raise ExactRefused(f"exact lengths count attention caches alone, and cache "
-                                   f"layer {i} keeps a recurrent state ({kind.__name__})")
+                raise _recurrent_refused(i, kind)
             continue
         if kind is StaticSlidingWindowLayer or isinstance(made, _RECURRENT):
             raise NotGraphable(f"cache layer {i} is a {kind.__name__} over "
@@ -210,6 +211,11 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
                            f"grape does not hold in a graph (it knows static attention layers "
                            f"and recurrent states)")
     return cache
+
+
+def _recurrent_refused(i: int, kind: type) -> ExactRefused:
+    return ExactRefused(f"exact lengths count attention caches alone, and cache layer {i} "
+                        f"keeps a recurrent state ({kind.__name__})")
 
 
 def _written(layer: Any) -> bool:
