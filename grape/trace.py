@@ -153,7 +153,7 @@ class Trace:
 
     @property
     def device_name(self) -> str:
-        return self.device.get("name", "unknown device")
+        return self.gpu or "unknown device"
 
     @property
     def gpu(self) -> str | None:
