@@ -168,6 +168,28 @@ def _layer_pattern(default: Any, layers: int) -> dict[str, Any]:
     return {}
 
 
+def _ids_in_vocabulary(config: Any) -> Any:
+    """``config`` with every token id it names inside its vocabulary: the small vocabulary
+    leaves ids a checkpoint's vocabulary held (Whisper's decoder start 50257, Marian's 58100)
+    pointing past the embedding, and generate then indexes out of range (a device-side assert
+    on a GPU, which ends the worker's CUDA context). Each such id becomes the next id above
+    the sweep's bos, eos and pad (1, 2, 0) not taken yet; ids in lists (tokens to suppress)
+    past the vocabulary are dropped. Sub-configs (a text config) are treated the same."""
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int):
+        spare = iter(range(3, vocab))
+        for name, value in list(vars(config).items()):
+            if name.endswith("_token_id") and isinstance(value, int) and value >= vocab:
+                setattr(config, name, next(spare))
+            elif (name.endswith("_tokens") and isinstance(value, list)
+                  and all(isinstance(v, int) for v in value)):
+                setattr(config, name, [v for v in value if v < vocab])
+    for value in vars(config).values():
+        if hasattr(value, "to_dict") and hasattr(value, "vocab_size"):
+            _ids_in_vocabulary(value)
+    return config
+
+
 def small_configs(model_type: str, seq2seq_sizes: bool = False) -> list[Any]:
     """The small config, and before it, for a hybrid whose layer pattern puts its first
     attention layer past the second (Jamba's at the fifth, Qwen3-Next's at the fourth), the
@@ -236,19 +258,19 @@ def small_configs(model_type: str, seq2seq_sizes: bool = False) -> list[Any]:
                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
         return made
 
-    small = config(SMALL["num_hidden_layers"])
+    small = _ids_in_vocabulary(config(SMALL["num_hidden_layers"]))
     kinds = _layer_kinds(small)
     if kinds is None or _attends(kinds):
         return [small]
     for layers in range(SMALL["num_hidden_layers"] + 1, 9):
-        grown = config(layers)
+        grown = _ids_in_vocabulary(config(layers))
         if _attends(_layer_kinds(grown) or []):
             return [grown, small]
     if hasattr(small, "attn_layer_indices"):
         # Bamba's and Granite-MoE-Hybrid's defaults place no attention layer at any depth:
         # their checkpoints name where it goes. The last of the small config's layers.
-        placed = config(SMALL["num_hidden_layers"],
-                        attn_layer_indices=[SMALL["num_hidden_layers"] - 1])
+        placed = _ids_in_vocabulary(config(SMALL["num_hidden_layers"],
+                                           attn_layer_indices=[SMALL["num_hidden_layers"] - 1]))
         if _attends(_layer_kinds(placed) or []):
             return [placed, small]
     return [small]
