@@ -62,28 +62,82 @@ def _overlap(path: Path) -> dict[str, float]:
             "overlap": busy / covered if covered else None}
 
 
-def _predicted(irs: dict[str, Any], chain_trace: Path, iterations: int) -> dict[str, float]:
-    """Each way's launch on the simulated GPU, with the chain's kernel durations and the
-    choices its trace shows the prompt's attention IF nodes making (the streams their bodies
-    ran on: ``grape.sim.traced_choices``)."""
+def _prompt_choices(ir: Any) -> dict[str, bool]:
+    """The prompt's attention IF pairs as this script's prompt makes them: no padding, so the
+    first of each pair (the unmasked kernels) runs and the second does not."""
+    import networkx as nx
+
+    from grape.ir import Conditional, ConditionalKind
+
+    pairs = [n for n in nx.topological_sort(ir.dag) if isinstance(ir.op(n), Conditional)
+             and ir.op(n).type is ConditionalKind.IF]
+    return {n: i % 2 == 0 for i, n in enumerate(pairs)}
+
+
+def _predicted(irs: dict[str, Any], chain_trace: Path, iterations: int,
+               chain_measured_us: float) -> dict[str, Any]:
+    """Each way's launch on the simulated GPU from the chain's trace alone (``standalone``: its
+    kernels' durations, the gap between them as the trace shows it), and the DAG's from the
+    chain's trace and its timed launch (``from_timed_chain``: the gap a node adds calibrated so
+    that the chain's launch takes what it measured, ``grape.sim.graph.calibrated_gap``). The
+    prompt's IF choices are read from the trace where its streams tell them
+    (``grape.sim.traced_choices``), else taken from the prompt; durations are paired with the
+    chain's nodes by position where the trace's operations number its node executions
+    (``grape.sim.traced_durations``), else by kernel name."""
     import dataclasses
 
+    from grape.errors import SimulationError
     from grape.profile import DEFAULT_PROFILE, load_profile
-    from grape.sim.graph import Choices, Durations, run_graph
+    from grape.sim.graph import Choices, Durations, calibrated_gap, run_graph
     from grape.sim.traced_choices import choices_in_trace
+    from grape.sim.traced_durations import node_durations
     from grape.sim.whatif import costs_from_profile
     from grape.trace import read_trace
 
     costs = costs_from_profile(load_profile(DEFAULT_PROFILE))
     trace = read_trace(chain_trace)
-    durations = Durations.from_ops(trace.gpu_ops, chain_trace.name)
-    loop = Choices(iterations={"grape:while": iterations})
-    predicted = {}
-    for way, ir in irs.items():
-        seen = choices_in_trace(ir, trace.launches, chain_trace.name)
-        choices = dataclasses.replace(loop, taken=seen.taken, branch=seen.branch)
-        predicted[way] = run_graph(ir, durations, costs, choices).gpu_time
-    return predicted
+    chain = irs["chain"]
+    out: dict[str, Any] = {}
+    try:
+        taken = choices_in_trace(chain, trace.launches, chain_trace.name).taken
+        out["choices"] = "read from the trace"
+    except SimulationError as e:
+        taken = _prompt_choices(chain)
+        out["choices"] = f"the prompt's (the trace's: {e})"[:300]
+    choices = Choices(iterations={"grape:while": iterations}, taken=taken)
+    durations = Durations.from_trace(trace, chain_trace.name)
+    launches = [launch for launch in trace.launches if launch.is_graph]
+    try:
+        paired = node_durations(chain, launches[-1].ops if launches else (), choices,
+                                chain_trace.name)
+        durations = dataclasses.replace(durations, nodes=paired.table)
+        out["durations"] = (f"by position ({paired.renamed} of the trace's kernel records "
+                            f"named otherwise)")
+    except SimulationError as e:
+        out["durations"] = f"by name (by position: {e})"[:300]
+    out["standalone"] = {way: run_graph(ir, durations, costs, choices).gpu_time
+                         for way, ir in irs.items()}
+    timed = calibrated_gap(chain, durations, costs, choices, chain_measured_us)
+    out["from_timed_chain"] = {"dag": run_graph(irs["dag"], timed, costs, choices).gpu_time,
+                               "node_gap_us": timed.node_gap}
+    return out
+
+
+def _prediction_row(row: dict[str, Any], irs: dict[str, Any], traces: Path,
+                    iterations: int) -> None:
+    """``row`` with the simulator's predictions per token (see _predicted), or why none."""
+    stem = f"{row['arch']}_{row['strategy']}"
+    try:
+        p = _predicted(irs, traces / f"{stem}_chain.kineto.json.gz", iterations,
+                       row["chain_gpu_us_per_token"] * row["new_tokens"])
+    except Exception as e:  # the what-if failing is a finding, not the end of the run
+        row["predicted_us_per_token"] = f"{type(e).__name__}: {e}"[:300]
+        return
+    per = row["new_tokens"]
+    row["predicted_us_per_token"] = {w: t / per for w, t in p["standalone"].items()}
+    row["predicted_dag_from_timed_chain_us_per_token"] = p["from_timed_chain"]["dag"] / per
+    row["prediction"] = {"choices": p["choices"], "durations": p["durations"],
+                         "calibrated_node_gap_us": p["from_timed_chain"]["node_gap_us"]}
 
 
 def measure(model, arch: str, strategy: str, args) -> dict[str, Any]:
@@ -124,13 +178,8 @@ def measure(model, arch: str, strategy: str, args) -> dict[str, Any]:
             _profiled(entry.loop.launch, 1, args.traces / f"{stem}.kineto.json.gz")
             row[f"{way}_trace"] = _overlap(args.traces / f"{stem}.kineto.json.gz")
             irs[way] = entry.loop.ir
-        iterations = int(loops["chain"].decoder.count.item()) - 1  # the prompt made one
-        try:
-            predicted = _predicted(irs, args.traces / f"{arch}_{strategy}_chain.kineto.json.gz",
-                                   iterations)
-            row["predicted_us_per_token"] = {w: t / args.new for w, t in predicted.items()}
-        except Exception as e:  # the what-if failing is a finding, not the end of the run
-            row["predicted_us_per_token"] = f"{type(e).__name__}: {e}"[:300]
+        row["while_iterations"] = int(loops["chain"].decoder.count.item()) - 1  # prompt: one
+        _prediction_row(row, irs, args.traces, row["while_iterations"])
     clear_cache(model)
     return row
 
@@ -146,7 +195,13 @@ def main() -> None:
     parser.add_argument("--traces", type=Path, default=None, metavar="DIR")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE",
                         help="write the results as JSON here (nothing is written without it)")
+    parser.add_argument("--predict-from", type=Path, default=None, metavar="RESULTS",
+                        help="no GPU: the predictions again, for the rows of RESULTS (this "
+                             "script's --out) from the IR and trace files it wrote in --traces")
     args = parser.parse_args()
+    if args.predict_from is not None:
+        _predict_again(args)
+        return
     import torch
     import transformers
 
@@ -169,15 +224,51 @@ def main() -> None:
                                         "torch": torch.__version__,
                                         "command": " ".join(sys.argv), "size": args.size,
                                         "results": rows}, indent=1) + "\n")
+    _table(rows)
+
+
+def _table(rows: list[dict[str, Any]]) -> None:
+    def miss(r: dict[str, Any], predicted: float | None, way: str) -> str:
+        if predicted is None:
+            return f"{'-':>8}"
+        return f"{(predicted / r[f'{way}_gpu_us_per_token'] - 1) * 100:>+7.1f}%"
+
     print(f"{'arch':<10} {'strategy':<8} {'nodes':>6} {'depth':>6} {'chain us/tok':>12} "
-          f"{'dag us/tok':>10} {'ratio':>6} {'equal':>6}")
+          f"{'dag us/tok':>10} {'ratio':>6} {'equal':>6}  predicted against measured: "
+          f"chain, DAG (from the chain's trace), DAG (and its timed launch)")
     for r in rows:
         if "failed" in r:
             print(f"{r['arch']:<10} {r['strategy']:<8} failed: {r['failed'][:60]}")
             continue
+        p = r.get("predicted_us_per_token")
+        p = p if isinstance(p, dict) else {}
         print(f"{r['arch']:<10} {r['strategy']:<8} {r['nodes']:>6} {r['depth']:>6} "
               f"{r['chain_gpu_us_per_token']:>12.1f} {r['dag_gpu_us_per_token']:>10.1f} "
-              f"{r['ratio']:>6.3f} {r['tokens_equal']!s:>6}")
+              f"{r['ratio']:>6.3f} {r['tokens_equal']!s:>6}  {miss(r, p.get('chain'), 'chain')} "
+              f"{miss(r, p.get('dag'), 'dag')} "
+              f"{miss(r, r.get('predicted_dag_from_timed_chain_us_per_token'), 'dag')}")
+
+
+def _predict_again(args: argparse.Namespace) -> None:
+    from grape.ir import KernelGraph
+
+    if args.traces is None:
+        raise SystemExit("expected --traces DIR (the run's IR and trace files) with "
+                         "--predict-from, found none")
+    run = json.loads(args.predict_from.read_text())
+    for row in run["results"]:
+        if "failed" in row:
+            continue
+        irs = {way: KernelGraph.load(args.traces / f"{row['arch']}_{row['strategy']}_{way}"
+                                                   f".ir.json.gz") for way in WAYS}
+        iterations = row.get("while_iterations", row["new_tokens"] - 1)
+        _prediction_row(row, irs, args.traces, iterations)
+        print(json.dumps(row), flush=True)
+    run["predicted_again"] = {"command": " ".join(sys.argv),
+                              "from": str(args.predict_from)}
+    if args.out:
+        args.out.write_text(json.dumps(run, indent=1) + "\n")
+    _table(run["results"])
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from grape import __version__
-from grape.errors import GrapeError, TraceFormatError
+from grape.errors import GrapeError, SimulationError, TraceFormatError
 from grape.familyio import SCHEMA as FAMILY_SCHEMA
 from grape.familyio import SavedFamily, family_from_json
 from grape.ir import SCHEMA, KernelGraph
@@ -140,6 +140,17 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--switch", dest="switch_branches", action="append", default=[],
                      metavar="NODE=I", help="kernel graphs: the branch SWITCH node NODE takes "
                                             "(default: as for --if)")
+    sim.add_argument("--durations-ir", type=Path, metavar="IR",
+                     help="kernel graphs: the graph the first --durations trace launched, "
+                          "where not this one (the chain a concurrent step was made from): "
+                          "its nodes' durations, paired with the trace by position, carry over "
+                          "to this graph's nodes of the same names")
+    sim.add_argument("--timed", type=_amount, metavar="US",
+                     help="kernel graphs: the GPU time of one launch of the graph the "
+                          "durations trace launched (this one, or --durations-ir), measured "
+                          "without the profiler (us): the time a node waits beyond the ones "
+                          "before it is calibrated to it, which a profiled trace cannot say "
+                          "(grape.sim.graph.calibrated_gap)")
     sim.add_argument("--sequence", metavar="SHAPES",
                      help="graph families: the shapes to run, in order, as A,B,... or "
                           "FIRST:LAST[:STRIDE] (default: every saved shape, as saved)")
@@ -366,7 +377,9 @@ def _simulate(args: argparse.Namespace) -> None:
     graph_only = [flag for flag, given in (("--durations", args.durations),
                                            ("--while", args.while_counts),
                                            ("--if", args.if_taken),
-                                           ("--switch", args.switch_branches)) if given]
+                                           ("--switch", args.switch_branches),
+                                           ("--timed", args.timed is not None),
+                                           ("--durations-ir", args.durations_ir)) if given]
     if graph_only:
         raise GrapeError(f"expected a kernel graph (*.ir.json.gz) with {graph_only[0]}, found "
                          f"the trace {args.trace}")
@@ -452,7 +465,8 @@ def _simulate_ranks(args: argparse.Namespace) -> None:
         ("--update-device", args.update_device),
         ("--placeholder-copies", args.placeholder_copies), ("--device-loop", args.device_loop),
         ("--chrome", args.chrome), ("--plot", args.plot), ("--sequence", args.sequence),
-        ("--durations", args.durations)) if given]
+        ("--durations", args.durations), ("--timed", args.timed is not None),
+        ("--durations-ir", args.durations_ir)) if given]
     if others:
         raise GrapeError(f"expected only --graph, --iterations and --profile with --rank, "
                          f"found {others[0]}")
@@ -547,6 +561,10 @@ def _simulate_family(args: argparse.Namespace) -> None:
     from grape.sim.graph import family_program
 
     _refuse_trace_flags(args, "graph family", launches=True)
+    if given := [f for f, on in (("--timed", args.timed is not None),
+                                 ("--durations-ir", args.durations_ir)) if on]:
+        raise GrapeError(f"expected a kernel graph (*.ir.json.gz) with {given[0]}, found the "
+                         f"graph family {args.trace}")
     if args.update_whole and args.update_device:  # before reading anything
         raise GrapeError("expected --update-whole or --update-device, found both")
     saved = load_family(args.trace)
@@ -628,8 +646,8 @@ def _graph_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     from grape.sim.whatif import costs_from_profile
 
     traces = [read_trace(p) for p in args.durations]
-    tables = [Durations.from_ops(t.gpu_ops, str(p)) for t, p in zip(traces, args.durations,
-                                                                     strict=True)]
+    tables = [Durations.from_trace(t, str(p)) for t, p in zip(traces, args.durations,
+                                                               strict=True)]
     durations = tables[0]
     for table in tables[1:]:
         durations = durations.merged(table)
@@ -665,6 +683,33 @@ def _traced_choices(graph: Any, given: Any, trace: Any, args: argparse.Namespace
           + (f"; {undecided} it cannot tell (bodies without kernels)" if undecided else ""))
     return dataclasses.replace(given, taken={**taken, **given.taken},
                                branch={**branch, **given.branch})
+
+
+def _paired_durations(traced: Any, durations: Any, choices: Any, trace: Any,
+                      args: argparse.Namespace) -> Any:
+    """``durations`` with each node's own, where a graph launch of the first durations trace
+    pairs with the node executions of ``traced`` (the graph it launched) by position
+    (grape.sim.traced_durations; the last such launch), and a line saying which way durations
+    were read."""
+    import dataclasses
+
+    from grape.sim.traced_durations import node_durations
+
+    reasons = []
+    for launch in reversed([launch for launch in trace.launches if launch.is_graph]):
+        try:
+            paired = node_durations(traced, launch.ops, choices, str(args.durations[0]))
+        except SimulationError as e:
+            reasons.append(str(e))
+            continue
+        print(f"  node durations by position in a launch of {args.durations[0]} "
+              f"({paired.executions} operations; {paired.renamed} kernel records named "
+              f"otherwise)" + ("" if args.durations_ir is None
+                               else f", of {args.durations_ir}'s nodes"))
+        return dataclasses.replace(durations, nodes=paired.table)
+    print("  kernel durations by name and launch configuration"
+          + (f" (by position: {reasons[0]})" if reasons else ""))
+    return durations
 
 
 def _graph_outputs(args: argparse.Namespace, program: Any, result: Any, profile: Any) -> None:
@@ -718,7 +763,7 @@ _CHOICE_HELP = {"--while": "grape:while=63", "--if": "node=taken or node=skipped
 def _simulate_graph(args: argparse.Namespace) -> None:
     """A kernel graph run on the simulated GPU, with kernel durations from a trace."""
     from grape.sim.engine import simulate
-    from grape.sim.graph import check_choices, program_from_graph
+    from grape.sim.graph import calibrated_gap, check_choices, program_from_graph
 
     _refuse_trace_flags(args, "kernel graph", sequence=True, family_updates=True)
     graph = KernelGraph.load(args.trace)
@@ -726,6 +771,13 @@ def _simulate_graph(args: argparse.Namespace) -> None:
     check_choices(graph, choices, str(args.trace))
     durations, profile, costs, traced = _graph_inputs(args)
     choices = _traced_choices(graph, choices, traced, args)
+    timed_graph = graph if args.durations_ir is None else KernelGraph.load(args.durations_ir)
+    durations = _paired_durations(timed_graph, durations, choices, traced, args)
+    if args.timed is not None:
+        durations = calibrated_gap(timed_graph, durations, costs, choices, args.timed)
+        print(f"  a node waits {durations.node_gap:.3f} us beyond the ones before it, "
+              f"calibrated to {args.durations_ir or args.trace}'s launch timed at "
+              f"{args.timed:g} us")
     program, run = program_from_graph(graph, durations, costs, choices, args.launches,
                                       name=args.trace.name)
     result = simulate(program, costs, record=args.chrome is not None)

@@ -244,6 +244,50 @@ def test_independent_branches_overlap_as_the_capture_forked_them():
     assert [name for *_, name in run.intervals] == ["a", "b", "c", "d"]
 
 
+def test_overlapping_kernels_share_the_sms_their_blocks_ask_for():
+    """Side by side, two kernels whose blocks together ask for more SMs than the GPU has run
+    at the pace the GPU divides among them (grape.sim.sharing's model); within it, or where the
+    trace gave no SM count, each at its own."""
+    def fork(blocks):
+        g = KernelGraph()
+        g.add("a", _kernel("a"))
+        g.add("b", Kernel(function="b@0x1", name="b", grid=(blocks, 1, 1), block=(32, 1, 1)),
+              after=["a"])
+        g.add("c", Kernel(function="c@0x1", name="c", grid=(blocks, 1, 1), block=(32, 1, 1)),
+              after=["a"])
+        return g
+
+    costs = replace(COSTS, graph_node_overhead=0.0)
+    table = Durations({("a", (1, 1, 1), (32, 1, 1)): 1.0, ("b", (100, 1, 1), (32, 1, 1)): 10.0,
+                       ("c", (100, 1, 1), (32, 1, 1)): 10.0, ("b", (50, 1, 1), (32, 1, 1)): 10.0,
+                       ("c", (50, 1, 1), (32, 1, 1)): 10.0}, "t", sms=132)
+    # 200 blocks on 132 SMs: both at 132/200 of their pace, 10 us of work each in 15.15 us.
+    shared = run_graph(fork(100), table, costs)
+    assert shared.gpu_time == pytest.approx(1.0 + 10.0 * 200 / 132)
+    assert [round(e - s, 6) for s, e, _ in shared.intervals] == [1.0] + [
+        round(10.0 * 200 / 132, 6)] * 2
+    assert run_graph(fork(50), table, costs).gpu_time == pytest.approx(11.0)  # 100 blocks fit
+    unknown = replace(table, sms=None)
+    assert run_graph(fork(100), unknown, costs).gpu_time == pytest.approx(11.0)
+
+
+def test_a_gap_calibrated_on_a_timed_launch_reproduces_it_and_carries_to_another_graph():
+    from grape.sim.graph import calibrated_gap
+
+    chain, dag = KernelGraph(), KernelGraph()
+    for i in range(4):
+        chain.add(f"n{i}", _kernel("k"), after=[f"n{i - 1}"] if i else [])
+        dag.add(f"n{i}", _kernel("k"), after=["n0"] if i else [])
+    costs = replace(COSTS, graph_node_overhead=0.0)
+    table = _table(k=10.0)
+    timed = calibrated_gap(chain, table, costs, Choices(), measured=43.0)  # 3 waits, 1 us each
+    assert timed.node_gap == pytest.approx(1.0)
+    assert run_graph(chain, timed, costs).gpu_time == pytest.approx(43.0)
+    assert run_graph(dag, timed, costs).gpu_time == pytest.approx(21.0)  # one wait deep
+    # A launch faster than its kernels back to back: no negative gap.
+    assert calibrated_gap(chain, table, costs, Choices(), measured=30.0).node_gap == 0.0
+
+
 def _with_body(kind, bodies):
     g = KernelGraph()
     g.add("pre", _kernel("pre"))

@@ -30,14 +30,29 @@ short. The trace-based path (``grape.sim.whatif.profiled_graph_launches``) keeps
 per-node constant instead, because ``grape record`` profiles after timing every mode and its
 traces' gaps describe a later phase.
 
+Two things a profiled trace cannot say, found on the H200 (``benchmarks/README.md``,
+2026-12-05, fifth session): every trace of six device loops (GPT-2 and Llama, greedy, sampling,
+5 beams) showed 0.42 us between consecutive kernels, while the same loops timed without the
+profiler ran with 0.01 (Llama) to 0.12 us (GPT-2) between them, so at the traced gap the chains
+came out 8 to 13% slow. A launch timed without the profiler calibrates it
+(:func:`calibrated_gap`, ``Durations.node_gap``), and from a chain's trace and timing the same
+loops remade as DAGs were predicted within 3%. That needed the second: kernels side by side
+share the GPU. Each holds a share of the SMs by its blocks (the processor-sharing model of
+``grape.sim.sharing``, where the trace gave the SM count: ``Durations.sms``); without it Llama's
+DAGs came out 6 to 7% fast, their overlapping GEMVs taken to run at their solo pace.
+
 Durations come from a trace of the same kernels (:class:`Durations`): the median duration of
 each kernel by function and launch configuration (its demangled name, as CUPTI reports it, grid
 and block), and of copies and memsets by kind and size; one the trace did not see is priced from
-the device profile's copy latency and bandwidth.
+the device profile's copy latency and bandwidth; or each node's own, where a traced launch
+of the graph pairs with its node executions by position (``grape.sim.traced_durations``:
+CUPTI named a loop body's kernels after other graphs' nodes in a process that had run them).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Generator, Hashable, Iterable, Mapping, Sequence
@@ -53,8 +68,9 @@ from grape.program import GpuWork, GraphLaunch, HostWork, Launch, Program, Sync
 from grape.records import GpuRecord, graph_kernel_gap
 from grape.sim.engine import Costs
 from grape.sim.ranks import collective_name
+from grape.trace import Trace
 
-__all__ = ["Choices", "Durations", "GraphRun", "check_choices", "conditionals",
+__all__ = ["Choices", "Durations", "GraphRun", "calibrated_gap", "check_choices", "conditionals",
            "family_program", "is_nccl_collective", "kernel_key", "program_from_graph",
            "run_graph", "run_graph_ranks"]
 
@@ -84,6 +100,21 @@ class Durations:
     # (grape.records.graph_kernel_gap; None where it launched no graphs): with the profiler's
     # own gap (Costs.profiler_graph_gap) it says what the machine added per node when recorded.
     graph_gap: float | None = None
+    # Durations of particular nodes by name (grape.sim.traced_durations: a traced launch of
+    # this graph read by position), before any by function: CUPTI may name a kernel otherwise.
+    nodes: Mapping[str, float] = field(default_factory=dict)
+    # The GPU's SM count where the trace gave it: overlapping kernels then share the SMs
+    # (_Schedule.share); None runs them side by side at their own pace.
+    sms: int | None = None
+    # The time a node waits beyond its predecessors' end, calibrated against a timed launch
+    # (calibrated_gap); None takes it from the trace's gaps (graph_gap).
+    node_gap: float | None = None
+
+    @classmethod
+    def from_trace(cls, trace: Trace, source: str) -> Durations:
+        """:meth:`from_ops` over ``trace``'s GPU work, with its GPU's SM count."""
+        return dataclasses.replace(cls.from_ops(trace.gpu_ops, source),
+                                   sms=trace.device.get("numSms"))
 
     @classmethod
     def from_ops(cls, ops: Iterable[GpuRecord], source: str) -> Durations:
@@ -105,9 +136,13 @@ class Durations:
         one (the recording a prediction starts from says what the machine added per node)."""
         return Durations({**other.table, **self.table}, f"{self.source} and {other.source}",
                          {**other.transfers, **self.transfers},
-                         self.graph_gap if self.graph_gap is not None else other.graph_gap)
+                         self.graph_gap if self.graph_gap is not None else other.graph_gap,
+                         {**other.nodes, **self.nodes}, self.sms or other.sms,
+                         self.node_gap if self.node_gap is not None else other.node_gap)
 
     def kernel(self, k: Kernel, node: str) -> float:
+        if node in self.nodes:
+            return self.nodes[node]
         key = kernel_key(k)
         if key not in self.table:
             raise SimulationError(f"expected a duration for node {node!r} ({key[0][:80]}, grid "
@@ -202,9 +237,9 @@ def _graph_copy_time(op: Memcpy | Memset, costs: Costs) -> float | None:
 
 
 class _Schedule:
-    """The list schedule of one graph launch, as a generator: it yields ``(start, node,
-    kernel)`` where a collective's kernel starts (only where ``collective`` says a kernel is
-    one) and takes back the time that collective ends, which depends on the other ranks."""
+    """The schedule of one graph launch, as a generator: it yields ``(start, node, kernel)``
+    where a collective's kernel starts (only where ``collective`` says a kernel is one) and
+    takes back the time that collective ends, which depends on the other ranks."""
 
     def __init__(self, durations: Durations, costs: Costs, choices: Choices,
                  collective: Callable[[Kernel], bool] | None = None) -> None:
@@ -213,40 +248,96 @@ class _Schedule:
         self.intervals: list[tuple[float, float, str]] = []
         self.names: list[tuple[str, str]] = []
         self.nodes_run = 0
-        # What the recording's machine put between a node and the one it waits for.
-        self.gap = costs.node_gap(durations.graph_gap) or 0.0
+        # What the recording's machine put between a node and the one it waits for: as a
+        # timed launch calibrated it, else as the trace's gaps say.
+        self.gap = (durations.node_gap if durations.node_gap is not None
+                    else costs.node_gap(durations.graph_gap) or 0.0)
+
+    def share(self, op: Op) -> float:
+        """The share of the SMs ``op`` holds while it runs (``grape.records.sm_share``: a
+        kernel's blocks over the GPU's SMs, other work the whole GPU); none where the durations'
+        trace did not say how many SMs its GPU has, so that nothing is slowed."""
+        sms = self.durations.sms
+        if not sms:
+            return 0.0
+        if isinstance(op, Kernel):
+            return min(1.0, op.grid[0] * op.grid[1] * op.grid[2] / sms)
+        return 1.0
 
     def graph(self, graph: KernelGraph, begin: float, prefix: str) -> Generator:
-        """Run ``graph`` from ``begin``; returns when its last node ends."""
+        """Run ``graph`` from ``begin``; returns when its last node ends.
+
+        The front end dispatches the nodes in one topological order, each once the nodes it
+        waits for have ended (plus the gap, for GPU work) and at least
+        ``graph_node_overhead`` after the one before it. Kernels, copies and memsets then run
+        at their traced pace while the shares of the work running together add up to at most
+        the GPU, and all at the pace the GPU divides among them beyond (the processor-sharing
+        model of ``grape.sim.sharing``, for eager branches). A conditional node or a
+        collective holds no share: its body runs as a graph of its own from its start."""
+        order = list(nx.topological_sort(graph.dag))
         finish: dict[str, float] = {}
-        front = begin  # when the front end can dispatch the next node
-        end = begin
-        for node in nx.topological_sort(graph.dag):
-            op = graph.op(node)
-            ready = max((finish[p] for p in graph.dag.predecessors(node)), default=None)
-            if ready is None:
-                ready = begin
-            elif isinstance(op, Kernel | Memcpy | Memset):  # GPU work, not a join or a branch
-                ready += self.gap
-            start = max(ready, front + self.costs.graph_node_overhead)
-            front = start
-            finish[node] = yield from self.op(op, start, f"{prefix}{node}")
-            end = max(end, finish[node])
-        return end
+        running: dict[str, list] = {}  # node: [work left at its own pace, share, interval]
+        fixed: dict[str, float] = {}  # node: when it ends, whatever else runs
+        t = front = begin
+        at = 0
+        while at < len(order) or running or fixed:
+            due = math.inf
+            if at < len(order):
+                node = order[at]
+                waits = list(graph.dag.predecessors(node))
+                if all(p in finish for p in waits):
+                    op = graph.op(node)
+                    ready = max((finish[p] for p in waits), default=begin)
+                    if waits and isinstance(op, Kernel | Memcpy | Memset):  # not a join
+                        ready += self.gap
+                    due = max(ready, front + self.costs.graph_node_overhead, t)
+            asked = sum(r[1] for r in running.values())
+            pace = 1.0 / asked if asked > 1.0 else 1.0
+            next_end = min([t + r[0] / pace for r in running.values()] + list(fixed.values()),
+                           default=math.inf)
+            step_to = min(due, next_end)
+            for r in running.values():
+                r[0] -= (step_to - t) * pace
+            t = step_to
+            if due <= next_end:
+                front = t
+                op, name = graph.op(node), f"{prefix}{node}"
+                ended, work = yield from self.op(op, t, name)
+                if ended is not None:
+                    fixed[node] = ended
+                elif work > 0.0:
+                    running[node] = [work, self.share(op), len(self.intervals) - 1]
+                else:
+                    finish[node] = t
+                at += 1
+                continue
+            for node in [n for n, r in running.items() if r[0] <= 1e-9 * max(1.0, t)]:
+                index = running.pop(node)[2]
+                start, _, name = self.intervals[index]
+                self.intervals[index] = (start, t, name)
+                finish[node] = t
+            for node in [n for n, e in fixed.items() if e <= t]:
+                finish[node] = fixed.pop(node)
+        return max(finish.values(), default=begin)
 
     def op(self, op: Op, start: float, name: str) -> Generator:
+        """Dispatch ``op`` at ``start``. Returns ``(end, 0.0)`` where its end is settled now (a
+        conditional's body run, a collective's meeting), else ``(None, work)``: its duration
+        at its own pace, its interval opened, to be closed where it ends."""
         self.nodes_run += 1
         if isinstance(op, Conditional):
-            return (yield from self.conditional(op, start, name))
+            return (yield from self.conditional(op, start, name)), 0.0
         if isinstance(op, Kernel):
             self.names.append((demangle(op.name), "kernel"))
             if self.collective is not None and self.collective(op):
                 end = yield start, name, op
                 self.intervals.append((start, end, name))
-                return end
+                return end, 0.0
             dur = self.durations.kernel(op, name)
         elif isinstance(op, Memcpy | Memset):
-            dur = _graph_copy_time(op, self.costs)
+            dur = self.durations.nodes.get(name)
+            if dur is None:
+                dur = _graph_copy_time(op, self.costs)
             if dur is None:
                 key = ("memcpy", op.size) if isinstance(op, Memcpy) else ("memset", op.extent)
                 dur = self.durations.transfers.get(key)
@@ -258,7 +349,7 @@ class _Schedule:
             dur = 0.0
             self.names.append((type(op).__name__, ""))
         self.intervals.append((start, start + dur, name))
-        return start + dur
+        return None, dur
 
     def conditional(self, op: Conditional, start: float, name: str) -> Generator:
         choices = self.choices
@@ -305,6 +396,22 @@ def run_graph(graph: KernelGraph, durations: Durations, costs: Costs,
     except StopIteration as done:
         return schedule.result(done.value)
     raise AssertionError("unreachable: a schedule without collectives yielded")
+
+
+def calibrated_gap(graph: KernelGraph, durations: Durations, costs: Costs, choices: Choices,
+                   measured: float) -> Durations:
+    """``durations`` with the time each node waits beyond its predecessors' end set so that
+    one launch of ``graph`` takes ``measured`` (us, a launch timed without the profiler): what
+    a profiled trace cannot say (on the H200 every trace of a loop showed 0.42 us between its
+    kernels, while the same loops unprofiled ran with 0.01 to 0.12 us; ``benchmarks/README.md``,
+    2026-12-05, fifth session). The run is nearly linear in that gap: found from two runs, and
+    none below zero (a launch faster than its kernels back to back says the durations are
+    long, which a gap cannot mend)."""
+    at = [run_graph(graph, dataclasses.replace(durations, node_gap=g), costs, choices).gpu_time
+          for g in (0.0, 1.0)]
+    slope = at[1] - at[0]
+    gap = max((measured - at[0]) / slope, 0.0) if slope > 0 else 0.0
+    return dataclasses.replace(durations, node_gap=gap)
 
 
 def is_nccl_collective(k: Kernel) -> bool:
@@ -379,7 +486,18 @@ def program_from_graph(graph: KernelGraph, durations: Durations, costs: Costs,
 
 
 def _gap_note(durations: Durations, costs: Costs) -> str:
-    """What the schedule put between a node and the one it waits for, and why."""
+    """What the schedule put between a node and the one it waits for, and why; and whether
+    overlapping work shared the SMs."""
+    sharing = (f"; overlapping work shares the GPU's {durations.sms} SMs by its blocks"
+               if durations.sms else "; overlapping work runs at its own pace (the trace gave "
+                                     "no SM count)")
+    return _wait_note(durations, costs) + sharing
+
+
+def _wait_note(durations: Durations, costs: Costs) -> str:
+    if durations.node_gap is not None:
+        return (f"{durations.node_gap:.3f} us between a node and the one it waits for, "
+                f"calibrated to a timed launch")
     gap = costs.node_gap(durations.graph_gap)
     if gap is None:
         why = ("its trace launched no graphs" if durations.graph_gap is None
