@@ -26,9 +26,12 @@ FAMILIES = sorted(TRACES.rglob(f"*{FAMILY_SUFFIX}"))
 # The caching allocator's histories around captures (benchmarks/pool_layout.py), which
 # tests/test_sim_memory.py replays through grape.sim.memory.Pool.
 HISTORIES = sorted(TRACES.rglob("*.histories.json.gz"))
+# One launch of a device loop each, its chain's IR beside it (benchmarks/concurrent_step.py):
+# read by tests/test_sim_traced_durations.py.
+LOOPS = sorted((TRACES / "h200_concurrent").glob("*.kineto.json.gz"))
 ALL = sorted(p for p in TRACES.rglob("*.json.gz")
              if p not in RAW and p not in GRAPHS and p not in TWINS and p not in FAMILIES
-             and p not in HISTORIES)
+             and p not in HISTORIES and p not in LOOPS)
 # Kernels per iteration, by trace: a GPT-2 family trace steps through lengths, across the
 # topology change at KV 512; the other traces repeat one step.
 KERNELS = {"gpt2_small_family_b1": {292, 316}, "gpt2_small_family_b5": {292, 316},
