@@ -80,8 +80,8 @@ def _predicted(irs: dict[str, Any], chain_trace: Path, iterations: int,
     kernels' durations, the gap between them as the trace shows it), and the DAG's from the
     chain's trace and its timed launch (``from_timed_chain``: the gap a node adds calibrated so
     that the chain's launch takes what it measured, ``grape.sim.graph.calibrated_gap``). The
-    prompt's IF choices are read from the trace where its streams tell them
-    (``grape.sim.traced_choices``), else taken from the prompt; durations are paired with the
+    prompt's IF choices are read from the trace where its streams or its operation count tell
+    them (``grape.sim.traced_choices``), else taken from the prompt; durations are paired with the
     chain's nodes by position where the trace's operations number its node executions
     (``grape.sim.traced_durations``), else by kernel name."""
     import dataclasses

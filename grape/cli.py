@@ -658,9 +658,12 @@ def _graph_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     return durations, profile, costs_from_profile(profile, **overrides), traces[0]
 
 
-def _traced_choices(graph: Any, given: Any, trace: Any, args: argparse.Namespace) -> Any:
-    """``given``, and where the graph's outer IF or SWITCH nodes have no choice given, the
-    choices the first durations trace shows its launches making (grape.sim.traced_choices)."""
+def _traced_choices(graph: Any, given: Any, trace: Any, args: argparse.Namespace,
+                    traced_graph: Any = None) -> Any:
+    """``given``, and where the graph's outer IF or SWITCH nodes have no choice given or its
+    WHILE nodes no count, what the first durations trace shows its launches doing
+    (grape.sim.traced_choices), read against ``traced_graph`` (the graph it launched, whose
+    nodes share the names; ``graph`` where not given)."""
     import dataclasses
 
     from grape.ir import ConditionalKind
@@ -670,16 +673,32 @@ def _traced_choices(graph: Any, given: Any, trace: Any, args: argparse.Namespace
     open_nodes = [name for name, kind in conditionals(graph).items() if "/" not in name
                   and kind is not ConditionalKind.WHILE
                   and name not in given.taken and name not in given.branch]
+    loops = [name for name, kind in conditionals(graph).items() if "/" not in name
+             and kind is ConditionalKind.WHILE and name not in given.iterations]
+    if not open_nodes and not loops:
+        return given
+    try:
+        seen = choices_in_trace(graph if traced_graph is None else traced_graph,
+                                trace.launches, str(args.durations[0]))
+    except SimulationError:
+        if open_nodes:
+            raise
+        return given  # only loops were open: check_choices asks for --while
+    counted = {n: seen.iterations[n] for n in loops if n in seen.iterations}
+    if counted:
+        print(f"  WHILE iterations as {args.durations[0]} shows them (its operations over "
+              f"their bodies'): " + ", ".join(f"{n}={c}" for n, c in counted.items()))
+    given = dataclasses.replace(given, iterations={**counted, **given.iterations})
     if not open_nodes:
         return given
-    seen = choices_in_trace(graph, trace.launches, str(args.durations[0]))
     taken = {n: seen.taken[n] for n in open_nodes if n in seen.taken}
     branch = {n: seen.branch[n] for n in open_nodes if n in seen.branch}
     ran = sum(t or graph.op(n).type is ConditionalKind.IF_ELSE for n, t in taken.items()) + sum(
         b < len(graph.op(n).bodies) for n, b in branch.items())
     undecided = len(open_nodes) - len(taken) - len(branch)
     print(f"  conditional nodes as {args.durations[0]} shows them: {ran} of "
-          f"{len(open_nodes)} ran a body (the streams their bodies ran on)"
+          f"{len(open_nodes)} ran a body (the streams their bodies ran on, or the launch's "
+          f"operation count)"
           + (f"; {undecided} it cannot tell (bodies without kernels)" if undecided else ""))
     return dataclasses.replace(given, taken={**taken, **given.taken},
                                branch={**branch, **given.branch})
@@ -768,10 +787,12 @@ def _simulate_graph(args: argparse.Namespace) -> None:
     _refuse_trace_flags(args, "kernel graph", sequence=True, family_updates=True)
     graph = KernelGraph.load(args.trace)
     choices = _choices(args)
-    check_choices(graph, choices, str(args.trace))
+    check_choices(graph, choices, str(args.trace), counts=False)
     durations, profile, costs, traced = _graph_inputs(args)
-    choices = _traced_choices(graph, choices, traced, args)
+    # The graph the durations trace launched: its choices and durations are read against it.
     timed_graph = graph if args.durations_ir is None else KernelGraph.load(args.durations_ir)
+    choices = _traced_choices(graph, choices, traced, args, timed_graph)
+    check_choices(graph, choices, str(args.trace))
     durations = _paired_durations(timed_graph, durations, choices, traced, args)
     if args.timed is not None:
         durations = calibrated_gap(timed_graph, durations, costs, choices, args.timed)

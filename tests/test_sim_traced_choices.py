@@ -154,3 +154,64 @@ def test_a_body_without_kernels_leaves_its_node_undecided_unless_its_other_body_
     assert "maybe" not in choices.taken  # no stream shows it: the simulator asks
     assert choices.taken["either"] is False  # x's stream absent: the other body ran
     assert choices_in_launch(g, _ran([("x",)]), "t").taken == {"either": True}
+
+
+# --- read by count, where CUPTI's streams and names for the bodies are another graph's ------
+
+def _counted_launch(bodies, stale=False):
+    """A launch of _attention_pairs: each layer's own kernel under the launch's correlation
+    (5), then the bodies that ran under correlation 0; ``stale``: every body record named
+    "gemm" on stream 7, as CUPTI named a loop's after an earlier graph's nodes."""
+    from grape.records import GpuRecord
+
+    ops, t = [], 0.0
+    for body in bodies:
+        ops.append(GpuRecord("kernel", "qkv", t, 1.0, 7, 5, grid=(1, 1, 1), block=(32, 1, 1)))
+        for k in body:
+            t += 2
+            ops.append(GpuRecord("kernel", "gemm" if stale else k, t, 1.0, 7 if stale else 100,
+                                 0, grid=(1, 1, 1), block=(32, 1, 1)))
+        t += 2
+    return ops
+
+
+def test_choices_are_read_from_the_count_between_the_graph_s_own_operations():
+    from grape.sim.traced_choices import choices_by_count
+
+    g = _attention_pairs(3)
+    # Layer 0 ran the unmasked body (1 kernel), layer 1 the masked one (3), layer 2 both (4).
+    ops = _counted_launch([("sdpa",), ("fill", "where", "sdpa"), ("sdpa", "fill", "where",
+                                                                   "sdpa")], stale=True)
+    c = choices_by_count(g, ops, "t")
+    assert c.taken == {"if0a": True, "if0b": False, "if1a": False, "if1b": True,
+                       "if2a": True, "if2b": True}
+    # The streams alone show no body at all (every record on the launch's own stream), so
+    # would say none ran; the trace's reading takes the count.
+    assert not any(choices_in_launch(g, ops, "t").taken.values())
+    assert choices_in_trace(g, [_launch(ops)], "t").taken == c.taken
+
+
+def test_a_loop_s_count_is_read_and_a_count_no_choice_makes_is_refused():
+    from grape.records import GpuRecord
+    from grape.sim.traced_choices import choices_by_count
+
+    g = KernelGraph()
+    g.add("pre", _kernel("qkv"))
+    g.add("loop", Conditional(ConditionalKind.WHILE, "h", (_body("a", "b"),)), after=["pre"])
+    ops = [GpuRecord("kernel", "qkv", 0.0, 1.0, 7, 5, grid=(1, 1, 1), block=(32, 1, 1))]
+    ops += [GpuRecord("kernel", "x", 2.0 + i, 0.5, 9, 0, grid=(1, 1, 1), block=(32, 1, 1))
+            for i in range(14)]
+    assert choices_by_count(g, ops, "t").iterations == {"loop": 7}
+    with pytest.raises(SimulationError, match="13 operations .* in one way, found none"):
+        choices_by_count(g, ops[:-1], "t")
+    pairs = _attention_pairs(1)  # two IF nodes of one-kernel bodies: 1 is either
+    ops = _counted_launch([("sdpa",)])
+    pairs_same = KernelGraph()
+    pairs_same.add("qkv0", _kernel("qkv"))
+    pairs_same.add("if0a", Conditional(ConditionalKind.IF, "h", (_body("sdpa"),)),
+                   after=["qkv0"])
+    pairs_same.add("if0b", Conditional(ConditionalKind.IF, "h", (_body("sdpa"),)),
+                   after=["if0a"])
+    assert choices_by_count(pairs, ops, "t").taken == {"if0a": True, "if0b": False}
+    with pytest.raises(SimulationError, match="in one way, found more than one"):
+        choices_by_count(pairs_same, ops, "t")

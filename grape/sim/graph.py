@@ -178,7 +178,8 @@ _FLAGS = {"iterations": ("--while", "a WHILE node", (ConditionalKind.WHILE,)),
           "branch": ("--switch", "a SWITCH node", (ConditionalKind.SWITCH,))}
 
 
-def check_choices(graph: KernelGraph, choices: Choices, source: str) -> None:
+def check_choices(graph: KernelGraph, choices: Choices, source: str,
+                  counts: bool = True) -> None:
     """Refuse choices that name no conditional of the right kind in ``graph`` (read from
     ``source``), and a WHILE node without an iteration count: a run that would ignore what it
     was told, or guess. Messages name the command-line flags.
@@ -196,8 +197,9 @@ def check_choices(graph: KernelGraph, choices: Choices, source: str) -> None:
                 raise SimulationError(f"expected {flag} to name {what} of {source} "
                                       f"({', '.join(fitting) or 'it has none'}), found {name!r}")
     # Loops inside bodies may never run, so need no count: only the outer graph's are asked
-    # for here, and run_graph asks for the others when it meets them.
-    for name, op in graph.ops():
+    # for here, and run_graph asks for the others when it meets them. (``counts`` False: the
+    # names alone, before counts are read from a trace.)
+    for name, op in graph.ops() if counts else ():
         if (isinstance(op, Conditional) and op.type is ConditionalKind.WHILE
                 and name not in choices.iterations):
             raise SimulationError(f"expected an iteration count for WHILE node {name!r} of "

@@ -18,19 +18,29 @@ and which node ran is what the caller asked. Not read: WHILE counts
 conditionals inside bodies, and nodes that may have run a body without kernels (no stream
 shows it; an IF/ELSE whose other body left none ran this one). A stream a body's kernels fill
 that no node takes in order is an error, not a guess.
+
+The streams can be another graph's: in a process that had run other graphs with conditional
+nodes, CUPTI gave a loop's body kernels the names, grids and streams of those graphs' nodes
+(``grape.sim.traced_durations``). The count does not depend on them
+(:func:`choices_by_count`): a chain's own operations carry the launch's correlation and its
+bodies' carry none, so the bodies' operations between two of the chain's own add up to what its
+conditional nodes between them ran, read where one combination of choices makes that count;
+WHILE counts too, where the trace holds every operation of the loop. A launch is read both
+ways; where both read, they must agree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 from grape.errors import SimulationError
-from grape.ir import Conditional, ConditionalKind, Kernel, KernelGraph
+from grape.ir import Conditional, ConditionalKind, Kernel, KernelGraph, Memcpy, Memset
 from grape.records import GpuRecord, LaunchRecord
 from grape.sim.graph import Choices, KernelKey, kernel_key
 
-__all__ = ["choices_in_launch", "choices_in_trace"]
+__all__ = ["choices_by_count", "choices_in_launch", "choices_in_trace"]
 
 Signature = tuple[KernelKey, ...]  # a body's kernels, sorted: the order its stream ran them
 _CHOOSING = (ConditionalKind.IF, ConditionalKind.IF_ELSE, ConditionalKind.SWITCH)
@@ -128,29 +138,177 @@ def _read(graph: KernelGraph, ops: Sequence[GpuRecord], source: str) -> tuple[Ch
     return Choices(taken=taken, branch=branch), len(streams)
 
 
+def _work_count(body: KernelGraph) -> int | None:
+    """GPU operations one run of ``body`` makes, or None where a conditional inside it makes
+    that depend on what it chooses."""
+    ops = [op for _, op in body.ops()]
+    if any(isinstance(op, Conditional) for op in ops):
+        return None
+    return sum(isinstance(op, Kernel | Memcpy | Memset) for op in ops)
+
+
+def _options(op: Conditional, most: int) -> list[tuple[int, int | None]] | None:
+    """What a conditional node may have run, as (operations, body index or None: none ran;
+    for a WHILE, the iteration count), up to ``most`` operations; None where unknown."""
+    sizes = [_work_count(body) for body in op.bodies]
+    if any(size is None for size in sizes):
+        return None
+    if op.type is ConditionalKind.WHILE:
+        size = sizes[0]
+        return [(0, 0)] if size == 0 else [(size * n, n) for n in range(most // size + 1)]
+    ran = [(size, i) for i, size in enumerate(sizes)]
+    return ran if op.type is ConditionalKind.IF_ELSE else [(0, None), *ran]
+
+
+def _split(nodes: list[tuple[str, Conditional]], count: int,
+           source: str) -> dict[str, int | None]:
+    """The one way ``nodes``' bodies make ``count`` operations between two of the graph's
+    own: each node's choice (see _options); nodes whose choices all make the same count stay
+    out (nothing tells them apart)."""
+    options = {}
+    for name, op in nodes:
+        found = _options(op, count)
+        if found is None:
+            raise SimulationError(f"{source}: expected bodies of a fixed size to count, found "
+                                  f"a conditional inside node {name!r}'s")
+        options[name] = found
+    # ways[n]: how many ways (at most 2) the nodes so far make n operations, and one of them.
+    ways: dict[int, tuple[int, dict[str, int | None]]] = {0: (1, {})}
+    for name, _ in nodes:
+        grown: dict[int, tuple[int, dict[str, int | None]]] = {}
+        for made, (n, chosen) in ways.items():
+            for size, choice in options[name]:
+                if made + size > count:
+                    continue
+                before = grown.get(made + size, (0, {}))
+                grown[made + size] = (min(before[0] + n, 2), before[1] or {**chosen,
+                                                                            name: choice})
+        ways = grown
+    n, chosen = ways.get(count, (0, {}))
+    if n != 1:
+        told = [name for name, _ in nodes if len({s for s, _ in options[name]}) > 1]
+        raise SimulationError(f"{source}: expected the {count} operations between two of the "
+                              f"graph's own to come from its conditional nodes "
+                              f"{told[0] if told else nodes[0][0]!r} and on in one way, found "
+                              f"{'none' if n == 0 else 'more than one'}")
+    return {name: c for name, c in chosen.items() if len({s for s, _ in options[name]}) > 1}
+
+
+def choices_by_count(graph: KernelGraph, ops: Sequence[GpuRecord], source: str) -> Choices:
+    """The choices of ``graph``'s outer conditional nodes in one traced launch, read without
+    the names and streams CUPTI gave the bodies' kernels: a chain's own operations carry the
+    launch's correlation and its bodies' none (0), as on the H100 and the H200, so the bodies'
+    operations between two of the graph's own are the conditional nodes' between them, each
+    count made by their bodies in one way only (an IF's two-kernel body and its pair's
+    six-kernel one: 0, 2, 6 or 8). WHILE counts are read the same way (its body's operations
+    over their number). For a process whose earlier graphs left CUPTI naming this launch's
+    body kernels after theirs (``grape.sim.traced_durations``), where the streams mislead.
+
+    Raises
+    ------
+    SimulationError
+        A graph whose work forks, a launch whose own operations are not the graph's, a count
+        its bodies make in no way or in more than one.
+    """
+    from grape.sim.traced_durations import chain_order
+
+    ran = sorted(ops, key=lambda op: op.ts)
+    own = {op.correlation for op in ran if op.correlation}
+    if len(own) != 1:
+        raise SimulationError(f"{source}: expected the launch's own operations under one "
+                              f"correlation, found {len(own)}")
+    order = chain_order(graph, source)
+    work = [n for n in order if not isinstance(graph.op(n), Conditional)]
+    outer = [i for i, op in enumerate(ran) if op.correlation]
+    if len(outer) != len(work):
+        raise SimulationError(f"{source}: expected {len(work)} operations of the graph's own in "
+                              f"the launch, found {len(outer)}")
+    taken: dict[str, bool] = {}
+    branch: dict[str, int] = {}
+    iterations: dict[str, int] = {}
+    pending: list[tuple[str, Conditional]] = []
+    at = -1  # the last own operation met
+    mine = iter(outer)
+    for name in [*order, None]:  # None: the end of the launch
+        op = graph.op(name) if name is not None else None
+        if isinstance(op, Conditional):
+            if op.type in _CHOOSING or op.type is ConditionalKind.WHILE:
+                pending.append((name, op))
+            continue
+        nxt = next(mine, len(ran))
+        if pending:
+            for node, choice in _split(pending, nxt - at - 1, source).items():
+                kind = graph.op(node).type
+                if kind is ConditionalKind.WHILE:
+                    iterations[node] = choice
+                elif kind is ConditionalKind.SWITCH:
+                    branch[node] = len(graph.op(node).bodies) if choice is None else choice
+                else:
+                    taken[node] = choice == 0
+            pending = []
+        elif nxt - at - 1:
+            raise SimulationError(f"{source}: expected the launch's operations between two of "
+                                  f"the graph's own only where conditional nodes lie, found "
+                                  f"{nxt - at - 1} before node {name!r}")
+        at = nxt
+    return Choices(iterations=iterations, taken=taken, branch=branch)
+
+
+def _launch_choices(graph: KernelGraph, ops: Sequence[GpuRecord],
+                    source: str) -> Choices | None:
+    """One launch's choices, by its bodies' streams (:func:`choices_in_launch`) and by its
+    operations' count (:func:`choices_by_count`): where both read, they must agree, and the
+    count's WHILE counts join; where one reads, its; None where the launch shows no body of
+    the graph's (another graph's launch)."""
+    try:
+        streams, shown = _read(graph, ops, source)
+        streams_error = None
+    except SimulationError as e:
+        streams, shown, streams_error = None, 1, e
+    try:
+        counted = choices_by_count(graph, ops, source)
+    except SimulationError as e:
+        if streams_error is not None:
+            raise SimulationError(f"{streams_error}; counted: {str(e).removeprefix(source + ': ')}"
+                                  ) from None
+        return streams if shown else None
+    told = {**counted.taken, **counted.branch}
+    if streams is not None and shown and any(
+            name in told and told[name] != choice
+            for name, choice in {**streams.taken, **streams.branch}.items()):
+        raise SimulationError(f"{source}: expected the bodies' streams and the launch's "
+                              f"operation count to tell the same choices, found them apart: "
+                              f"give --if and --switch")
+    return counted if counted.taken or counted.branch or counted.iterations else None
+
+
 def choices_in_trace(graph: KernelGraph, launches: Sequence[LaunchRecord],
                      source: str) -> Choices:
-    """The choices of :func:`choices_in_launch`, read from every graph launch of a trace that
-    enters one of ``graph``'s bodies, and the same in each.
+    """The choices of ``graph``'s outer conditional nodes read from every graph launch of a
+    trace that enters one of its bodies, by the bodies' streams (:func:`choices_in_launch`) or
+    the launch's operation count (:func:`choices_by_count`), and the same in each launch.
 
     Raises
     ------
     SimulationError
         No such launch, or two that chose differently.
     """
-    # A launch that showed a body's stream is one of this graph's.
-    found = [c for c, shown in (_read(graph, launch.ops, source)
-                                for launch in launches if launch.is_graph) if shown]
+    found = [c for c in (_launch_choices(graph, launch.ops, source)
+                         for launch in launches if launch.is_graph) if c is not None]
     if not found:
         raise SimulationError(f"{source}: expected a graph launch that ran a body of one of "
                               f"the graph's conditional nodes, found none: give --if and "
                               f"--switch")
     first = {**found[0].taken, **found[0].branch}
     for i, other in enumerate(found[1:], 2):
-        if other != found[0]:
+        if (other.taken, other.branch) != (found[0].taken, found[0].branch):
             theirs = {**other.taken, **other.branch}
             differ = sorted(name for name in first if first[name] != theirs.get(name))
             raise SimulationError(f"{source}: expected every launch to choose as the first, "
                                   f"found launch {i} choosing otherwise at {differ[:3]}: give "
                                   f"--if and --switch")
+    # A loop may run other counts in other launches (a generation that stopped early): the
+    # counts are kept only where every launch ran the same.
+    if any(other.iterations != found[0].iterations for other in found[1:]):
+        return dataclasses.replace(found[0], iterations={})
     return found[0]

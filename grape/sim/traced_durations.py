@@ -36,7 +36,7 @@ from grape.ir import Conditional, ConditionalKind, Kernel, KernelGraph, Memcpy, 
 from grape.records import GpuRecord
 from grape.sim.graph import Choices, kernel_key
 
-__all__ = ["NodeDurations", "node_durations"]
+__all__ = ["NodeDurations", "chain_order", "node_durations"]
 
 _WORK = (Kernel, Memcpy, Memset)
 
@@ -51,7 +51,7 @@ class NodeDurations:
     renamed: int  # kernel executions the trace named as another kernel (CUPTI's records)
 
 
-def _chain(graph: KernelGraph, source: str) -> list[str]:
+def chain_order(graph: KernelGraph, source: str) -> list[str]:
     """``graph``'s GPU work and conditional nodes in the one order they can run, or an error
     where two of them may run side by side."""
     order = [n for n in nx.topological_sort(graph.dag)
@@ -67,7 +67,7 @@ def _chain(graph: KernelGraph, source: str) -> list[str]:
 
 def _executions(graph: KernelGraph, choices: Choices, prefix: str,
                 source: str) -> Iterator[tuple[str, Kernel | Memcpy | Memset]]:
-    for node in _chain(graph, source):
+    for node in chain_order(graph, source):
         op, name = graph.op(node), f"{prefix}{node}"
         if not isinstance(op, Conditional):
             yield name, op
