@@ -132,7 +132,9 @@ def _parser() -> argparse.ArgumentParser:
                           "and launch configuration); several merge, the first one's figure "
                           "winning")
     sim.add_argument("--while", dest="while_counts", action="append", default=[],
-                     metavar="NODE=N", help="kernel graphs: WHILE node NODE iterates N times")
+                     metavar="NODE=N", help="kernel graphs: WHILE node NODE iterates N times "
+                                            "(default: as the first --durations trace shows, "
+                                            "where it holds every operation of the loop)")
     sim.add_argument("--if", dest="if_taken", action="append", default=[],
                      metavar="NODE=taken|skipped",
                      help="kernel graphs: whether IF node NODE runs (default: as the first "
