@@ -254,12 +254,12 @@ def choices_by_count(graph: KernelGraph, ops: Sequence[GpuRecord], source: str) 
     return Choices(iterations=iterations, taken=taken, branch=branch)
 
 
-def _launch_choices(graph: KernelGraph, ops: Sequence[GpuRecord],
-                    source: str) -> Choices | None:
+def _launch_choices(graph: KernelGraph, ops: Sequence[GpuRecord], source: str,
+                    reasons: list[str]) -> Choices | None:
     """One launch's choices, by its bodies' streams (:func:`choices_in_launch`) and by its
     operations' count (:func:`choices_by_count`): where both read, they must agree, and the
     count's WHILE counts join; where one reads, its; None where the launch shows no body of
-    the graph's (another graph's launch)."""
+    the graph's (another graph's launch), why the count did not read added to ``reasons``."""
     try:
         streams, shown = _read(graph, ops, source)
         streams_error = None
@@ -268,9 +268,10 @@ def _launch_choices(graph: KernelGraph, ops: Sequence[GpuRecord],
     try:
         counted = choices_by_count(graph, ops, source)
     except SimulationError as e:
+        why = str(e).removeprefix(source + ": ")
         if streams_error is not None:
-            raise SimulationError(f"{streams_error}; counted: {str(e).removeprefix(source + ': ')}"
-                                  ) from None
+            raise SimulationError(f"{streams_error}; counted: {why}") from None
+        reasons.append(why)
         return streams if shown else None
     told = {**counted.taken, **counted.branch}
     if streams is not None and shown and any(
@@ -293,12 +294,14 @@ def choices_in_trace(graph: KernelGraph, launches: Sequence[LaunchRecord],
     SimulationError
         No such launch, or two that chose differently.
     """
-    found = [c for c in (_launch_choices(graph, launch.ops, source)
+    reasons: list[str] = []
+    found = [c for c in (_launch_choices(graph, launch.ops, source, reasons)
                          for launch in launches if launch.is_graph) if c is not None]
     if not found:
         raise SimulationError(f"{source}: expected a graph launch that ran a body of one of "
-                              f"the graph's conditional nodes, found none: give --if and "
-                              f"--switch")
+                              f"the graph's conditional nodes, found none"
+                              + (f" (counted: {reasons[-1]})" if reasons else "")
+                              + ": give --if and --switch")
     first = {**found[0].taken, **found[0].branch}
     for i, other in enumerate(found[1:], 2):
         if (other.taken, other.branch) != (found[0].taken, found[0].branch):
