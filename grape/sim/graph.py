@@ -30,16 +30,16 @@ short. The trace-based path (``grape.sim.whatif.profiled_graph_launches``) keeps
 per-node constant instead, because ``grape record`` profiles after timing every mode and its
 traces' gaps describe a later phase.
 
-Two things a profiled trace cannot say, found on the H200 (``benchmarks/README.md``,
-2026-12-05, fifth session): every trace of six device loops (GPT-2 and Llama, greedy, sampling,
-5 beams) showed 0.42 us between consecutive kernels, while the same loops timed without the
-profiler ran with 0.01 (Llama) to 0.12 us (GPT-2) between them, so at the traced gap the chains
-came out 8 to 13% slow. A launch timed without the profiler calibrates it
-(:func:`calibrated_gap`, ``Durations.node_gap``), and from a chain's trace and timing the same
-loops remade as DAGs were predicted within 3%. That needed the second: kernels side by side
-share the GPU. Each holds a share of the SMs by its blocks (the processor-sharing model of
-``grape.sim.sharing``, where the trace gave the SM count: ``Durations.sms``); without it Llama's
-DAGs came out 6 to 7% fast, their overlapping GEMVs taken to run at their solo pace.
+Two things a profiled trace cannot say, found on the H200 (``benchmarks/README.md``, 2026-12-05,
+fifth session): every trace of six device loops (GPT-2 and Llama, greedy, sampling, 5 beams)
+showed 0.42 us between consecutive kernels, while the same loops timed without the profiler ran
+0.001 to 0.005 us (Llama) and 0.10 us (GPT-2's sampling and beams) a node beyond their kernels,
+so at the traced gap the chains came out 8 to 13% slow. A launch timed without the profiler
+calibrates it (:func:`calibrated_gap`, ``Durations.node_gap``), and from a chain's trace and
+timing the same loops remade as DAGs were predicted within 3%. That needed the second: kernels
+side by side share the GPU. Each holds a share of the SMs by its blocks (the processor-sharing
+model of ``grape.sim.sharing``, where the trace gave the SM count: ``Durations.sms``); without
+it Llama's DAGs came out 6 to 7% fast, their overlapping GEMVs taken to run at their solo pace.
 
 Durations come from a trace of the same kernels (:class:`Durations`): the median duration of
 each kernel by function and launch configuration (its demangled name, as CUPTI reports it, grid
@@ -405,7 +405,7 @@ def calibrated_gap(graph: KernelGraph, durations: Durations, costs: Costs, choic
     """``durations`` with the time each node waits beyond its predecessors' end set so that
     one launch of ``graph`` takes ``measured`` (us, a launch timed without the profiler): what
     a profiled trace cannot say (on the H200 every trace of a loop showed 0.42 us between its
-    kernels, while the same loops unprofiled ran with 0.01 to 0.12 us; ``benchmarks/README.md``,
+    kernels, while the same loops unprofiled ran 0.001 to 0.10 us apart; ``benchmarks/README.md``,
     2026-12-05, fifth session). The run is nearly linear in that gap: found from two runs, and
     none below zero (a launch faster than its kernels back to back says the durations are
     long, which a gap cannot mend)."""
