@@ -152,6 +152,17 @@ def _defined(default: Any) -> dict[str, Any]:
     sizes = {k: v for k, v in DEFINED_SMALL.items() if getattr(default, k, None)}
     if "sliding_window" in sizes and (SEQ2SEQ[0] or SPEECH[0]):
         sizes["sliding_window"] = PROMPT + 4
+    if hasattr(default, "decoder_layers") and not (SEQ2SEQ[0] or SPEECH[0]):
+        # The causal-LM head of an encoder-decoder family (BartForCausalLM) runs its decoder's
+        # layers, while transformers sizes a static cache by num_hidden_layers, which such a
+        # config maps to its encoder's: the two kept equal, as the seq2seq sizes have them
+        # (else generate itself fails, on a cache layer that does not exist).
+        sizes |= {k: v for k, v in SEQ2SEQ_SMALL.items() if hasattr(default, k)}
+    if hasattr(default, "is_decoder") and not (SEQ2SEQ[0] or SPEECH[0]):
+        # An encoder's causal-LM head (BERT's family) is a decoder only when its config says
+        # so ("add is_decoder=True", as transformers warns); left False it attends both ways,
+        # over a static cache's unwritten tail too, and grape refuses it for that.
+        sizes["is_decoder"] = True
     return sizes
 
 
