@@ -192,9 +192,9 @@ def _ids_in_vocabulary(config: Any) -> Any:
         for name, value in list(vars(config).items()):
             if name.endswith("_token_id") and isinstance(value, int) and value >= vocab:
                 setattr(config, name, next(spare))
-            elif (name.endswith("_tokens") and isinstance(value, list)
+            elif (name.endswith("_tokens") and isinstance(value, list | tuple)
                   and all(isinstance(v, int) for v in value)):
-                setattr(config, name, [v for v in value if v < vocab])
+                setattr(config, name, type(value)(v for v in value if v < vocab))
     for value in vars(config).values():
         if hasattr(value, "to_dict") and hasattr(value, "vocab_size"):
             _ids_in_vocabulary(value)
