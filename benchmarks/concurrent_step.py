@@ -87,17 +87,20 @@ def _predicted(irs: dict[str, Any], chain_trace: Path, iterations: int,
     import dataclasses
 
     from grape.errors import SimulationError
-    from grape.profile import DEFAULT_PROFILE, load_profile
+    from grape.profile import other_device, profile_for
     from grape.sim.graph import Choices, Durations, calibrated_gap, run_graph
     from grape.sim.traced_choices import choices_in_trace
     from grape.sim.traced_durations import node_durations
     from grape.sim.whatif import costs_from_profile
     from grape.trace import read_trace
 
-    costs = costs_from_profile(load_profile(DEFAULT_PROFILE))
     trace = read_trace(chain_trace)
+    profile = profile_for(trace.gpu)  # the shipped profile of the trace's GPU, else the H200's
+    costs = costs_from_profile(profile)
     chain = irs["chain"]
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"profile": profile.device}
+    if why := other_device(profile, trace.gpu, chain_trace.name):
+        out["profile_note"] = why
     try:
         taken = choices_in_trace(chain, trace.launches, chain_trace.name).taken
         out["choices"] = "read from the trace"
@@ -137,7 +140,9 @@ def _prediction_row(row: dict[str, Any], irs: dict[str, Any], traces: Path,
     row["predicted_us_per_token"] = {w: t / per for w, t in p["standalone"].items()}
     row["predicted_dag_from_timed_chain_us_per_token"] = p["from_timed_chain"]["dag"] / per
     row["prediction"] = {"choices": p["choices"], "durations": p["durations"],
-                         "calibrated_node_gap_us": p["from_timed_chain"]["node_gap_us"]}
+                         "calibrated_node_gap_us": p["from_timed_chain"]["node_gap_us"],
+                         "profile": p["profile"], **({"profile_note": p["profile_note"]}
+                                                     if "profile_note" in p else {})}
 
 
 def measure(model, arch: str, strategy: str, args) -> dict[str, Any]:
