@@ -81,7 +81,8 @@ SMALL |= {"index_topk": 8}
 DEFINED_SMALL = {"sliding_window": 8, "vocab_size_per_layer_input": 4000,
                  "hidden_size_per_layer_input": 64, "num_kv_shared_layers": 1}
 # Configs that name their sizes otherwise keep their defaults: up to hundreds of millions of
-# parameters are still quick on a GPU; billions are refused (two ended the first CPU sweep).
+# parameters are still quick on a GPU; past these bounds each integer field is shrunk by its
+# name (shrunk_by_name), and what still exceeds them is refused (two ended the first CPU sweep).
 MAX_PARAMETERS = {"cuda": 1_000_000_000, "cpu": 100_000_000}
 # Encoder-decoder configs' own names for the same sizes (each config keeps those it knows).
 SEQ2SEQ_SMALL = {"encoder_layers": 2, "decoder_layers": 2, "num_layers": 2,
@@ -244,6 +245,14 @@ def small_configs(model_type: str, seq2seq_sizes: bool = False) -> list[Any]:
                 if not derived or derived[1] not in sizes:
                     raise
                 del sizes[derived[1]]
+            except NotImplementedError as e:
+                # A config that refuses num_hidden_layers (ProphetNet's) and names the
+                # fields it takes instead: each given the count.
+                named = re.findall(r"`(num_\w+layers)`", str(e))
+                if "num_hidden_layers" not in sizes or not named:
+                    raise
+                layers = sizes.pop("num_hidden_layers")
+                sizes.update({name: layers for name in named if name != "num_hidden_layers"})
             except Exception as e:
                 # Mamba-2's heads: as many as its inner width holds at the small head size.
                 heads = re.search(r"hidden_size \* expand \((\d+)\) must equal num_heads \* "
@@ -287,6 +296,64 @@ def small_configs(model_type: str, seq2seq_sizes: bool = False) -> list[Any]:
     return [small]
 
 
+# Fields shrunk by their names alone, in a config and every config inside it, where the small
+# config leaves too many parameters (the config names its sizes its own way, or keeps them in
+# parts of its parts: an encoder's text config): a name's last words say what it counts.
+BY_NAME = (
+    (re.compile(r"(^|_)(layers|layer_num|num_layers|depth)$|^num_\w*layers$"), 2),
+    (re.compile(r"expert\w*(ffn|intermediate|hidden)\w*(size|dim)$"), 256),
+    (re.compile(r"(ffn|intermediate|mlp)\w*(size|dim)$"), 512),
+    (re.compile(r"vocab(_size)?$|^vocab_\w+|_vocab$"), 4000),
+    (re.compile(r"(^|_)(num_\w*experts|experts?_num|n_\w*experts)$"), 8),
+    (re.compile(r"^hidden_size(_\w+)?$|^(d_model|embed_dim|hidden_dim|n_embd)$"), 256),
+    (re.compile(r"(^|_)(num_attention_heads|num_heads|n_heads|attention_heads)$"), 4),
+)
+KV_HEADS = ("num_key_value_heads", "num_kv_heads")
+
+
+def _every_kind(kinds: list[Any], n: int) -> list[Any]:
+    """The first ``n`` of a per-layer list, with each kind it holds kept where ``n`` allows (a
+    Gemma-like pattern of five sliding layers to one full: sliding, full), as a real config of
+    any depth has them all (transformers' masks for the kinds present, and a model that reads
+    one of each)."""
+    missing = [k for k in dict.fromkeys(kinds) if k not in kinds[:n]]
+    if len(dict.fromkeys(kinds)) > n:
+        return kinds[:n]  # more kinds than layers: the first layers
+    return kinds[:n - len(missing)] + missing
+
+
+def shrunk_by_name(config: Any) -> Any:
+    """``config`` with each integer field whose name matches ``BY_NAME`` at most that size, in
+    it and in every config it holds, recursively (a composite config's text config inside its
+    encoder's): a fallback for configs the common names do not reach. Heads' sizes follow the
+    hidden size where the config derives them (a ``head_dim`` it keeps is left); a list with
+    one entry per layer (``layer_types``) keeps its first entries."""
+    def shrink(fields: dict[str, Any]) -> dict[str, Any]:
+        out, layers = {}, {}
+        for name, value in fields.items():
+            if isinstance(value, dict):
+                out[name] = shrink(value)
+                continue
+            out[name] = value
+            if isinstance(value, int) and not isinstance(value, bool):
+                for pattern, most in BY_NAME:
+                    if pattern.search(name):
+                        out[name] = min(value, most)
+                        if most == 2 and value > 2:
+                            layers[value] = 2
+                        break
+        for name, value in out.items():
+            if isinstance(value, list) and len(value) in layers and name.startswith("layer"):
+                out[name] = _every_kind(value, layers[len(value)])
+        heads = next((out[h] for h in ("num_attention_heads", "num_heads") if h in out), None)
+        for name in KV_HEADS:
+            if isinstance(heads, int) and isinstance(out.get(name), int):
+                out[name] = min(out[name], heads)  # as many as the query heads at most
+        return out
+
+    return type(config).from_dict(shrink(config.to_dict()))
+
+
 def build(model_type: str, device: str, dtype: Any):
     import torch
 
@@ -314,8 +381,18 @@ def build(model_type: str, device: str, dtype: Any):
             count = sum(p.numel() for p in _auto().from_config(config).parameters())
     most = MAX_PARAMETERS[device]
     if count > most:
-        raise ValueError(f"expected at most {most:,} parameters at the small size, found "
-                         f"{count:,} (the config names its sizes otherwise)")
+        # Sizes named otherwise, or in parts of parts: every part shrunk by its fields' names.
+        try:
+            nested = shrunk_by_name(config)
+            with torch.device("meta"):
+                smaller = sum(p.numel() for p in _auto().from_config(nested).parameters())
+        except Exception:
+            smaller = count
+        if smaller > most:
+            raise ValueError(f"expected at most {most:,} parameters at the small size, found "
+                             f"{count:,} (the config names its sizes otherwise; "
+                             f"{smaller:,} with its fields shrunk by name)")
+        config = nested
     torch.manual_seed(0)
     with torch.device(device):  # made where it runs: a large one initialises fast there
         model = _auto().from_config(config, dtype=dtype if device == "cuda" else torch.float32)
@@ -372,7 +449,8 @@ def one(model_type: str, device: str, dtype: Any, strategies: list[str],
 
 
 # Config fields that name a speech encoder's feature size, and how long a random clip is.
-FEATURE_FIELDS = ("input_feat_per_channel", "num_mel_bins", "feature_size")
+FEATURE_FIELDS = ("input_feat_per_channel", "num_mel_bins", "feature_size",
+                  "feature_projection_input_dim")
 SAMPLES, FRAMES = 4000, 64
 
 

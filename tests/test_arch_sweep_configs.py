@@ -38,3 +38,62 @@ def test_an_encoder_s_causal_head_is_built_as_a_decoder():
 def test_an_encoder_decoder_family_s_causal_head_keeps_its_decoder_as_deep_as_the_cache():
     config = arch_sweep.small_configs("bart")[-1]
     assert config.decoder_layers == config.encoder_layers == config.num_hidden_layers == 2
+
+
+def _known(model_type):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"this transformers has no {model_type}")
+
+
+def _parameters(config, auto):
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in auto.from_config(config).parameters())
+
+
+def test_a_config_that_names_its_sizes_its_own_way_is_shrunk_by_the_names():
+    # LongCat-Flash's experts (ffn_hidden_size, expert_ffn_hidden_size, zero_expert_num) kept
+    # 7.9 billion parameters at the common small sizes under transformers 5.17 (5.25's config
+    # maps them onto the common names); by name, under ten million.
+    _known("longcat_flash")
+    config = arch_sweep.small_configs("longcat_flash")[-1]
+    small = arch_sweep.shrunk_by_name(config)
+    assert (_parameters(small, transformers.AutoModelForCausalLM)
+            <= min(2 * 10**7, _parameters(config, transformers.AutoModelForCausalLM)))
+    # latent attention's key-value heads stay as many as its query heads
+    assert small.num_key_value_heads == small.num_attention_heads
+
+
+def test_shrinking_a_part_of_a_part_keeps_one_layer_of_each_kind():
+    # T5Gemma 2 keeps its text config inside its encoder's config (4.7 billion parameters left
+    # at the small sizes); its layer pattern of five sliding layers to one full shrinks to one
+    # of each, as transformers' masks and the model's decoder expect both.
+    _known("t5gemma2")
+    arch_sweep.SEQ2SEQ[0] = True
+    try:
+        config = arch_sweep.small_configs("t5gemma2")[-1]
+        small = arch_sweep.shrunk_by_name(config)
+        assert _parameters(small, transformers.AutoModelForSeq2SeqLM) < 2 * 10**7
+    finally:
+        arch_sweep.SEQ2SEQ[0] = False
+    assert small.decoder.layer_types == ["sliding_attention", "full_attention"]
+    assert small.encoder.text_config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("kinds, n, kept", [
+    (["s", "s", "s", "s", "s", "f"], 2, ["s", "f"]),
+    (["s", "f", "s", "f"], 2, ["s", "f"]),
+    (["a", "b", "c", "a"], 2, ["a", "b"]),  # more kinds than layers: the first layers
+    (["s", "s", "s"], 2, ["s", "s"]),
+])
+def test_a_per_layer_list_keeps_each_kind_where_the_layers_allow(kinds, n, kept):
+    assert arch_sweep._every_kind(kinds, n) == kept
+
+
+def test_a_config_that_refuses_num_hidden_layers_takes_the_counts_it_names():
+    # ProphetNet: "Please set `num_encoder_layers` and `num_decoder_layers`".
+    _known("prophetnet")
+    config = arch_sweep.small_configs("prophetnet")[-1]
+    assert config.num_encoder_layers == config.num_decoder_layers == 2

@@ -11,7 +11,12 @@ on the host raises :class:`ReadBack`, naming the model's line that asked
 As grape's decoders do under a capture, ``torch.arange`` over the cache's length is made on the
 device inside (``grape.torch.cache_length.ranged_arange``). ``tolist()``, ``cpu()`` and
 ``numpy()``, which on the CPU dispatch no read (the values are
-there already), are refused by name. What it cannot see: a copy from pageable host memory into
+there already), are refused by name, and so are operations whose output is sized by the values
+they read (``nonzero``, ``torch.where(condition)``, a boolean mask's indexing,
+``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` by counts without
+``output_size``), which on a GPU read their count back; ``one_hot`` given its classes' count
+runs as on a GPU, where it reads nothing back (on the CPU it checks its range on the host).
+What it cannot see: a copy from pageable host memory into
 the device (a host constant made with ``torch.tensor(..., device="cuda")``), which a capture
 refuses too, and which on the CPU is no copy at all; a ``.to("cpu")``; and kernels that cannot
 be captured for other reasons (a CUDA kernel that copies to the host inside, as ``histc`` of
@@ -48,12 +53,44 @@ class ReadBack(RuntimeError):
     """A tensor's value was read on the host where a capture would refuse it."""
 
 
+# Operations whose output's size depends on the values: on a GPU each copies a count to the
+# host and waits for it (a capture refuses that); on the CPU they read nothing.
+_SIZED_BY_VALUES = {
+    torch.ops.aten.nonzero.default: "nonzero()",  # torch.where(condition) too
+    torch.ops.aten.masked_select.default: "masked_select()",
+    torch.ops.aten._unique.default: "unique()",
+    torch.ops.aten._unique2.default: "unique()",
+    torch.ops.aten.unique_dim.default: "unique()",
+    torch.ops.aten.unique_consecutive.default: "unique_consecutive()",
+    torch.ops.aten.bincount.default: "bincount()",
+}
+
+
+def _sized_by_values(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """What makes ``func`` size its output by the values it reads, where it does."""
+    if func in _SIZED_BY_VALUES:
+        return _SIZED_BY_VALUES[func]
+    if func is torch.ops.aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+            for i in (args[1] if len(args) > 1 else kwargs.get("indices", ()))):
+        return "indexing by a boolean mask"
+    if (func in (torch.ops.aten.repeat_interleave.Tensor,
+                 torch.ops.aten.repeat_interleave.self_Tensor)
+            and kwargs.get("output_size") is None):
+        return "repeat_interleave() by a tensor of counts without output_size"
+    return None
+
+
 class _Refusing(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:  # item, bool, int...
             raise ReadBack("a tensor's value read back to the host")
-        return func(*args, **(kwargs or {}))
+        if (sized := _sized_by_values(func, args, kwargs)) is not None:
+            raise ReadBack(f"an output sized by the values it reads ({sized}): its count "
+                           f"read back to the host")
+        return func(*args, **kwargs)
 
 
 # Reads that on the CPU dispatch nothing (the values are there already): asked by name.
@@ -61,11 +98,23 @@ _TO_HOST = {torch.Tensor.tolist: "tolist()", torch.Tensor.cpu: "cpu()",
             torch.Tensor.numpy: "numpy()"}
 
 
+def _one_hot_as_on_a_gpu(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    """``one_hot`` as it runs on a GPU: given the classes' count it checks the indices' range
+    by a device assert, not on the host (PyTorch's ``one_hot`` reads their minimum and maximum
+    back on the CPU alone); without one, it reads the maximum back there too."""
+    if num_classes == -1:
+        return torch.nn.functional.one_hot(indices, num_classes)
+    classes = torch.arange(num_classes, device=indices.device)
+    return (indices.unsqueeze(-1) == classes).to(torch.long)
+
+
 class _RefusingByName(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         if func in _TO_HOST:
             raise ReadBack(f"a tensor's values taken to the host ({_TO_HOST[func]})")
+        if func is torch.nn.functional.one_hot:
+            return _one_hot_as_on_a_gpu(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
