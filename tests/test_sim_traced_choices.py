@@ -215,3 +215,20 @@ def test_a_loop_s_count_is_read_and_a_count_no_choice_makes_is_refused():
     assert choices_by_count(pairs, ops, "t").taken == {"if0a": True, "if0b": False}
     with pytest.raises(SimulationError, match="in one way, found more than one"):
         choices_by_count(pairs_same, ops, "t")
+
+
+def test_a_trace_of_many_launches_orders_the_graph_once(monkeypatch):
+    # The chain's order (a topological sort and a longest path over the whole graph) is the
+    # same for every launch: a trace of many launches of one graph works it out once.
+    from grape.sim import traced_durations
+
+    g = _attention_pairs(3)
+    ops = _counted_launch([("sdpa",), ("fill", "where", "sdpa"), ("sdpa",)], stale=True)
+    calls = []
+    original = traced_durations.chain_order
+    monkeypatch.setattr(traced_durations, "chain_order",
+                        lambda *a: calls.append(a) or original(*a))
+    found = choices_in_trace(g, [_launch(ops)] * 50, "t")
+    assert len(calls) == 1
+    assert found.taken == {"if0a": True, "if0b": False, "if1a": False, "if1b": True,
+                           "if2a": True, "if2b": False}

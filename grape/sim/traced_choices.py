@@ -194,7 +194,8 @@ def _split(nodes: list[tuple[str, Conditional]], count: int,
     return {name: c for name, c in chosen.items() if len({s for s, _ in options[name]}) > 1}
 
 
-def choices_by_count(graph: KernelGraph, ops: Sequence[GpuRecord], source: str) -> Choices:
+def choices_by_count(graph: KernelGraph, ops: Sequence[GpuRecord], source: str,
+                     order: Sequence[str] | None = None) -> Choices:
     """The choices of ``graph``'s outer conditional nodes in one traced launch, read without
     the names and streams CUPTI gave the bodies' kernels: a chain's own operations carry the
     launch's correlation and its bodies' none (0), as on the H100 and the H200, so the bodies'
@@ -203,6 +204,8 @@ def choices_by_count(graph: KernelGraph, ops: Sequence[GpuRecord], source: str) 
     six-kernel one: 0, 2, 6 or 8). WHILE counts are read the same way (its body's operations
     over their number). For a process whose earlier graphs left CUPTI naming this launch's
     body kernels after theirs (``grape.sim.traced_durations``), where the streams mislead.
+    ``order``: the graph's ``chain_order``, where the caller worked it out once for many
+    launches.
 
     Raises
     ------
@@ -217,7 +220,7 @@ def choices_by_count(graph: KernelGraph, ops: Sequence[GpuRecord], source: str) 
     if len(own) != 1:
         raise SimulationError(f"{source}: expected the launch's own operations under one "
                               f"correlation, found {len(own)}")
-    order = chain_order(graph, source)
+    order = chain_order(graph, source) if order is None else order
     work = [n for n in order if not isinstance(graph.op(n), Conditional)]
     outer = [i for i, op in enumerate(ran) if op.correlation]
     if len(outer) != len(work):
@@ -255,7 +258,7 @@ def choices_by_count(graph: KernelGraph, ops: Sequence[GpuRecord], source: str) 
 
 
 def _launch_choices(graph: KernelGraph, ops: Sequence[GpuRecord], source: str,
-                    reasons: list[str]) -> Choices | None:
+                    reasons: list[str], order: Sequence[str] | None) -> Choices | None:
     """One launch's choices, by its bodies' streams (:func:`choices_in_launch`) and by its
     operations' count (:func:`choices_by_count`): where both read, they must agree, and the
     count's WHILE counts join; where one reads, its; None where the launch shows no body of
@@ -266,7 +269,7 @@ def _launch_choices(graph: KernelGraph, ops: Sequence[GpuRecord], source: str,
     except SimulationError as e:
         streams, shown, streams_error = None, 1, e
     try:
-        counted = choices_by_count(graph, ops, source)
+        counted = choices_by_count(graph, ops, source, order)
     except SimulationError as e:
         why = str(e).removeprefix(source + ": ")
         if streams_error is not None:
@@ -294,8 +297,14 @@ def choices_in_trace(graph: KernelGraph, launches: Sequence[LaunchRecord],
     SimulationError
         No such launch, or two that chose differently.
     """
+    from grape.sim.traced_durations import chain_order
+
+    try:  # once for every launch (a topological sort and a longest path)
+        order = chain_order(graph, source)
+    except SimulationError:
+        order = None  # a graph that forks: each launch's count says so
     reasons: list[str] = []
-    found = [c for c in (_launch_choices(graph, launch.ops, source, reasons)
+    found = [c for c in (_launch_choices(graph, launch.ops, source, reasons, order)
                          for launch in launches if launch.is_graph) if c is not None]
     if not found:
         raise SimulationError(f"{source}: expected a graph launch that ran a body of one of "
