@@ -65,9 +65,13 @@ def chain_order(graph: KernelGraph, source: str) -> list[str]:
     return order
 
 
-def _executions(graph: KernelGraph, choices: Choices, prefix: str,
-                source: str) -> Iterator[tuple[str, Kernel | Memcpy | Memset]]:
-    for node in chain_order(graph, source):
+def _executions(graph: KernelGraph, choices: Choices, prefix: str, source: str,
+                orders: dict[int, list[str]]) -> Iterator[tuple[str, Kernel | Memcpy | Memset]]:
+    # (``orders``: each graph's chain order by identity, worked out once for all of a loop's
+    # iterations, not once an iteration)
+    if id(graph) not in orders:
+        orders[id(graph)] = chain_order(graph, source)
+    for node in orders[id(graph)]:
         op, name = graph.op(node), f"{prefix}{node}"
         if not isinstance(op, Conditional):
             yield name, op
@@ -77,7 +81,7 @@ def _executions(graph: KernelGraph, choices: Choices, prefix: str,
                 raise SimulationError(f"{source}: expected an iteration count for WHILE node "
                                       f"{name!r}, found none")
             for _ in range(choices.iterations[name]):
-                yield from _executions(op.bodies[0], choices, f"{name}/0/", source)
+                yield from _executions(op.bodies[0], choices, f"{name}/0/", source, orders)
             continue
         if op.type is ConditionalKind.SWITCH:
             if name not in choices.branch:
@@ -90,7 +94,7 @@ def _executions(graph: KernelGraph, choices: Choices, prefix: str,
                                       f"found none")
             body = 0 if choices.taken[name] else 1
         if 0 <= body < len(op.bodies):
-            yield from _executions(op.bodies[body], choices, f"{name}/{body}/", source)
+            yield from _executions(op.bodies[body], choices, f"{name}/{body}/", source, orders)
 
 
 def node_durations(graph: KernelGraph, ops: Sequence[GpuRecord], choices: Choices,
@@ -104,7 +108,7 @@ def node_durations(graph: KernelGraph, ops: Sequence[GpuRecord], choices: Choice
         A graph whose work forks, a conditional without its choice, or a trace whose
         operations do not number the node executions the choices make.
     """
-    expected = list(_executions(graph, choices, "", source))
+    expected = list(_executions(graph, choices, "", source, {}))
     ran = sorted(ops, key=lambda op: op.ts)
     if len(ran) != len(expected):
         raise SimulationError(f"{source}: expected {len(expected)} GPU operations in the "
