@@ -91,7 +91,7 @@ SEQ2SEQ_SMALL = {"encoder_layers": 2, "decoder_layers": 2, "num_layers": 2,
                  "d_model": 256, "d_ff": 512, "d_kv": 64, "num_heads": 4}
 STRATEGIES = {"greedy": {}, "beam3": {"num_beams": 3}}
 CONTEXT_LOST = 3  # a worker's exit status after a CUDA error
-NEW_TOKENS = 24
+NEW_TOKENS = [24]  # --new-tokens: fewer for a quick scan of what each step reads back
 PROMPT = 16
 
 
@@ -433,7 +433,7 @@ def one(model_type: str, device: str, dtype: Any, strategies: list[str],
                 ids = torch.randint(3, vocab, (batch, PROMPT), generator=g).to(device)
                 mask = torch.ones_like(ids)
                 mask[1:, : PROMPT // 4] = 0  # left padding, as generate takes unequal prompts
-            kw = dict(STRATEGIES[strategy], max_new_tokens=NEW_TOKENS, do_sample=False,
+            kw = dict(STRATEGIES[strategy], max_new_tokens=NEW_TOKENS[0], do_sample=False,
                       eos_token_id=None, pad_token_id=0)
             reference = _reference(model, ids, mask, kw, row)
             if reference is not None:
@@ -728,6 +728,7 @@ def _share(archs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
     while archs:
         p = subprocess.run([sys.executable, __file__, "--worker", "--archs", ",".join(archs),
                             "--dtype", args.dtype, "--strategies", args.strategies,
+                            "--new-tokens", str(args.new_tokens),
                             *(["--host-loop"] if args.host_loop else []),
                             *(["--check-decode-masks"] if args.check_decode_masks else []),
                             *(["--check-reordering"] if args.check_reordering else []),
@@ -853,8 +854,13 @@ def main() -> None:
     parser.add_argument("--speech", action="store_true",
                         help="the encoder-decoder models of transformers' speech-to-text "
                         "mapping, from random samples or features")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS[0], metavar="N",
+                        help=f"tokens generated a row (default {NEW_TOKENS[0]}; a few serve a "
+                             f"scan with --check-read-backs, whose probe runs one step)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.new_tokens < 1:
+        parser.error(f"expected --new-tokens of at least 1, found {args.new_tokens}")
     if args.check_decode_masks and not args.host_loop:
         parser.error("expected --check-decode-masks with --host-loop, found it alone")
     if args.concurrent and args.host_loop:
@@ -864,6 +870,7 @@ def main() -> None:
         parser.error("expected --check-reordering with --host-loop, found it alone")
     if args.check_read_backs and not args.host_loop:
         parser.error("expected --check-read-backs with --host-loop, found it alone")
+    NEW_TOKENS[0] = args.new_tokens
     CHECK_MASKS[0] = args.check_decode_masks
     CHECK_REORDERING[0] = args.check_reordering
     CHECK_READ_BACKS[0] = args.check_read_backs
