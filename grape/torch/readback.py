@@ -9,19 +9,19 @@ on the host raises :class:`ReadBack`, naming the model's line that asked
 (``grape.torch.capture.culprit``).
 
 As grape's decoders do under a capture, ``torch.arange`` over the cache's length is made on the
-device inside (``grape.torch.cache_length.ranged_arange``). ``tolist()``, ``cpu()`` and
-``numpy()``, which on the CPU dispatch no read (the values are
-there already), are refused by name, and so are operations whose output is sized by the values
+device inside (``grape.torch.cache_length.ranged_arange``). ``tolist()``, ``cpu()``,
+``numpy()`` and ``to("cpu")``, which on the CPU dispatch no read (the values are there
+already), are refused by name, and so are operations whose output is sized by the values
 they read (``nonzero``, ``torch.where(condition)``, a boolean mask's indexing,
 ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` by counts without
 ``output_size``), which on a GPU read their count back; ``one_hot`` given its classes' count
 runs as on a GPU, where it reads nothing back (on the CPU it checks its range on the host).
-What it cannot see: a copy from pageable host memory into
-the device (a host constant made with ``torch.tensor(..., device="cuda")``), which a capture
-refuses too, and which on the CPU is no copy at all; a ``.to("cpu")``; and kernels that cannot
-be captured for other reasons (a CUDA kernel that copies to the host inside, as ``histc`` of
-integers does). grape's own capture-time handling of what would be read acts inside as under a
-capture (:func:`probing`: a model's checks of device values, deferred to the device).
+What it cannot see: a copy from pageable host memory into the device (a host constant made
+with ``torch.tensor(..., device="cuda")``), which a capture refuses too, and which on the CPU is
+no copy at all; and kernels that cannot be captured for other reasons (a CUDA kernel that
+copies to the host inside, as ``histc`` of integers does). grape's own capture-time handling of
+what would be read acts inside as under a capture (:func:`probing`: a model's checks of device
+values, deferred to the device).
 """
 
 from __future__ import annotations
@@ -108,11 +108,25 @@ def _one_hot_as_on_a_gpu(indices: torch.Tensor, num_classes: int = -1) -> torch.
     return (indices.unsqueeze(-1) == classes).to(torch.long)
 
 
+def _to_the_host(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.to``'s arguments name the CPU as the device (a dtype alone, or another
+    tensor, do not)."""
+    device = kwargs.get("device", args[0] if args else None)
+    if isinstance(device, str | int | torch.device):
+        try:
+            return torch.device(device).type == "cpu"
+        except (RuntimeError, TypeError):
+            return False
+    return False
+
+
 class _RefusingByName(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         if func in _TO_HOST:
             raise ReadBack(f"a tensor's values taken to the host ({_TO_HOST[func]})")
+        if func is torch.Tensor.to and _to_the_host(args[1:], kwargs or {}):
+            raise ReadBack("a tensor's values taken to the host (to(\"cpu\"))")
         if func is torch.nn.functional.one_hot:
             return _one_hot_as_on_a_gpu(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
