@@ -61,12 +61,14 @@ def test_one_hot_given_its_classes_reads_nothing_back_as_on_a_gpu():
 
 @pytest.mark.parametrize("work, refused", [
     (lambda: X.to("cpu"), True),
-    (lambda: X.to(torch.device("cpu")), True),
     (lambda: X.to(device="cpu", dtype=torch.float16), True),
     (lambda: X.to(torch.float16), False),  # a dtype alone: no copy to the host
     (lambda: X.to(X), False),  # another tensor's device: not known to be the host's
+    # A device object: on a CPU run the model's own device (transformers' masks move theirs
+    # to inputs_embeds.device), no copy to the host on a GPU.
+    (lambda: X.to(device=X.device, dtype=torch.bool), False),
 ])
-def test_a_tensor_moved_to_the_cpu_is_a_read_back(work, refused):
+def test_a_tensor_moved_to_the_cpu_by_name_is_a_read_back(work, refused):
     # On the CPU .to("cpu") is no copy at all; on a GPU it copies to the host and waits.
     if refused:
         with pytest.raises(ReadBack, match="to the host"), as_captured():

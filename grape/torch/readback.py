@@ -10,9 +10,9 @@ on the host raises :class:`ReadBack`, naming the model's line that asked
 
 As grape's decoders do under a capture, ``torch.arange`` over the cache's length is made on the
 device inside (``grape.torch.cache_length.ranged_arange``). ``tolist()``, ``cpu()``,
-``numpy()`` and ``to("cpu")``, which on the CPU dispatch no read (the values are there
-already), are refused by name, and so are operations whose output is sized by the values
-they read (``nonzero``, ``torch.where(condition)``, a boolean mask's indexing,
+``numpy()`` and ``to("cpu")`` (the device named so), which on the CPU dispatch no read (the
+values are there already), are refused by name, and so are operations whose output is sized
+by the values they read (``nonzero``, ``torch.where(condition)``, a boolean mask's indexing,
 ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` by counts without
 ``output_size``), which on a GPU read their count back; ``one_hot`` given its classes' count
 runs as on a GPU, where it reads nothing back (on the CPU it checks its range on the host).
@@ -109,15 +109,11 @@ def _one_hot_as_on_a_gpu(indices: torch.Tensor, num_classes: int = -1) -> torch.
 
 
 def _to_the_host(args: tuple, kwargs: dict) -> bool:
-    """Whether ``Tensor.to``'s arguments name the CPU as the device (a dtype alone, or another
-    tensor, do not)."""
+    """Whether ``Tensor.to``'s arguments name the CPU as the device by name (``"cpu"``). A
+    ``torch.device`` says nothing on a CPU run: the model's own device (``x.device``) is the
+    CPU there, and on a GPU it is no copy to the host."""
     device = kwargs.get("device", args[0] if args else None)
-    if isinstance(device, str | int | torch.device):
-        try:
-            return torch.device(device).type == "cpu"
-        except (RuntimeError, TypeError):
-            return False
-    return False
+    return isinstance(device, str) and device.split(":")[0].strip() == "cpu"
 
 
 class _RefusingByName(TorchFunctionMode):
