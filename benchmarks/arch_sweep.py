@@ -299,8 +299,9 @@ def small_configs(model_type: str, seq2seq_sizes: bool = False) -> list[Any]:
 # Fields shrunk by their names alone, in a config and every config inside it, where the small
 # config leaves too many parameters (the config names its sizes its own way, or keeps them in
 # parts of its parts: an encoder's text config): a name's last words say what it counts.
+LAYERS = re.compile(r"(^|_)(layers|layer_num|num_layers|depth)$|^num_\w*layers$")
 BY_NAME = (
-    (re.compile(r"(^|_)(layers|layer_num|num_layers|depth)$|^num_\w*layers$"), 2),
+    (LAYERS, 2),
     (re.compile(r"expert\w*(ffn|intermediate|hidden)\w*(size|dim)$"), 256),
     (re.compile(r"(ffn|intermediate|mlp)\w*(size|dim)$"), 512),
     (re.compile(r"vocab(_size)?$|^vocab_\w+|_vocab$"), 4000),
@@ -327,7 +328,8 @@ def shrunk_by_name(config: Any) -> Any:
     it and in every config it holds, recursively (a composite config's text config inside its
     encoder's): a fallback for configs the common names do not reach. Heads' sizes follow the
     hidden size where the config derives them (a ``head_dim`` it keeps is left); a list with
-    one entry per layer (``layer_types``) keeps its first entries."""
+    one entry per layer (``layer_types``) is cut to the new count with a layer of each kind
+    kept (``_every_kind``)."""
     def shrink(fields: dict[str, Any]) -> dict[str, Any]:
         out, layers = {}, {}
         for name, value in fields.items():
@@ -339,8 +341,8 @@ def shrunk_by_name(config: Any) -> Any:
                 for pattern, most in BY_NAME:
                     if pattern.search(name):
                         out[name] = min(value, most)
-                        if most == 2 and value > 2:
-                            layers[value] = 2
+                        if pattern is LAYERS and value > most:
+                            layers[value] = most  # lists of that many entries: one a layer
                         break
         for name, value in out.items():
             if isinstance(value, list) and len(value) in layers and name.startswith("layer"):

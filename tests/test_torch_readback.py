@@ -53,6 +53,8 @@ def test_one_hot_given_its_classes_reads_nothing_back_as_on_a_gpu():
         found = torch.nn.functional.one_hot(indices, num_classes=3)
     assert torch.equal(found, torch.nn.functional.one_hot(indices, num_classes=3))
     assert found.dtype == torch.long
+    with as_captured():  # the builtin's own keyword names
+        assert torch.equal(torch.nn.functional.one_hot(input=indices, num_classes=3), found)
     assert torch.equal(_one_hot_as_on_a_gpu(indices, 4),
                        torch.nn.functional.one_hot(indices, num_classes=4))
     with pytest.raises(ReadBack), as_captured():

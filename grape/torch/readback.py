@@ -98,14 +98,16 @@ _TO_HOST = {torch.Tensor.tolist: "tolist()", torch.Tensor.cpu: "cpu()",
             torch.Tensor.numpy: "numpy()"}
 
 
-def _one_hot_as_on_a_gpu(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
-    """``one_hot`` as it runs on a GPU: given the classes' count it checks the indices' range
-    by a device assert, not on the host (PyTorch's ``one_hot`` reads their minimum and maximum
-    back on the CPU alone); without one, it reads the maximum back there too."""
+def _one_hot_as_on_a_gpu(input: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    """``one_hot`` (its parameters named as the builtin's) as it reads on a GPU: given the
+    classes' count, nothing back to the host (the GPU checks the indices' range by a device
+    assert, which this leaves out: an index out of range gives a row of zeros; PyTorch's
+    ``one_hot`` reads their minimum and maximum back on the CPU alone); without one, the
+    maximum read back there too."""
     if num_classes == -1:
-        return torch.nn.functional.one_hot(indices, num_classes)
-    classes = torch.arange(num_classes, device=indices.device)
-    return (indices.unsqueeze(-1) == classes).to(torch.long)
+        return torch.nn.functional.one_hot(input, num_classes)
+    classes = torch.arange(num_classes, device=input.device)
+    return (input.unsqueeze(-1) == classes).to(torch.long)
 
 
 def _to_the_host(args: tuple, kwargs: dict) -> bool:
