@@ -80,8 +80,9 @@ def test_characterize_only_merges_its_steps_into_the_profile(monkeypatch, tmp_pa
 
 
 def test_a_trace_from_another_gpu_than_the_profile_s_is_said_to_be(tmp_path, capsys):
-    # The profile's launch and per-node costs are its GPU's: a trace recorded on an H100,
-    # simulated with the H200 profile, says so (and a trace of the profile's GPU says nothing).
+    # The profile's launch and per-node costs are its GPU's: a trace recorded on a GPU no shipped
+    # profile describes, simulated with the default (the H200's), says so; a trace of a GPU
+    # grape ships a profile for (the H200, the H100) says nothing.
     import gzip
     import json
     from pathlib import Path
@@ -97,14 +98,16 @@ def test_a_trace_from_another_gpu_than_the_profile_s_is_said_to_be(tmp_path, cap
         doc = json.load(f)
     assert main(["simulate", str(source)]) == 0
     assert "warning" not in capsys.readouterr().err
-    doc["deviceProperties"][0]["name"] = "NVIDIA H100 80GB HBM3"
-    moved = tmp_path / "h100.graph.json.gz"
-    with gzip.open(moved, "wt") as f:
-        json.dump(doc, f)
-    assert main(["simulate", str(moved)]) == 0
-    err = capsys.readouterr().err
-    assert (f"grape: warning: {moved} ran on NVIDIA H100 80GB HBM3, and the device profile "
-            f"h200.json describes NVIDIA H200") in err
+    for gpu, warned in (("NVIDIA H100 80GB HBM3", False), ("NVIDIA A100-SXM4-80GB", True)):
+        doc["deviceProperties"][0]["name"] = gpu
+        moved = tmp_path / f"{gpu.split()[1]}.graph.json.gz"
+        with gzip.open(moved, "wt") as f:
+            json.dump(doc, f)
+        assert main(["simulate", str(moved)]) == 0
+        err = capsys.readouterr().err
+        said = (f"grape: warning: {moved} ran on {gpu}, and the device profile h200.json "
+                f"describes NVIDIA H200")
+        assert (said in err) == warned, err
 
 
 def test_a_trace_is_priced_with_the_profile_shipped_for_its_gpu(tmp_path):
@@ -120,3 +123,4 @@ def test_a_trace_is_priced_with_the_profile_shipped_for_its_gpu(tmp_path):
     for other in ("NVIDIA B200", None):
         assert profile_for(other, tmp_path).path == str(DEFAULT_PROFILE)
     assert profile_for("NVIDIA H200").device == "NVIDIA H200"  # the folder grape ships
+    assert profile_for("NVIDIA H100 80GB HBM3").device == "NVIDIA H100 80GB HBM3"
