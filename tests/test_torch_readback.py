@@ -24,6 +24,15 @@ MASK = X > 0.5
     ("bincount()", lambda: torch.bincount(torch.tensor([1, 0]))),
     ("repeat_interleave()", lambda: torch.repeat_interleave(torch.tensor([1, 2]),
                                                             torch.tensor([2, 1]))),
+    # T5Gemma 2's encoder, x[ids == eoi] = embedding: the mask made positions by nonzero on a
+    # GPU (its capture failed there; this probe called it clean before).
+    ("boolean mask", lambda: X.clone().__setitem__(MASK, torch.ones(4))),
+    ("boolean mask", lambda: X.clone().index_put((MASK,), torch.ones(4))),
+    # a mask beside positions: no masked_fill, whatever the value
+    ("boolean mask", lambda: X.clone().index_put_((torch.tensor([True, False]),
+                                                   torch.tensor([0])), torch.ones(1))),
+    ("equal()", lambda: torch.equal(X, X)),
+    ("allclose()", lambda: torch.allclose(X, X)),
 ])
 def test_an_output_sized_by_the_values_it_reads_is_a_read_back(name, work):
     # On a GPU each of these copies its output's count to the host and waits for it, which a
@@ -37,6 +46,8 @@ def test_an_output_sized_by_the_values_it_reads_is_a_read_back(name, work):
     lambda: torch.where(MASK, X, 0.0),
     lambda: X[torch.tensor([1, 0])],
     lambda: X.masked_fill(MASK, 0.0),
+    lambda: X.clone().__setitem__(MASK, 0.0),  # one mask, one value: PyTorch's masked_fill
+    lambda: X.clone().__setitem__(torch.tensor([1, 0]), torch.ones(3)),  # positions: no count
     lambda: torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([2, 1]), output_size=3),
     lambda: torch.repeat_interleave(torch.tensor([1, 2]), 2),
 ])
@@ -54,7 +65,8 @@ def test_one_hot_given_its_classes_reads_nothing_back_as_on_a_gpu():
     assert torch.equal(found, torch.nn.functional.one_hot(indices, num_classes=3))
     assert found.dtype == torch.long
     with as_captured():  # the builtin's own keyword names
-        assert torch.equal(torch.nn.functional.one_hot(input=indices, num_classes=3), found)
+        named = torch.nn.functional.one_hot(input=indices, num_classes=3)
+    assert torch.equal(named, found)
     assert torch.equal(_one_hot_as_on_a_gpu(indices, 4),
                        torch.nn.functional.one_hot(indices, num_classes=4))
     with pytest.raises(ReadBack), as_captured():

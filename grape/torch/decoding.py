@@ -55,6 +55,7 @@ from grape.torch.decode_mask import running_mask
 from grape.torch.deferred_checks import DeferredChecks
 from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
+from grape.torch.masked_writes import masked_writes
 from grape.torch.options import NotGraphable, Options, sampling_warpers
 from grape.torch.parallel import group_of
 from grape.torch.sdpa_mask import convert_once
@@ -483,6 +484,10 @@ class Decoder:
                 # and the mode costs a Python call per torch function (2 to 4% of a GPT-2-small
                 # prompt's eager forward on the CPU: benchmarks/ranged_arange_cost.py).
                 stack.enter_context(ranged_arange())
+            if capturing() and (first or self.step_model is self.model):
+                # x[mask] = values made torch.where where the values do not depend on the
+                # mask's count, which a GPU reads back first (grape.torch.masked_writes).
+                stack.enter_context(masked_writes())
             # The model's checks of device values (a vision-language prompt's image tokens
             # against its features), on the device until the result is read (under a capture).
             stack.enter_context(self.checks.deferring())
@@ -599,7 +604,8 @@ class Decoder:
         ones = attention_mask is None
         mask = (torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
                 if ones else attention_mask)
-        with prompt_padding_on_device(), self.checks.deferring():
+        with prompt_padding_on_device(), self.checks.deferring(), (
+                masked_writes() if capturing() else contextlib.nullcontext()):
             outputs = self.model.get_encoder()(**{self.options.source: input_ids},
                                                attention_mask=mask, return_dict=True)
         # As generate expands them per beam: every tensor the encoder returned (some decoders

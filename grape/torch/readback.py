@@ -9,13 +9,17 @@ on the host raises :class:`ReadBack`, naming the model's line that asked
 (``grape.torch.capture.culprit``).
 
 As grape's decoders do under a capture, ``torch.arange`` over the cache's length is made on the
-device inside (``grape.torch.cache_length.ranged_arange``). ``tolist()``, ``cpu()``,
+device inside (``grape.torch.cache_length.ranged_arange``), and a write through a boolean mask
+whose values broadcast over the places it selects runs as ``torch.where``
+(``grape.torch.masked_writes``). ``tolist()``, ``cpu()``,
 ``numpy()`` and ``to("cpu")`` (the device named so), which on the CPU dispatch no read (the
 values are there already), are refused by name, and so are operations whose output is sized
 by the values they read (``nonzero``, ``torch.where(condition)``, a boolean mask's indexing,
 ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` by counts without
-``output_size``), which on a GPU read their count back; ``one_hot`` given its classes' count
-runs as on a GPU, where it reads nothing back (on the CPU it checks its range on the host).
+``output_size``, a write through a boolean mask of one value per place it selects), which on a
+GPU read their count back, and ``torch.equal`` and ``allclose``, whose answer a GPU reads
+back; ``one_hot`` given its classes' count runs as on a GPU, where it reads nothing back (on
+the CPU it checks its range on the host).
 What it cannot see: a copy from pageable host memory into the device (a host constant made
 with ``torch.tensor(..., device="cuda")``), which a capture refuses too, and which on the CPU is
 no copy at all; and kernels that cannot be captured for other reasons (a CUDA kernel that
@@ -36,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grape.torch.cache_length import ranged_arange
+from grape.torch.masked_writes import masked_writes
 
 __all__ = ["ReadBack", "as_captured", "probing"]
 
@@ -66,14 +71,42 @@ _SIZED_BY_VALUES = {
 }
 
 
+# Answers on the host: on a GPU each reads its result back (a comparison reduced, then item());
+# on the CPU the operation itself returns the Python bool, with no read dispatched.
+_ANSWERED_ON_THE_HOST = {torch.ops.aten.equal.default: "equal()",
+                         torch.ops.aten.allclose.default: "allclose()"}
+
+_INDEX_PUT = (torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default)
+
+
+def _is_mask(index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def _put_by_mask_reads_back(args: tuple, kwargs: dict) -> bool:
+    """Whether ``x[mask] = values`` (``index_put``) reads the mask's count back on a GPU: it
+    turns a boolean index into positions (``nonzero``) unless PyTorch makes it a
+    ``masked_fill`` (one mask, one value: ``x[mask] = 0.0``). On the CPU neither reads back.
+    Inside :func:`as_captured` what reaches here is what ``grape.torch.masked_writes`` leaves
+    as it is: values with one entry per selected place, or a mask beside other indices."""
+    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+    values = args[2] if len(args) > 2 else kwargs.get("values")
+    given = [i for i in indices if i is not None]
+    if not any(_is_mask(i) for i in given):
+        return False
+    fills = len(given) == 1 and isinstance(values, torch.Tensor) and values.numel() == 1
+    return not fills
+
+
 def _sized_by_values(func: Any, args: tuple, kwargs: dict) -> str | None:
     """What makes ``func`` size its output by the values it reads, where it does."""
     if func in _SIZED_BY_VALUES:
         return _SIZED_BY_VALUES[func]
     if func is torch.ops.aten.index.Tensor and any(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-            for i in (args[1] if len(args) > 1 else kwargs.get("indices", ()))):
+            _is_mask(i) for i in (args[1] if len(args) > 1 else kwargs.get("indices", ()))):
         return "indexing by a boolean mask"
+    if func in _INDEX_PUT and _put_by_mask_reads_back(args, kwargs):
+        return "a write through a boolean mask"
     if (func in (torch.ops.aten.repeat_interleave.Tensor,
                  torch.ops.aten.repeat_interleave.self_Tensor)
             and kwargs.get("output_size") is None):
@@ -87,6 +120,9 @@ class _Refusing(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:  # item, bool, int...
             raise ReadBack("a tensor's value read back to the host")
+        if func in _ANSWERED_ON_THE_HOST:
+            raise ReadBack(f"a comparison answered on the host ({_ANSWERED_ON_THE_HOST[func]}): "
+                           f"its result read back")
         if (sized := _sized_by_values(func, args, kwargs)) is not None:
             raise ReadBack(f"an output sized by the values it reads ({sized}): its count "
                            f"read back to the host")
@@ -146,8 +182,9 @@ def as_captured() -> Iterator[None]:
     token = _PROBING.set(True)
     try:
         # (as grape's decoders do under a capture: positions over the cache's length made on
-        # the device, grape.torch.cache_length)
-        with _Refusing(), _RefusingByName(), ranged_arange():
+        # the device, grape.torch.cache_length; writes through a mask without its count,
+        # grape.torch.masked_writes, innermost so that what it cannot rewrite is refused)
+        with _Refusing(), _RefusingByName(), ranged_arange(), masked_writes():
             yield
     finally:
         _PROBING.reset(token)

@@ -1,0 +1,74 @@
+"""Writes through a boolean mask, made capturable.
+
+``x[mask] = values`` is an ``index_put_`` with a boolean index. Unless PyTorch makes it a
+``masked_fill`` (one mask and one value from the host: ``x[mask] = 0.0``), a GPU first turns
+the mask into positions with ``nonzero``, which copies their count to the host and waits for
+it: a CUDA capture refuses that, and the forward falls back. T5Gemma 2's embedding does it,
+``input_embeddings[input_ids == eoi] = eoi_embedding``, in its encoder and its decoder's steps.
+
+Where the values do not depend on how many places the mask selects (they broadcast over the
+selected places: one row written into every selected place, as there), the write is the same
+as ``torch.where(mask, values, x)`` copied back into ``x``, which reads no count: no sync, the
+same bytes. While :func:`masked_writes` is active that is what runs; a write whose values
+carry one entry per selected place (their count known only from the mask) runs as it would,
+and a capture still refuses it (``grape.torch.readback`` says so on the CPU too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["masked_writes", "where_form"]
+
+_aten = torch.ops.aten
+_PUTS = {_aten.index_put_.default: True, _aten.index_put.default: False}  # in place?
+
+
+def masked_writes() -> TorchDispatchMode:
+    """A context: while inside, a write through one boolean mask whose values broadcast over
+    the selected places runs as ``torch.where`` (see the module); every other call as it would."""
+    return _MaskedWrites()
+
+
+def where_form(x: torch.Tensor, indices: Any, values: torch.Tensor,
+               accumulate: bool = False) -> torch.Tensor | None:
+    """``x.index_put(indices, values, accumulate)`` without reading the mask's count, or None
+    where that cannot be: ``indices`` is not one boolean mask over ``x``'s leading dimensions
+    on its device, or ``values`` has a dimension for the selected places (a count only the mask
+    knows) that is not 1."""
+    if len(indices) != 1 or not isinstance(mask := indices[0], torch.Tensor):
+        return None
+    if (mask.dtype not in (torch.bool, torch.uint8) or mask.device != x.device
+            or mask.dim() > x.dim() or tuple(mask.shape) != tuple(x.shape[:mask.dim()])
+            or values.device != x.device or values.dtype != x.dtype):
+        return None  # (another dtype: index_put's own error, raised by the original call)
+    rest = x.dim() - mask.dim()  # the dimensions each selected place holds
+    if values.dim() > rest + 1 or any(
+            v not in (1, s) for v, s in zip(reversed(values.shape), reversed(x.shape[-rest:])
+                                            if rest else (), strict=False)):
+        return None  # not broadcastable to (places, *rest): index_put's own error again
+    if values.dim() == rest + 1:
+        if values.shape[0] != 1:
+            return None  # one entry per selected place: its count is the mask's
+        values = values[0]
+    chosen = mask.bool().reshape(tuple(mask.shape) + (1,) * rest)
+    return torch.where(chosen, x + values if accumulate else values, x)
+
+
+class _MaskedWrites(TorchDispatchMode):
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _PUTS:
+            x, indices, values = (list(args) + [kwargs.get("indices"), kwargs.get("values")])[:3]
+            accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+            # (one value from the host: PyTorch's masked_fill already, left to it)
+            if isinstance(values, torch.Tensor):
+                written = where_form(x, indices, values, accumulate)
+                if written is not None:
+                    return x.copy_(written) if _PUTS[func] else written
+        return func(*args, **kwargs)

@@ -1,0 +1,85 @@
+"""Writes through a boolean mask made capturable (grape.torch.masked_writes): the same bytes as
+PyTorch's own write, and no count read back where the values do not depend on it."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from grape.torch.masked_writes import masked_writes, where_form  # noqa: E402
+from grape.torch.readback import ReadBack, as_captured  # noqa: E402
+
+
+@st.composite
+def writes(draw):
+    """A tensor, a boolean mask over its leading dimensions, and values that broadcast over
+    the places the mask selects (leading dimensions of 1 allowed, as index_put allows)."""
+    shape = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    masked = draw(st.integers(1, len(shape)))
+    rest = shape[masked:]
+    kept = draw(st.integers(0, len(rest)))
+    values = [draw(st.sampled_from([1, s])) for s in rest[len(rest) - kept:]]
+    values = [1] * draw(st.integers(0, 1 if kept == len(rest) else 0)) + values
+    seed = draw(st.integers(0, 2**16))
+    return shape, masked, values, seed, draw(st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(writes())
+def test_a_write_through_a_mask_is_the_same_bytes_as_pytorch_s(case):
+    shape, masked, values_shape, seed, accumulate = case
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    mask = torch.rand(shape[:masked], generator=g) > 0.5
+    values = torch.randn(values_shape, generator=g)
+    expected = x.clone().index_put_((mask,), values, accumulate=accumulate)
+    assert torch.equal(where_form(x, (mask,), values, accumulate), expected)
+    with as_captured():  # no count read back: the probe refuses a write that reads one
+        written = x.clone()
+        written.index_put_((mask,), values, accumulate=accumulate)
+        out_of_place = x.index_put((mask,), values, accumulate=accumulate)
+    assert torch.equal(written, expected)
+    assert torch.equal(out_of_place, expected)
+
+
+def test_an_embedding_written_where_a_token_is_lands_in_the_caller_s_tensor():
+    # T5Gemma 2's pattern (x[ids == eoi] = eoi_embedding), through a view: the write reaches
+    # the tensor the view is of, as PyTorch's does.
+    g = torch.Generator().manual_seed(0)
+    embeddings = torch.randn(3, 2, 5, 4, generator=g)
+    ids = torch.randint(0, 3, (2, 5), generator=g)
+    row = torch.randn(4, generator=g)
+    expected = embeddings.clone()
+    expected[1][ids == 2] = row
+    with masked_writes():
+        embeddings[1][ids == 2] = row
+    assert torch.equal(embeddings, expected)
+
+
+MASK = torch.tensor([[True, False], [True, True]])
+
+
+@pytest.mark.parametrize("indices, values", [
+    ((MASK,), torch.ones(3, 3)),  # one row per selected place: their count is the mask's
+    ((MASK[:, 0], torch.tensor([0])), torch.ones(3)),  # a mask beside positions
+])
+def test_values_that_depend_on_the_count_are_left_to_pytorch_and_refused(indices, values):
+    x = torch.zeros(2, 2, 3)
+    assert where_form(x, indices, values) is None
+    expected = x.clone().index_put_(indices, values)
+    with pytest.raises(ReadBack, match="boolean mask"), as_captured():
+        x.index_put_(indices, values)
+    with masked_writes():
+        x.index_put_(indices, values)  # as PyTorch writes it (which on a GPU reads back)
+    assert torch.equal(x, expected)
+
+
+def test_one_value_from_the_host_stays_pytorch_s_masked_fill():
+    x = torch.zeros(2, 3)
+    with masked_writes():
+        x[x == 0] = 1.5
+    assert torch.equal(x, torch.full((2, 3), 1.5))
