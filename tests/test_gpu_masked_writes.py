@@ -1,0 +1,49 @@
+"""A write through a boolean mask captured into a CUDA graph (grape.torch.masked_writes), on a
+real GPU: PyTorch's own write reads the mask's count back and breaks the capture; rewritten, it
+captures, and each replay reads the mask as it is then."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    return torch.device("cuda")
+
+
+def _write(base, ids, row, out):
+    out.copy_(base)
+    out[ids == 2] = row  # one row into every place the mask selects (T5Gemma 2's pattern)
+
+
+def test_a_masked_write_captures_and_follows_the_mask_at_each_replay(cuda):
+    from grape.torch.control import graph
+    from grape.torch.masked_writes import masked_writes
+
+    g = torch.Generator(device=cuda).manual_seed(0)
+    base = torch.randn(2, 7, 16, device=cuda, generator=g)
+    row = torch.randn(16, device=cuda, generator=g)
+    ids = torch.randint(0, 4, (2, 7), device=cuda, generator=g)
+    out, expected = torch.empty_like(base), torch.empty_like(base)
+    _write(base, ids, row, out)  # warm up outside the capture
+    torch.cuda.synchronize()
+
+    # PyTorch's own write: a sync, refused
+    with pytest.raises(Exception, match="captur"), graph(torch.cuda.CUDAGraph()):
+        _write(base, ids, row, out)
+    captured = torch.cuda.CUDAGraph()
+    with graph(captured), masked_writes():
+        _write(base, ids, row, out)
+    for seed in range(3):
+        ids.copy_(torch.randint(0, 4, (2, 7), device=cuda,
+                                generator=torch.Generator(device=cuda).manual_seed(seed)))
+        captured.replay()
+        _write(base, ids, row, expected)
+        assert torch.equal(out, expected)
+        assert bool((ids == 2).any())  # the mask selected something to write
