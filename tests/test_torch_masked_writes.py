@@ -10,6 +10,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from grape.torch.capture import culprit  # noqa: E402
 from grape.torch.masked_writes import masked_writes, where_form  # noqa: E402
 from grape.torch.readback import ReadBack, as_captured  # noqa: E402
 
@@ -71,8 +72,10 @@ def test_values_that_depend_on_the_count_are_left_to_pytorch_and_refused(indices
     x = torch.zeros(2, 2, 3)
     assert where_form(x, indices, values) is None
     expected = x.clone().index_put_(indices, values)
-    with pytest.raises(ReadBack, match="boolean mask"), as_captured():
+    with pytest.raises(ReadBack, match="boolean mask") as refused, as_captured():
         x.index_put_(indices, values)
+    # the line that wrote is named, not the rewriting mode's (LongCat-Flash's scan named it)
+    assert culprit(refused.value).startswith(f"{__file__}:")
     with masked_writes():
         x.index_put_(indices, values)  # as PyTorch writes it (which on a GPU reads back)
     assert torch.equal(x, expected)

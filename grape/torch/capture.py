@@ -87,7 +87,7 @@ def _name(buffers: BufferMap, prefix: str, tensors: Iterable[tuple[str, torch.Te
 # grape's modules that run inside the user's operations (this one, and the dispatch modes that
 # stage host constants): a failure there was issued by the line that called the operation.
 _PASSING_THROUGH = (__file__, *(str(Path(__file__).with_name(name)) for name in (
-    "staging.py", "readback.py", "cache_length.py")))
+    "staging.py", "readback.py", "cache_length.py", "masked_writes.py")))
 
 
 def culprit(error: BaseException) -> str:
