@@ -47,3 +47,24 @@ def test_a_masked_write_captures_and_follows_the_mask_at_each_replay(cuda):
         _write(base, ids, row, expected)
         assert torch.equal(out, expected)
         assert bool((ids == 2).any())  # the mask selected something to write
+
+
+def test_a_graphed_callable_writing_through_a_mask_is_graphed_and_matches_eager(cuda):
+    # grape.graphed captures the callable with the rewrite: no fallback, no count read back,
+    # and each call's mask is the caller's tensor where it lies.
+    import grape
+
+    def fill(base, ids, row):
+        out = base.clone()
+        out[ids == 2] = row
+        return out
+
+    g = torch.Generator(device=cuda).manual_seed(1)
+    base = torch.randn(2, 7, 16, device=cuda, generator=g)
+    row = torch.randn(16, device=cuda, generator=g)
+    graphed = grape.graphed(fill)
+    for seed in range(3):
+        ids = torch.randint(0, 4, (2, 7), device=cuda,
+                            generator=torch.Generator(device=cuda).manual_seed(seed))
+        assert torch.equal(graphed(base, ids, row), fill(base, ids, row))
+    assert graphed.stats.captures == 1

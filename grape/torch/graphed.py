@@ -27,6 +27,7 @@ Clone what must outlive the call. Calls run on the current stream, one at a time
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,9 @@ from grape.passes.alias import repoint
 from grape.passes.delta import ShapeDelta, identity, join
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.capture import TorchCapture, capture
+from grape.torch.control import capturing
 from grape.torch.hfmasks import no_padding_shortcut
+from grape.torch.masked_writes import masked_writes
 
 __all__ = ["CallStats", "Graphed", "graphed"]
 
@@ -193,8 +196,10 @@ class Graphed:
                 filled[i] = t
             args, kwargs = tree_unflatten(filled, spec)
             # A Hugging Face model given no padding mask attends without one under the
-            # capture too, as it does eagerly (its fused kernels; grape.torch.hfmasks).
-            with no_padding_shortcut():
+            # capture too, as it does eagerly (its fused kernels; grape.torch.hfmasks); a
+            # write through a mask reads no count back (grape.torch.masked_writes).
+            with no_padding_shortcut(), (masked_writes() if capturing()
+                                         else contextlib.nullcontext()):
                 return fn(*args, **kwargs)
 
         captured = capture(call, *tensors, params=self.params, pool=self._pool,
