@@ -97,3 +97,17 @@ def test_a_config_that_refuses_num_hidden_layers_takes_the_counts_it_names():
     _known("prophetnet")
     config = arch_sweep.small_configs("prophetnet")[-1]
     assert config.num_encoder_layers == config.num_decoder_layers == 2
+
+
+def test_a_gpu_builds_the_model_the_cpu_checked_where_the_config_shrinks():
+    # BLT at the common small sizes: 779 million parameters, parts at defaults that do not fit
+    # each other; under the GPU's bound alone it went unshrunk, and generate itself failed
+    # there (an H100, 1719e30) while the CPU's shrunk one ran.
+    _known("blt")
+    on_cpu, on_gpu = (arch_sweep.sized_config("blt", device) for device in ("cpu", "cuda"))
+    assert on_gpu.to_dict() == on_cpu.to_dict()
+    assert _parameters(on_gpu, transformers.AutoModelForCausalLM) <= arch_sweep.MAX_PARAMETERS[
+        "cpu"]
+    # a config within the CPU's bound is what the small sizes made, on both
+    assert (arch_sweep.sized_config("llama", "cuda").to_dict()
+            == arch_sweep.small_configs("llama")[-1].to_dict())
