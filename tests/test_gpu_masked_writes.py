@@ -68,3 +68,26 @@ def test_a_graphed_callable_writing_through_a_mask_is_graphed_and_matches_eager(
                             generator=torch.Generator(device=cuda).manual_seed(seed))
         assert torch.equal(graphed(base, ids, row), fill(base, ids, row))
     assert graphed.stats.captures == 1
+
+
+def test_a_fill_by_a_value_on_the_device_captures_and_reads_it_at_each_replay(cuda):
+    # masked_fill's CUDA kernel takes a tensor value as a host scalar (value.item()); rewritten,
+    # the value stays on the device and each replay reads it as it is then.
+    from grape.torch.control import graph
+    from grape.torch.masked_writes import masked_writes
+
+    g = torch.Generator(device=cuda).manual_seed(2)
+    base = torch.randn(4, 9, device=cuda, generator=g)
+    ids = torch.randint(0, 4, (4, 9), device=cuda, generator=g)
+    value = torch.tensor(0.5, device=cuda)
+    out = torch.empty_like(base)
+    out.copy_(base).masked_fill_(ids == 2, value)  # warm up outside the capture
+    torch.cuda.synchronize()
+    captured = torch.cuda.CUDAGraph()
+    with graph(captured), masked_writes():
+        out.copy_(base).masked_fill_(ids == 2, value)
+    for seed in range(3):
+        value.fill_(float(seed) - 1.5)
+        ids.random_(0, 4, generator=torch.Generator(device=cuda).manual_seed(seed))
+        captured.replay()
+        assert torch.equal(out, base.masked_fill(ids == 2, value))

@@ -86,3 +86,20 @@ def test_one_value_from_the_host_stays_pytorch_s_masked_fill():
     with masked_writes():
         x[x == 0] = 1.5
     assert torch.equal(x, torch.full((2, 3), 1.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
+def test_a_fill_by_a_tensor_value_is_the_same_bytes_as_pytorch_s(dtype):
+    # masked_fill's CUDA kernel reads a tensor value back (value.item()); rewritten as where.
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 4, 5, generator=g) * 100).to(dtype)
+    mask = torch.rand(4, 5, generator=g) > 0.5  # broadcast over the first dimension
+    value = torch.tensor(-7.75)  # converted to x's dtype as masked_fill converts it
+    expected = x.masked_fill(mask, value)
+    with masked_writes():
+        filled = x.masked_fill(mask, value)
+        in_place = x.clone()
+        in_place.masked_fill_(mask, value)
+    assert filled.dtype == dtype
+    assert torch.equal(filled, expected)
+    assert torch.equal(in_place, expected)

@@ -12,6 +12,10 @@ as ``torch.where(mask, values, x)`` copied back into ``x``, which reads no count
 same bytes. While :func:`masked_writes` is active that is what runs; a write whose values
 carry one entry per selected place (their count known only from the mask) runs as it would,
 and a capture still refuses it (``grape.torch.readback`` says so on the CPU too).
+
+``masked_fill`` given its value as a tensor reads that value back on a GPU (PyTorch's CUDA
+kernel takes it as a host scalar, ``value.item()``); with the value on the tensor's device it
+runs as ``torch.where`` too. A value on the host is PyTorch's as it is (no read back there).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ __all__ = ["masked_writes", "where_form"]
 
 _aten = torch.ops.aten
 _PUTS = {_aten.index_put_.default: True, _aten.index_put.default: False}  # in place?
+_FILLS = {_aten.masked_fill_.Tensor: True, _aten.masked_fill.Tensor: False}
 
 
 def masked_writes() -> TorchDispatchMode:
@@ -71,4 +76,12 @@ class _MaskedWrites(TorchDispatchMode):
                 written = where_form(x, indices, values, accumulate)
                 if written is not None:
                     return x.copy_(written) if _PUTS[func] else written
+        if func in _FILLS:
+            x, mask, value = (list(args) + [kwargs.get("mask"), kwargs.get("value")])[:3]
+            if (isinstance(value, torch.Tensor) and value.dim() == 0
+                    and value.device == x.device == mask.device and mask.dtype == torch.bool):
+                # (value.to: masked_fill converts its value to the tensor's dtype)
+                written = torch.where(mask, value.to(x.dtype), x)
+                if written.shape == x.shape:  # else masked_fill's own error, from the call
+                    return x.copy_(written) if _FILLS[func] else written
         return func(*args, **kwargs)
