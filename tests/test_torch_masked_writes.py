@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from grape.torch.capture import culprit  # noqa: E402
 from grape.torch.masked_writes import masked_writes, where_form  # noqa: E402
@@ -88,6 +89,19 @@ def test_one_value_from_the_host_stays_pytorch_s_masked_fill():
     assert torch.equal(x, torch.full((2, 3), 1.5))
 
 
+class _Reaching(TorchDispatchMode):
+    """The operations that reach it: entered before masked_writes, those it passes on."""
+
+    def __enter__(self):
+        self.ops = set()
+        super().__enter__()
+        return self.ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
 def test_a_fill_by_a_tensor_value_is_the_same_bytes_as_pytorch_s(dtype):
     # masked_fill's CUDA kernel reads a tensor value back (value.item()); rewritten as where.
@@ -103,3 +117,12 @@ def test_a_fill_by_a_tensor_value_is_the_same_bytes_as_pytorch_s(dtype):
     assert filled.dtype == dtype
     assert torch.equal(filled, expected)
     assert torch.equal(in_place, expected)
+    # out of place, a mask of more dimensions broadcasts the tensor (in place it may not)
+    wider = torch.rand(2, 3, 4, 5, generator=g) > 0.5
+    with _Reaching() as reached, masked_writes():
+        broadcast = x.masked_fill(wider, value)
+        x.clone().masked_fill_(mask, value)
+    assert torch.equal(broadcast, x.masked_fill(wider, value))
+    assert not {torch.ops.aten.masked_fill.Tensor, torch.ops.aten.masked_fill_.Tensor} & reached
+    with pytest.raises(RuntimeError), masked_writes():
+        x.clone().masked_fill_(wider, value)

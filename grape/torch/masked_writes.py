@@ -80,8 +80,11 @@ class _MaskedWrites(TorchDispatchMode):
             x, mask, value = (list(args) + [kwargs.get("mask"), kwargs.get("value")])[:3]
             if (isinstance(value, torch.Tensor) and value.dim() == 0
                     and value.device == x.device == mask.device and mask.dtype == torch.bool):
-                # (value.to: masked_fill converts its value to the tensor's dtype)
+                # (value.to: masked_fill converts its value to the tensor's dtype; out of
+                # place it broadcasts the tensor and the mask together, as where does)
                 written = torch.where(mask, value.to(x.dtype), x)
-                if written.shape == x.shape:  # else masked_fill's own error, from the call
-                    return x.copy_(written) if _FILLS[func] else written
+                if not _FILLS[func]:
+                    return written
+                if written.shape == x.shape:  # else masked_fill_'s own error, from the call
+                    return x.copy_(written)
         return func(*args, **kwargs)
