@@ -615,18 +615,22 @@ def _read_backs(call) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             decoder = call.again()
-            with as_captured():
+            with as_captured() as rewritten:
                 decoder.step()
     except ReadBack as e:
         return {"step_reads_back": True, "read_back_at": culprit(e)[-300:]}
     except Exception as e:
         return {"read_back_error": _first_line(e)}
-    found: dict[str, Any] = {"step_reads_back": False}
+    # (the mask writes grape.torch.masked_writes ran as torch.where: on a GPU an index_put
+    # through a mask reads its count back without it, a masked_fill its value where that
+    # value is on the device, which on a CPU run is not told from the host)
+    found: dict[str, Any] = {"step_reads_back": False,
+                             **({"step_writes_rewritten": dict(rewritten)} if rewritten else {})}
     try:  # the prompt, as the launch captures it with the steps
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             decoder = call.again()
-            with as_captured():
+            with as_captured() as rewritten:
                 decoder.prefill(call.ids, call.mask, call.decoder_ids, call.decoder_mask,
                                 call.embeds, call.model_inputs)
     except ReadBack as e:
@@ -635,6 +639,8 @@ def _read_backs(call) -> dict[str, Any]:
         found.update(prompt_read_back_error=_first_line(e))
     else:
         found.update(prompt_reads_back=False)
+        if rewritten:
+            found.update(prompt_writes_rewritten=dict(rewritten))
     return found
 
 
@@ -824,6 +830,11 @@ def summary(rows: list[dict[str, Any]]) -> str:
         lines.append(f"prompts run as a capture sees them in {len(prompts)} rows: {clean} "
                      f"read nothing back; {len({a for a, _ in reading})} types do:")
         lines += [f"  {arch}: {where}" for arch, where in reading]
+    for part in ("step", "prompt"):
+        rewriting = sorted({r["arch"] for r in probed if r.get(f"{part}_writes_rewritten")})
+        if rewriting:
+            lines.append(f"{part}s with mask writes grape runs as torch.where under a "
+                         f"capture (grape.torch.masked_writes): {', '.join(rewriting)}")
     return "\n".join(lines)
 
 

@@ -126,3 +126,15 @@ def test_a_fill_by_a_tensor_value_is_the_same_bytes_as_pytorch_s(dtype):
     assert not {torch.ops.aten.masked_fill.Tensor, torch.ops.aten.masked_fill_.Tensor} & reached
     with pytest.raises(RuntimeError), masked_writes():
         x.clone().masked_fill_(wider, value)
+
+
+def test_the_probe_counts_the_writes_it_ran_as_where():
+    # arch_sweep.py --check-read-backs reports them per model (steps and prompts apart).
+    x = torch.zeros(2, 3, 4)
+    mask = torch.tensor([[True, False, True], [False, False, True]])
+    with as_captured() as rewritten:
+        x[mask] = torch.ones(4)
+        x.masked_fill_(mask[..., None], torch.tensor(2.0))
+        x.masked_fill_(mask[..., None], 3.0)  # a Python number: PyTorch's own, nothing read
+    assert rewritten == {"index_put_.default": 1, "masked_fill_.Tensor": 1}
+    assert torch.equal(x, torch.where(mask[..., None], 3.0, 0.0).expand(2, 3, 4))

@@ -20,6 +20,7 @@ runs as ``torch.where`` too. A value on the host is PyTorch's as it is (no read 
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -32,9 +33,10 @@ _PUTS = {_aten.index_put_.default: True, _aten.index_put.default: False}  # in p
 _FILLS = {_aten.masked_fill_.Tensor: True, _aten.masked_fill.Tensor: False}
 
 
-def masked_writes() -> TorchDispatchMode:
+def masked_writes() -> _MaskedWrites:
     """A context: while inside, a write through one boolean mask whose values broadcast over
-    the selected places runs as ``torch.where`` (see the module); every other call as it would."""
+    the selected places runs as ``torch.where`` (see the module); every other call as it would.
+    Its ``rewritten`` counts the rewrites made, by the operation each replaced."""
     return _MaskedWrites()
 
 
@@ -65,9 +67,24 @@ def where_form(x: torch.Tensor, indices: Any, values: torch.Tensor,
 
 class _MaskedWrites(TorchDispatchMode):
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Each rewrite made, by the operation it replaced (what a sweep reports per model).
+        self.rewritten: Counter[str] = Counter()
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        written = self._rewritten(func, args, kwargs)
+        if written is not None:
+            self.rewritten[func.__name__] += 1
+            return written
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _rewritten(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """What ``func`` returns, computed without reading a count or a value back, or None
+        where it runs as it is."""
         if func in _PUTS:
             x, indices, values = (list(args) + [kwargs.get("indices"), kwargs.get("values")])[:3]
             accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
@@ -76,6 +93,7 @@ class _MaskedWrites(TorchDispatchMode):
                 written = where_form(x, indices, values, accumulate)
                 if written is not None:
                     return x.copy_(written) if _PUTS[func] else written
+            return None
         if func in _FILLS:
             x, mask, value = (list(args) + [kwargs.get("mask"), kwargs.get("value")])[:3]
             if (isinstance(value, torch.Tensor) and value.dim() == 0
@@ -87,4 +105,4 @@ class _MaskedWrites(TorchDispatchMode):
                     return written
                 if written.shape == x.shape:  # else masked_fill_'s own error, from the call
                     return x.copy_(written)
-        return func(*args, **kwargs)
+        return None

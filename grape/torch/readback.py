@@ -31,6 +31,7 @@ values, deferred to the device).
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -167,11 +168,13 @@ class _RefusingByName(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def as_captured() -> Iterator[None]:
+def as_captured() -> Iterator[Counter[str]]:
     """Inside, the work runs as under a CUDA capture in the two ways above (see the module):
-    a read-back raises :class:`ReadBack`. transformers' answer is changed for the whole
-    process while inside (its check is a module function): a probe, for one thread at a time
-    (``arch_sweep.py --check-read-backs``, tests), not for a server's threads."""
+    a read-back raises :class:`ReadBack`. It gives the count of mask writes rewritten so as not
+    to read back (``grape.torch.masked_writes``), by the operation each replaced.
+    transformers' answer is changed for the whole process while inside (its check is a module
+    function): a probe, for one thread at a time (``arch_sweep.py --check-read-backs``,
+    tests), not for a server's threads."""
     try:
         from transformers.utils import import_utils
     except ImportError:  # pragma: no cover - without transformers, nothing to persuade
@@ -184,8 +187,8 @@ def as_captured() -> Iterator[None]:
         # (as grape's decoders do under a capture: positions over the cache's length made on
         # the device, grape.torch.cache_length; writes through a mask without its count,
         # grape.torch.masked_writes, innermost so that what it cannot rewrite is refused)
-        with _Refusing(), _RefusingByName(), ranged_arange(), masked_writes():
-            yield
+        with _Refusing(), _RefusingByName(), ranged_arange(), masked_writes() as rewrites:
+            yield rewrites.rewritten
     finally:
         _PROBING.reset(token)
         if saved is not None:
