@@ -46,7 +46,7 @@ def test_an_output_sized_by_the_values_it_reads_is_a_read_back(name, work):
     lambda: torch.where(MASK, X, 0.0),
     lambda: X[torch.tensor([1, 0])],
     lambda: X.masked_fill(MASK, 0.0),
-    lambda: X.clone().__setitem__(MASK, 0.0),  # one mask, one value: PyTorch's masked_fill
+    lambda: X.clone().__setitem__(MASK, 0.0),  # a number: grape.torch.masked_writes rewrites it
     lambda: X.clone().__setitem__(torch.tensor([1, 0]), torch.ones(3)),  # positions: no count
     lambda: torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([2, 1]), output_size=3),
     lambda: torch.repeat_interleave(torch.tensor([1, 2]), 2),

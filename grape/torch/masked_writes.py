@@ -1,10 +1,13 @@
 """Writes through a boolean mask, made capturable.
 
 ``x[mask] = values`` is an ``index_put_`` with a boolean index. Unless PyTorch makes it a
-``masked_fill`` (one mask and one value from the host: ``x[mask] = 0.0``), a GPU first turns
-the mask into positions with ``nonzero``, which copies their count to the host and waits for
-it: a CUDA capture refuses that, and the forward falls back. T5Gemma 2's embedding does it,
-``input_embeddings[input_ids == eoi] = eoi_embedding``, in its encoder and its decoder's steps.
+``masked_fill`` (one mask and one value in host memory), a GPU first turns the mask into
+positions with ``nonzero``, which copies their count to the host and waits for it: a CUDA
+capture refuses that, and the forward falls back. T5Gemma 2's embedding does it,
+``input_embeddings[input_ids == eoi] = eoi_embedding``, in its encoder and its decoder's steps
+(its capture broke there on an H100), and so does a number written through a mask: indexing
+puts it on ``x``'s device first, so ``x[mask] = 0`` reads back too (Granite Speech's capture
+broke on the H200 at ``llm_input_ids[is_audio_idx] = 0``).
 
 Where the values do not depend on how many places the mask selects (they broadcast over the
 selected places: one row written into every selected place, as there), the write is the same
@@ -88,7 +91,7 @@ class _MaskedWrites(TorchDispatchMode):
         if func in _PUTS:
             x, indices, values = (list(args) + [kwargs.get("indices"), kwargs.get("values")])[:3]
             accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
-            # (one value from the host: PyTorch's masked_fill already, left to it)
+            # (a value in host memory, on a GPU run: PyTorch's masked_fill, left to it)
             if isinstance(values, torch.Tensor):
                 written = where_form(x, indices, values, accumulate)
                 if written is not None:
