@@ -91,3 +91,34 @@ def test_a_fill_by_a_value_on_the_device_captures_and_reads_it_at_each_replay(cu
         ids.random_(0, 4, generator=torch.Generator(device=cuda).manual_seed(seed))
         captured.replay()
         assert torch.equal(out, base.masked_fill(ids == 2, value))
+
+
+def test_a_number_written_through_a_mask_captures_under_grape_s_staging(cuda):
+    # PyTorch runs x[mask] = 0 as masked_fill_ with the number as a kernel's argument; grape's
+    # staging of host constants had put it on the device, where the write reads the mask's
+    # count back (Gemma 3's and Granite Speech's captures broke at such lines).
+    from grape.torch.control import graph
+    from grape.torch.masked_writes import masked_writes
+    from grape.torch.staging import HostConstants, PinnedArena
+
+    def write(ids, out):
+        out.copy_(ids)
+        out[ids == 2] = 0
+
+    ids = torch.randint(0, 4, (2, 7), device=cuda,
+                        generator=torch.Generator(device=cuda).manual_seed(0))
+    out, expected = torch.empty_like(ids), torch.empty_like(ids)
+    write(ids, out)
+    torch.cuda.synchronize()
+    stage = HostConstants(PinnedArena(), cuda)
+    captured = torch.cuda.CUDAGraph()
+    with graph(captured), stage, masked_writes():  # as grape.generate captures a step
+        write(ids, out)
+    assert stage.values == []  # nothing staged: the number stayed an argument
+    for seed in range(1, 4):
+        ids.copy_(torch.randint(0, 4, (2, 7), device=cuda,
+                                generator=torch.Generator(device=cuda).manual_seed(seed)))
+        captured.replay()
+        write(ids, expected)
+        assert torch.equal(out, expected)
+        assert bool((ids == 2).any())

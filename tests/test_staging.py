@@ -93,6 +93,26 @@ def test_a_host_scalar_written_through_an_index_is_staged(staging):
     assert recorder.copies == [4] and stage.values == [torch.tensor(1.0).numpy().tobytes()]
 
 
+def test_a_host_number_written_through_one_mask_is_left_to_pytorch_s_masked_fill(staging):
+    # x[mask] = 0 on a CUDA tensor: PyTorch runs masked_fill_ with the number as a kernel's
+    # argument, copying nothing. Staged, the value would sit on the device and the write
+    # would read the mask's count back (Gemma 3's capture broke there on an H100).
+    stage, recorder = staging
+    x = torch.zeros(2, 5, device="meta")
+    mask = torch.zeros(2, 5, dtype=torch.bool, device="meta")
+    rows = torch.arange(2, device="meta")
+    with stage:
+        x.index_put_((mask,), torch.tensor(0.0))
+        x.index_put_((mask[:, 0],), torch.tensor(0.0))  # over the leading dimension
+        torch.ops.aten.index_put_(x, [None, mask[0]], torch.tensor(0.0))  # after a full slice
+        x.index_put(indices=(mask,), values=torch.tensor(2.0))  # out of place, by name
+        assert recorder.copies == [] and stage.values == []
+        # What PyTorch does not make a masked_fill_ copies the value: staged.
+        x.index_put_((mask,), torch.tensor(1.0), accumulate=True)
+        x.index_put_((mask[:, 0], rows), torch.tensor(3.0))  # a mask beside positions
+    assert recorder.copies == [4, 4]
+
+
 def test_the_stage_can_be_entered_again_and_keeps_its_values(staging):
     stage, recorder = staging
     for _ in range(2):

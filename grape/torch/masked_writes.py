@@ -5,9 +5,10 @@
 positions with ``nonzero``, which copies their count to the host and waits for it: a CUDA
 capture refuses that, and the forward falls back. T5Gemma 2's embedding does it,
 ``input_embeddings[input_ids == eoi] = eoi_embedding``, in its encoder and its decoder's steps
-(its capture broke there on an H100), and so does a number written through a mask: indexing
-puts it on ``x``'s device first, so ``x[mask] = 0`` reads back too (Granite Speech's capture
-broke on the H200 at ``llm_input_ids[is_audio_idx] = 0``).
+(its capture broke there on an H100). A number written through a mask, ``x[mask] = 0``, is
+PyTorch's ``masked_fill`` on a GPU; grape's staging of host constants leaves it so
+(``grape.torch.staging``: staged onto the device, the number had made Gemma 3's and Granite
+Speech's writes read the count back).
 
 Where the values do not depend on how many places the mask selects (they broadcast over the
 selected places: one row written into every selected place, as there), the write is the same
@@ -19,6 +20,8 @@ and a capture still refuses it (``grape.torch.readback`` says so on the CPU too)
 ``masked_fill`` given its value as a tensor reads that value back on a GPU (PyTorch's CUDA
 kernel takes it as a host scalar, ``value.item()``); with the value on the tensor's device it
 runs as ``torch.where`` too. A value on the host is PyTorch's as it is (no read back there).
+On the CPU, where the probe (``grape.torch.readback``) runs, a number's value is on the
+tensor's device and is rewritten too: the same bytes, and what a GPU's masked_fill reads.
 """
 
 from __future__ import annotations

@@ -87,11 +87,9 @@ def _is_mask(index: Any) -> bool:
 def _put_by_mask_reads_back(args: tuple, kwargs: dict) -> bool:
     """Whether ``x[mask] = values`` (``index_put``) reads the mask's count back on a GPU: it
     turns a boolean index into positions (``nonzero``) unless its value lies in host memory
-    (PyTorch's ``masked_fill`` then), which on a CPU run cannot be told; a number written
-    through a mask is put on the device first and reads back too (Granite Speech's
-    ``llm_input_ids[is_audio_idx] = 0`` on the H200). Inside :func:`as_captured` what reaches
-    here is what ``grape.torch.masked_writes`` leaves as it is: values with one entry per
-    selected place, or a mask beside other indices."""
+    (PyTorch's ``masked_fill`` then), which on a CPU run cannot be told. Inside
+    :func:`as_captured` what reaches here is what ``grape.torch.masked_writes`` leaves as it
+    is: values with one entry per selected place, or a mask beside other indices."""
     indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
     return any(_is_mask(i) for i in indices if i is not None)
 

@@ -134,6 +134,12 @@ class _Copies(TorchDispatchMode):
             return staged.to(**rest) if rest else staged
         if func is _aten.copy_.default and staging.on_device(args[0]) and _host(args[1]):
             return args[0].copy_(staging.stage(args[1]))
+        if func in _VALUE_COPIED and _filled_by_mask(args, kwargs):
+            # PyTorch writes a host number through one boolean mask as masked_fill_, the
+            # number a kernel's argument: nothing is copied. Staged onto the device, the write
+            # would turn positions out of the mask and read their count back (Gemma 3's
+            # ``llm_input_ids[special_image_mask] = 0`` broke its capture there on an H100).
+            return func(*args, **kwargs)
         if (func in _VALUE_COPIED and staging.on_device(args[0]) and len(args) > 2
                 and _host(args[2]) and args[2].dim() == 0):
             # ``x[index] = 1`` on a CUDA tensor: PyTorch makes the value a host scalar tensor,
@@ -152,6 +158,24 @@ class _Copies(TorchDispatchMode):
 # take it as a kernel's argument.
 _VALUE_COPIED = {_aten.index_put_.default, _aten.index_put.default,
                  _aten._index_put_impl_.default}
+
+
+def _filled_by_mask(args: tuple, kwargs: dict) -> bool:
+    """Whether PyTorch runs this ``index_put_`` as ``masked_fill_`` with its host value (its
+    own test, ``canDispatchToMaskedFill``): no accumulation, one element on the host, and one
+    boolean mask on the tensor's device as the only index."""
+    named = ("self", "indices", "values", "accumulate")
+    # (_index_put_impl_ takes a fifth, unsafe, which does not matter here)
+    given = dict(zip(named, args, strict=False)) | {k: v for k, v in kwargs.items()
+                                                    if k in named}
+    x, indices, value = given.get("self"), given.get("indices") or (), given.get("values")
+    masks = [i for i in indices if i is not None]
+    return (not given.get("accumulate", False) and isinstance(value, torch.Tensor)
+            and _host(value) and value.numel() == 1 and isinstance(x, torch.Tensor)
+            and len(masks) == 1 and isinstance(masks[0], torch.Tensor)
+            and masks[0].dtype in (torch.bool, torch.uint8) and masks[0].device == x.device)
+
+
 _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 
