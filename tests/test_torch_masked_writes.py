@@ -92,6 +92,22 @@ def test_a_number_written_through_a_mask_is_rewritten_too():
     assert torch.equal(x, torch.tensor([[7, 4, 7], [5, 7, 6]]))
 
 
+def test_a_host_number_passes_the_rewrite_and_grape_s_staging_to_pytorch_s_masked_fill():
+    # As grape.generate captures a step: staging outside, the rewrite inside. The meta device
+    # stands in for the GPU (Python's indexing makes the number on meta, so the call is made
+    # as CUDA's: a host scalar given to index_put_). Neither mode moves it to the device,
+    # where the write would read the mask's count back.
+    from grape.torch.staging import HostConstants, PinnedArena
+
+    copies = []
+    stage = HostConstants(PinnedArena(64, pin=False), "meta",
+                          copy=lambda *args: copies.append(args))
+    x = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    with stage, masked_writes() as rewrite:
+        x.index_put_((x == 3,), torch.tensor(0))
+    assert copies == [] and stage.values == [] and rewrite.rewritten == {}
+
+
 class _Reaching(TorchDispatchMode):
     """The operations that reach it: entered before masked_writes, those it passes on."""
 
