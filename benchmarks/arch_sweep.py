@@ -718,6 +718,30 @@ CHECK_REORDERING = [False]
 CHECK_READ_BACKS = [False]
 
 
+def machine(device: str) -> dict[str, Any]:
+    """What each row ran on and at which commit, so that a row names its machine without a
+    note beside it: the device's name, torch's and transformers' versions, and grape's commit
+    (None outside a git checkout; with ``+`` where the checkout had changes)."""
+    import platform
+
+    import torch
+    import transformers
+
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                                capture_output=True, text=True, timeout=10)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                 cwd=here, capture_output=True, text=True, timeout=10)
+        made = (commit.stdout.strip() + ("+" if changed.stdout.strip() else "")
+                if commit.returncode == 0 else None)
+    except OSError:  # (no git)
+        made = None
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    return {"device": name, "torch": torch.__version__,
+            "transformers": transformers.__version__, "grape_commit": made}
+
+
 def worker(archs: list[str], out: Path | None, dtype: str, strategies: list[str],
            host_loop: bool) -> None:
     import torch
@@ -725,6 +749,7 @@ def worker(archs: list[str], out: Path | None, dtype: str, strategies: list[str]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":  # generate's reference and grape's capture with the same kernels
         torch.use_deterministic_algorithms(True, warn_only=True)
+    ran_on = machine(device)
     for arch in archs:
         _log(f"{arch} ...")
         try:
@@ -732,7 +757,7 @@ def worker(archs: list[str], out: Path | None, dtype: str, strategies: list[str]
         except Exception as e:
             rows = [{"arch": arch, "stage": "sweep", "error": _first_line(e)}]
         for row in rows:
-            line = json.dumps(row)
+            line = json.dumps(row | ran_on)
             print(line, flush=True)
             if out is not None:
                 with out.open("a") as f:

@@ -111,3 +111,19 @@ def test_a_gpu_builds_the_model_the_cpu_checked_where_the_config_shrinks():
     # a config within the CPU's bound is what the small sizes made, on both
     assert (arch_sweep.sized_config("llama", "cuda").to_dict()
             == arch_sweep.small_configs("llama")[-1].to_dict())
+
+
+def test_every_row_names_the_machine_and_the_commit_it_ran_at(tmp_path, monkeypatch):
+    import re
+
+    import torch
+
+    ran_on = arch_sweep.machine("cpu")
+    assert set(ran_on) == {"device", "torch", "transformers", "grape_commit"}
+    assert ran_on["torch"] == torch.__version__
+    assert ran_on["transformers"] == transformers.__version__
+    # In a git checkout, its commit (with "+" where it had changes); elsewhere, None.
+    assert ran_on["grape_commit"] is None or re.fullmatch(r"[0-9a-f]{7,}\+?",
+                                                          ran_on["grape_commit"])
+    monkeypatch.setattr(arch_sweep, "__file__", str(tmp_path / "arch_sweep.py"))
+    assert arch_sweep.machine("cpu")["grape_commit"] is None
