@@ -142,3 +142,26 @@ def test_a_failure_inside_the_staging_modes_names_the_line_that_issued_the_opera
     assert "staging.py" in "".join(traceback.format_tb(info.value.__traceback__))
     place = culprit(info.value)
     assert place.startswith(f"{__file__}:") and "x.view(3)" in place
+
+
+def test_a_call_that_fails_after_staging_changed_it_says_so_beside_the_model_s_line():
+    # A capture's error names the model's line; where staging had put that call's host
+    # tensors on the device, the call that failed is not the one the model made, and the
+    # error says so (staging's part in Gemma 3's broken capture went unseen for a session).
+    from grape.torch.capture import _failure
+
+    stage = HostConstants(PinnedArena(256, pin=False), "meta", copy=Recorder())
+    a = torch.zeros(2, 3, device="meta")
+    with stage, pytest.raises(RuntimeError) as staged:
+        torch.mm(a, torch.zeros(4, 5))  # the host tensor staged, then the shapes refused
+    with stage, pytest.raises(RuntimeError) as untouched:
+        a.view(4)  # nothing staged: nothing said
+    assert staged.value.__notes__ == [
+        "grape.torch.staging had put the host tensors given to mm.default on the device"]
+    assert not hasattr(untouched.value, "__notes__")
+    message = _failure(staged.value)
+    assert message.startswith("expected work that can be captured, found ")
+    assert f"issued at {__file__}:" in message and "torch.mm(a, torch.zeros(4, 5))" in message
+    assert message.endswith("(grape.torch.staging had put the host tensors given to mm.default "
+                            "on the device)")
+    assert "(grape.torch.staging" not in _failure(untouched.value)

@@ -112,8 +112,10 @@ def _why(error: BaseException) -> str:
 
 def _failure(error: BaseException) -> str:
     first = error.__context__ or error  # capture_end's error hides the one that broke capture
+    # (what grape's pass-through layers changed in the failing call, where they say so)
+    notes = "; ".join(getattr(first, "__notes__", ()))
     return (f"expected work that can be captured, found {_why(first)} issued at "
-            f"{culprit(first)}")
+            f"{culprit(first)}" + (f" ({notes})" if notes else ""))
 
 
 # One side stream per device for every capture's warm-up and capture. cuBLAS keeps a workspace

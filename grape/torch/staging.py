@@ -144,14 +144,27 @@ class _Copies(TorchDispatchMode):
                 and _host(args[2]) and args[2].dim() == 0):
             # ``x[index] = 1`` on a CUDA tensor: PyTorch makes the value a host scalar tensor,
             # which index_put_ then copies to the device itself (Speech2Text's mask).
-            args = (args[0], args[1], staging.stage(args[2]), *args[3:])
+            args, moved = (args[0], args[1], staging.stage(args[2]), *args[3:]), True
+        else:
+            moved = False
         flat = [*args, *kwargs.values()]
         if (any(staging.on_device(a) for a in _leaves(flat))
                 and any(_host_array(a) for a in _leaves(flat))):
             # An op mixing device tensors with host ones (an index tensor): the host ones go
             # to the device first, as the op would have copied them.
             args, kwargs = _replace(args, staging.stage), _replace(kwargs, staging.stage)
-        return func(*args, **kwargs)
+            moved = True
+        if not moved:
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except Exception as e:
+            # The call that failed is not the one the model made: say so beside its line (a
+            # capture's error names the model's; staging's own part in Gemma 3's broken
+            # capture went unseen for a session).
+            e.add_note(f"grape.torch.staging had put the host tensors given to "
+                       f"{func.__name__} on the device")
+            raise
 
 
 # Operations that copy a host scalar tensor given as their value to the device, where most
