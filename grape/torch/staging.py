@@ -140,13 +140,12 @@ class _Copies(TorchDispatchMode):
             # would turn positions out of the mask and read their count back (Gemma 3's
             # ``llm_input_ids[special_image_mask] = 0`` broke its capture there on an H100).
             return func(*args, **kwargs)
+        moved = False  # whether the call made below is no longer the one the model made
         if (func in _VALUE_COPIED and staging.on_device(args[0]) and len(args) > 2
                 and _host(args[2]) and args[2].dim() == 0):
             # ``x[index] = 1`` on a CUDA tensor: PyTorch makes the value a host scalar tensor,
             # which index_put_ then copies to the device itself (Speech2Text's mask).
             args, moved = (args[0], args[1], staging.stage(args[2]), *args[3:]), True
-        else:
-            moved = False
         flat = [*args, *kwargs.values()]
         if (any(staging.on_device(a) for a in _leaves(flat))
                 and any(_host_array(a) for a in _leaves(flat))):
@@ -154,16 +153,15 @@ class _Copies(TorchDispatchMode):
             # to the device first, as the op would have copied them.
             args, kwargs = _replace(args, staging.stage), _replace(kwargs, staging.stage)
             moved = True
-        if not moved:
-            return func(*args, **kwargs)
         try:
             return func(*args, **kwargs)
         except Exception as e:
-            # The call that failed is not the one the model made: say so beside its line (a
-            # capture's error names the model's; staging's own part in Gemma 3's broken
-            # capture went unseen for a session).
-            e.add_note(f"grape.torch.staging had put the host tensors given to "
-                       f"{func.__name__} on the device")
+            if moved:
+                # The call that failed is not the one the model made: say so beside its line
+                # (a capture's error names the model's; staging's own part in Gemma 3's
+                # broken capture went unseen for a session).
+                e.add_note(f"grape.torch.staging had put the host tensors given to "
+                           f"{func.__name__} on the device")
             raise
 
 
