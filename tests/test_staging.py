@@ -165,3 +165,28 @@ def test_a_call_that_fails_after_staging_changed_it_says_so_beside_the_model_s_l
     assert message.endswith("(grape.torch.staging had put the host tensors given to mm.default "
                             "on the device)")
     assert "(grape.torch.staging" not in _failure(untouched.value)
+
+
+def test_a_capture_that_ran_out_of_memory_says_so_and_not_that_it_synchronised():
+    # A 12-process sweep on an 80 GB H100 ran Zamba2's capture out of memory, and the
+    # fallback blamed "an operation that synchronises with the host": a conditional's body,
+    # captured inside the step, had failed and said why, and the step's capture wrapped that
+    # message (which names "capture") a second time, as a sync.
+    from grape.errors import CaptureError
+    from grape.torch.capture import _failure
+
+    try:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 384.00 MiB")
+    except torch.OutOfMemoryError as e:
+        inner = _failure(e)
+    assert inner.startswith("expected work that can be captured, found the device out of "
+                            "memory (CUDA out of memory. Tried to allocate 384.00 MiB) issued at ")
+    assert "synchronises" not in inner
+    try:
+        try:
+            raise CaptureError(inner)
+        except CaptureError:  # chained implicitly, as capture_end's error is
+            raise RuntimeError("failed due to a previous error during capture")  # noqa: B904
+    except RuntimeError as outer:  # the enclosing capture's end, broken by the inner failure
+        assert _failure(outer) == inner
+    assert _failure(CaptureError(inner)) == inner

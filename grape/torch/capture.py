@@ -104,6 +104,9 @@ def culprit(error: BaseException) -> str:
 
 def _why(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, torch.OutOfMemoryError):
+        # (its text can mention the capture too: no sync to blame)
+        return f"the device out of memory ({text})"
     if "capturing" in text or "capture" in text:
         return (f"an operation that synchronises with the host or copies from CPU memory "
                 f"({text})")
@@ -112,6 +115,10 @@ def _why(error: BaseException) -> str:
 
 def _failure(error: BaseException) -> str:
     first = error.__context__ or error  # capture_end's error hides the one that broke capture
+    if isinstance(first, CaptureError):
+        # A capture inside this one (a conditional's body) failed and said why; its message
+        # names "capture" and would read as a sync if wrapped again.
+        return str(first)
     # (what grape's pass-through layers changed in the failing call, where they say so)
     notes = "; ".join(getattr(first, "__notes__", ()))
     return (f"expected work that can be captured, found {_why(first)} issued at "
