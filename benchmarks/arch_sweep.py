@@ -79,7 +79,11 @@ SMALL |= {"index_topk": 8}
 # static cache makes every layer a sliding one where a config has a window and no layer types,
 # and drops the last num_kv_shared_layers layers' caches).
 DEFINED_SMALL = {"sliding_window": 8, "vocab_size_per_layer_input": 4000,
-                 "hidden_size_per_layer_input": 64, "num_kv_shared_layers": 1}
+                 "hidden_size_per_layer_input": 64, "num_kv_shared_layers": 1,
+                 # Mamba-2's chunked scan in PyTorch holds (rows, chunk, chunk, heads, state)
+                 # floats: 8 GiB a row at Bamba's and Granite-MoE-Hybrid's defaults, which ran
+                 # generate's 3-beam references out of memory (48 GiB asked on an 80 GB H100)
+                 "mamba_d_state": 16, "mamba_chunk_size": 64}
 # Configs that name their sizes otherwise keep their defaults: up to hundreds of millions of
 # parameters are still quick on a GPU; past these bounds each integer field is shrunk by its
 # name (shrunk_by_name), and what still exceeds them is refused (two ended the first CPU sweep).
@@ -202,12 +206,16 @@ def _ids_in_vocabulary(config: Any) -> Any:
     return config
 
 
+MOST_LAYERS = 12  # the deepest a small hybrid is grown to find an attention layer
+
+
 def small_configs(model_type: str, seq2seq_sizes: bool = False) -> list[Any]:
     """The small config, and before it, for a hybrid whose layer pattern puts its first
     attention layer past the second (Jamba's at the fifth, Qwen3-Next's at the fourth), the
-    same with the fewest layers, up to 8, that hold one: with linear layers alone Hugging
-    Face's static cache refuses most such models, so two layers would test neither their
-    attention nor grape's on it. The first that builds is used."""
+    same with the fewest layers, up to ``MOST_LAYERS``, that hold one, then the next deeper
+    (or with one placed in the last layer, where the defaults hold none at any depth): with
+    linear layers alone Hugging Face's static cache refuses most such models, so two layers
+    would test neither their attention nor grape's on it. The first that builds is used."""
     import transformers
 
     # A composite config (a vision-language model's text and vision configs, Mllama's,
@@ -278,22 +286,32 @@ def small_configs(model_type: str, seq2seq_sizes: bool = False) -> list[Any]:
                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
         return made
 
-    small = _ids_in_vocabulary(config(SMALL["num_hidden_layers"]))
+    n = SMALL["num_hidden_layers"]
+    small = _ids_in_vocabulary(config(n))
     kinds = _layer_kinds(small)
     if kinds is None or _attends(kinds):
         return [small]
-    for layers in range(SMALL["num_hidden_layers"] + 1, 9):
-        grown = _ids_in_vocabulary(config(layers))
-        if _attends(_layer_kinds(grown) or []):
-            return [grown, small]
-    if hasattr(small, "attn_layer_indices"):
-        # Bamba's and Granite-MoE-Hybrid's defaults place no attention layer at any depth:
-        # their checkpoints name where it goes. The last of the small config's layers.
-        placed = _ids_in_vocabulary(config(SMALL["num_hidden_layers"],
-                                           attn_layer_indices=[SMALL["num_hidden_layers"] - 1]))
+    # Every depth up to MOST_LAYERS whose pattern holds attention, shallowest first: a model
+    # may refuse the first (Zamba's shared attention block is tied across its hybrid layers,
+    # and transformers refuses a tie with one such layer alone: eight layers hold two).
+    grown = [c for c in (_ids_in_vocabulary(config(layers))
+                         for layers in range(n + 1, MOST_LAYERS + 1))
+             if _attends(_layer_kinds(c) or [])]
+    # Defaults that place no attention layer at any depth (Bamba's, Granite-MoE-Hybrid's):
+    # their checkpoints name where it goes. The last of the small config's layers, by the
+    # field the config takes.
+    for extra in ({"attn_layer_indices": [n - 1]},
+                  {"layer_types": [*kinds[:n - 1], "full_attention"]}):
+        if grown or not hasattr(small, next(iter(extra))):
+            continue
+        try:
+            placed = _ids_in_vocabulary(config(n, **extra))
+        except Exception:  # (the config names its kinds otherwise)
+            continue
         if _attends(_layer_kinds(placed) or []):
-            return [placed, small]
-    return [small]
+            grown.append(placed)
+            break
+    return [*grown, small]
 
 
 # Fields shrunk by their names alone, in a config and every config inside it, where the small
