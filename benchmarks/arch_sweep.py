@@ -184,6 +184,26 @@ def _layer_pattern(default: Any, layers: int) -> dict[str, Any]:
     return {}
 
 
+# Fields that keep a model's first layers dense (DeepSeek-V3's first three): at the small
+# depth every layer would be, and the experts would never run.
+DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
+
+
+def _experts_placed(default: Any, layers: int) -> dict[str, Any]:
+    """A mixture of experts' placement at the small sizes: the dense prefix ending before the
+    last layer, so that one layer routes; expert groups of two experts at least, of which half
+    are chosen (DeepSeek-V3's routing takes each group's best two: its 8 groups of the small
+    8 experts hold one each, and AXK1's routing failed there)."""
+    out = {name: layers - 1 for name in DENSE_PREFIX
+           if isinstance(getattr(default, name, None), int) and getattr(default, name) >= layers}
+    groups, experts = getattr(default, "n_group", None), SMALL["n_routed_experts"]
+    if isinstance(groups, int) and groups > 1 and experts // groups < 2:
+        out["n_group"] = experts // 2
+        out["topk_group"] = max(1, min(getattr(default, "topk_group", None) or 1,
+                                       out["n_group"] // 2))
+    return out
+
+
 def _ids_in_vocabulary(config: Any) -> Any:
     """``config`` with every token id it names inside its vocabulary: the small vocabulary
     leaves ids a checkpoint's vocabulary held (Whisper's decoder start 50257, Marian's 58100)
@@ -229,13 +249,15 @@ def small_configs(model_type: str, seq2seq_sizes: bool = False) -> list[Any]:
 
     def config(layers: int, **extra: Any) -> Any:
         sizes = {**SMALL, **(SEQ2SEQ_SMALL if SEQ2SEQ[0] or SPEECH[0] or seq2seq_sizes else {}),
-                 **_defined(default),
+                 **_defined(default), **_experts_placed(default, layers),
                  "num_hidden_layers": layers, **_layer_pattern(default, layers), **extra}
         if parts:
             try:
                 made = transformers.AutoConfig.for_model(
                     model_type, **sizes,
-                    **{p: {**SMALL, **_defined(getattr(default, p)), "num_hidden_layers": layers,
+                    **{p: {**SMALL, **_defined(getattr(default, p)),
+                           **_experts_placed(getattr(default, p), layers),
+                           "num_hidden_layers": layers,
                            **ids} for p in parts}, **ids)
             except Exception:
                 pass  # the parts keep their defaults

@@ -148,3 +148,30 @@ def test_a_mamba_2_scan_is_sized_to_hold_its_rows_in_memory(model_type):
     config = arch_sweep.sized_config(model_type, "cpu")
     rows, chunk = 6, config.mamba_chunk_size
     assert rows * chunk * chunk * config.mamba_n_heads * config.mamba_d_state * 4 < 2**30
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "axk1"])
+def test_a_mixture_of_experts_routes_in_a_layer_of_the_small_config(model_type):
+    # DeepSeek-V3's first three layers are dense: at two layers the sweep ran none of its
+    # experts. Its groups of experts hold two at least, as its routing takes each group's
+    # best two (AXK1's failed on eight groups of the small eight experts).
+    import torch
+
+    _known(model_type)
+    config = arch_sweep.sized_config(model_type, "cpu")
+    with torch.device("meta"):
+        model = arch_sweep._auto().from_config(config)
+    assert any(name.endswith(".experts") for name, _ in model.named_modules())
+    text = config.get_text_config()
+    assert text.n_routed_experts // text.n_group >= 2
+    assert 1 <= text.topk_group <= text.n_group
+
+
+def test_the_small_axk1_routes_a_prompt():
+    import torch
+
+    _known("axk1")
+    model = arch_sweep.build("axk1", "cpu", torch.float32)
+    with torch.no_grad():
+        logits = model(torch.arange(3, 11)[None]).logits
+    assert logits.shape == (1, 8, model.config.vocab_size) and bool(logits.isfinite().all())
