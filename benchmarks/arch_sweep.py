@@ -324,7 +324,7 @@ def small_configs(model_type: str, seq2seq_sizes: bool = False) -> list[Any]:
     # field the config takes.
     for extra in ({"attn_layer_indices": [n - 1]},
                   {"layer_types": [*kinds[:n - 1], "full_attention"]}):
-        if grown or not hasattr(small, next(iter(extra))):
+        if grown or next(iter(extra)) not in default.to_dict():  # (a field it takes)
             continue
         try:
             placed = _ids_in_vocabulary(config(n, **extra))
