@@ -7,7 +7,7 @@ models are built on the meta device (no memory, no weights), and each module's c
 counted; a class the default builds and the small model does not is printed by name. A type
 whose default config does not build (some ship defaults that do not fit together) says so.
 
-``python benchmarks/config_coverage.py [--archs TYPES] [--out FILE]``
+``python benchmarks/config_coverage.py [--seq2seq|--speech] [--archs TYPES] [--out FILE]``
 """
 
 import argparse
@@ -47,10 +47,16 @@ def coverage(model_type: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--archs", help="model types, comma-separated (default: every causal "
-                        "LM type the sweep builds)")
+    parser.add_argument("--archs", help="model types, comma-separated (default: every type "
+                        "of the kind the sweep builds)")
     parser.add_argument("--out", type=Path, help="JSON lines")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--seq2seq", action="store_true",
+                      help="transformers' sequence-to-sequence types, as the sweep's --seq2seq")
+    kind.add_argument("--speech", action="store_true",
+                      help="its speech-to-text types, as the sweep's --speech")
     args = parser.parse_args()
+    arch_sweep.SEQ2SEQ[0], arch_sweep.SPEECH[0] = args.seq2seq, args.speech
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     archs = args.archs.split(",") if args.archs else arch_sweep.architectures()
