@@ -184,18 +184,23 @@ def _layer_pattern(default: Any, layers: int) -> dict[str, Any]:
     return {}
 
 
-# Fields that keep a model's first layers dense (DeepSeek-V3's first three): at the small
-# depth every layer would be, and the experts would never run.
-DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
+# Fields that keep a model's first layers dense (DeepSeek-V3's first three), make every k-th
+# layer sparse (NLLB-MoE's fourth) or count the sparse layers among the rest (Switch
+# Transformers' 3 of 12, one every 12 // 3): past the small depth, no layer routes and the
+# experts never run. Each is made the small depth less one where it reaches that depth.
+SPARSE_PLACEMENT = re.compile(r"^(first_k_dense_replace|num_dense_layers|moe_layer_start_index"
+                              r"|\w*sparse_step|num_sparse_\w*layers)$")
 
 
 def _experts_placed(default: Any, layers: int) -> dict[str, Any]:
     """A mixture of experts' placement at the small sizes: the dense prefix ending before the
-    last layer, so that one layer routes; expert groups of two experts at least, of which half
+    last layer, or the sparse layers' period within the small depth, so that a layer routes;
+    expert groups of two experts at least, of which half
     are chosen (DeepSeek-V3's routing takes each group's best two: its 8 groups of the small
     8 experts hold one each, and AXK1's routing failed there)."""
-    out = {name: layers - 1 for name in DENSE_PREFIX
-           if isinstance(getattr(default, name, None), int) and getattr(default, name) >= layers}
+    fields = default.to_dict()
+    out = {name: layers - 1 for name, value in fields.items()
+           if SPARSE_PLACEMENT.match(name) and isinstance(value, int) and value >= layers}
     groups, experts = getattr(default, "n_group", None), SMALL["n_routed_experts"]
     if isinstance(groups, int) and groups > 1 and experts // groups < 2:
         out["n_group"] = experts // 2

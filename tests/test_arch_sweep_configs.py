@@ -175,3 +175,18 @@ def test_the_small_axk1_routes_a_prompt():
     with torch.no_grad():
         logits = model(torch.arange(3, 11)[None]).logits
     assert logits.shape == (1, 8, model.config.vocab_size) and bool(logits.isfinite().all())
+
+
+@pytest.mark.parametrize("model_type", ["nllb-moe", "switch_transformers"])
+def test_an_encoder_decoder_s_sparse_layers_fall_within_the_small_depth(model_type,
+                                                                       monkeypatch):
+    # NLLB-MoE's every fourth layer and Switch Transformers' 3 sparse layers of 12 placed no
+    # sparse layer in two: the sweep's rows of both ran no expert.
+    import torch
+
+    _known(model_type)
+    monkeypatch.setattr(arch_sweep, "SEQ2SEQ", [True])
+    config = arch_sweep.sized_config(model_type, "cpu")
+    with torch.device("meta"):
+        model = arch_sweep._auto().from_config(config)
+    assert any(name.endswith(".experts") for name, _ in model.named_modules())
