@@ -149,12 +149,23 @@ def _attends(kinds: list[str]) -> bool:
     return any(("attention" in k and "linear" not in k) or k == "hybrid" for k in kinds)
 
 
+# Windows by other names, which a sequence as short as the sweep's never reaches (GPT-Neo's
+# local layers' 256 tokens, Llama 4's chunks of 8,192): they test nothing, and are given the
+# sliding window's size where a config's exceeds the sweep's prompt and generation (Granite
+# Speech's projector window of 15 stays). Not Doge's keep_window_size (2,048): past it, its
+# top-k over every cache position makes its logits depend on the static cache's length, so
+# that no two cache sizes (generate's static, its dynamic, grape's) give the same tokens.
+WINDOWS = ("window_size", "attention_chunk_size")
+
+
 def _defined(default: Any) -> dict[str, Any]:
     """The DEFINED_SMALL sizes a config defines (and not as 0 or None). An encoder-decoder's
     window lies between its source (PROMPT tokens) and its decoder's generation: transformers'
     static cross-attention cache would cut a shorter one's source keys to the window, which
     grape refuses (T5Gemma's)."""
     sizes = {k: v for k, v in DEFINED_SMALL.items() if getattr(default, k, None)}
+    sizes |= {k: DEFINED_SMALL["sliding_window"] for k in WINDOWS
+              if isinstance(v := getattr(default, k, None), int) and v > PROMPT + NEW_TOKENS[0]}
     if "sliding_window" in sizes and (SEQ2SEQ[0] or SPEECH[0]):
         sizes["sliding_window"] = PROMPT + 4
     if hasattr(default, "decoder_layers") and not (SEQ2SEQ[0] or SPEECH[0]):

@@ -190,3 +190,14 @@ def test_an_encoder_decoder_s_sparse_layers_fall_within_the_small_depth(model_ty
     with torch.device("meta"):
         model = arch_sweep._auto().from_config(config)
     assert any(name.endswith(".experts") for name, _ in model.named_modules())
+
+
+@pytest.mark.parametrize(("model_type", "field"), [("gpt_neo", "window_size"),
+                                                   ("llama4_text", "attention_chunk_size")])
+def test_a_window_by_another_name_is_reached_by_the_sweep_s_sequence(model_type, field):
+    # GPT-Neo's local layers' 256 tokens and Llama 4's chunks of 8,192 were never reached by
+    # 16 + 24 tokens; at 8, GPT-Neo's static-cache generation reads its cache's unwritten tail
+    # (its local mask is sliced as if the cache held only the tokens seen) and falls back.
+    _known(model_type)
+    config = arch_sweep.sized_config(model_type, "cpu").get_text_config()
+    assert getattr(config, field) < arch_sweep.PROMPT + arch_sweep.NEW_TOKENS[0]
