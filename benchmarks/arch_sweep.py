@@ -81,8 +81,9 @@ SMALL |= {"index_topk": 8}
 DEFINED_SMALL = {"sliding_window": 8, "vocab_size_per_layer_input": 4000,
                  "hidden_size_per_layer_input": 64, "num_kv_shared_layers": 1,
                  # Mamba-2's chunked scan in PyTorch holds (rows, chunk, chunk, heads, state)
-                 # floats: 8 GiB a row at Bamba's and Granite-MoE-Hybrid's defaults, which ran
-                 # generate's 3-beam references out of memory (48 GiB asked on an 80 GB H100)
+                 # floats: 8 GiB a row at Bamba's, Falcon-H1's and Granite-MoE-Hybrid's
+                 # defaults, which ran generate's 3-beam references out of memory (48 GiB
+                 # asked on an 80 GB H100)
                  "mamba_d_state": 16, "mamba_chunk_size": 64}
 # Configs that name their sizes otherwise keep their defaults: up to hundreds of millions of
 # parameters are still quick on a GPU; past these bounds each integer field is shrunk by its
@@ -206,9 +207,9 @@ SPARSE_PLACEMENT = re.compile(r"^(first_k_dense_replace|num_dense_layers|moe_lay
 def _experts_placed(default: Any, layers: int) -> dict[str, Any]:
     """A mixture of experts' placement at the small sizes: the dense prefix ending before the
     last layer, or the sparse layers' period within the small depth, so that a layer routes;
-    expert groups of two experts at least, of which half
-    are chosen (DeepSeek-V3's routing takes each group's best two: its 8 groups of the small
-    8 experts hold one each, and AXK1's routing failed there)."""
+    expert groups of two experts at least, half of the groups chosen (DeepSeek-V3's routing
+    takes each group's best two: its 8 groups of the small 8 experts hold one each, and
+    AXK1's routing failed there)."""
     fields = default.to_dict()
     out = {name: layers - 1 for name, value in fields.items()
            if SPARSE_PLACEMENT.match(name) and isinstance(value, int) and value >= layers}
