@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -172,6 +173,10 @@ def main() -> None:
                     row.update(graphed=stats.graphed, launches=stats.launches,
                                fallback=stats.reason or None, warnings=ran)
                 rows.append(row)
+                # as each way ends (a long-form case's ways take minutes each): a call cut
+                # short keeps the times it measured
+                print(f"{case} batch {batch} {way}: {row['ms_per_call']:.1f} ms a call",
+                      file=sys.stderr, flush=True)
             for row in rows[-len(ways):]:
                 row["tokens_identical"] = (tuple(made[row["way"]].shape)
                                            == tuple(made["hf_static"].shape)
@@ -179,8 +184,8 @@ def main() -> None:
                                                      == made["hf_static"]).all()))
             for row in rows[-len(ways):]:
                 print(json.dumps(row), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+            if args.out:  # after every case, so that an interrupted run keeps those done
+                args.out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"{'case':22} {'batch':>5} {'way':12} {'ms/call':>9} {'ms/token':>9} {'same':>5}")
     for r in rows:
         print(f"{r['case']:22} {r['batch']:5} {r['way']:12} {r['ms_per_call']:9.2f} "
