@@ -36,11 +36,11 @@ def coverage(model_type: str) -> dict:
     try:
         small = kinds(arch_sweep.sized_config(model_type, "cpu"))
     except Exception as e:
-        return {**row, "stage": "small", "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+        return {**row, "stage": "small", "error": arch_sweep._first_line(e)}
     try:
         full = kinds(transformers.AutoConfig.for_model(model_type))
     except Exception as e:
-        return {**row, "stage": "default", "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+        return {**row, "stage": "default", "error": arch_sweep._first_line(e)}
     return {**row, "stage": "done", "missing": sorted(full - small),
             "seconds": round(time.perf_counter() - began, 2)}
 
