@@ -264,6 +264,28 @@ def test_markers_are_no_blocks_and_a_history_lacking_them_is_refused():
         to_reference(c.graph, bare, bare, c.graph.buffers.values(), marks=c.marks)
 
 
+def test_an_operation_s_small_block_where_the_next_marker_will_lie_is_no_marker():
+    # A layer norm's statistics (512 bytes, the size the trace gives a marker too), freed as
+    # the operation returns: the next marker takes their place. Taken for that marker, the
+    # operation's allocation would start the next operation too early (on an H100 the
+    # concurrent step then gave a later layer norm's temporaries to the one before, and ran
+    # a multiplication beside the kernels still reading the place it wrote).
+    c = Capture()
+    c.mark()
+    stats = c.malloc(256)
+    out = c.malloc(4096)
+    c.kernel("norm", stats, out)
+    c.free(stats)
+    c.mark()
+    assert c.marks[1].marker == stats  # the freed place
+    later = c.malloc(4096)
+    c.kernel("mul", out, later)
+    h = c.history()
+    assert h.marks == (0, 3)  # after the norm's three acts
+    assert h.acts == (("alloc", 0), ("alloc", 1), ("free", 0), ("alloc", 2))
+    assert h.address == (stats, out, later)
+
+
 # Random programs: either a move is refused, or every pointer lands where its own block lies in
 # the reference. The generator knows which block each pointer meant; the pass does not.
 

@@ -93,7 +93,12 @@ class History:
         shows made. An allocation is ``alloc``, and its block is free to reuse at
         ``free_completed``. ``markers``: the addresses of the capture's markers
         (:class:`Mark`), in order, which are no blocks of its own: where each lies among the
-        acts is kept instead."""
+        acts is kept instead. A marker is an allocation at the next marker's address, of its
+        size, freed by the very next act: the trace records the block's size, 512 bytes,
+        which any small tensor has, and the place a marker takes is often one an operation
+        had just freed, so that an operation's tensor allocated there earlier (a layer norm's
+        statistics, on an H100) is not taken for the marker, which would put the moment too
+        early and give that operation's temporaries to the one before."""
         made_here = [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"
                      and (not segments or (e["addr"], e["size"]) in segments)]
         pool = made_here + sorted(set(segments) - set(made_here))
@@ -108,10 +113,11 @@ class History:
         address, size, made, freed, acts, marks = [], [], [], [], [], []
         live: dict[int, int] = {}  # address -> block number
         marker: int | None = None  # the address of a marker allocated and not yet freed
-        for e in trace:
+        for k, e in enumerate(trace):
             action = e["action"]
             if (action == "alloc" and len(marks) < len(markers) and e["addr"] == markers[
-                    len(marks)] and e["size"] in (MARKER_BYTES, _rounded(MARKER_BYTES))):
+                    len(marks)] and e["size"] in (MARKER_BYTES, _rounded(MARKER_BYTES))
+                    and _freed_next(trace, k)):
                 marks.append(len(acts))
                 marker = e["addr"]
             elif action == "free_completed" and e["addr"] == marker:
@@ -168,7 +174,14 @@ class History:
         return len(self.address)
 
 
-MARKER_BYTES = 509  # a size no tensor of these steps has: markers are told from blocks by it
+MARKER_BYTES = 509  # a size no tensor of these steps has, though the trace rounds it to 512
+
+
+def _freed_next(trace: Sequence[Mapping], k: int) -> bool:
+    """Whether the allocator's next act after ``trace[k]`` (an allocation) frees its block."""
+    nxt = trace[k + 1] if k + 1 < len(trace) else None
+    return (nxt is not None and nxt["action"] in ("free_requested", "free_completed")
+            and nxt["addr"] == trace[k]["addr"])
 
 
 def _rounded(size: int) -> int:
