@@ -14,7 +14,7 @@ import gc
 import linecache
 import threading
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,6 +327,9 @@ class _Marks(TorchDispatchMode):
         self.marks: list[Mark] = []
         self.accesses: list[tuple[str, list, list]] | None = [] if accesses else None
         self.ends: list[int] = []  # with accesses: the graph's node count as each returned
+        # with accesses: where each operation's fresh results' storages begin (blocks the
+        # allocator must have made while it ran: a check of the history's attribution)
+        self.fresh: list[list[int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         marker = _unfilled(MARKER_BYTES, self.device)
@@ -336,6 +339,7 @@ class _Marks(TorchDispatchMode):
         if self.accesses is not None:
             self.ends.append(captured_nodes(self.stream))
             self.accesses.append(_accessed(func, args, kwargs or {}, out))
+            self.fresh.append(_fresh_storages(func, args, kwargs or {}, out))
         return out
 
 
@@ -393,10 +397,29 @@ def _allocations(trace: Iterable[Mapping], segments: Iterable[Mapping]) -> Alloc
                        tuple(sorted(held)))
 
 
+def _fresh_storages(func: Any, args: tuple, kwargs: Mapping, out: Any) -> list[int]:
+    """Where the storages of an operation's fresh results begin, for those with elements:
+    results its schema does not mark as aliases, less those on an argument's storage
+    (``_unsafe_view`` returns a view its schema does not mark)."""
+    given = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+    returns = out if isinstance(out, tuple) and len(func._schema.returns) > 1 else (out,)
+    starts = [t.untyped_storage().data_ptr()
+              for r, value in zip(func._schema.returns, returns, strict=False)
+              if r.alias_info is None for t in _tensors(value)
+              if t.device.type != "meta" and t.numel()]
+    return [start for start in starts if start not in given]
+
+
 def _op_accesses(noted: _Marks, history: History | None) -> list[OpAccess]:
     """Each operation's accesses, its temporaries (the pool blocks the allocator made while
     it ran, where the capture recorded the allocator's history) among its writes, and where
-    its dispatch ended (only with its temporaries known: ``OpAccess.end`` says why)."""
+    its dispatch ended (only with its temporaries known: ``OpAccess.end`` says why).
+
+    The temporaries are known where the history holds a marker for every operation, and
+    every fresh result an operation returned in the pool lies in a block the history says it
+    made: a block given to the wrong operation would make a temporary's word in its own
+    kernels look like a stale pointer to another operation's tensor, which the concurrency
+    pass leaves out."""
     made: list[list[tuple[int, int]]] = [[] for _ in noted.marks]
     known = history is not None and len(history.marks) == len(noted.marks)
     if known:
@@ -405,10 +428,27 @@ def _op_accesses(noted: _Marks, history: History | None) -> list[OpAccess]:
             i = bisect.bisect_right(at, when) - 1
             if i >= 0:
                 made[i].append((history.address[b], history.size[b]))
+        known = _attributed(made, getattr(noted, "fresh", None), history.segments)
+        if not known:
+            made = [[] for _ in noted.marks]
     ends = noted.ends if known and len(noted.ends) == len(noted.marks) else [None] * len(made)
     return [OpAccess(m.nodes, tuple(reads), tuple(writes + made[i]), name, ends[i])
             for i, (m, (name, reads, writes)) in enumerate(
                 zip(noted.marks, noted.accesses, strict=True))]
+
+
+def _attributed(made: Sequence[Sequence[tuple[int, int]]], fresh: Sequence[Sequence[int]] | None,
+                segments: Sequence[tuple[int, int]]) -> bool:
+    """Whether each operation's fresh results that lie in the pool's ``segments`` begin
+    blocks ``made`` gives that operation (True where no results were noted)."""
+    if fresh is None or len(fresh) != len(made):
+        return fresh is None
+    for blocks, starts in zip(made, fresh, strict=True):
+        own = {address for address, _ in blocks}
+        for start in starts:
+            if start not in own and any(lo <= start < lo + n for lo, n in segments):
+                return False
+    return True
 
 
 @contextlib.contextmanager
