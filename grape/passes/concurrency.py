@@ -29,7 +29,9 @@ What a kernel may touch beyond those declarations is widened, never trusted:
   captured, so no kernel of it can use it: a stale word); elsewhere (memory a library
   allocated itself, or no :class:`Allocations` given), the whole buffer it points into;
 * except where the node is a kernel of the operation's own (launched inside its dispatch,
-  with the operation's temporaries known: ``OpAccess.end``) and the word lies in another
+  with the operation's temporaries known: ``OpAccess.end``, which the capture gives only
+  where the allocator's history gives every operation the fresh results it returned, since a
+  temporary given to the wrong operation would look stale here) and the word lies in another
   operation's tensor. There the dispatcher's contract holds: an operation's kernels touch the
   tensors its schema names, the temporaries it makes, and library state (workspaces, a generator's
   offsets), never another operation's tensors, so the word is stale (unused slots of PyTorch's
