@@ -185,22 +185,44 @@ def note_no_speech(options: Options) -> None:
     (an eager forward, as under ``generate``) and takes the logits at the prompt's start token.
     Where that prompt is the start token alone it reads the first step's scores instead: the
     prompt's logits in float32, as log-probabilities in a beam search (one row per beam),
-    computed here by the same forward. As under ``generate``, it records only where the
-    decoder prompt is as long as its ``begin_index`` says; nothing is read back to the host."""
+    computed as ``generate`` computes them (:func:`_first_step_scores`). As under
+    ``generate``, it records only where the decoder prompt is as long as its ``begin_index``
+    says; nothing is read back to the host."""
     detector = options.no_speech
     if detector is None or options.decoder_prompt_len != detector.begin_index:
         return
     if detector.inputs is None:  # Whisper sets them before each call of the loop
         raise NotGraphable("a WhisperNoSpeechDetection whose inputs were never set")
+    rows = options.num_beams if options.strategy == "beam" else options.num_return
     with torch.no_grad():
-        logits = detector.model(**detector.inputs).logits
-    if detector.start_of_trans_offset > 1:
-        scores = logits[:, detector.begin_index - detector.start_of_trans_offset].float()
-        probs = scores.softmax(dim=-1)
-    else:
-        scores = logits[:, -1].float()
-        rows = options.num_beams if options.strategy == "beam" else options.num_return
-        scores = scores.repeat_interleave(rows, dim=0)
-        probs = (scores.log_softmax(dim=-1).exp() if detector.is_scores_logprobs
-                 else scores.softmax(dim=-1))
+        if detector.start_of_trans_offset > 1:
+            logits = detector.model(**detector.inputs).logits
+            scores = logits[:, detector.begin_index - detector.start_of_trans_offset].float()
+            probs = scores.softmax(dim=-1)
+        else:
+            scores = _first_step_scores(detector.model, detector.inputs, rows)
+            probs = (scores.log_softmax(dim=-1).exp() if detector.is_scores_logprobs
+                     else scores.softmax(dim=-1))
     detector._no_speech_prob = probs[:, detector.no_speech_token]
+
+
+# What a detector's inputs may hold for its first step to be run as generate runs it (the
+# encoder once per prompt, the decoder over every row).
+_EXPANDABLE = {"input_features", "decoder_input_ids", "decoder_attention_mask"}
+
+
+def _first_step_scores(model: torch.nn.Module, inputs: dict[str, Any], rows: int
+                       ) -> torch.Tensor:
+    """The first step's scores at the decoder prompt's last token, float32, ``rows`` per
+    prompt. ``generate`` runs the encoder once per prompt and the decoder over the rows its
+    beams (or returned sequences) expanded: run so, the products have its shapes, so its
+    bits (the decoder over the prompts alone, repeated afterwards, came out one float32 step
+    apart in a beam search on an Intel Xeon's BLAS). Inputs of other kinds run the prompts
+    alone, repeated."""
+    if rows == 1 or not set(inputs) <= _EXPANDABLE or "input_features" not in inputs:
+        return model(**inputs).logits[:, -1].float().repeat_interleave(rows, dim=0)
+    given = dict(inputs)
+    encoded = model.get_encoder()(given.pop("input_features"))
+    expanded = {k: v.repeat_interleave(rows, dim=0) for k, v in given.items() if v is not None}
+    hidden = encoded.last_hidden_state.repeat_interleave(rows, dim=0)
+    return model(encoder_outputs=(hidden,), **expanded).logits[:, -1].float()
