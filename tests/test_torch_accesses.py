@@ -95,7 +95,8 @@ def test_temporaries_are_written_by_the_operation_that_made_them():
     noted = SimpleNamespace(marks=[Mark(0, 1), Mark(2, 2), Mark(5, 3)],
                             accesses=[("a", [(0x900, 8)], [(0x100, 512)]), ("b", [], []),
                                       ("c", [(0x300, 4)], [])],
-                            ends=[1, 5, 6])  # the first operation's second node outside it
+                            ends=[1, 5, 6],  # the first operation's second node outside it
+                            fresh=[[0x100], [], []])  # the result the first one made
     ops = _op_accesses(noted, history)
     assert [op.start for op in ops] == [0, 2, 5]
     assert ops[0].writes == ((0x100, 512), (0x100, 512), (0x200, 512))

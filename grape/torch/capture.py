@@ -428,7 +428,7 @@ def _op_accesses(noted: _Marks, history: History | None) -> list[OpAccess]:
             i = bisect.bisect_right(at, when) - 1
             if i >= 0:
                 made[i].append((history.address[b], history.size[b]))
-        known = _attributed(made, getattr(noted, "fresh", None), history.segments)
+        known = _attributed(made, noted.fresh, history.segments)
         if not known:
             made = [[] for _ in noted.marks]
     ends = noted.ends if known and len(noted.ends) == len(noted.marks) else [None] * len(made)
@@ -437,12 +437,12 @@ def _op_accesses(noted: _Marks, history: History | None) -> list[OpAccess]:
                 zip(noted.marks, noted.accesses, strict=True))]
 
 
-def _attributed(made: Sequence[Sequence[tuple[int, int]]], fresh: Sequence[Sequence[int]] | None,
+def _attributed(made: Sequence[Sequence[tuple[int, int]]], fresh: Sequence[Sequence[int]],
                 segments: Sequence[tuple[int, int]]) -> bool:
     """Whether each operation's fresh results that lie in the pool's ``segments`` begin
-    blocks ``made`` gives that operation (True where no results were noted)."""
-    if fresh is None or len(fresh) != len(made):
-        return fresh is None
+    blocks ``made`` gives that operation."""
+    if len(fresh) != len(made):
+        return False
     for blocks, starts in zip(made, fresh, strict=True):
         own = {address for address, _ in blocks}
         for start in starts:
