@@ -327,7 +327,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              seed: int | None = None, compile: bool = False,
              exact_lengths: bool | None = None, cache_length: int | None = None,
-             prompt_bucket: int | None = None, concurrent: bool = False, **kwargs: Any) -> Any:
+             prompt_bucket: int | None = None, concurrent: bool = True, **kwargs: Any) -> Any:
     """``model.generate(input_ids, attention_mask=..., max_new_tokens=..., **kwargs)``, graphed.
 
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
@@ -370,10 +370,15 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     bucket share an executable: the padded prompt is a copy of the caller's tensors (counted
     in ``last_stats().copy_bytes``), and its tokens are ``generate``'s for the padded prompt,
     which can part from the unpadded prompt's where two logits nearly tie (attention then sums
-    over the masked columns too, and runs its masked kernels). ``concurrent=True`` lets the
-    step's operations that share no memory run side by side (``grape.passes.concurrency``:
-    the same kernels, ordered by what they read and write rather than by the order the
-    forward issued them); ``last_stats()`` gives the step's nodes and its longest path.
+    over the masked columns too, and runs its masked kernels). ``concurrent`` (default True)
+    lets the step's operations that share no memory run side by side
+    (``grape.passes.concurrency``: the same kernels, ordered by what they read and write
+    rather than by the order the forward issued them); ``last_stats()`` gives the step's nodes
+    and its longest path. It measured faster than the chain in every row benchmarked on an
+    H100 (1.07x to 1.40x a token, ten architectures, greedy and 5 beams) with the chain's
+    tokens over every architecture swept, and its capture takes longer (about 0.2 to 2 s
+    more per executable, for noting what each operation touched): ``concurrent=False`` runs
+    the step's kernels one after another in the order the forward issued them.
 
     Encoder-decoder models (T5, BART, Marian, Pegasus...) generate the same way: the prompt is
     the encoder's source, run once per call, and the decoder starts from its start token
