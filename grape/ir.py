@@ -454,10 +454,13 @@ def _validate(graph: KernelGraph, buffers: dict[str, Buffer], where: str) -> Non
                                  f"conditional, found {n}")
             for i, body in enumerate(op.bodies):
                 _validate(body, buffers, f"{at} body {i}: ")
-    try:
-        cycle = nx.find_cycle(graph.dag)
-    except nx.NetworkXNoCycle:
+    # find_cycle's edge walk grows faster than the edges on a DAG (1.5 s at 3,000 nodes and
+    # 12,000 edges, against 8 ms for the topological check), and a concurrent step is such a
+    # DAG: it took about half a second of each concurrent capture on an H100. It names the
+    # cycle only where there is one.
+    if nx.is_directed_acyclic_graph(graph.dag):
         return
+    cycle = nx.find_cycle(graph.dag)
     path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
     raise GraphCycleError(f"{where}expected an acyclic graph, found the cycle {path}")
 
