@@ -23,7 +23,8 @@ every decode step's mask is also taken as under a capture and held to ``transfor
 (``grape.torch.decode_mask.checked``); with ``--check-read-backs`` one decode step also runs as
 a capture would see it (``grape.torch.readback.as_captured``), and the row says whether it reads
 a value back to the host, which a capture refuses, and at which line of the model: the CPU's
-forecast of a capture that breaks. ``--concurrent`` runs ``grape.generate(concurrent=True)``
+forecast of a capture that breaks. Without ``--concurrent`` the sweep runs
+``grape.generate(concurrent=False)``; with it, ``concurrent=True``, ``grape.generate``'s default
 (the step's independent operations side by side, ``grape.passes.concurrency``): its tokens
 against ``generate``'s say whether the reordering kept every dependency, and each row gives the
 step's ``step_nodes`` and ``step_depth`` (nodes on its longest path). ``--seq2seq`` sweeps the
@@ -954,8 +955,9 @@ def main() -> None:
                         "host (which a capture refuses) and at which line "
                         "(grape.torch.readback)")
     parser.add_argument("--concurrent", action="store_true",
-                        help="grape.generate(concurrent=True): the step's independent "
-                        "operations side by side (grape.passes.concurrency)")
+                        help="grape.generate(concurrent=True), its default: the step's "
+                        "independent operations side by side (grape.passes.concurrency); "
+                        "without it, concurrent=False: the chain")
     parser.add_argument("--seq2seq", action="store_true",
                         help="the encoder-decoder models of transformers' sequence-to-sequence "
                         "mapping, instead of its causal LMs")

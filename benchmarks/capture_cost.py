@@ -81,10 +81,13 @@ def _profile_summary(prof: cProfile.Profile) -> dict[str, Any]:
 
 
 def _short(file: str) -> str:
-    """A source file from the package it belongs to on: grape/..., transformers/..., torch/..."""
-    for root in ("grape/", "transformers/", "torch/", "networkx/"):
-        if root in file:
-            return root + file.rsplit(root, 1)[1]
+    """A source file from its package on: networkx/..., torch/..., grape/... (the
+    installed packages by what follows site-packages, which an environment's own path, such
+    as /opt/torch/.venv, cannot be mistaken for)."""
+    if "site-packages/" in file:
+        return file.rsplit("site-packages/", 1)[1]
+    if "grape/" in file:
+        return "grape/" + file.rsplit("grape/", 1)[1]
     return file if file.startswith("~") else Path(file).name
 
 

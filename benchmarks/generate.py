@@ -8,12 +8,13 @@ strategy (greedy, sampling, 5-beam search) and batch, side by side in one proces
   layout and attention shapes as grape's, the reference for ``tokens_identical``;
 - ``hf_static_compiled``: ``model.generate`` with a static cache and its own compilation
   (transformers compiles the decoding forward itself for a static cache);
-- ``grape``: ``grape.generate`` (the first call of a shape captures; timed on later calls);
-- ``grape_compiled``: ``grape.generate(compile=True)``: Inductor's kernels in grape's loop
-  (``compiled`` false, with the reason in ``fallback``, where a compiled step could not serve
-  and the model's own kernels ran);
-- ``grape_concurrent``: ``grape.generate(concurrent=True)``: grape's loop with the step's
-  independent operations side by side (``grape.passes.concurrency``); its rows add
+- ``grape``: ``grape.generate(concurrent=False)``, the step's kernels in the order the forward
+  issued them (the first call of a shape captures; timed on later calls);
+- ``grape_compiled``: ``grape.generate(compile=True, concurrent=False)``: Inductor's kernels in
+  grape's loop (``compiled`` false, with the reason in ``fallback``, where a compiled step
+  could not serve and the model's own kernels ran);
+- ``grape_concurrent``: ``grape.generate(concurrent=True)``, its default: grape's loop with the
+  step's independent operations side by side (``grape.passes.concurrency``); its rows add
   ``step_nodes`` and ``step_depth`` (nodes on the step's longest path) and
   ``tokens_equal_to_grape``.
 
