@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import gc
 import linecache
 import threading
@@ -65,15 +66,23 @@ class TorchCapture:
         self.torch_graph.replay()
 
 
-def _tensors(value: Any) -> Iterable[torch.Tensor]:
+def _tensors(value: Any) -> Sequence[torch.Tensor]:
+    """The tensors in ``value``, through lists, tuples and mappings, in order. A plain
+    function, not a generator: a concurrent capture asks it of every operation's arguments
+    and results, and nested generators were a third of its notes' host time."""
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from _tensors(v)
+        return (value,)
+    if isinstance(value, Mapping):
+        value = tuple(value.values())
+    elif not isinstance(value, (list, tuple)):
+        return ()
+    found: list[torch.Tensor] = []
+    for v in value:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple, Mapping)):
+            found.extend(_tensors(v))
+    return found
 
 
 def _name(buffers: BufferMap, prefix: str, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -365,23 +374,41 @@ def _extent(t: torch.Tensor) -> tuple[int, int] | None:
     return t.data_ptr(), (last + 1) * t.element_size()
 
 
+@functools.cache
+def _schema_plan(func: Any) -> tuple[str, tuple[tuple[str, bool], ...], tuple[bool, ...]]:
+    """What the notes read of an operator's schema, read once per operator: its name, its
+    arguments as (name, written: marked mutable, ``Tensor(a!)``), and whether each of its
+    returns is fresh (no alias: not a view, nor an argument handed back)."""
+    schema = func._schema
+    arguments = tuple((a.name, a.alias_info is not None and a.alias_info.is_write)
+                      for a in schema.arguments)
+    return str(func), arguments, tuple(r.alias_info is None for r in schema.returns)
+
+
+def _returned(out: Any, fresh: tuple[bool, ...]) -> Iterable[Any]:
+    """An operation's fresh results, one value per return its schema marks fresh."""
+    returns = out if isinstance(out, tuple) and len(fresh) > 1 else (out,)
+    return (value for value, new in zip(returns, fresh, strict=False) if new)
+
+
 def _accessed(func: Any, args: tuple, kwargs: Mapping, out: Any) -> tuple[str, list, list]:
     """An operation's name and the extents it read and wrote: its tensor arguments (written
     where the schema marks them mutable, ``Tensor(a!)``), and the tensors it returned that
     are not views of its arguments (written)."""
-    schema = func._schema
+    name, arguments, fresh = _schema_plan(func)
     reads, writes = [], []
-    named = dict(zip((a.name for a in schema.arguments), args, strict=False)) | dict(kwargs)
-    for a in schema.arguments:
-        if a.name in named:
-            mutated = a.alias_info is not None and a.alias_info.is_write
-            (writes if mutated else reads).extend(
-                e for t in _tensors(named[a.name]) if (e := _extent(t)) is not None)
-    returns = out if isinstance(out, tuple) and len(schema.returns) > 1 else (out,)
-    for r, value in zip(schema.returns, returns, strict=False):
-        if r.alias_info is None:  # fresh; an alias is a view, or an argument counted above
-            writes.extend(e for t in _tensors(value) if (e := _extent(t)) is not None)
-    return str(func), reads, writes
+    for i, (argument, written) in enumerate(arguments):
+        if i < len(args):
+            value = args[i]
+        elif argument in kwargs:
+            value = kwargs[argument]
+        else:
+            continue
+        (writes if written else reads).extend(
+            e for t in _tensors(value) if (e := _extent(t)) is not None)
+    for value in _returned(out, fresh):  # an alias is a view, or an argument counted above
+        writes.extend(e for t in _tensors(value) if (e := _extent(t)) is not None)
+    return name, reads, writes
 
 
 def _allocations(trace: Iterable[Mapping], segments: Iterable[Mapping]) -> Allocations:
@@ -401,12 +428,11 @@ def _fresh_storages(func: Any, args: tuple, kwargs: Mapping, out: Any) -> list[i
     """Where the storages of an operation's fresh results begin, for those with elements:
     results its schema does not mark as aliases, less those on an argument's storage
     (``_unsafe_view`` returns a view its schema does not mark)."""
+    starts = [t.untyped_storage().data_ptr() for value in _returned(out, _schema_plan(func)[2])
+              for t in _tensors(value) if t.device.type != "meta" and t.numel()]
+    if not starts:
+        return starts
     given = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
-    returns = out if isinstance(out, tuple) and len(func._schema.returns) > 1 else (out,)
-    starts = [t.untyped_storage().data_ptr()
-              for r, value in zip(func._schema.returns, returns, strict=False)
-              if r.alias_info is None for t in _tensors(value)
-              if t.device.type != "meta" and t.numel()]
     return [start for start in starts if start not in given]
 
 
