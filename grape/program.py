@@ -28,6 +28,7 @@ from grape.records import (
     Iteration,
     WaitRecord,
     alone_times,
+    exposed_kernels,
     sm_share,
     span,
     union_length,
@@ -112,6 +113,9 @@ class GraphLaunch:
     work: tuple[GpuWork, ...] = ()
     busy: float | None = None
     graph: KernelGraph | None = field(default=None, compare=False, repr=False)
+    # where a trace gave ``busy``: the kernels that started with no other stream's work
+    # running (grape.records.exposed_kernels), whose per-node gaps ``busy`` leaves out
+    exposed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -202,7 +206,8 @@ def _iteration(it: Iteration, ops_ts: list[float], overhead: ProfilerOverhead,
             # its nodes; the unprofiled cost is the device profile's (set by the caller).
             steps.append(GraphLaunch(cost=cost, nodes=len(kernels), gpu_time=span(launch.ops),
                                      stream=min(streams), work=_work(launch.ops, alone, sms),
-                                     busy=union_length([(op.ts, op.end) for op in launch.ops])))
+                                     busy=union_length([(op.ts, op.end) for op in launch.ops]),
+                                     exposed=exposed_kernels(launch.ops)))
         elif launch is not None:
             steps.append(Launch(call.name, cost, _work(launch.ops, alone, sms)))
         elif call.is_sync:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 __all__ = ["GRAPH_LAUNCH_CALLS", "SYNC_CALLS", "GpuRecord", "HostCall", "Iteration",
-           "LaunchRecord", "WaitRecord", "alone_times", "busy_time", "graph_kernel_gap", "sm_share",
-           "span", "top_level", "union_length"]
+           "LaunchRecord", "WaitRecord", "alone_times", "busy_time", "exposed_kernels",
+           "graph_kernel_gap", "sm_share", "span", "top_level", "union_length"]
 
 # Host calls that block until the GPU (or a stream, or an event) has caught up.
 SYNC_CALLS = frozenset({
@@ -199,6 +199,33 @@ def alone_times(ops: Sequence[GpuRecord]) -> list[float]:
 def busy_time(ops: Iterable[GpuRecord]) -> float:
     """Microseconds during which at least one of ``ops`` ran (overlaps counted once)."""
     return union_length((op.ts, op.end) for op in ops)
+
+
+def exposed_kernels(ops: Iterable[GpuRecord]) -> int:
+    """How many of ``ops``' kernels started while no work on another stream ran.
+
+    A graph's kernels each follow a gap the GPU adds per node; where work on another stream
+    runs through that gap, the GPU stays busy and the gap costs the graph nothing, and its
+    time is already inside the kernels' union (``busy_time``). A kernel that starts with
+    nothing else running shows its gap in the graph's time. On one stream that is every
+    kernel; where a capture forked branches, the ones their overlap does not hide."""
+    ordered = sorted(ops, key=lambda op: op.ts)
+    ends: dict[int, float] = {}  # per stream, the latest end of its work started earlier
+    exposed, i = 0, 0
+    while i < len(ordered):
+        j = i
+        while j < len(ordered) and ordered[j].ts == ordered[i].ts:
+            j += 1
+        group = ordered[i:j]
+        # Kernels that start at one instant with nothing running before them follow one
+        # idle gap, not one each.
+        if any(op.kind == "kernel" and not any(end > op.ts for stream, end in ends.items()
+                                               if stream != op.stream) for op in group):
+            exposed += 1
+        for op in group:
+            ends[op.stream] = max(ends.get(op.stream, op.end), op.end)
+        i = j
+    return exposed
 
 
 def span(ops: Sequence[GpuRecord]) -> float:

@@ -128,6 +128,44 @@ def test_graph_kernel_gaps_are_read_within_each_launch_and_stream():
     assert graph_kernel_gap([k(0, 2, 5), k(1, 1, 5), k(3.2, 1, 5)], least=1) == pytest.approx(1.2)
 
 
+def test_a_kernel_s_gap_shows_only_where_no_other_stream_ran_through_it():
+    from grape.records import exposed_kernels
+
+    def k(ts, dur, stream, kind="kernel"):
+        return GpuRecord(kind, "k", ts, dur, stream, 5)
+
+    chain = [k(0, 1, 7), k(1.3, 1, 7), k(2.6, 1, 7)]
+    assert exposed_kernels(chain) == 3  # one stream: every kernel's gap is the graph's
+    forked = [k(0, 1, 7),  # nothing before it
+              k(1.2, 4, 7),  # the side stream idle: exposed
+              k(1.5, 2, 8),  # starts inside stream 7's kernel: hidden
+              k(3.6, 2, 8),  # stream 7 still running: hidden
+              k(5.3, 1, 7),  # stream 8 still running (until 5.6): hidden
+              k(7.0, 1, 7),  # both streams idle before it: exposed
+              k(7.0, 1, 8),  # starts with the one above: the same idle gap, counted once
+              k(7.5, 1, 9)]  # starts inside both: hidden
+    assert exposed_kernels(forked) == 3
+    # A copy on another stream hides a kernel's gap as well; copies themselves are not counted.
+    assert exposed_kernels([k(0, 3, 9, kind="memcpy"), k(1, 1, 7)]) == 0
+    assert exposed_kernels([]) == 0
+
+
+def test_a_forked_graph_s_replay_pays_the_gaps_its_branches_do_not_hide(costs):
+    from grape.program import GpuWork, GraphLaunch, Program
+    from grape.sim.whatif import profiled_graph_launches
+
+    work = tuple(GpuWork("kernel", "k", 10.0, stream) for stream in (7, 7, 7, 8, 8, 8))
+    traced = GraphLaunch(cost=500.0, nodes=6, gpu_time=40.0, stream=7, work=work, busy=35.0,
+                         exposed=2)
+    program = Program("forked", [(traced,)])
+    launch = profiled_graph_launches(program, costs).iterations[0][0]
+    assert launch.gpu_time == pytest.approx(35.0 + 2 * costs.graph_node_overhead)
+    # Without the trace's word on which were exposed: the longest stream's, as before.
+    program = Program("forked", [(replace(traced, exposed=None),)])
+    launch = profiled_graph_launches(program, costs).iterations[0][0]
+    assert launch.gpu_time == pytest.approx(35.0 + 3 * costs.graph_node_overhead)
+
+
 def test_the_traced_gap_is_what_the_machine_added_per_node(costs):
     step, loop = _durations("step"), _durations("loop")
     assert step.graph_gap == pytest.approx(0.416, abs=0.002)
