@@ -456,8 +456,8 @@ def _validate(graph: KernelGraph, buffers: dict[str, Buffer], where: str) -> Non
                 _validate(body, buffers, f"{at} body {i}: ")
     # find_cycle's edge walk grows faster than the edges on a DAG (1.5 s at 3,000 nodes and
     # 12,000 edges, against 8 ms for the topological check), and a concurrent step is such a
-    # DAG: it took about half a second of each concurrent capture on an H100. It names the
-    # cycle only where there is one.
+    # DAG: it took 0.94 s of a profiled concurrent Llama capture's 3.5 on an H100
+    # (benchmarks/capture_cost.py). It names the cycle only where there is one.
     if nx.is_directed_acyclic_graph(graph.dag):
         return
     cycle = nx.find_cycle(graph.dag)

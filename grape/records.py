@@ -202,13 +202,14 @@ def busy_time(ops: Iterable[GpuRecord]) -> float:
 
 
 def exposed_kernels(ops: Iterable[GpuRecord]) -> int:
-    """How many of ``ops``' kernels started while no work on another stream ran.
+    """How many of the per-node gaps before ``ops``' kernels show in their time: the kernels
+    that started while no work on another stream ran, those starting at one instant counted
+    once (they followed one idle stretch).
 
     A graph's kernels each follow a gap the GPU adds per node; where work on another stream
     runs through that gap, the GPU stays busy and the gap costs the graph nothing, and its
-    time is already inside the kernels' union (``busy_time``). A kernel that starts with
-    nothing else running shows its gap in the graph's time. On one stream that is every
-    kernel; where a capture forked branches, the ones their overlap does not hide."""
+    time is already inside the kernels' union (``busy_time``). On one stream every kernel's
+    gap shows; where a capture forked branches, those their overlap does not hide."""
     ordered = sorted(ops, key=lambda op: op.ts)
     ends: dict[int, float] = {}  # per stream, the latest end of its work started earlier
     exposed, i = 0, 0
