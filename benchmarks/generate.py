@@ -16,7 +16,10 @@ strategy (greedy, sampling, 5-beam search) and batch, side by side in one proces
 - ``grape_concurrent``: ``grape.generate(concurrent=True)``, its default: grape's loop with the
   step's independent operations side by side (``grape.passes.concurrency``); its rows add
   ``step_nodes`` and ``step_depth`` (nodes on the step's longest path) and
-  ``tokens_equal_to_grape``.
+  ``tokens_equal_to_grape``;
+- ``grape_compiled_concurrent``: ``grape.generate(compile=True)`` as a user calls it, concurrent
+  by default: Inductor's kernels, independent ones side by side; its rows add
+  ``tokens_equal_to_grape_compiled`` where that way ran too.
 
 Each entry: ``ms_per_token`` (a whole call's wall time over the new tokens, median of
 ``--repeats`` calls), ``host_syncs_per_token`` (synchronising PyTorch operations the call made,
@@ -174,8 +177,8 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                 seconds, out, syncs = _timed(hf[way], args.repeats)
             stats = None
         else:
-            call = dict(kw, compile=way == "grape_compiled",
-                        concurrent=way == "grape_concurrent")
+            call = dict(kw, compile=way in ("grape_compiled", "grape_compiled_concurrent"),
+                        concurrent=way in ("grape_concurrent", "grape_compiled_concurrent"))
             with warnings.catch_warnings(record=True) as fell:
                 warnings.simplefilter("always")
                 grape.generate(model, ids, mask, seed=7, **call)  # captures
@@ -212,12 +215,17 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                         row["reference_margin_at_first_difference"] = _margin(
                             hf["hf_static"], tokens[row["way"]], tokens["hf_static"],
                             args.prompt, row["first_difference"])
-            elif row["way"] in ("grape_compiled", "hf_static_compiled"):
+            elif row["way"] in ("grape_compiled", "grape_compiled_concurrent",
+                                "hf_static_compiled"):
                 row["token_agreement"] = _agreement(tokens[row["way"]], tokens["hf_static"],
                                                     args.prompt)
     if "grape" in tokens and "grape_concurrent" in tokens:
         row = next(r for r in rows if r["way"] == "grape_concurrent")
         row["tokens_equal_to_grape"] = _same(tokens["grape_concurrent"], tokens["grape"])
+    if "grape_compiled" in tokens and "grape_compiled_concurrent" in tokens:
+        row = next(r for r in rows if r["way"] == "grape_compiled_concurrent")
+        row["tokens_equal_to_grape_compiled"] = _same(tokens["grape_compiled_concurrent"],
+                                                      tokens["grape_compiled"])
     if strategy == "greedy" and "grape" in tokens:
         row = next(r for r in rows if r["way"] == "grape")
         if row["tokens_identical"] is False:  # grape's own step on the host, prompt captured

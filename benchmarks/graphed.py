@@ -12,7 +12,10 @@ hand it over. Ways:
 - ``grape_per_shape``: ``grape.graphed(share=False)``: inputs re-pointed, not copied, one
   executable per length;
 - ``grape``: ``grape.graphed``: inputs re-pointed, lengths of one topology sharing an
-  executable, brought to each length by node updates (or one whole-graph update).
+  executable, brought to each length by node updates (or one whole-graph update);
+- ``grape_concurrent``: ``grape.graphed(concurrent=True)``: as ``grape``, each length's graph
+  the DAG its memory demands (independent operations side by side); its outputs are also
+  compared with ``grape``'s, bit for bit.
 
 Measured per way: ms per call over the sequence (one sync at the end) and over its last pass
 over the lengths (most one-time preparation behind it), input bytes copied per call,
@@ -23,6 +26,7 @@ differ from those captured: PyTorch's graphs are not bitwise equal to eager eith
 the largest difference from eager's.
 
 Run on a GPU: python benchmarks/graphed.py [--out FILE] [--bert 8:256:8] [--audio 16000:160000:9000]
+[--ways eager,torch_graphs,grape_per_shape,grape,grape_concurrent]
 """
 
 from __future__ import annotations
@@ -105,20 +109,26 @@ def _workloads(args) -> list[tuple[str, Callable, Callable[[int], torch.Tensor],
              lambda n: torch.randn(1, n, device="cuda", dtype=torch.half), _span(args.audio))]
 
 
-def _run(name: str, fn: Callable, make: Callable[[int], torch.Tensor], lengths: list[int]
-         ) -> list[dict]:
+WAYS = ("eager", "torch_graphs", "grape_per_shape", "grape", "grape_concurrent")
+
+
+def _run(name: str, fn: Callable, make: Callable[[int], torch.Tensor], lengths: list[int],
+         chosen: tuple[str, ...] = WAYS) -> list[dict]:
     order = lengths * 6
     random.Random(0).shuffle(order)
     torch.manual_seed(1)
     inputs = {n: make(n) for n in lengths}  # one input per length: eager's reference outputs
     expected = {n: fn(inputs[n]).clone() for n in lengths}
     largest_first = sorted(lengths, reverse=True)
-    ways = {"eager": None,
-            "torch_graphs": _TorchGraphs(fn),
-            "grape_per_shape": grape.graphed(fn, share=False),
-            "grape": grape.graphed(fn)}
+    made = {"eager": lambda: None,
+            "torch_graphs": lambda: _TorchGraphs(fn),
+            "grape_per_shape": lambda: grape.graphed(fn, share=False),
+            "grape": lambda: grape.graphed(fn),
+            "grape_concurrent": lambda: grape.graphed(fn, concurrent=True)}
     rows = []
-    for way, runner in ways.items():
+    graphs_out = grape_out = None
+    for way in ("eager", *(w for w in chosen if w != "eager")):  # eager: the ratios' base
+        runner = made[way]()
         free, reserved = _memory()
         t = time.perf_counter()
         if runner is not None:
@@ -130,6 +140,8 @@ def _run(name: str, fn: Callable, make: Callable[[int], torch.Tensor], lengths: 
         outputs = {n: call(inputs[n]).clone() for n in lengths}
         if way == "torch_graphs":
             graphs_out = outputs
+        if way == "grape":
+            grape_out = outputs
         if isinstance(runner, _TorchGraphs):
             runner.copy_bytes = 0
         calls = 0
@@ -151,8 +163,9 @@ def _run(name: str, fn: Callable, make: Callable[[int], torch.Tensor], lengths: 
                "ms_per_call_last_pass": round((end - t_last) * 1e3 / len(lengths), 4),
                "outputs_bitwise_equal_to_eager": all(
                    torch.equal(outputs[n], expected[n]) for n in lengths),
-               "outputs_bitwise_equal_to_torch_graphs": None if runner is None else all(
-                   torch.equal(outputs[n], graphs_out[n]) for n in lengths),
+               "outputs_bitwise_equal_to_torch_graphs":
+                   None if runner is None or graphs_out is None else all(
+                       torch.equal(outputs[n], graphs_out[n]) for n in lengths),
                "max_abs_diff_to_eager": max(
                    (outputs[n].float() - expected[n].float()).abs().max().item()
                    for n in lengths),
@@ -171,6 +184,12 @@ def _run(name: str, fn: Callable, make: Callable[[int], torch.Tensor], lengths: 
                 (runner.stats.switch_updates + runner.stats.pointer_updates)
                 / runner.stats.calls, 2)
             row["copy_bytes_per_call"] = runner.stats.copy_bytes
+            paths = runner.paths  # (nodes, longest path) per length
+            row["nodes_median"] = sorted(n for n, _ in paths)[len(paths) // 2]
+            row["longest_path_median"] = sorted(d for _, d in paths)[len(paths) // 2]
+            if way == "grape_concurrent" and grape_out is not None:
+                row["outputs_bitwise_equal_to_grape"] = all(
+                    torch.equal(outputs[n], grape_out[n]) for n in lengths)
         rows.append(row)
         _log(json.dumps(row))
     return rows
@@ -182,28 +201,42 @@ def main() -> None:
     parser.add_argument("--audio", default="16000:160000:9000",
                         help="first:last[:stride] audio samples (16 kHz)")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE")
+    parser.add_argument("--ways", default=",".join(WAYS),
+                        help=f"comma-separated, of {', '.join(WAYS)} (eager always runs)")
+    parser.add_argument("--models", default="bert-base,wav2vec2-base",
+                        help="comma-separated, of bert-base, wav2vec2-base")
     args = parser.parse_args()
+    ways = tuple(args.ways.split(","))
+    if unknown := [w for w in ways if w not in WAYS]:
+        sys.exit(f"expected ways among {', '.join(WAYS)}, found {', '.join(unknown)}")
     if not torch.cuda.is_available():
         sys.exit("benchmarks/graphed.py needs a CUDA device; torch sees none")
     rows = []
+    models = args.models.split(",")
+    if unknown := [m for m in models if m not in ("bert-base", "wav2vec2-base")]:
+        sys.exit(f"expected models among bert-base, wav2vec2-base, found {', '.join(unknown)}")
     for workload in _workloads(args):
-        rows.extend(_run(*workload))
+        if workload[0] in models:
+            rows.extend(_run(*workload, chosen=ways))
         torch.cuda.empty_cache()
     if args.out:
         doc = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__,
                "command": " ".join(sys.argv), "entries": rows}
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"{'model':14} {'way':16} {'ms/call':>8} {'vs eager':>8} {'last pass':>9} {'execs':>6} "
-          f"{'exec MB':>8} {'copy B':>7} {'capture s':>9} {'=graphs':>7} max|d eager|")
+          f"{'exec MB':>8} {'copy B':>7} {'capture s':>9} {'=graphs':>7} {'path/nodes':>10} "
+          f"max|d eager|")
     for r in rows:
         eager = next(e for e in rows if e["model"] == r["model"] and e["way"] == "eager")
         mb = "" if r["executable_bytes"] is None else f"{r['executable_bytes'] / 2**20:.1f}"
+        path = (f"{r['longest_path_median']}/{r['nodes_median']}" if "nodes_median" in r
+                else "")
         print(f"{r['model']:14} {r['way']:16} {r['ms_per_call']:8.3f} "
               f"{eager['ms_per_call'] / r['ms_per_call']:7.2f}x {r['ms_per_call_last_pass']:9.3f} "
               f"{r['executables'] or '':>6} "
               f"{mb:>8} {r['copy_bytes_per_call']:>7} {r['capture_s'] or '':>9} "
               f"{r['outputs_bitwise_equal_to_torch_graphs']!s:>7} "
-              f"{r['max_abs_diff_to_eager']:.2g}")
+              f"{path:>10} {r['max_abs_diff_to_eager']:.2g}")
 
 
 if __name__ == "__main__":

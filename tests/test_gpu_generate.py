@@ -846,6 +846,41 @@ def test_a_graphed_speech_model_over_audio_lengths_matches_eager(cuda):
     f.close()
 
 
+def test_a_concurrent_graphed_encoder_and_speech_model_compute_the_chain_s_bits(cuda):
+    """concurrent=True runs the same kernels in an order their memory allows: the same bits as
+    the chain, every signature's longest path shorter than its nodes."""
+    import grape
+
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=256)).cuda().half().eval()
+    speech = transformers.Wav2Vec2Model(transformers.Wav2Vec2Config(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=256)).cuda().half().eval()
+
+    @torch.no_grad()
+    def encode(ids):
+        return bert(ids).last_hidden_state
+
+    @torch.no_grad()
+    def hear(audio):
+        return speech(audio).last_hidden_state
+
+    cases = [(encode, [torch.randint(0, 30000, (2, n), device="cuda") for n in (48, 16, 33, 16)]),
+             (hear, [torch.randn(1, n, device="cuda", dtype=torch.half)
+                     for n in (40000, 16000, 23999, 40000)])]
+    for fn, inputs in cases:
+        chain, dag = grape.graphed(fn), grape.graphed(fn, concurrent=True)
+        for x in inputs:
+            torch.testing.assert_close(dag(x).clone(), chain(x).clone(), rtol=0, atol=0)
+        assert dag.stats.captures == 3 and dag.stats.copy_bytes == 0
+        assert all(depth < nodes for nodes, depth in dag.paths), dag.paths
+        assert all(depth == nodes for nodes, depth in chain.paths)
+        chain.close()
+        dag.close()
+
+
 def test_a_graphed_callable_takes_keyword_and_nested_tensor_arguments(cuda):
     import grape
 

@@ -129,3 +129,53 @@ def test_arguments_a_graph_cannot_take_are_refused_before_any_capture():
                                          "found a bytearray"):
         g(bytearray(b"x"))
     assert g.stats.captures == 0 and g.signatures == 0
+
+
+class _Captured:
+    """What ``_dag`` reads of a capture: its chain, and each operation's memory."""
+
+    def __init__(self, ir: KernelGraph, accesses: list) -> None:
+        self.ir, self.accesses, self.allocations = ir, accesses, None
+
+
+def _two_independent_operations() -> _Captured:
+    """Two operations in a chain, each writing a buffer of its own: nothing orders them."""
+    from grape.passes.concurrency import OpAccess
+
+    g = KernelGraph()
+    base = 0x7F00_0000_0000
+    for i in range(2):
+        g.add_buffer(Buffer(f"b{i}", 256, BufferRole.INTERNAL, address=base + 256 * i))
+    previous: list[str] = []
+    for i in range(2):
+        node = f"k{i}"
+        g.add(node, Kernel(f"f{i}@0x{i}", f"f{i}", (1, 1, 1), (32, 1, 1),
+                           args=(base + 256 * i).to_bytes(8, "little"), params=(Param(0, 8),),
+                           pointers=(Pointer(0, Span(f"b{i}")),)), after=previous)
+        previous = [node]
+    accesses = [OpAccess(i, writes=((base + 256 * i, 256),), name=f"op{i}") for i in range(2)]
+    return _Captured(g, accesses)
+
+
+def test_a_concurrent_signature_runs_the_dag_its_memory_demands():
+    captured = _two_independent_operations()
+    chain, depth = Graphed(lambda x: x)._dag(captured)
+    assert chain is captured.ir and depth == 2
+    dag, depth = Graphed(lambda x: x, concurrent=True)._dag(captured)
+    assert depth == 1 and len(dag) == 2 and dag.dag.number_of_edges() == 0
+
+
+def test_a_capture_the_concurrency_pass_cannot_take_keeps_its_chain_with_a_warning():
+    captured = _two_independent_operations()
+    captured.accesses = captured.accesses[::-1]  # operations out of the graph's order
+    with pytest.warns(UserWarning, match=r"grape.graphed\(concurrent=True\): the capture runs "
+                                         r"as captured, one operation after another: expected"):
+        ir, depth = Graphed(lambda x: x, concurrent=True)._dag(captured)
+    assert ir is captured.ir and depth == 2
+
+
+def test_concurrent_must_be_a_bool():
+    import grape
+
+    with pytest.raises(GrapeError, match="expected concurrent=True or False, found 'yes'"):
+        grape.graphed(lambda x: x, concurrent="yes")

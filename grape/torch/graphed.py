@@ -23,11 +23,19 @@ call of the same signature writes its results into them, and a call of another s
 write its activations over them (signatures share one memory pool, so that every length's
 activations fit in the memory of the largest: PyTorch's graphs sharing a pool behave alike).
 Clone what must outlive the call. Calls run on the current stream, one at a time.
+
+``concurrent=True`` builds each signature's graph as the DAG its memory demands
+(``grape.passes.concurrency``, as ``grape.generate``'s default does for its steps), so that
+operations touching no common memory run side by side: a gain where the callable's kernels
+leave most of the GPU idle (small batches, short sequences). Signatures share an executable
+only where their DAGs have the same edges too. A capture the pass cannot take (operations it
+cannot fit to the graph's nodes) keeps the captured chain, with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +47,7 @@ from grape.cuda.build import Executable, Graph, Update
 from grape.errors import GrapeError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Memcpy, Memset, fingerprint
 from grape.passes.alias import repoint
+from grape.passes.concurrency import concurrent as concurrent_dag
 from grape.passes.delta import ShapeDelta, identity, join
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.capture import TorchCapture, capture
@@ -93,6 +102,7 @@ class _Entry:
     captured_at: tuple[int, ...] = ()  # input addresses ``graph`` reads
     updates: dict[str, Update] = field(default_factory=dict)  # per template node, prepared
     switches: dict[int, list[str]] = field(default_factory=dict)  # nodes to update, by holder
+    depth: int = 0  # nodes on the graph's longest path (its node count, captured as a chain)
 
     def update(self, node: str) -> Update:
         """The prepared update that gives ``node`` this signature's parameters as they are."""
@@ -124,6 +134,7 @@ class Graphed:
     params: Mapping[str, torch.Tensor] | None = None
     share: bool = True  # signatures of one topology share an executable (False: one each)
     warmup: int = 1  # eager runs before each capture (0 where fn changes state it keeps)
+    concurrent: bool = False  # each signature's graph as the DAG its memory demands
     stats: CallStats = field(default_factory=CallStats)
     _entries: dict[tuple, _Entry] = field(default_factory=dict)
     _shared: dict[str, list[_Shared]] = field(default_factory=dict)  # by topology
@@ -136,6 +147,12 @@ class Graphed:
     @property
     def executables(self) -> int:
         return sum(len(v) for v in self._shared.values())
+
+    @property
+    def paths(self) -> list[tuple[int, int]]:
+        """Each signature's (nodes, nodes on its longest path), in the order captured: equal
+        in a chain, the second smaller where ``concurrent`` let operations run side by side."""
+        return [(len(e.ir), e.depth) for e in self._entries.values()]
 
     @property
     def device_bytes(self) -> int:
@@ -203,9 +220,10 @@ class Graphed:
                 return fn(*args, **kwargs)
 
         captured = capture(call, *tensors, params=self.params, pool=self._pool,
-                           instantiate=False, tag=tag, warmup=self.warmup)
+                           instantiate=False, tag=tag, warmup=self.warmup,
+                           accesses=self.concurrent)
         self.stats.captures += 1
-        ir = captured.ir
+        ir, depth = self._dag(captured)
         variants = self._shared.setdefault(fingerprint(ir, launch=False), [])
         for shared in variants if self.share else ():
             try:
@@ -222,13 +240,25 @@ class Graphed:
         back = {mine: t for t, mine in nodes.items()}
         reads = frozenset(back[n] for n in _reading(ir, set(inputs.names)))
         varies = reads | {nd.node for nd in d.nodes}
-        entry = _Entry(captured, ir, shared, d, nodes, inputs, reads, varies)
+        entry = _Entry(captured, ir, shared, d, nodes, inputs, reads, varies, depth=depth)
         # Built now, so that a first switch costs what later ones do.
         entry.graph = shared.graph if shared.holds is None else Graph.build(ir)
         entry.captured_at = tuple(inputs.addresses)
         if shared.holds is None:  # instantiated from this signature's graph
             shared.holds = entry
         return entry
+
+    def _dag(self, captured: TorchCapture) -> tuple[KernelGraph, int]:
+        """The graph a signature runs, and its longest path in nodes."""
+        if not self.concurrent:
+            return captured.ir, len(captured.ir)
+        try:
+            dag = concurrent_dag(captured.ir, captured.accesses, captured.allocations)
+        except UnsupportedError as e:
+            warnings.warn(f"grape.graphed(concurrent=True): the capture runs as captured, one "
+                          f"operation after another: {str(e).splitlines()[0]}", stacklevel=4)
+            return captured.ir, len(captured.ir)
+        return dag.graph, dag.depth
 
     def _bring(self, entry: _Entry, tensors: list[torch.Tensor]) -> None:
         """Update the entry's executable to read ``tensors`` with the entry's parameters."""
@@ -284,7 +314,7 @@ class Graphed:
 
 def graphed(fn: Callable[..., Any], *, params: Mapping[str, torch.Tensor] | None = None,
             shapes: Iterable[tuple] | None = None, share: bool = True,
-            warmup: int = 1) -> Graphed:
+            warmup: int = 1, concurrent: bool = False) -> Graphed:
     """``fn`` as graph launches: captured on its first call per input signature, then re-pointed
     at each call's tensors rather than copying them, signatures of one topology sharing one
     executable (see the module's documentation).
@@ -301,11 +331,15 @@ def graphed(fn: Callable[..., Any], *, params: Mapping[str, torch.Tensor] | None
     reuse the largest's memory).
     ``share=False`` instantiates an executable per signature (what per-shape graphs cost; for
     comparisons). ``warmup=0`` captures without running ``fn`` first, for a ``fn`` that
-    changes state it keeps (a training step) and has already run once.
+    changes state it keeps (a training step) and has already run once. ``concurrent=True``:
+    each signature's graph as the DAG its memory demands, independent operations side by side
+    (see the module).
     """
     if not callable(fn):
         raise GrapeError(f"expected a callable to graph, found {type(fn).__name__}")
-    g = Graphed(fn, params, share, warmup)
+    if not isinstance(concurrent, bool):
+        raise GrapeError(f"expected concurrent=True or False, found {concurrent!r}")
+    g = Graphed(fn, params, share, warmup, concurrent)
     for args in shapes or ():
         if not isinstance(args, tuple):
             raise GrapeError(f"expected shapes as tuples of arguments, found a "
