@@ -728,6 +728,17 @@ def test_compile_must_be_a_boolean():
     with pytest.raises(GrapeError, match="expected compile to be True or False, found 'yes'"):
         grape.generate(m, torch.zeros((1, 3), dtype=torch.long), max_new_tokens=2,
                        compile="yes")
+    with pytest.raises(GrapeError, match="expected concurrent to be True, False or None, "
+                                         "found 1"):
+        grape.generate(m, torch.zeros((1, 3), dtype=torch.long), max_new_tokens=2,
+                       concurrent=1)
+
+
+def test_a_compiled_step_runs_as_a_chain_unless_asked_otherwise():
+    from grape.torch.api import _concurrent
+
+    assert _concurrent(None, compiled=False) and not _concurrent(None, compiled=True)
+    assert _concurrent(True, compiled=True) and not _concurrent(False, compiled=False)
 
 
 @pytest.mark.parametrize("model_type, sizes", [

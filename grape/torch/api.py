@@ -327,7 +327,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
              seed: int | None = None, compile: bool = False,
              exact_lengths: bool | None = None, cache_length: int | None = None,
-             prompt_bucket: int | None = None, concurrent: bool = True, **kwargs: Any) -> Any:
+             prompt_bucket: int | None = None, concurrent: bool | None = None,
+             **kwargs: Any) -> Any:
     """``model.generate(input_ids, attention_mask=..., max_new_tokens=..., **kwargs)``, graphed.
 
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
@@ -370,8 +371,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     bucket share an executable: the padded prompt is a copy of the caller's tensors (counted
     in ``last_stats().copy_bytes``), and its tokens are ``generate``'s for the padded prompt,
     which can part from the unpadded prompt's where two logits nearly tie (attention then sums
-    over the masked columns too, and runs its masked kernels). ``concurrent`` (default True)
-    lets the step's operations that share no memory run side by side
+    over the masked columns too, and runs its masked kernels). ``concurrent`` (default None:
+    on, unless the step is compiled) lets the step's operations that share no memory run side
+    by side
     (``grape.passes.concurrency``: the same kernels, ordered by what they read and write
     rather than by the order the forward issued them); ``last_stats()`` gives the step's nodes
     and its longest path. It measured faster than the chain in every row benchmarked on an
@@ -380,7 +382,11 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     operation touched and ordering by it: on the Llama bench shape about 1.1 s against 0.6
     per executable (H100). Where most calls capture (a new shape each), ``concurrent=False``
     captures faster: it runs the step's kernels one after another in the order the forward
-    issued them.
+    issued them. A compiled step runs as a chain by default: Inductor launches its kernels
+    outside PyTorch's dispatcher, where the pass cannot tell what they touch; and on an H100
+    GPT-2 small's compiled step captured with ``concurrent=True`` held 307 nodes against the
+    chain's 151 and ran 0.765 ms a token against 0.581 (``benchmarks/README.md``; why the
+    capture under the pass's noting made more nodes was not looked into).
 
     Encoder-decoder models (T5, BART, Marian, Pegasus...) generate the same way: the prompt is
     the encoder's source, run once per call, and the decoder starts from its start token
@@ -434,9 +440,11 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
             and hasattr(model, "prepare_inputs_for_generation")):
         raise GrapeError(f"expected a Hugging Face generative model, found "
                          f"{type(model).__name__}")
-    for name, value in (("compile", compile), ("concurrent", concurrent)):
-        if not isinstance(value, bool):
-            raise GrapeError(f"expected {name} to be True or False, found {value!r}")
+    if not isinstance(compile, bool):
+        raise GrapeError(f"expected compile to be True or False, found {compile!r}")
+    if concurrent is not None and not isinstance(concurrent, bool):
+        raise GrapeError(f"expected concurrent to be True, False or None, found "
+                         f"{concurrent!r}")
     if exact_lengths is not None and not isinstance(exact_lengths, bool):
         raise GrapeError(f"expected exact_lengths to be True, False or None, found "
                          f"{exact_lengths!r}")
@@ -461,6 +469,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
                      "grape.generate runs model.generate instead")
 
 
+def _concurrent(asked: bool | None, compiled: bool) -> bool:
+    """Whether a step runs as its DAG: as asked, or by default where its kernels are the
+    model's own (a compiled step's are launched where the pass cannot see them)."""
+    return not compiled if asked is None else asked
+
+
 @dataclass(frozen=True)
 class _GrapeArgs:
     """grape's own arguments of a generate call (generate's are its keyword arguments)."""
@@ -470,7 +484,7 @@ class _GrapeArgs:
     exact_lengths: bool | None
     cache_length: int | None
     prompt_bucket: int | None
-    concurrent: bool
+    concurrent: bool | None  # None: as the step is compiled or not
 
 
 def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
@@ -513,7 +527,7 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
             run = functools.partial(
                 _graphed_generate, model, prompt, options, args.seed, compiled,
                 caller_ids=input_ids, padded_bytes=padded + decoder_copied,
-                concurrent=args.concurrent,
+                concurrent=_concurrent(args.concurrent, compiled),
                 syncs_before=int(decoder_ids is not None) + options.read_backs,
                 # (one for the call: a loop run again streams what it makes)
                 feed=None if options.streamer is None else TokenFeed(options.streamer))
