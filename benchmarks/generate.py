@@ -316,7 +316,8 @@ def _most_common_new_token(out, prompt: int) -> int:
     return int(values[counts.argmax()])
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, device: str) -> None:
+    """``device``: the GPU the rows ran on, as the titles name it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -346,7 +347,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                       [a.split(":")[-1] for a in archs], fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("ms per token")
-        ax.set_title(f"{strategy}, batch 1, {these[0]['new_tokens']} new tokens (H200)")
+        ax.set_title(f"{strategy}, batch 1, {these[0]['new_tokens']} new tokens ({device})")
         ax.legend(fontsize=7, ncol=len(ways), loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -378,12 +379,13 @@ def main() -> None:
     if args.plot_only:
         if not args.plot:
             parser.error("--plot-only needs --plot PNG")
-        rows = []
+        rows, devices = [], []
         for path in args.plot_only:
             doc = json.loads(path.read_text())
+            devices.append(doc.get("device", "GPU not recorded"))
             size = doc.get("size") or ("small" if "--small" in doc["command"] else "bench")
             rows += [{"size": size, **r} for r in doc["results"] if "failed" not in r]
-        plot(rows, args.plot)
+        plot(rows, args.plot, " / ".join(dict.fromkeys(devices)))
         return
     if args.deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before the first cuBLAS handle
@@ -428,7 +430,7 @@ def main() -> None:
             _write(args, rows)
     _write(args, rows)
     if args.plot:
-        plot([r for r in rows if "failed" not in r], args.plot)
+        plot([r for r in rows if "failed" not in r], args.plot, torch.cuda.get_device_name())
     print(f"{'arch':<10} {'strategy':<7} {'b':>2} {'run':<7} {'way':<12} {'ms/tok':>8} "
           f"{'syncs/tok':>9} {'copy B':>7} {'same':>5} {'capture s':>9}")
     for r in rows:
