@@ -205,6 +205,31 @@ def test_the_return_dict_holds_generates_scores_from_one_launch(cuda, beams):
     clear_cache(model)
 
 
+def test_captures_are_reported_on_the_grape_logger(cuda, caplog):
+    import logging
+    import re
+
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+
+    model = _small_llama()
+    ids = torch.randint(3, 500, (1, 5), device="cuda")
+    with caplog.at_level(logging.INFO, logger="grape"):
+        grape.generate(model, ids, max_new_tokens=4, do_sample=False)
+        stats = last_stats()
+        grape.generate(model, ids, max_new_tokens=4, do_sample=False)  # kept: no capture
+    lines = [r.getMessage() for r in caplog.records if r.name == "grape"]
+    assert len(lines) == 2, lines
+    assert lines[0] == ("grape.generate: capturing LlamaForCausalLM's generation: greedy, "
+                        "batch 1, prompt 5, 4 new tokens")
+    found = re.fullmatch(r"grape\.generate: captured in (\d+\.\d\d) s: a step of (\d+) "
+                         r"nodes, (\d+) on its longest path; the prompt inside the launch",
+                         lines[1])
+    assert found, lines[1]
+    assert (int(found[2]), int(found[3])) == (stats.step_nodes, stats.step_depth)
+    clear_cache(model)
+
+
 @pytest.mark.parametrize("new", [1, 2])
 def test_one_or_two_new_tokens_are_graphed_as_generate_makes_them(cuda, new):
     # The build steps twice before its capture: buffers max_new_tokens long were indexed past
@@ -846,9 +871,12 @@ def test_a_graphed_speech_model_over_audio_lengths_matches_eager(cuda):
     f.close()
 
 
-def test_a_concurrent_graphed_encoder_and_speech_model_compute_the_chain_s_bits(cuda):
+def test_a_concurrent_graphed_encoder_and_speech_model_compute_the_chain_s_bits(cuda, caplog):
     """concurrent=True runs the same kernels in an order their memory allows: the same bits as
-    the chain, every signature's longest path shorter than its nodes."""
+    the chain, every signature's longest path shorter than its nodes. Each capture is reported
+    on the ``grape`` logger."""
+    import logging
+
     import grape
 
     torch.manual_seed(0)
@@ -872,8 +900,14 @@ def test_a_concurrent_graphed_encoder_and_speech_model_compute_the_chain_s_bits(
                      for n in (40000, 16000, 23999, 40000)])]
     for fn, inputs in cases:
         chain, dag = grape.graphed(fn), grape.graphed(fn, concurrent=True)
-        for x in inputs:
-            torch.testing.assert_close(dag(x).clone(), chain(x).clone(), rtol=0, atol=0)
+        with caplog.at_level(logging.INFO, logger="grape"):
+            for x in inputs:
+                torch.testing.assert_close(dag(x).clone(), chain(x).clone(), rtol=0, atol=0)
+        lines = [r.getMessage() for r in caplog.records if r.name == "grape"]
+        caplog.clear()
+        assert len(lines) == 6 and all(
+            line.startswith(f"grape.graphed: signature {i // 2 + 1} of {fn.__name__}")
+            for i, line in enumerate(lines)), lines  # three signatures, chain and DAG
         assert dag.stats.captures == 3 and dag.stats.copy_bytes == 0
         assert all(depth < nodes for nodes, depth in dag.paths), dag.paths
         assert all(depth == nodes for nodes, depth in chain.paths)

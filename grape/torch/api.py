@@ -38,6 +38,10 @@ prompt of language and task tokens, its token suppression, windows over long aud
 ``generate`` as it is, and each call it makes of ``GenerationMixin.generate`` is graphed
 (``grape.torch.own_generate``); ``last_stats`` then sums those calls.
 
+Each capture is reported on the ``grape`` logger at INFO (``logging.basicConfig(level=
+logging.INFO)`` shows them): what it captures as it starts, since a compiled step's first call
+spends a minute or more in Inductor's autotuning, and its seconds and nodes as it ends.
+
 Whatever grape cannot run itself (an option it does not reproduce, a model on the CPU, a
 forward that cannot be captured) runs through ``model.generate`` (or, inside a model's own
 generate, through ``GenerationMixin.generate``) after one warning saying why; bad input
@@ -47,6 +51,7 @@ raises ``GrapeError``.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 import warnings
@@ -89,6 +94,7 @@ EXACT_FROM = 1024
 
 # generate's arguments for an encoder-decoder model's decoder prompt (grape.torch.options).
 _DECODER_PROMPT = ("decoder_input_ids", "decoder_attention_mask")
+_LOG = logging.getLogger("grape")
 
 
 @dataclass
@@ -256,6 +262,11 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
     began = time.perf_counter()
     input_ids = prompt.ids
     batch, prompt_len = input_ids.shape[0], prompt.length
+    _LOG.info("grape.generate: capturing %s's generation: %s, batch %d, prompt %d, %d new "
+              "tokens%s", type(model).__name__, options.strategy, batch, prompt_len,
+              options.max_new_tokens,
+              ", its step compiled first (Inductor's autotuning: a minute or more on large "
+              "models)" if step_model is not None else "")
     with model_code(model):
         decoder = _decoder(model, batch, prompt_len, options, step_model, exact)
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
@@ -319,8 +330,13 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
         loop = DeviceLoop(decoder.step, decoder.running, options.max_new_tokens,
                           params=params, staging=staging(), concurrent=concurrent)
     attention = dict(decoder.lengths.served) if exact else {}
-    return _Entry(decoder, loop, time.perf_counter() - began, arena, inputs, copy_bytes,
-                  attention)
+    seconds = time.perf_counter() - began
+    body = loop.concurrency.get("body")
+    _LOG.info("grape.generate: captured in %.2f s: a step of %d nodes, %d on its longest "
+              "path; the prompt %s", seconds, len(loop.capture.ir),
+              len(loop.capture.ir) if body is None else body.depth,
+              "inside the launch" if inputs is not None else "run eagerly before it")
+    return _Entry(decoder, loop, seconds, arena, inputs, copy_bytes, attention)
 
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,

@@ -35,6 +35,8 @@ cannot fit to the graph's nodes) keeps the captured chain, with a warning.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -56,6 +58,8 @@ from grape.torch.hfmasks import no_padding_shortcut
 from grape.torch.masked_writes import masked_writes
 
 __all__ = ["CallStats", "Graphed", "graphed"]
+
+_LOG = logging.getLogger("grape")
 
 # A switch that changes more than this fraction of an executable's nodes takes the signature's
 # whole graph in one cuGraphExecUpdate: on the H200 that cost about 0.9 us per node of the
@@ -219,6 +223,7 @@ class Graphed:
                                          else contextlib.nullcontext()):
                 return fn(*args, **kwargs)
 
+        began = time.perf_counter()
         captured = capture(call, *tensors, params=self.params, pool=self._pool,
                            instantiate=False, tag=tag, warmup=self.warmup,
                            accesses=self.concurrent)
@@ -246,6 +251,12 @@ class Graphed:
         entry.captured_at = tuple(inputs.addresses)
         if shared.holds is None:  # instantiated from this signature's graph
             shared.holds = entry
+        _LOG.info("grape.graphed: signature %d of %s (inputs %s) captured in %.2f s: %d "
+                  "nodes, %d on the longest path, %s", len(self._entries) + 1,
+                  getattr(self.fn, "__name__", type(self.fn).__name__),
+                  ", ".join(f"{tuple(t.shape)}" for t in tensors),
+                  time.perf_counter() - began, len(ir), depth,
+                  "a new executable" if shared.template is ir else "joining an executable")
         return entry
 
     def _dag(self, captured: TorchCapture) -> tuple[KernelGraph, int]:
