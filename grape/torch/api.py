@@ -265,8 +265,8 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
     _LOG.info("grape.generate: capturing %s's generation: %s, batch %d, prompt %d, %d new "
               "tokens%s", type(model).__name__, options.strategy, batch, prompt_len,
               options.max_new_tokens,
-              ", its step compiled first (Inductor's autotuning: a minute or more on large "
-              "models)" if step_model is not None else "")
+              ", its step compiled by torch.compile (a first compilation autotunes: a minute "
+              "or more on large models)" if step_model is not None else "")
     with model_code(model):
         decoder = _decoder(model, batch, prompt_len, options, step_model, exact)
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
