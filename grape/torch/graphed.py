@@ -266,8 +266,9 @@ class Graphed:
         try:
             dag = concurrent_dag(captured.ir, captured.accesses, captured.allocations)
         except UnsupportedError as e:
+            # (stacklevel: _dag, _capture, _entry, __call__, then the caller's line)
             warnings.warn(f"grape.graphed(concurrent=True): the capture runs as captured, one "
-                          f"operation after another: {str(e).splitlines()[0]}", stacklevel=4)
+                          f"operation after another: {str(e).splitlines()[0]}", stacklevel=5)
             return captured.ir, len(captured.ir)
         return dag.graph, dag.depth
 
