@@ -256,3 +256,14 @@ def test_each_kind_of_capture_moves_to_the_places_of_the_first_of_its_kind():
     assert places.refused[-1] == "the process records the allocator's history itself"
     assert places.summary().startswith("temporaries moved to a reference capture's places in "
                                        "2 of 4 captures (2 references, ")
+
+
+def test_a_family_s_progress_goes_to_the_grape_logger_by_default(caplog):
+    import logging
+
+    from grape.torch.family import _logged
+
+    with caplog.at_level(logging.INFO, logger="grape"):
+        _logged("capture_family")("placed 10/512 shapes, 1 executables")
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("grape", logging.INFO, "capture_family: placed 10/512 shapes, 1 executables")]
