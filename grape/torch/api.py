@@ -398,11 +398,11 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     operation touched and ordering by it: on the Llama bench shape about 1.1 s against 0.6
     per executable (H100). Where most calls capture (a new shape each), ``concurrent=False``
     captures faster: it runs the step's kernels one after another in the order the forward
-    issued them. A compiled step runs as a chain by default: Inductor launches its kernels
-    outside PyTorch's dispatcher, where the pass cannot tell what they touch; and on an H100
-    GPT-2 small's compiled step captured with ``concurrent=True`` held 307 nodes against the
-    chain's 151 and ran 0.765 ms a token against 0.581 (``benchmarks/README.md``; why the
-    capture under the pass's noting made more nodes was not looked into).
+    issued them. A compiled step runs as a chain by default: the pass notes what each
+    operation touches with a Python dispatch mode, under which Dynamo runs the model eagerly
+    rather than its compiled code (``benchmarks/compiled_under_dispatch_mode.py``), so that
+    on an H100 GPT-2 small's compiled step captured with ``concurrent=True`` held 307 nodes
+    against the chain's 151 and ran 0.765 ms a token against 0.581 (``benchmarks/README.md``).
 
     Encoder-decoder models (T5, BART, Marian, Pegasus...) generate the same way: the prompt is
     the encoder's source, run once per call, and the decoder starts from its start token
