@@ -183,7 +183,7 @@ def _run(name: str, fn: Callable, make: Callable[[int], torch.Tensor], lengths: 
             row["nodes_updated_per_call"] = round(
                 (runner.stats.switch_updates + runner.stats.pointer_updates)
                 / runner.stats.calls, 2)
-            row["copy_bytes_per_call"] = runner.stats.copy_bytes
+            row["copy_bytes_per_call"] = runner.stats.copy_bytes // runner.stats.calls
             paths = runner.paths  # (nodes, longest path) per length
             row["nodes_median"] = sorted(n for n, _ in paths)[len(paths) // 2]
             row["longest_path_median"] = sorted(d for _, d in paths)[len(paths) // 2]

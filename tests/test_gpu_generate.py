@@ -915,6 +915,28 @@ def test_a_concurrent_graphed_encoder_and_speech_model_compute_the_chain_s_bits(
         dag.close()
 
 
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_an_output_passed_back_in_is_read_as_it_was(cuda, concurrent):
+    """``fn(x)`` writes its first output while a later kernel still reads ``x``: called on its
+    own earlier output, that output's memory is copied first (warned), since the launch
+    rewrites it; without the copy the second result would read the first's new values."""
+    import grape
+
+    def fn(x):
+        return x + 1, x * 2
+
+    f = grape.graphed(fn, concurrent=concurrent)
+    x = torch.arange(8, dtype=torch.float32, device="cuda")
+    first, _ = f(x)
+    passed = first.clone()
+    with pytest.warns(UserWarning, match="an argument lies in the memory of an output"):
+        plus, times = f(first)
+    torch.testing.assert_close(plus, passed + 1, rtol=0, atol=0)
+    torch.testing.assert_close(times, passed * 2, rtol=0, atol=0)
+    assert f.stats.captures == 1 and f.stats.copy_bytes == first.untyped_storage().nbytes()
+    f.close()
+
+
 def test_a_graphed_callable_takes_keyword_and_nested_tensor_arguments(cuda):
     import grape
 

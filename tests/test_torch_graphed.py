@@ -179,3 +179,27 @@ def test_concurrent_must_be_a_bool():
 
     with pytest.raises(GrapeError, match="expected concurrent=True or False, found 'yes'"):
         grape.graphed(lambda x: x, concurrent="yes")
+
+
+def test_an_argument_in_an_output_s_memory_is_copied_once_warned_its_signature_kept():
+    g = Graphed(lambda x: x)
+    out = torch.arange(8, dtype=torch.float32)  # stands for a graph's output
+    storage = out.untyped_storage()
+    g._written.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    inside, elsewhere = out[2:6], torch.zeros(4)
+    assert g._inside_output(inside) and g._inside_output(out)
+    assert not g._inside_output(elsewhere)
+    with pytest.warns(UserWarning, match="an argument lies in the memory of an output of an "
+                                         "earlier call"):
+        copy = g._apart(inside)
+    assert copy.untyped_storage().data_ptr() != storage.data_ptr()
+    assert (copy.shape, copy.stride(), copy.storage_offset()) == ((4,), (1,), 2)
+    assert torch.equal(copy, inside) and g.stats.copy_bytes == 32  # the whole storage
+    out.fill_(-1)  # the graph writes its output: the copy keeps what the caller passed
+    assert copy.tolist() == [2.0, 3.0, 4.0, 5.0]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per callable
+        g._apart(inside)
+    assert g.stats.copy_bytes == 64

@@ -7,7 +7,10 @@ prediction): the first call of each input signature (shapes, dtypes, strides) ca
 ``fn`` on the caller's tensors into the IR; a later call whose tensors sit at other addresses
 updates only the nodes that read them (``grape.passes.alias.repoint``), and one whose tensors
 sit where they did (PyTorch's caching allocator tends to give a call site the same block
-again) updates nothing. ``copy_bytes`` is always 0.
+again) updates nothing. ``copy_bytes`` stays 0 but for one case: a tensor argument lying in
+memory a graph of the callable writes (an output of an earlier call, passed back in) would be
+overwritten while the graph reads it, so its storage is copied first, with one warning, and
+counted there.
 
 Signatures form families: a signature whose graph has the topology of one captured before
 (an encoder at another sequence length, usually) joins that signature's executable as a
@@ -76,7 +79,8 @@ class CallStats:
     switches: int = 0  # calls that brought a shared executable to another signature
     switch_updates: int = 0  # nodes those calls updated
     whole_updates: int = 0  # switches made as one whole-graph update
-    copy_bytes: int = 0  # inputs copied into placeholders: none, by construction
+    # inputs copied: only those lying in a graph output's memory (see the module)
+    copy_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -143,6 +147,8 @@ class Graphed:
     _entries: dict[tuple, _Entry] = field(default_factory=dict)
     _shared: dict[str, list[_Shared]] = field(default_factory=dict)  # by topology
     _pool: Any = None
+    _written: list[tuple[int, int]] = field(default_factory=list)  # outputs' storages
+    _warned: bool = False  # that an input in an output's memory was copied
 
     @property
     def signatures(self) -> int:
@@ -180,11 +186,13 @@ class Graphed:
         # (keyword arguments too) are inputs; everything else is part of the signature.
         leaves, spec = tree_flatten((args, kwargs))
         tensors, key = [], [spec]
-        for leaf in leaves:
+        for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 if not leaf.is_cuda:
                     raise GrapeError(f"expected CUDA tensors as inputs of a graphed callable, "
                                      f"found one on {leaf.device}")
+                if self._written and self._inside_output(leaf):
+                    leaf = leaves[i] = self._apart(leaf)
                 tensors.append(leaf)
                 key.append(signature(leaf))
             else:
@@ -198,6 +206,29 @@ class Graphed:
         if entry is None:
             entry = self._entries[tuple(key)] = self._capture(leaves, spec, tensors)
         return entry, tensors
+
+    def _inside_output(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage overlaps an output of one of the callable's graphs: memory
+        a launch writes (a signature's outputs, or temporaries of another signature sharing
+        the pool, placed where that output was free at its capture)."""
+        storage = t.untyped_storage()
+        start = storage.data_ptr()
+        end = start + storage.nbytes()
+        return any(start < b and a < end for a, b in self._written)
+
+    def _apart(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` over a copy of its storage (its offset and strides kept, so its signature too),
+        where no launch writes."""
+        storage = t.untyped_storage().clone()
+        self.stats.copy_bytes += storage.nbytes()
+        if not self._warned:
+            self._warned = True
+            warnings.warn("grape.graphed: an argument lies in the memory of an output of an "
+                          "earlier call, which the graph writes while reading it; it is copied "
+                          "first (clone outputs you pass back in to avoid the copy)",
+                          stacklevel=4)  # (_apart, _entry, __call__, the caller's line)
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            storage, t.storage_offset(), t.shape, t.stride())
 
     def _capture(self, leaves: list, spec: Any, tensors: list[torch.Tensor]) -> _Entry:
         if self._pool is None:
@@ -246,6 +277,11 @@ class Graphed:
         reads = frozenset(back[n] for n in _reading(ir, set(inputs.names)))
         varies = reads | {nd.node for nd in d.nodes}
         entry = _Entry(captured, ir, shared, d, nodes, inputs, reads, varies, depth=depth)
+        for out in tree_flatten(captured.outputs)[0]:
+            if isinstance(out, torch.Tensor):
+                storage = out.untyped_storage()
+                self._written.append((storage.data_ptr(),
+                                      storage.data_ptr() + storage.nbytes()))
         # Built now, so that a first switch costs what later ones do.
         entry.graph = shared.graph if shared.holds is None else Graph.build(ir)
         entry.captured_at = tuple(inputs.addresses)
@@ -322,6 +358,7 @@ class Graphed:
                 shared.graph.close()
         self._shared.clear()
         self._entries.clear()
+        self._written.clear()
 
 
 def graphed(fn: Callable[..., Any], *, params: Mapping[str, torch.Tensor] | None = None,
