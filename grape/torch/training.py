@@ -168,7 +168,8 @@ class GraphedTraining:
     # "copy": each batch copied into the static input buffer the family reads; "alias": the
     # graphs re-pointed at each batch where it lies (grape.graphed), nothing copied.
     inputs_by: str = "copy"
-    progress: Callable[[str], None] | None = None  # lines on a capture's progress
+    progress: Callable[[str], None] | None = None  # lines on a capture's progress (None:
+    # the grape logger, as capture_family's default)
     stats: TrainingStats = field(default_factory=TrainingStats)
 
     def __post_init__(self) -> None:
@@ -391,7 +392,7 @@ class GraphedTraining:
             if self.inputs_by == "copy":
                 self._family = capture_family(self.step_at, self.lengths, params=params,
                                               derive_every=self.derive_every, warmup=0,
-                                              progress=self.progress or (lambda line: None))
+                                              progress=self.progress)
                 self.stats.lengths_captured = len(self._family.group_of)
                 self.stats.executables = len(self._family.groups)
             else:
