@@ -203,3 +203,15 @@ def test_an_argument_in_an_output_s_memory_is_copied_once_warned_its_signature_k
         warnings.simplefilter("error")  # warned once per callable
         g._apart(inside)
     assert g.stats.copy_bytes == 64
+
+
+def test_only_outputs_in_the_graphs_pool_count_as_written(monkeypatch):
+    pooled, callers = torch.zeros(16), torch.zeros(4)
+    start = pooled.untyped_storage().data_ptr()
+    monkeypatch.setattr(graphed_module, "pool_segments", lambda pool: [(start, 64)])
+    g = Graphed(lambda x: x)
+    # An output made in the pool, and one that is the caller's own argument (an in-place
+    # function's result, or a view of an input): only the first is memory a launch writes.
+    g._note_written((pooled[4:], {"same": callers}))
+    assert g._written == [(start, start + 64)]
+    assert g._inside_output(pooled[:2]) and not g._inside_output(callers)

@@ -55,7 +55,7 @@ from grape.passes.alias import repoint
 from grape.passes.concurrency import concurrent as concurrent_dag
 from grape.passes.delta import ShapeDelta, identity, join
 from grape.torch.aliasing import Inputs, signature
-from grape.torch.capture import TorchCapture, capture
+from grape.torch.capture import TorchCapture, capture, pool_segments
 from grape.torch.control import capturing
 from grape.torch.hfmasks import no_padding_shortcut
 from grape.torch.masked_writes import masked_writes
@@ -147,7 +147,7 @@ class Graphed:
     _entries: dict[tuple, _Entry] = field(default_factory=dict)
     _shared: dict[str, list[_Shared]] = field(default_factory=dict)  # by topology
     _pool: Any = None
-    _written: list[tuple[int, int]] = field(default_factory=list)  # outputs' storages
+    _written: list[tuple[int, int]] = field(default_factory=list)  # pool outputs' storages
     _warned: bool = False  # that an input in an output's memory was copied
 
     @property
@@ -206,6 +206,18 @@ class Graphed:
         if entry is None:
             entry = self._entries[tuple(key)] = self._capture(leaves, spec, tensors)
         return entry, tensors
+
+    def _note_written(self, outputs: Any) -> None:
+        """Remember the outputs a launch writes: those in the graphs' pool. An output that is
+        a view of an input, a parameter or other memory of the caller's is not the graph's
+        (an in-place function's result is its argument, which must stay where it lies)."""
+        segments = pool_segments(self._pool)
+        for out in tree_flatten(outputs)[0]:
+            if isinstance(out, torch.Tensor):
+                storage = out.untyped_storage()
+                start = storage.data_ptr()
+                if any(a <= start < a + size for a, size in segments):
+                    self._written.append((start, start + storage.nbytes()))
 
     def _inside_output(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage overlaps an output of one of the callable's graphs: memory
@@ -277,11 +289,7 @@ class Graphed:
         reads = frozenset(back[n] for n in _reading(ir, set(inputs.names)))
         varies = reads | {nd.node for nd in d.nodes}
         entry = _Entry(captured, ir, shared, d, nodes, inputs, reads, varies, depth=depth)
-        for out in tree_flatten(captured.outputs)[0]:
-            if isinstance(out, torch.Tensor):
-                storage = out.untyped_storage()
-                self._written.append((storage.data_ptr(),
-                                      storage.data_ptr() + storage.nbytes()))
+        self._note_written(captured.outputs)
         # Built now, so that a first switch costs what later ones do.
         entry.graph = shared.graph if shared.holds is None else Graph.build(ir)
         entry.captured_at = tuple(inputs.addresses)
