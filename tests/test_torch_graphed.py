@@ -4,6 +4,8 @@ CPU: synthetic graphs, a recording stand-in for the driver."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
@@ -185,7 +187,7 @@ def test_an_argument_in_an_output_s_memory_is_copied_once_warned_its_signature_k
     g = Graphed(lambda x: x)
     out = torch.arange(8, dtype=torch.float32)  # stands for a graph's output
     storage = out.untyped_storage()
-    g._written.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    g._add_written(storage.data_ptr(), storage.data_ptr() + storage.nbytes())
     inside, elsewhere = out[2:6], torch.zeros(4)
     assert g._inside_output(inside) and g._inside_output(out)
     assert not g._inside_output(elsewhere)
@@ -215,3 +217,51 @@ def test_only_outputs_in_the_graphs_pool_count_as_written(monkeypatch):
     g._note_written((pooled[4:], {"same": callers}))
     assert g._written == [(start, start + 64)]
     assert g._inside_output(pooled[:2]) and not g._inside_output(callers)
+
+
+def test_written_ranges_merge_and_one_bisection_finds_an_overlap():
+    g = Graphed(lambda x: x)
+    for a, b in [(100, 200), (300, 400), (150, 250), (400, 450), (1000, 1001)]:
+        g._add_written(a, b)
+    assert g._written == [(100, 250), (300, 450), (1000, 1001)]
+
+    class At:  # a tensor's storage at [start, end)
+        def __init__(self, start, end):
+            self.start, self.end = start, end
+
+        def untyped_storage(self):
+            return self
+
+        def data_ptr(self):
+            return self.start
+
+        def nbytes(self):
+            return self.end - self.start
+
+    inside = [(0, 101), (249, 260), (260, 301), (449, 999), (999, 2000), (120, 130)]
+    outside = [(0, 100), (250, 300), (450, 1000), (1001, 5000)]
+    assert all(g._inside_output(At(*r)) for r in inside)
+    assert not any(g._inside_output(At(*r)) for r in outside)
+
+
+_RANGE = st.tuples(st.integers(0, 200), st.integers(1, 40)).map(lambda p: (p[0], p[0] + p[1]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_RANGE, max_size=12), _RANGE)
+def test_an_overlap_is_found_as_a_scan_of_every_output_finds_it(outputs, probe):
+    g = Graphed(lambda x: x)
+    for a, b in outputs:
+        g._add_written(a, b)
+
+    class At:
+        def untyped_storage(self):
+            return self
+
+        def data_ptr(self):
+            return probe[0]
+
+        def nbytes(self):
+            return probe[1] - probe[0]
+
+    assert g._inside_output(At()) == any(a < probe[1] and probe[0] < b for a, b in outputs)

@@ -37,6 +37,7 @@ cannot fit to the graph's nodes) keeps the captured chain, with a warning.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import time
@@ -147,7 +148,8 @@ class Graphed:
     _entries: dict[tuple, _Entry] = field(default_factory=dict)
     _shared: dict[str, list[_Shared]] = field(default_factory=dict)  # by topology
     _pool: Any = None
-    _written: list[tuple[int, int]] = field(default_factory=list)  # pool outputs' storages
+    # The pool outputs' storages, merged: disjoint (start, end) ranges in address order
+    _written: list[tuple[int, int]] = field(default_factory=list)
     _warned: bool = False  # that an input in an output's memory was copied
 
     @property
@@ -217,16 +219,28 @@ class Graphed:
                 storage = out.untyped_storage()
                 start = storage.data_ptr()
                 if any(a <= start < a + size for a, size in segments):
-                    self._written.append((start, start + storage.nbytes()))
+                    self._add_written(start, start + storage.nbytes())
+
+    def _add_written(self, start: int, end: int) -> None:
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted([*self._written, (start, end)]):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self._written = merged
 
     def _inside_output(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage overlaps an output of one of the callable's graphs: memory
         a launch writes (a signature's outputs, or temporaries of another signature sharing
-        the pool, placed where that output was free at its capture)."""
+        the pool, placed where that output was free at its capture). One bisection a call,
+        however many signatures: of the disjoint ranges starting before ``t``'s storage ends,
+        only the last can reach into it."""
         storage = t.untyped_storage()
         start = storage.data_ptr()
         end = start + storage.nbytes()
-        return any(start < b and a < end for a, b in self._written)
+        i = bisect.bisect_left(self._written, (end,)) - 1
+        return i >= 0 and self._written[i][1] > start
 
     def _apart(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` over a copy of its storage (its offset and strides kept, so its signature too),
