@@ -11,15 +11,9 @@ from pathlib import Path
 import pytest
 
 from grape.ir import KernelGraph
-from grape.passes.derive import (
-    _both,
-    _differs,
-    _unread_candidates,
-    derive,
-    loose_slots,
-    stray_slots,
-)
+from grape.passes.derive import _both, _differs, derive, loose_slots, stray_slots
 from grape.passes.families import match
+from grape.passes.lengths import _unread_candidates
 
 FOLDER = (Path(__file__).resolve().parent.parent / "traces" / "h200_families"
           / "llama_bench_decode_b1_leftovers")
@@ -93,7 +87,7 @@ def test_running_shows_each_candidate_at_a_sample_where_it_differs_in_few_runs(g
     # slots that differ from the template at its sample: each slot is shown unread once it
     # has differed at one run's sample, and samples are taken where most slots not yet shown
     # differ (taken in order, these captures needed a run at five of the six samples).
-    from grape.passes.derive import Sampled, _unread
+    from grape.passes.lengths import Sampled, _unread
 
     samples, loose = graphs["sample"], _loose(graphs)
     d = derive({n: samples[n] for n in RUN}, loose)

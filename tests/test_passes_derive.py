@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Memcpy, Param, Pointer, Span
-from grape.passes.derive import LENGTH, Quotient, derive, derive_lengths
+from grape.passes.derive import LENGTH, Quotient, derive
+from grape.passes.lengths import derive_lengths
 
 ROW = 128  # bytes of cache per position
 
@@ -642,7 +643,7 @@ def test_a_leftover_that_lies_on_a_line_across_three_samples_by_chance_is_still_
             args[16:20] = (0x7F10_0000 + 0x40 * n).to_bytes(4, "little")
             g.dag.nodes["attn"]["op"] = dataclasses.replace(attn, args=bytes(args))
         return g
-    from grape.passes.derive import _unread_candidates
+    from grape.passes.lengths import _unread_candidates
 
     plain = derive_lengths(on_a_line, range(1, 257), every=8, checks=2)
     (d,) = plain.derivations
@@ -670,7 +671,7 @@ def test_a_word_the_kernel_reads_is_not_shown_unread_and_nothing_is_derived_wron
 
 
 def test_halving_finds_the_slots_a_kernel_reads_in_a_few_runs():
-    from grape.passes.derive import _agreeing
+    from grape.passes.lengths import _agreeing
 
     items = [("k", 4 * i) for i in range(64)]
     read = {("k", 40), ("k", 200)}

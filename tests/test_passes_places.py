@@ -362,7 +362,7 @@ def test_derive_lengths_over_moved_captures_captures_a_few_and_derives_the_rest(
     """The whole procedure a family with same_places runs, on made-up captures: every capture
     moved to the largest's places (grape.torch.family._Places does it there), then one length
     in eight captured, the others derived and checked against held-out captures."""
-    from grape.passes.derive import derive_lengths
+    from grape.passes.lengths import derive_lengths
 
     largest = decode(max(LENGTHS))
 

@@ -41,8 +41,9 @@ from grape.cuda.switch import DeviceSwitch
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory, Op, fingerprint
-from grape.passes.derive import Derivation, Sampled, derive_lengths, place_derived
+from grape.passes.derive import Derivation, place_derived
 from grape.passes.families import match, same_ids
+from grape.passes.lengths import Sampled, derive_lengths
 from grape.passes.places import History, Mark, to_reference
 from grape.passes.switch_plan import SwitchPlan
 from grape.passes.switch_plan import plan as switch_plan
@@ -373,7 +374,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     illegal instruction).
 
     ``derive_every`` (shapes then are integer lengths): capture one length in that many, and
-    derive the others' graphs from them (``grape.passes.derive.derive_lengths``: numbers
+    derive the others' graphs from them (``grape.passes.lengths.derive_lengths``: numbers
     fitted as piecewise-affine functions of the length, ``checks`` held-out lengths per
     stretch captured and compared byte for byte, a stretch they refute captured whole, any
     length no trusted stretch covers captured, ``derive_period``: lengths derived only from
