@@ -265,3 +265,37 @@ def test_an_overlap_is_found_as_a_scan_of_every_output_finds_it(outputs, probe):
             return probe[1] - probe[0]
 
     assert g._inside_output(At()) == any(a < probe[1] and probe[0] < b for a, b in outputs)
+
+
+def test_threads_calling_one_graphed_callable_take_turns(monkeypatch):
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    log: list[tuple[str, str]] = []
+
+    class Launches:
+        def launch(self, stream):
+            log.append(("launch", threading.current_thread().name))
+
+    entry = SimpleNamespace(shared=SimpleNamespace(executable=Launches()), captured=SimpleNamespace(
+        outputs="out"))
+    g = Graphed(lambda x: x)
+
+    def bring(e, tensors):  # slow enough that an unlocked second call would interleave
+        log.append(("bring", threading.current_thread().name))
+        time.sleep(0.05)
+
+    monkeypatch.setattr(g, "_entry", lambda args, kwargs: (entry, []))
+    monkeypatch.setattr(g, "_bring", bring)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda: SimpleNamespace(cuda_stream=0))
+    threads = [threading.Thread(target=g, name=f"t{i}") for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Each thread's bring is followed by its own launch, never by another thread's bring.
+    assert len(log) == 6 and all(log[i][1] == log[i + 1][1] and log[i][0] == "bring"
+                                 for i in range(0, 6, 2)), log
+    assert g.stats.calls == 3

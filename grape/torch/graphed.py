@@ -25,7 +25,9 @@ What a call returns are the graph's own output tensors, valid until the next cal
 call of the same signature writes its results into them, and a call of another signature may
 write its activations over them (signatures share one memory pool, so that every length's
 activations fit in the memory of the largest: PyTorch's graphs sharing a pool behave alike).
-Clone what must outlive the call. Calls run on the current stream, one at a time.
+Clone what must outlive the call. Calls run on the current stream, one at a time: threads
+that call one graphed callable take turns (a lock), since a call brings the shared executable
+to its signature before it launches.
 
 ``concurrent=True`` builds each signature's graph as the DAG its memory demands
 (``grape.passes.concurrency``, as ``grape.generate``'s default does for its steps), so that
@@ -40,6 +42,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -151,6 +154,9 @@ class Graphed:
     # The pool outputs' storages, merged: disjoint (start, end) ranges in address order
     _written: list[tuple[int, int]] = field(default_factory=list)
     _warned: bool = False  # that an input in an output's memory was copied
+    # One call at a time: bringing the executable to a signature, then launching it, is one
+    # step (the driver orders launches of one executable, not the updates between them).
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
     def signatures(self) -> int:
@@ -173,15 +179,17 @@ class Graphed:
         return sum(s.executable.device_bytes for v in self._shared.values() for s in v)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        entry, tensors = self._entry(args, kwargs)
-        self._bring(entry, tensors)
-        entry.shared.executable.launch(torch.cuda.current_stream().cuda_stream)
-        self.stats.calls += 1
-        return entry.captured.outputs
+        with self._lock:
+            entry, tensors = self._entry(args, kwargs)
+            self._bring(entry, tensors)
+            entry.shared.executable.launch(torch.cuda.current_stream().cuda_stream)
+            self.stats.calls += 1
+            return entry.captured.outputs
 
     def prepare(self, *args: Any, **kwargs: Any) -> None:
         """Capture the arguments' signature now, if it is new, without running ``fn`` for it."""
-        self._entry(args, kwargs)
+        with self._lock:
+            self._entry(args, kwargs)
 
     def _entry(self, args: tuple, kwargs: dict) -> tuple[_Entry, list[torch.Tensor]]:
         # Arguments as PyTorch's pytrees see them: tensors anywhere in tuples, lists and dicts
@@ -371,6 +379,10 @@ class Graphed:
         self.stats.switch_updates += updated
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         for entry in self._entries.values():
             if entry.graph is not None and entry.graph is not entry.shared.graph:
                 entry.graph.close()
