@@ -155,7 +155,9 @@ class Graphed:
     _written: list[tuple[int, int]] = field(default_factory=list)
     _warned: bool = False  # that an input in an output's memory was copied
     # One call at a time: bringing the executable to a signature, then launching it, is one
-    # step (the driver orders launches of one executable, not the updates between them).
+    # step. The driver orders launches of one executable behind each other (cuGraphLaunch), but
+    # graph objects are not thread-safe, and another thread's updates between this call's and
+    # its launch would launch its signature with this call's arguments.
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
