@@ -156,8 +156,8 @@ class Graphed:
     _warned: bool = False  # that an input in an output's memory was copied
     # One call at a time: bringing the executable to a signature, then launching it, is one
     # step. The driver orders launches of one executable behind each other (cuGraphLaunch), but
-    # graph objects are not thread-safe, and another thread's updates between this call's and
-    # its launch would launch its signature with this call's arguments.
+    # graph objects are not thread-safe, and another thread's updates landing between this
+    # call's updates and its launch would run this launch with that thread's parameters.
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
