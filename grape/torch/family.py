@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -157,6 +158,9 @@ class Family:
     # buffers only the graphs use (their pool's memory, no tensor in it): a saved family's
     # warm start moves them whole (grape.familyio, grape.passes.relocate)
     scratch: frozenset[str] = frozenset()
+    # One run at a time: bringing an executable to a shape and launching it is one step
+    # (graph objects are not thread-safe; see grape.torch.graphed's lock).
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
     def graph_bytes(self) -> int:
@@ -190,13 +194,18 @@ class Family:
 
     def run(self, shape: Hashable, stream: int | None = None) -> None:
         """Run ``step(shape)``: the family's executable brought to ``shape``, or eagerly (with
-        a warning, once per shape) when ``shape`` was never captured."""
+        a warning, once per shape) when ``shape`` was never captured. Threads that run one
+        family take turns."""
+        with self._lock:
+            self._run(shape, stream)
+
+    def _run(self, shape: Hashable, stream: int | None) -> None:
         name = self.group_of.get(shape)
         if name is None:
             if shape not in self._warned:
                 self._warned.add(shape)
                 warnings.warn(f"shape {shape!r} is not in the family (captured: "
-                              f"{len(self.group_of)} shapes): running it eagerly", stacklevel=2)
+                              f"{len(self.group_of)} shapes): running it eagerly", stacklevel=3)
             self.step(shape)
             return
         group = self.groups[name]
