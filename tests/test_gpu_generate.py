@@ -949,6 +949,21 @@ def test_an_output_passed_back_in_is_read_as_it_was(cuda, concurrent):
     g.close()
 
 
+def test_a_graphed_callable_whose_outputs_need_gradients_is_refused(cuda):
+    import grape
+
+    w = torch.randn(8, device="cuda", requires_grad=True)
+    f = grape.graphed(lambda x: w * x)
+    with pytest.raises(GrapeError, match="expected outputs that need no gradient .* found one "
+                                         "made by MulBackward0: call it under torch.no_grad"):
+        f(torch.randn(8, device="cuda"))
+    assert f.signatures == 0 and f.stats.captures == 0
+    with torch.no_grad():
+        x = torch.randn(8, device="cuda")
+        torch.testing.assert_close(f(x), w * x, rtol=0, atol=0)
+    f.close()
+
+
 def test_a_graphed_callable_takes_keyword_and_nested_tensor_arguments(cuda):
     import grape
 

@@ -294,6 +294,13 @@ class Graphed:
         captured = capture(call, *tensors, params=self.params, pool=self._pool,
                            instantiate=False, tag=tag, warmup=self.warmup,
                            accesses=self.concurrent)
+        if made := next((t.grad_fn for t in tree_flatten(captured.outputs)[0]
+                         if isinstance(t, torch.Tensor) and t.grad_fn is not None), None):
+            # Autograd would run the capture's one backward graph over whatever a later launch
+            # left in its saved tensors, and only once.
+            raise GrapeError(f"expected outputs that need no gradient (grape.graphed replays "
+                             f"the forward alone), found one made by {type(made).__name__}: "
+                             f"call it under torch.no_grad() or torch.inference_mode()")
         self.stats.captures += 1
         ir, depth = self._dag(captured)
         variants = self._shared.setdefault(fingerprint(ir, launch=False), [])
@@ -404,7 +411,9 @@ def graphed(fn: Callable[..., Any], *, params: Mapping[str, torch.Tensor] | None
     at each call's tensors rather than copying them, signatures of one topology sharing one
     executable (see the module's documentation).
 
-    ``fn`` must be capturable (no host syncs, no copies from pageable CPU memory) and run on
+    ``fn`` must be capturable (no host syncs, no copies from pageable CPU memory), return
+    nothing that needs a gradient (call it under ``torch.no_grad()``: a training step graphs
+    its backward inside ``fn``, as ``grape.torch.training`` does), and run on
     its tensor arguments, which may sit anywhere in its positional and keyword arguments
     (tuples, lists and dicts of them, as PyTorch's pytrees see them); its first call per
     signature runs it once eagerly before capturing it (lazy initialisation must happen
