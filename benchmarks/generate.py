@@ -13,9 +13,9 @@ strategy (greedy, sampling, 5-beam search) and batch, side by side in one proces
 - ``grape_compiled``: ``grape.generate(compile=True, concurrent=False)``: Inductor's kernels in
   grape's loop (``compiled`` false, with the reason in ``fallback``, where a compiled step
   could not serve and the model's own kernels ran);
-- ``grape_concurrent``: ``grape.generate(concurrent=True)``, its default: grape's loop with the
-  step's independent operations side by side (``grape.passes.concurrency``); its rows add
-  ``step_nodes`` and ``step_depth`` (nodes on the step's longest path) and
+- ``grape_concurrent``: ``grape.generate(concurrent=True)``, its default uncompiled: grape's
+  loop with the step's independent operations side by side (``grape.passes.concurrency``);
+  its rows add ``step_nodes`` and ``step_depth`` (nodes on the step's longest path) and
   ``tokens_equal_to_grape``;
 - ``grape_compiled_concurrent``: ``grape.generate(compile=True)`` as a user calls it, concurrent
   by default: Inductor's kernels, independent ones side by side; its rows add
