@@ -19,7 +19,10 @@ strategy (greedy, sampling, 5-beam search) and batch, side by side in one proces
   ``tokens_equal_to_grape``;
 - ``grape_compiled_concurrent``: ``grape.generate(compile=True)`` as a user calls it, concurrent
   by default: Inductor's kernels, independent ones side by side; its rows add
-  ``tokens_equal_to_grape_compiled`` where that way ran too.
+  ``tokens_equal_to_grape_compiled`` where that way ran too;
+- ``grape_concurrent_vocabulary`` (sampling only): ``grape_concurrent`` with ``generate``'s
+  warpers over the whole vocabulary, as ``grape.generate`` samples where its candidates'
+  sampler cannot serve (``grape.torch.sampling``), to measure that sampler side by side.
 
 Each entry: ``ms_per_token`` (a whole call's wall time over the new tokens, median of
 ``--repeats`` calls), ``host_syncs_per_token`` (synchronising PyTorch operations the call made,
@@ -53,6 +56,7 @@ Run on a GPU: python benchmarks/generate.py [--small] [--deterministic] [--out F
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -124,6 +128,23 @@ def build(arch: str, size: dict[str, int]):
     return model.cuda().eval()
 
 
+@contextlib.contextmanager
+def _whole_vocabulary(on: bool):
+    """While ``on``: grape samples with generate's warpers over the whole vocabulary
+    (``Options.samples_candidates`` false, which the executables' key holds)."""
+    if not on:
+        yield
+        return
+    from grape.torch.options import Options
+
+    saved = Options.samples_candidates
+    Options.samples_candidates = property(lambda self: False)
+    try:
+        yield
+    finally:
+        Options.samples_candidates = saved
+
+
 def _timed(call, repeats: int) -> tuple[float, Any, int]:
     """Median seconds of ``repeats`` calls, the last result, and the syncs one call made."""
     import torch
@@ -176,19 +197,24 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                 hf[way]()  # warm-up
                 seconds, out, syncs = _timed(hf[way], args.repeats)
             stats = None
+        elif way == "grape_concurrent_vocabulary" and strategy != "sample":
+            continue
         else:
             call = dict(kw, compile=way in ("grape_compiled", "grape_compiled_concurrent"),
-                        concurrent=way in ("grape_concurrent", "grape_compiled_concurrent"))
-            with warnings.catch_warnings(record=True) as fell:
-                warnings.simplefilter("always")
-                grape.generate(model, ids, mask, seed=7, **call)  # captures
-                first = last_stats()
-            # (a compiled step that could not serve runs the model's own kernels: said too)
-            fallback = [str(w.message) for w in fell if "runs model.generate" in str(w.message)
-                        or "runs the model's own kernels" in str(w.message)]
-            seconds, out, syncs = _timed(
-                lambda c=call: grape.generate(model, ids, mask, seed=7, **c), args.repeats)
-            stats = last_stats()
+                        concurrent=way in ("grape_concurrent", "grape_compiled_concurrent",
+                                           "grape_concurrent_vocabulary"))
+            with _whole_vocabulary(way == "grape_concurrent_vocabulary"):
+                with warnings.catch_warnings(record=True) as fell:
+                    warnings.simplefilter("always")
+                    grape.generate(model, ids, mask, seed=7, **call)  # captures
+                    first = last_stats()
+                # (a compiled step that could not serve runs the model's own kernels: said)
+                fallback = [str(w.message) for w in fell
+                            if "runs model.generate" in str(w.message)
+                            or "runs the model's own kernels" in str(w.message)]
+                seconds, out, syncs = _timed(
+                    lambda c=call: grape.generate(model, ids, mask, seed=7, **c), args.repeats)
+                stats = last_stats()
         new = out.shape[1] - args.prompt
         tokens[way] = out
         row = {**base, "way": way, "ms_per_token": 1000 * seconds / new, "new_tokens": new,

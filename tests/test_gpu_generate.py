@@ -720,6 +720,69 @@ def test_one_executable_samples_at_every_temperature_and_top_p(cuda):
         assert last_stats().captured and torch.equal(own, out), (t, p)
 
 
+def test_the_candidates_sampler_keeps_generates_survivors_ties_and_all(cuda):
+    # grape.torch.sampling: top-p over top-k's candidates gives generate's survivors, where
+    # generate's CUDA sort of the vocabulary orders tied scores by index (a sort of more than
+    # 4,096 on CUB's segmented sort, below on a block's radix sort): rows rounded to bfloat16
+    # or to a few levels, and ties built to straddle the top-p cut, at both sizes.
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from grape.torch.sampling import CandidateSampler
+    from grape.torch.warpers import DeviceTemperature, DeviceTopP
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    compared = straddled = 0
+    for vocab in (4000, 32000):
+        for top_k, top_p in ((50, 0.9), (5, 0.6), (20, 0.5)):
+            sampler = CandidateSampler(DeviceTemperature(1.0, "cuda"), top_k,
+                                       DeviceTopP(top_p, "cuda"))
+            for levels in (None, 64, 8, 2):
+                logits = torch.randn((32, vocab), generator=g, device="cuda")
+                logits = (logits.bfloat16().float() if levels is None
+                          else torch.round(logits * levels / 4) * 4 / levels)
+                _, index, kept, overflowed = sampler.candidates(logits)
+                ours = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, index, kept)
+                theirs = torch.isfinite(TopPLogitsWarper(top_p)(
+                    None, TopKLogitsWarper(top_k)(None, logits)))
+                fits = ~overflowed
+                assert torch.equal(ours[fits], theirs[fits]), (vocab, top_k, top_p, levels)
+                compared += int(fits.sum())
+        # four tokens of one score across the cut: generate keeps the higher indices
+        logits = torch.full((1, vocab), -5.0, device="cuda")
+        logits[0, [10, 400, 1700, 3900]] = 1.0
+        logits[0, 5] = 2.0
+        sampler = CandidateSampler(DeviceTemperature(1.0, "cuda"), 5, DeviceTopP(0.6, "cuda"))
+        _, index, kept, _ = sampler.candidates(logits)
+        ours = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, index, kept)
+        theirs = torch.isfinite(TopPLogitsWarper(0.6)(None, TopKLogitsWarper(5)(None, logits)))
+        assert torch.equal(ours, theirs), vocab
+        straddled += 0 < int(theirs[0, [10, 400, 1700, 3900]].sum()) < 4
+    assert compared >= 300 and straddled == 2
+
+
+def test_a_generation_whose_ties_outnumber_the_candidates_is_made_again_as_the_host_loop_does(
+        cuda):
+    import grape
+    from grape.torch.api import last_stats
+    from grape.torch.host_loop import generate_on_host
+
+    model = _small_llama()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every score alike: all tie with the k-th
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    kwargs = dict(max_new_tokens=12, do_sample=True, top_k=10, top_p=0.9)
+    out = grape.generate(model, ids, seed=7, **kwargs)
+    stats = last_stats()
+    assert stats.graphed and stats.resampled and stats.launches == 2 and stats.host_syncs == 2
+    assert torch.equal(out, generate_on_host(model, ids, seed=7, **kwargs))
+    # a model whose scores do not tie: one launch, over the candidates
+    model = _small_llama()
+    out = grape.generate(model, ids, seed=7, **kwargs)
+    stats = last_stats()
+    assert stats.graphed and not stats.resampled and stats.launches == 1
+    assert torch.equal(out, generate_on_host(model, ids, seed=7, **kwargs))
+
+
 def test_threads_generating_with_one_model_each_get_their_own_tokens(cuda):
     # A server's threads share the model, and so its executables and the decoder's buffers:
     # grape runs one generation at a time per model, so that a call of the same shape on

@@ -80,6 +80,7 @@ from grape.torch.options import (
 )
 from grape.torch.own_generate import inner_arguments, note_no_speech, owns_generate, routed
 from grape.torch.parallel import agree, group_of
+from grape.torch.sampling import CandidatesOverflowed
 from grape.torch.staging import HostConstants, PinnedArena
 from grape.torch.streaming import TokenFeed
 
@@ -125,6 +126,9 @@ class GenerationStats:
     streamed_while_running: int = 0
     # the step's kernels are Inductor's (compile=True, where a compiled step could serve)
     compiled: bool = False
+    # sampled over top-k's candidates, which tokens tied with the k-th score outnumbered: made
+    # again over the whole vocabulary (grape.torch.sampling; its launch and read-back counted)
+    resampled: bool = False
 
 
 @dataclass(frozen=True)
@@ -540,13 +544,28 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
                 not compiled and options.start is None  # (an encoder-decoder's are refused)
                 and options.cache_tokens(prompt.length) >= EXACT_FROM
                 and next(model.parameters()).dtype in (torch.float16, torch.bfloat16))
-            run = functools.partial(
-                _graphed_generate, model, prompt, options, args.seed, compiled,
-                caller_ids=input_ids, padded_bytes=padded + decoder_copied,
+            once = functools.partial(
+                _graphed_generate, model, prompt, caller_ids=input_ids,
+                padded_bytes=padded + decoder_copied,
                 concurrent=_concurrent(args.concurrent, compiled),
                 syncs_before=int(decoder_ids is not None) + options.read_backs,
                 # (one for the call: a loop run again streams what it makes)
                 feed=None if options.streamer is None else TokenFeed(options.streamer))
+
+            def run(exact: bool, warn_whole: bool) -> Any:
+                try:
+                    return once(options, args.seed, compiled, exact, warn_whole=warn_whole)
+                except CandidatesOverflowed as e:
+                    # Rare (grape.torch.sampling): the same draws over the whole vocabulary.
+                    _LOG.info("grape.generate: more tokens tied with top-k's k-th score than "
+                              "the sampler's candidates held; made again with generate's "
+                              "warpers over the whole vocabulary")
+                    out = once(replace(options, whole_vocabulary=True), e.seed, compiled,
+                               exact, warn_whole=warn_whole)
+                    last = last_stats()
+                    _set_last(replace(last, launches=last.launches + 1,
+                                      host_syncs=last.host_syncs + 1, resampled=True))
+                    return out
             try:
                 return run(exact, warn_whole=exact_lengths is True)
             except ExactRefused:

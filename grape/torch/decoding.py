@@ -58,6 +58,7 @@ from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.masked_writes import masked_writes
 from grape.torch.options import NotGraphable, Options, sampling_warpers
 from grape.torch.parallel import group_of
+from grape.torch.sampling import CandidateSampler, CandidatesOverflowed
 from grape.torch.sdpa_mask import convert_once
 from grape.torch.static_layers import (
     CountedIndexedLayer,
@@ -1025,7 +1026,11 @@ class TokenDecoder(Decoder):
     first passes it: exact sampling from the processed distribution, and the same tokens for
     the same seed whether the loop runs eagerly, step by step, or on the device. It is not
     ``torch.multinomial``'s random stream, so its tokens are not ``generate``'s for the same
-    seed.
+    seed. Where ``Options.samples_candidates``, temperature, top-k, top-p and the draw run
+    over top-k's candidates (``grape.torch.sampling``: ``generate``'s survivors, fewer
+    kernels); :meth:`result` raises ``CandidatesOverflowed`` where tokens tied with the k-th
+    score outnumbered them, and the generation must be made again with
+    ``Options.whole_vocabulary``.
     """
 
     def __init__(self, model: torch.nn.Module, rows: int, prompt_len: int,
@@ -1042,6 +1047,13 @@ class TokenDecoder(Decoder):
             self.uniforms = torch.zeros((options.room, rows), dtype=torch.float32,
                                         device=device)
             self.generator = torch.Generator(device=device)
+        self.seed: int | None = None
+        self.sampler: CandidateSampler | None = None
+        self.overflowed: torch.Tensor | None = None  # the candidates missed a tie, some token
+        if options.samples_candidates:
+            top_p = next((w for w in self.warpers if isinstance(w, DeviceTopP)), None)
+            self.sampler = CandidateSampler(self.warpers[0], options.top_k, top_p)
+            self.overflowed = torch.zeros((), dtype=torch.bool, device=device)
 
     def set_sampling(self, options: Options) -> None:
         """This call's temperature and top-p (sampling only; an executable captured for
@@ -1054,6 +1066,7 @@ class TokenDecoder(Decoder):
 
     def set_seed(self, seed: int) -> None:
         """Draw this call's random numbers (sampling only): one kernel, before the loop."""
+        self.seed = seed
         self.generator.manual_seed(seed)
         torch.rand(self.uniforms.shape, generator=self.generator, device=self.uniforms.device,
                    out=self.uniforms)
@@ -1064,6 +1077,8 @@ class TokenDecoder(Decoder):
     def _reset(self) -> None:
         self.done.zero_()
         self.tokens.fill_(self.options.pad)
+        if self.overflowed is not None:
+            self.overflowed.zero_()
 
     def _processed(self, logits: torch.Tensor) -> torch.Tensor:
         logits = self._process(logits)
@@ -1077,13 +1092,19 @@ class TokenDecoder(Decoder):
         return self._renormalized(logits)
 
     def _emit(self, logits: torch.Tensor) -> None:
-        scores = self._processed(logits)
-        self._keep("scores", scores)  # as generate keeps them: processed, every row
-        self._keep("logits", logits)
-        if self.options.strategy == "sample":
-            token = sample(scores, self.uniforms.index_select(0, self.count).view(-1, 1))
+        if self.sampler is not None:  # (the processed scores are nobody's: not kept)
+            self._keep("logits", logits)
+            token, overflowed = self.sampler.draw(
+                self._process(logits), self.uniforms.index_select(0, self.count).view(-1, 1))
+            self.overflowed.logical_or_(overflowed.any())
         else:
-            token = torch.argmax(scores, dim=-1)
+            scores = self._processed(logits)
+            self._keep("scores", scores)  # as generate keeps them: processed, every row
+            self._keep("logits", logits)
+            if self.options.strategy == "sample":
+                token = sample(scores, self.uniforms.index_select(0, self.count).view(-1, 1))
+            else:
+                token = torch.argmax(scores, dim=-1)
         if self.options.eos:
             token = torch.where(self.done, self.options.pad, token)
         self.tokens.index_copy_(1, self.count, token.unsqueeze(1))
@@ -1103,7 +1124,12 @@ class TokenDecoder(Decoder):
 
     def result(self, input_ids: torch.Tensor, decoder_ids: torch.Tensor | None = None
                ) -> torch.Tensor | GenerateDecoderOnlyOutput:
-        made = int(self.count.item())
+        if self.overflowed is None:
+            made = int(self.count.item())
+        else:  # (read with the count: still one read-back)
+            made, overflowed = torch.stack([self.count[0], self.overflowed.long()]).tolist()
+            if overflowed:
+                raise CandidatesOverflowed(self.seed)
         self._check_lengths()
         sequences = torch.cat([self.sequence_head(input_ids, decoder_ids),
                                self.tokens[:, :made]], dim=1)

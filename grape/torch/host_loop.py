@@ -12,7 +12,7 @@ would fall back it raises ``NotGraphable`` instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from grape.torch.options import (
     sequence_head,
 )
 from grape.torch.own_generate import inner_arguments, note_no_speech, owns_generate, routed
+from grape.torch.sampling import CandidatesOverflowed
 from grape.torch.streaming import TokenFeed
 
 __all__ = ["HostCall", "generate_on_host", "loop_on_host"]
@@ -108,10 +109,13 @@ def loop_on_host(model: torch.nn.Module, ids: torch.Tensor | None = None,
     cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
     length = (ids if embeds is None else embeds).shape[1]
     check_positions(model, options, length)
-    with model_code(model):  # a model that fails on grape's state: as grape.generate says
-        decoder = cls(model, ids.shape[0], length, options)
-    if options.strategy == "sample":
-        decoder.set_seed(seed)
+    def made(options: Options) -> Decoder:
+        with model_code(model):  # a model that fails on grape's state: as grape.generate says
+            decoder = cls(model, ids.shape[0], length, options)
+        if options.strategy == "sample":
+            decoder.set_seed(seed)
+        return decoder
+    decoder = made(options)
     extra = {k: kwargs[k] for k in options.model_inputs}
     call = HostCall(decoder, options, ids, mask, decoder_ids, decoder_mask, embeds, extra)
     if check_written:
@@ -123,6 +127,12 @@ def loop_on_host(model: torch.nn.Module, ids: torch.Tensor | None = None,
     if calls is not None:
         calls.append(call)
     feed = None if options.streamer is None else TokenFeed(options.streamer)
-    out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra, feed)
+    try:
+        out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra, feed)
+    except CandidatesOverflowed:  # as grape.generate does: again over the whole vocabulary
+        options = replace(options, whole_vocabulary=True)
+        decoder = made(options)
+        call.decoder, call.options = decoder, options
+        out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra, feed)
     note_no_speech(options)
     return out

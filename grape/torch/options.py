@@ -177,6 +177,20 @@ class Options:
     # EncoderRepetitionPenaltyLogitsProcessor: the prompt's (an encoder-decoder's source's)
     # tokens' scores raised (or lowered, below 1) by this factor.
     source_penalty: float = 1.0
+    # Sample with generate's warpers over the whole vocabulary even where the candidates'
+    # sampler could (samples_candidates): a generation made again after its candidates
+    # overflowed (grape.torch.sampling).
+    whole_vocabulary: bool = False
+
+    @property
+    def samples_candidates(self) -> bool:
+        """Whether sampling runs over top-k's candidates (``grape.torch.sampling``): top-k
+        given, no other cutoff, nothing that keeps the processed scores (``output_scores``,
+        ``renormalize_logits``), and no streamer (a generation made again would have streamed
+        other tokens)."""
+        return (self.strategy == "sample" and self.top_k > 0 and not self.whole_vocabulary
+                and not self.cutoffs and not self.renormalize and "scores" not in self.kept
+                and self.streamer is None)
 
     @property
     def key(self) -> tuple:
@@ -194,7 +208,8 @@ class Options:
                 self.stop_strings,
                 # (the tokenizer's table of token texts is the graph's: one per tokenizer)
                 id(self.tokenizer) if self.stop_strings else None, self.remove_invalid,
-                self.decay, self.renormalize, self.sequence_bias, self.source_penalty)
+                self.decay, self.renormalize, self.sequence_bias, self.source_penalty,
+                self.samples_candidates)
 
     @property
     def room(self) -> int:
