@@ -362,7 +362,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     ``generate``. ``seed`` seeds sampling (default: drawn from torch's global generator, so
     ``torch.manual_seed`` makes a call repeatable); sampled tokens follow the processed
     distribution exactly but are not ``torch.multinomial``'s, so they differ from
-    ``generate``'s for the same seed. The temperature and ``top_p`` are read from the device
+    ``generate``'s for the same seed. With top-k (and temperature and top-p alone, nothing
+    keeping the processed scores) the warpers and the draw run over top-k's candidates, with
+    ``generate``'s survivors (``grape.torch.sampling``); where more tokens tie with the k-th
+    score than the candidates hold, the generation is made again over the whole vocabulary
+    from the same seed (``last_stats().resampled``). The temperature and ``top_p`` are read
+    from the device
     (``grape.torch.warpers``): calls that differ only in them share one executable. A
     ``streamer`` (as ``generate`` takes one: not with
     beams) is handed what ``generate`` hands it, each token while the launch is still running:
