@@ -113,11 +113,21 @@ def test_the_draw_follows_the_survivors_distribution(stable_sort):
     assert (counts - probs * n).abs().max() <= 2, (counts - probs * n).abs().max()
 
 
-def _gpt2():
+_SIZES = {
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=2, n_positions=128),
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2),
+    "mixtral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2),
+}
+
+
+def _model(model_type="gpt2"):
     transformers.logging.set_verbosity_error()
     config = transformers.AutoConfig.for_model(
-        "gpt2", n_embd=64, n_layer=2, n_head=2, n_positions=128, vocab_size=300,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        model_type, **_SIZES[model_type], vocab_size=300, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
@@ -125,7 +135,7 @@ def _gpt2():
 def test_which_generations_sample_over_the_candidates():
     from grape.torch.options import resolve
 
-    m = _gpt2()
+    m = _model()
     ids = torch.randint(30, 300, (2, 5))
 
     def candidates(**kwargs):
@@ -144,10 +154,12 @@ def test_which_generations_sample_over_the_candidates():
     assert not again.samples_candidates and again.key != options.key  # its own executable
 
 
-def test_a_sampled_generation_draws_generates_survivors_and_repeats_for_a_seed(stable_sort):
+@pytest.mark.parametrize("model_type", list(_SIZES))
+def test_a_sampled_generation_draws_generates_survivors_and_repeats_for_a_seed(stable_sort,
+                                                                               model_type):
     from grape.torch.host_loop import generate_on_host
 
-    m = _gpt2()
+    m = _model(model_type)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(30, 300, (3, 6), generator=g)
     kwargs = dict(do_sample=True, top_k=12, top_p=0.8, temperature=0.7, max_new_tokens=10,
@@ -166,7 +178,7 @@ def test_a_generation_whose_ties_outnumbered_the_candidates_is_refused_at_its_re
     from grape.torch.options import resolve
     from grape.torch.sampling import CandidatesOverflowed
 
-    m = _gpt2()
+    m = _model()
     ids = torch.randint(30, 300, (1, 5))
     options, _ = resolve(m, ids, None, dict(max_new_tokens=3, do_sample=True, top_k=10))
     decoder = TokenDecoder(m, 1, ids.shape[1], options)
@@ -188,7 +200,7 @@ def test_a_generation_whose_ties_outnumbered_the_candidates_is_refused_at_its_re
 def test_the_host_loop_makes_a_generation_whose_ties_outnumbered_the_candidates_again():
     from grape.torch.host_loop import generate_on_host
 
-    m = _gpt2()
+    m = _model()
     with torch.no_grad():
         m.lm_head.weight.zero_()  # every score alike
     ids = torch.randint(30, 300, (2, 5))
