@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (  # noqa: E402
     TopPLogitsWarper,
 )
 
-from grape.torch.sampling import SPARE, CandidateSampler  # noqa: E402
+from grape.torch.sampling import MOST_CANDIDATES, SPARE, CandidateSampler  # noqa: E402
 from grape.torch.warpers import DeviceTemperature, DeviceTopP  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -144,6 +144,8 @@ def test_which_generations_sample_over_the_candidates():
     assert candidates(do_sample=True, top_k=20, return_dict_in_generate=True,
                       output_logits=True)
     assert not candidates(do_sample=True, top_k=0, top_p=0.9)  # top-p over the vocabulary
+    assert candidates(do_sample=True, top_k=MOST_CANDIDATES - SPARE)
+    assert not candidates(do_sample=True, top_k=MOST_CANDIDATES - SPARE + 1)  # pairs: too many
     assert not candidates(do_sample=False)
     assert not candidates(do_sample=True, top_k=20, min_p=0.1)
     assert not candidates(do_sample=True, top_k=20, renormalize_logits=True)

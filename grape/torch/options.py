@@ -34,6 +34,7 @@ from transformers.generation.logits_process import (
 )
 
 from grape.errors import GrapeError
+from grape.torch.sampling import MOST_CANDIDATES, SPARE
 from grape.torch.warpers import DeviceTemperature, DeviceTopP
 
 __all__ = ["NotGraphable", "Options", "check_positions", "decoder_prompt", "resolve",
@@ -185,10 +186,11 @@ class Options:
     @property
     def samples_candidates(self) -> bool:
         """Whether sampling runs over top-k's candidates (``grape.torch.sampling``): top-k
-        given, no other cutoff, nothing that keeps the processed scores (``output_scores``,
-        ``renormalize_logits``), and no streamer (a generation made again would have streamed
-        other tokens)."""
-        return (self.strategy == "sample" and self.top_k > 0 and not self.whole_vocabulary
+        given and at most ``MOST_CANDIDATES - SPARE``, no other cutoff, nothing that keeps
+        the processed scores (``output_scores``, ``renormalize_logits``), and no streamer (a
+        generation made again would have streamed other tokens)."""
+        return (self.strategy == "sample" and 0 < self.top_k <= MOST_CANDIDATES - SPARE
+                and not self.whole_vocabulary
                 and not self.cutoffs and not self.renormalize and "scores" not in self.kept
                 and self.streamer is None)
 

@@ -27,7 +27,8 @@ generation again with ``generate``'s warpers over the whole vocabulary, from the
 (:class:`CandidatesOverflowed`). It takes more than ``SPARE`` tokens of exactly the k-th score.
 
 Used where nothing else needs the processed scores (no ``output_scores``) and sampling has
-top-k, temperature and top-p alone (``Options.samples_candidates``).
+temperature, top-k (at most ``MOST_CANDIDATES - SPARE``) and top-p alone
+(``Options.samples_candidates``).
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ import torch
 
 from grape.torch.warpers import DeviceTemperature, DeviceTopP
 
-__all__ = ["SPARE", "CandidateSampler", "CandidatesOverflowed"]
+__all__ = ["MOST_CANDIDATES", "SPARE", "CandidateSampler", "CandidatesOverflowed"]
 
 # Candidates beyond top-k's k: room for tokens tied with the k-th score.
 SPARE = 64
+# The most candidates taken (a larger top-k samples over the whole vocabulary): their places
+# come from comparing every pair, (rows, candidates, candidates) booleans in the graph's pool.
+MOST_CANDIDATES = 320
 
 
 class CandidatesOverflowed(Exception):
