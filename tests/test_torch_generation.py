@@ -720,6 +720,53 @@ def test_the_steps_call_the_step_model_and_the_prompt_the_model(model):
     assert torch.equal(out, _host(model, ids, mask, max_new_tokens=6))
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_compiled_step_prepares_its_inputs_inside_the_compiled_function(arch, caplog):
+    # grape.torch.compiled_step: the input preparation (the step's mask) and the forward under
+    # one torch.compile, here Dynamo alone (backend "eager"): the same tokens as the host loop
+    # over the model itself, every step through the compiled function, none falling back.
+    from grape.torch.compiled_step import CompiledStep
+
+    m = _built(arch, CONFIGS[arch])
+    ids, mask = _prompt()
+    options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 6})
+    step = CompiledStep(m, backend="eager", dynamic=False)
+    calls = []
+    prepared = step.prepared
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return prepared(*args)
+    step.prepared = counted
+    decoder = TokenDecoder(m, 3, ids.shape[1], options, step_model=step)
+    out = decoder.generate_on_host(ids, m_mask)
+    assert len(calls) == 5 and not decoder._unprepared and step._forward is None
+    assert torch.equal(out, _host(m, ids, mask, max_new_tokens=6))
+
+
+def test_a_preparation_that_does_not_compile_leaves_the_forward_compiled_alone(caplog):
+    import logging
+
+    from torch._dynamo.exc import Unsupported
+
+    from grape.torch.compiled_step import CompiledStep
+
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 6})
+    step = CompiledStep(m, backend="eager", dynamic=False)
+
+    def refused(*args):
+        raise Unsupported("a preparation Dynamo cannot trace")
+    step.prepared = refused
+    decoder = TokenDecoder(m, 3, ids.shape[1], options, step_model=step)
+    with caplog.at_level(logging.INFO, logger="grape"):
+        out = decoder.generate_on_host(ids, m_mask)
+    assert decoder._unprepared and step._forward is not None
+    assert "its forward is compiled alone" in caplog.text
+    assert torch.equal(out, _host(m, ids, mask, max_new_tokens=6))
+
+
 def test_compile_must_be_a_boolean():
     import grape
 

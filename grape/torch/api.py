@@ -67,6 +67,7 @@ from grape.passes.audit import step_dependence
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.beam import BeamDecoder
 from grape.torch.capture import capture, frozen_heap
+from grape.torch.compiled_step import CompiledStep
 from grape.torch.decoding import CompileRefused, Decoder, ExactRefused, TokenDecoder
 from grape.torch.loop import DeviceLoop
 from grape.torch.model_code import COMPILE_ERRORS, model_code
@@ -193,7 +194,8 @@ class _Entry:
 class _Cache:
     entries: dict[tuple, _Entry] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
-    compiled: Any = None  # the model's forward under torch.compile, made on first use
+    # the model's step under torch.compile (grape.torch.compiled_step), made on first use
+    compiled: Any = None
     # (prompt key, options key) -> why a compiled step could not serve that shape
     uncompiled: dict[tuple, str] = field(default_factory=dict)
 
@@ -201,8 +203,8 @@ class _Cache:
         if self.compiled is None:
             # Static shapes: a step's shapes never change, and a dynamic kernel would read
             # sizes the captured graph freezes anyway.
-            self.compiled = torch.compile(model, mode="max-autotune-no-cudagraphs",
-                                          dynamic=False)
+            self.compiled = CompiledStep(model, mode="max-autotune-no-cudagraphs",
+                                         dynamic=False)
         return self.compiled
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -56,6 +57,7 @@ from grape.torch.deferred_checks import DeferredChecks
 from grape.torch.exact import Lengths, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.masked_writes import masked_writes
+from grape.torch.model_code import COMPILE_ERRORS
 from grape.torch.options import NotGraphable, Options, sampling_warpers
 from grape.torch.parallel import group_of
 from grape.torch.sampling import CandidateSampler, CandidatesOverflowed
@@ -71,6 +73,8 @@ from grape.torch.static_layers import (
 from grape.torch.warpers import DeviceTemperature, DeviceTopP
 
 __all__ = ["Decoder", "ExactRefused", "NotLeftPadded", "TokenDecoder", "static_cache"]
+
+_LOG = logging.getLogger("grape")
 
 # Whether generate leaves a prompt's left padding out of its repetition penalty (transformers
 # 5.2x passes the padding's length to RepetitionPenaltyLogitsProcessor; 5.17 penalises the pad
@@ -240,6 +244,7 @@ class Decoder:
         # What ``step`` calls: the model, or its compiled form (the prompt, at its own
         # shape, always runs the model itself).
         self.step_model = model if step_model is None else step_model
+        self._unprepared = False  # compiling the step's input preparation failed
         self.rows, self.prompt_len = rows, prompt_len
         # An encoder-decoder model: the prompt is the encoder's source, and the decoder's own
         # prompt is its start token (Options.start).
@@ -394,6 +399,11 @@ class Decoder:
         if first or self.lengths is None:
             # (transformers may build the step's 4D mask while preparing the inputs)
             with self._step_masks(first):
+                logits = None if first else self._prepared_step(ids, kwargs, position)
+                if logits is not None:
+                    if self._audit is not None:
+                        self._audit.append(logits.clone())
+                    return logits
                 inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
                                                                   **kwargs)
                 self._decoder_positions(inputs, position)
@@ -420,6 +430,25 @@ class Decoder:
         if self._audit is not None:
             self._audit.append(logits.clone())
         return logits
+
+    def _prepared_step(self, ids: torch.Tensor, kwargs: dict[str, Any],
+                       position: torch.Tensor | None) -> torch.Tensor | None:
+        """A step's float32 logits from a step model that compiles the input preparation with
+        the forward (``grape.torch.compiled_step``); None where the step model does not, or
+        where compiling the preparation failed once (the forward is then compiled alone, and
+        said so on the ``grape`` logger)."""
+        prepared = getattr(self.step_model, "prepared", None)
+        if prepared is None or self._unprepared:
+            return None
+        try:
+            return prepared(ids, dict(kwargs, is_first_iteration=False),
+                            position if self.seq2seq else None)
+        except COMPILE_ERRORS as e:
+            self._unprepared = True
+            _LOG.info("grape.generate(compile=True): the step's input preparation did not "
+                      "compile (%s); its forward is compiled alone",
+                      str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return None
 
     def _extend_per_token(self, model_inputs: dict[str, torch.Tensor]) -> None:
         """The new tokens' column of the model arguments that have one per token (see
