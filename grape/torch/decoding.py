@@ -437,8 +437,10 @@ class Decoder:
         the forward (``grape.torch.compiled_step``); None where the step model does not, or
         where compiling the preparation failed once (the forward is then compiled alone, and
         said so on the ``grape`` logger)."""
+        if self.step_model is self.model or self._unprepared:
+            return None
         prepared = getattr(self.step_model, "prepared", None)
-        if prepared is None or self._unprepared:
+        if prepared is None:
             return None
         try:
             return prepared(ids, dict(kwargs, is_first_iteration=False),
