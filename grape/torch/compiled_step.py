@@ -7,7 +7,8 @@ compiled that way held 147 nodes, 28 of them PyTorch's eager kernels beside Indu
 (``benchmarks/README.md``). :class:`CompiledStep` compiles the preparation, the forward and the
 cast as one function, so that Inductor fuses them too. Dynamo traces the preparation as one
 graph for GPT-2 and Llama with grape's static cache (no graph break); a model whose
-preparation it cannot compile keeps the forward compiled alone (:meth:`CompiledStep.forward`).
+preparation it cannot compile keeps the forward compiled alone (calling a
+:class:`CompiledStep` runs that).
 """
 
 from __future__ import annotations

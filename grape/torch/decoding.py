@@ -396,18 +396,16 @@ class Decoder:
             kwargs.update(self._per_token)  # (generate's own extension of them, at a step)
         if not first and self._prompt_only is not None:
             self._check_prompt_only(ids, kwargs)
+        logits = None
         if first or self.lengths is None:
             # (transformers may build the step's 4D mask while preparing the inputs)
             with self._step_masks(first):
                 logits = None if first else self._prepared_step(ids, kwargs, position)
-                if logits is not None:
-                    if self._audit is not None:
-                        self._audit.append(logits.clone())
-                    return logits
-                inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
-                                                                  **kwargs)
-                self._decoder_positions(inputs, position)
-                out = (self.model if first else self.step_model)(**inputs, return_dict=True)
+                if logits is None:
+                    inputs = self.model.prepare_inputs_for_generation(
+                        ids, is_first_iteration=first, **kwargs)
+                    self._decoder_positions(inputs, position)
+                    out = (self.model if first else self.step_model)(**inputs, return_dict=True)
         else:
             # Once a step has run every layer's attention exactly (Lengths.mask_unread), the
             # inputs too are prepared with exact lengths on, so that the 4D mask no exact call
@@ -426,7 +424,8 @@ class Decoder:
                         inputs["attention_mask"] = mask
                 self._decoder_positions(inputs, position)
                 out = self.step_model(**inputs, return_dict=True)
-        logits = out.logits[:, -1, :].to(dtype=torch.float32)
+        if logits is None:
+            logits = out.logits[:, -1, :].to(dtype=torch.float32)
         if self._audit is not None:
             self._audit.append(logits.clone())
         return logits
