@@ -230,6 +230,35 @@ def test_captures_are_reported_on_the_grape_logger(cuda, caplog):
     clear_cache(model)
 
 
+def test_a_compiled_step_builds_its_mask_inside_the_compiled_function(cuda, caplog):
+    # grape.torch.compiled_step: transformers' input preparation compiled with the forward, so
+    # that the step holds none of the eager kernels that build its mask (torch.arange's among
+    # them), and no decoder fell back to compiling the forward alone.
+    import logging
+
+    import grape
+    from grape.ir import Kernel
+    from grape.torch.api import _CACHES, clear_cache, last_stats
+
+    model = _small_llama()
+    ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
+    eager = grape.generate(model, ids, max_new_tokens=8, do_sample=False)
+    eager_nodes = last_stats().step_nodes
+    with caplog.at_level(logging.INFO, logger="grape"):
+        compiled = grape.generate(model, ids, max_new_tokens=8, do_sample=False, compile=True)
+    stats = last_stats()
+    assert stats.graphed and stats.compiled and stats.step_nodes < eager_nodes
+    assert "compiled alone" not in caplog.text
+    entry = next(e for key, e in _CACHES[model].entries.items() if key[2])
+    assert not entry.decoder._unprepared
+    names = [op.name for _, op in entry.loop.capture.ir.ops() if isinstance(op, Kernel)]
+    # (Inductor names its kernels after what they fuse, arange included: PyTorch's own only)
+    assert not [n for n in names if "arange" in n and not n.startswith("triton")], names
+    # its kernels differ from the eager ones by design: most tokens agree on this model
+    assert (compiled[:, 5:] == eager[:, 5:]).float().mean() >= 0.75
+    clear_cache(model)
+
+
 @pytest.mark.parametrize("new", [1, 2])
 def test_one_or_two_new_tokens_are_graphed_as_generate_makes_them(cuda, new):
     # The build steps twice before its capture: buffers max_new_tokens long were indexed past
