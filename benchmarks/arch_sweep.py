@@ -33,7 +33,12 @@ Marian...), at the same small size with the encoder's and decoder's own fields s
 ``--speech`` those of its speech-to-text mapping (Speech2Text, SpeechT5, Whisper...), whose
 source is random samples or features of the size their config names, laid out as their encoder
 takes them (``speech_source``), the second row a shorter clip padded at its end (token ids, as
-for the others, where that is what the model's main input is).
+for the others, where that is what the model's main input is). ``--strategies sample`` (with
+``--host-loop``) samples with temperature, top-k and top-p: ``generate``'s draws are
+``torch.multinomial``'s, so no reference; the row counts every draw whose survivors differ
+from ``generate``'s warpers over the same scores (``survivors_differ``; their top-p sort made
+stable, as a GPU's is), and its "tokens equal" means none did and the same seed made the same
+tokens again.
 """
 
 from __future__ import annotations
@@ -95,7 +100,9 @@ SEQ2SEQ_SMALL = {"encoder_layers": 2, "decoder_layers": 2, "num_layers": 2,
                  "num_decoder_layers": 2, "encoder_attention_heads": 4,
                  "decoder_attention_heads": 4, "encoder_ffn_dim": 512, "decoder_ffn_dim": 512,
                  "d_model": 256, "d_ff": 512, "d_kv": 64, "num_heads": 4}
-STRATEGIES = {"greedy": {}, "beam3": {"num_beams": 3}}
+STRATEGIES = {"greedy": {}, "beam3": {"num_beams": 3},
+              # (host loop only: grape's draws are its own, so generate is no reference)
+              "sample": {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9}}
 CONTEXT_LOST = 3  # a worker's exit status after a CUDA error
 NEW_TOKENS = [24]  # --new-tokens: fewer for a quick scan of what each step reads back
 PROMPT = 16
@@ -506,8 +513,12 @@ def one(model_type: str, device: str, dtype: Any, strategies: list[str],
                 ids = torch.randint(3, vocab, (batch, PROMPT), generator=g).to(device)
                 mask = torch.ones_like(ids)
                 mask[1:, : PROMPT // 4] = 0  # left padding, as generate takes unequal prompts
-            kw = dict(STRATEGIES[strategy], max_new_tokens=NEW_TOKENS[0], do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
+            kw = dict({"do_sample": False}, max_new_tokens=NEW_TOKENS[0], eos_token_id=None,
+                      pad_token_id=0, **STRATEGIES[strategy])
+            if strategy == "sample":
+                _sampled_row(model, ids, mask, kw, row)
+                rows.append(row)
+                continue
             reference = _reference(model, ids, mask, kw, row)
             if reference is not None:
                 (_host_loop_row if host_loop else _graphed_row)(model, ids, mask, kw, reference,
@@ -660,6 +671,68 @@ def _host_loop_row(model, ids, mask, kw, reference, row: dict[str, Any]) -> None
         row.update(_reordering(calls[-1]))
     if CHECK_READ_BACKS[0]:
         row.update(_read_backs(calls[-1]))
+
+
+def _sampled_row(model, ids, mask, kw, row: dict[str, Any]) -> None:
+    """Sampling through grape's step driven by the host: every draw's survivors against
+    generate's warpers over the same processed scores (its top-p sort made stable, as a GPU's
+    is), where the candidates' sampler serves (``grape.torch.sampling``), and the tokens made
+    again for the same seed. generate's own draws are torch.multinomial's, so its tokens are
+    no reference here."""
+    import torch
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from grape.torch.host_loop import generate_on_host
+    from grape.torch.options import NotGraphable
+    from grape.torch.sampling import CandidateSampler
+
+    draw, unstable = CandidateSampler.draw, torch.sort
+    counts = {"draws": 0, "rows_compared": 0, "survivors_differ": 0, "rows_overflowed": 0}
+
+    def stable(input, dim=-1, descending=False, stable=False, **rest):
+        return unstable(input, dim=dim, descending=descending, stable=True, **rest)
+
+    def checked(self, scores, uniform):
+        _, index, kept, overflowed = self.candidates(scores)
+        ours = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, index, kept)
+        torch.sort = stable
+        try:
+            theirs = TemperatureLogitsWarper(kw["temperature"])(None, scores)
+            theirs = TopKLogitsWarper(kw["top_k"])(None, theirs)
+            theirs = torch.isfinite(TopPLogitsWarper(kw["top_p"])(None, theirs))
+        finally:
+            torch.sort = unstable
+        fits = ~overflowed
+        counts["draws"] += 1
+        counts["rows_compared"] += int(fits.sum())
+        counts["rows_overflowed"] += int(overflowed.sum())
+        counts["survivors_differ"] += int((ours[fits] != theirs[fits]).any(-1).sum())
+        return draw(self, scores, uniform)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            CandidateSampler.draw = checked
+            try:
+                out = generate_on_host(model, ids, mask, seed=3, check_written=True, **kw)
+            finally:
+                CandidateSampler.draw = draw
+            again = generate_on_host(model, ids, mask, seed=3, **kw)
+    except NotGraphable as e:
+        row.update(stage="done", graphed=False, fallback=str(e)[:900])
+        return
+    except Exception as e:
+        row.update(stage="grape", error=_first_line(e),
+                   where=traceback.format_exc().strip().splitlines()[-3:])
+        return
+    row.update(stage="done", graphed=True, candidates=counts["draws"] > 0,
+               same_seed_same_tokens=bool(torch.equal(out, again)), **counts)
+    # (the counts say whether the candidates' survivors were generate's at every draw)
+    row["tokens_identical"] = row["same_seed_same_tokens"] and not counts["survivors_differ"]
 
 
 def _read_backs(call) -> dict[str, Any]:
@@ -937,7 +1010,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
                         help="on a GPU (the CPU runs float32); bf16 by default, as models "
                         "of these kinds ship")
-    parser.add_argument("--strategies", default="greedy", help="among: greedy, beam3")
+    parser.add_argument("--strategies", default="greedy",
+                        help="among: greedy, beam3, sample (with --host-loop)")
     parser.add_argument("--host-loop", action="store_true",
                         help="grape's step driven by the host instead of grape.generate: "
                         "its semantics on any device, the CPU included")
@@ -980,6 +1054,9 @@ def main() -> None:
         parser.error("expected --check-reordering with --host-loop, found it alone")
     if args.check_read_backs and not args.host_loop:
         parser.error("expected --check-read-backs with --host-loop, found it alone")
+    if "sample" in args.strategies.split(",") and not args.host_loop:
+        parser.error("expected --strategies sample with --host-loop (grape's draws are its "
+                     "own: generate's tokens are no reference), found it without")
     NEW_TOKENS[0] = args.new_tokens
     CHECK_MASKS[0] = args.check_decode_masks
     CHECK_REORDERING[0] = args.check_reordering
