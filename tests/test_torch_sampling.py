@@ -215,3 +215,17 @@ def test_the_host_loop_makes_a_generation_whose_ties_outnumbered_the_candidates_
     assert out.shape == chain.shape == (2, 11)
     # top-k of 10 among 300 tied scores keeps all 300 (generate's rule), as top_k=0 does
     assert torch.equal(out, chain)
+
+
+def test_the_sweep_s_sampled_rows_hold_every_draw_to_generates_survivors(tmp_path):
+    # benchmarks/arch_sweep.py --strategies sample: the harness itself, on two architectures
+    # (the whole sweep's rows are committed under benchmarks/results/arch_sweep_cpu/).
+    from tests.benchrun import run_sweep
+
+    rows = run_sweep(tmp_path, "--host-loop", "--strategies", "sample", "--archs",
+                     "gpt2,mixtral", "--new-tokens", "6")
+    assert len(rows) == 4
+    for row in rows:
+        assert row["stage"] == "done" and row["graphed"] and row["candidates"], row
+        assert row["draws"] > 0 and row["rows_compared"] >= row["draws"], row
+        assert row["survivors_differ"] == 0 and row["same_seed_same_tokens"], row
