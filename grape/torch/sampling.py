@@ -81,9 +81,9 @@ class CandidateSampler:
         width = min(vocab, k + SPARE)
         values, index = torch.topk(scores, width)
         kth = values[:, k - 1:k]
-        overflowed = ((values[:, -1:] >= kth) & (kth > -torch.inf)).squeeze(1)
-        if width == vocab:
-            overflowed = torch.zeros_like(overflowed)
+        # (candidates as many as the vocabulary miss nothing)
+        overflowed = (((values[:, -1:] >= kth) & (kth > -torch.inf)).squeeze(1) if width < vocab
+                      else torch.zeros(values.shape[0], dtype=torch.bool, device=values.device))
         values = values.masked_fill(values < kth, -torch.inf)
         if self.top_p is None:
             return values, index, values > -torch.inf, overflowed
