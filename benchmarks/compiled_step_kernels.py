@@ -1,29 +1,49 @@
-"""Which kernels a GPT-2 small step holds, uncompiled and with ``compile=True`` (GPU).
+"""Which kernels a decoding step holds, uncompiled and with ``compile=True`` (GPU).
 
-Greedy, batch 1, a 32-token prompt, 128 new tokens: for each way the step's node count and
-longest path, its kernels by origin (Inductor's Triton kernels, GEMM libraries', attention's,
-PyTorch's eager kernels, copies), the eager kernels by name, and the mean ms a token of three
-calls after two warm ones. Written to see what a compiled step leaves eager
-(``grape.torch.compiled_step``).
+Batch 1, a 32-token prompt, 128 new tokens, for each strategy asked and three ways:
 
-Run on a GPU: python benchmarks/compiled_step_kernels.py
+- ``eager``: ``grape.generate(compile=False)``;
+- ``compiled_eager_tail``: ``compile=True`` with the decoder's bookkeeping after the forward
+  left eager (``TokenDecoder.records_compiled`` off: the step as it was before
+  ``CompiledStep.tail``);
+- ``compiled``: ``compile=True`` as a user calls it, the bookkeeping compiled too.
+
+For each: the step's node count and longest path, its kernels by origin (Inductor's Triton
+kernels, GEMM libraries', attention's, PyTorch's eager kernels, copies), the eager kernels by
+name, and ms a token: ``--rounds`` rounds, each timing every way in turn (three calls after
+one untimed), the median round kept, so that the ways are measured side by side. The two
+compiled ways share one compiled forward (one ``CompiledStep``); their tokens should be equal,
+the choice being outside the compiled bookkeeping, and the table says whether they are.
+Beam search's decoder keeps its bookkeeping eager, so ``beam5`` rows of the two compiled ways
+measure the same step twice.
+
+Run on a GPU: python benchmarks/compiled_step_kernels.py [--size gpt2small] [--arch gpt2]
+[--strategies greedy,sample] [--rounds 5] [--out FILE]
 """
 
+from __future__ import annotations
+
+import argparse
 import collections
+import json
 import os
+import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from generate import SIZES, build
+from generate import SIZES, STRATEGIES, build
 
 import grape
 from grape.ir import Kernel
 from grape.torch.api import _CACHES, last_stats
+from grape.torch.decoding import TokenDecoder
 
 NEW = 128
+WAYS = ("eager", "compiled_eager_tail", "compiled")
 
 
 def origin(name: str) -> str:
@@ -36,40 +56,98 @@ def origin(name: str) -> str:
     return "eager"
 
 
-def main() -> None:
-    model = build("gpt2", SIZES["gpt2small"])
+def kernels(entry: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """The step's nodes by origin, and its eager kernels by (shortened) name."""
+    kinds: collections.Counter[str] = collections.Counter()
+    eager: collections.Counter[str] = collections.Counter()
+    for _, op in entry.loop.capture.ir.ops():
+        if isinstance(op, Kernel):
+            kinds[origin(op.name)] += 1
+            if origin(op.name) == "eager":
+                eager[op.name[:110]] += 1
+        else:
+            kinds[type(op).__name__] += 1
+    return dict(kinds), dict(eager.most_common())
+
+
+def measure(model: torch.nn.Module, strategy: str, rounds: int) -> list[dict[str, Any]]:
     ids = torch.randint(3, 1000, (1, 32), device="cuda")
-    for compile in (False, True):
-        def call(compile=compile):
-            return grape.generate(model, ids, max_new_tokens=NEW, compile=compile,
-                                  do_sample=False)
-        began = time.perf_counter()
-        call()
+    kw = dict(STRATEGIES[strategy], max_new_tokens=NEW, pad_token_id=0)
+    built: dict[str, tuple[Any, Any]] = {}  # way -> (its cache key, its entry)
+    rows: dict[str, dict[str, Any]] = {}
+    tokens: dict[str, torch.Tensor] = {}
+    for way in WAYS:
+        compile = way != "eager"
+        TokenDecoder.records_compiled = way != "compiled_eager_tail"
+        try:
+            began = time.perf_counter()
+            grape.generate(model, ids, compile=compile, seed=7, **kw)
+            seconds = time.perf_counter() - began
+        finally:
+            TokenDecoder.records_compiled = True
         s = last_stats()
-        print("compile", compile, "graphed", s.graphed, "compiled", s.compiled, "nodes",
-              s.step_nodes, "depth", s.step_depth, "s", round(time.perf_counter() - began, 1),
+        entries = _CACHES[model].entries
+        key = next(k for k in entries if k[2] == compile)
+        # (the two compiled ways have one key: each keeps its own entry, put back to be timed)
+        built[way] = (key, entries.pop(key))
+        kinds, eager = kernels(built[way][1])
+        rows[way] = {"strategy": strategy, "way": way, "graphed": s.graphed,
+                     "compiled": s.compiled, "step_nodes": s.step_nodes,
+                     "step_depth": s.step_depth, "build_s": round(seconds, 1),
+                     "kinds": kinds, "eager_kernels": eager, "rounds_ms": []}
+        print(f"{strategy} {way}: graphed {s.graphed} compiled {s.compiled} nodes "
+              f"{s.step_nodes} depth {s.step_depth} built in {seconds:.1f} s {kinds}",
               flush=True)
-        entry = next(e for key, e in _CACHES[model].entries.items() if key[2] == compile)
-        kinds: collections.Counter[str] = collections.Counter()
-        eager: collections.Counter[str] = collections.Counter()
-        for _, op in entry.loop.capture.ir.ops():
-            if isinstance(op, Kernel):
-                kinds[origin(op.name)] += 1
-                if origin(op.name) == "eager":
-                    eager[op.name[:110]] += 1
-            else:
-                kinds[type(op).__name__] += 1
-        print(dict(kinds))
-        for name, count in eager.most_common(40):
+    for _ in range(rounds):
+        for way in WAYS:
+            key, entry = built[way]
+            _CACHES[model].entries[key] = entry
+            tokens[way] = grape.generate(model, ids, seed=7, compile=way != "eager", **kw)
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            for _ in range(3):
+                grape.generate(model, ids, seed=7, compile=way != "eager", **kw)
+            torch.cuda.synchronize()
+            new = tokens[way].shape[1] - ids.shape[1]
+            rows[way]["rounds_ms"].append((time.perf_counter() - began) / 3 / new * 1e3)
+            del _CACHES[model].entries[key]
+    for way in WAYS:
+        rows[way]["ms_per_token"] = statistics.median(rows[way]["rounds_ms"])
+    rows["compiled"]["tokens_equal_to_compiled_eager_tail"] = bool(
+        torch.equal(tokens["compiled"], tokens["compiled_eager_tail"]))
+    for _, entry in built.values():  # (grape.clear_cache would close the last only)
+        entry.loop.close()
+    return list(rows.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="gpt2small", choices=sorted(SIZES))
+    parser.add_argument("--arch", default="gpt2")
+    parser.add_argument("--strategies", default="greedy")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", help="write every row here as JSON")
+    args = parser.parse_args()
+    model = build(args.arch, SIZES[args.size])
+    rows = []
+    for strategy in args.strategies.split(","):
+        rows += measure(model, strategy, args.rounds)
+    for row in rows:
+        print(f"{row['strategy']} {row['way']} eager kernels:")
+        for name, count in row["eager_kernels"].items():
             print(f"   {count:3d} {name}")
-        for _ in range(2):
-            call()
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
-        print("ms/token", round((time.perf_counter() - began) / 3 / NEW * 1e3, 3), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    print(f"\n{args.arch} {args.size}, batch 1, {NEW} new tokens, median of {args.rounds} "
+          f"rounds")
+    print(f"{'strategy':<9} {'way':<20} {'nodes':>5} {'eager':>5} {'ms/token':>9}  tokens")
+    for row in rows:
+        same = row.get("tokens_equal_to_compiled_eager_tail")
+        print(f"{row['strategy']:<9} {row['way']:<20} {row['step_nodes']:>5} "
+              f"{row['kinds'].get('eager', 0):>5} {row['ms_per_token']:>9.3f}  "
+              f"{'' if same is None else 'equal' if same else 'DIFFER'}")
 
 
 if __name__ == "__main__":

@@ -767,6 +767,82 @@ def test_a_preparation_that_does_not_compile_leaves_the_forward_compiled_alone(c
     assert torch.equal(out, _host(m, ids, mask, max_new_tokens=6))
 
 
+TAILS = {
+    "greedy": {},
+    "greedy, EOS and min_new_tokens": {"eos_token_id": EOS, "min_new_tokens": 4},
+    "sampling": {"do_sample": True, "top_k": 20, "top_p": 0.9, "temperature": 0.7},
+    "sampling, scores kept": {"do_sample": True, "top_k": 20, "output_scores": True,
+                              "return_dict_in_generate": True},
+    "penalties": {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "eos_token_id": EOS},
+}
+
+
+@pytest.mark.parametrize("case", list(TAILS))
+def test_a_compiled_step_compiles_the_bookkeeping_after_its_forward(case):
+    # grape.torch.compiled_step's tail: the lengths moved on, the token written, finished rows
+    # and the running flag, under one torch.compile (here Dynamo alone, fullgraph) at every
+    # step; the choice stays outside it, so the tokens are those of the same step without it.
+    from grape.torch.compiled_step import CompiledStep
+
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    options, m_mask = resolve(m, ids, mask, dict(TAILS[case], max_new_tokens=10))
+    graphs = []
+
+    def backend(gm, example_inputs):  # Dynamo's graphs, run as traced
+        graphs.append([n.name for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+    step = CompiledStep(m, backend=backend, dynamic=False)
+    asked, calls = [], []
+
+    def tail(fn):
+        asked.append(fn.__name__)
+        made = CompiledStep.tail(step, fn)
+
+        def counted(*args):
+            calls.append(len(args))
+            return made(*args)
+        return counted
+    step.tail = tail
+    outs = []
+    for records_compiled in (False, True):
+        decoder = TokenDecoder(m, 3, ids.shape[1], options, step_model=step)
+        decoder.records_compiled = records_compiled
+        if options.strategy == "sample":
+            decoder.set_seed(1)
+        out = decoder.generate_on_host(ids, m_mask)
+        outs.append(out if isinstance(out, torch.Tensor) else out.sequences)
+    steps = outs[1].shape[1] - ids.shape[1] - 1  # (the prompt makes the first token)
+    assert asked == ["_moved_on"] and len(calls) == steps > 0
+    # one graph took the chosen token (Dynamo names placeholders after their sources)
+    assert len([g for g in graphs if any("chosen" in name for name in g)]) == 1, graphs
+    assert decoder._compiled_moved_on is not False
+    assert torch.equal(outs[1], outs[0])
+
+
+def test_bookkeeping_that_does_not_compile_runs_eagerly(caplog):
+    import logging
+
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from grape.torch.compiled_step import CompiledStep
+
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 6, "eos_token_id": EOS})
+    step = CompiledStep(m, backend="eager", dynamic=False)
+
+    def refused(*args):  # what a fullgraph function raises past Dynamo's recompile limit
+        raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+    step.tail = lambda fn: refused
+    decoder = TokenDecoder(m, 3, ids.shape[1], options, step_model=step)
+    with caplog.at_level(logging.INFO, logger="grape"):
+        out = decoder.generate_on_host(ids, m_mask)
+    assert decoder._compiled_moved_on is False
+    assert "the step's bookkeeping did not compile (Hard failure" in caplog.text
+    assert torch.equal(out, _host(m, ids, mask, max_new_tokens=6, eos_token_id=EOS))
+
+
 def test_compile_must_be_a_boolean():
     import grape
 

@@ -9,10 +9,17 @@ cast as one function, so that Inductor fuses them too. Dynamo traces the prepara
 graph for GPT-2 and Llama with grape's static cache (no graph break); a model whose
 preparation it cannot compile keeps the forward compiled alone (calling a
 :class:`CompiledStep` runs that).
+
+The same GPT-2 step then held 14 more of PyTorch's eager kernels after the forward, each
+on one element or one row: the decoder's bookkeeping (the lengths moved on, the token written,
+finished rows, whether the loop runs on). :meth:`CompiledStep.tail` compiles that too, as a
+graph of its own (``Decoder._move_on``); the token's choice stays outside it, so the tokens
+are those the step makes without it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +46,12 @@ class CompiledStep:
         if decoder_positions is not None and "decoder_position_ids" in inputs:
             inputs["decoder_position_ids"] = decoder_positions
         return self.model(**inputs, return_dict=True).logits[:, -1, :].to(torch.float32)
+
+    def tail(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """``fn`` (a decoder's work after the forward) compiled with the step's options, as
+        one graph: a graph break raises (caught by the decoder, which then runs ``fn``
+        eagerly) rather than splitting it into pieces with eager work between."""
+        return torch.compile(fn, fullgraph=True, **self.options)
 
     def __call__(self, **inputs: Any) -> Any:
         if self._forward is None:

@@ -245,6 +245,9 @@ class Decoder:
         # shape, always runs the model itself).
         self.step_model = model if step_model is None else step_model
         self._unprepared = False  # compiling the step's input preparation failed
+        # _moved_on compiled (compile=True): None until the first step asks, False where it
+        # is not compiled (a subclass that does not ask for it, or compiling it failed)
+        self._compiled_moved_on: Any = None
         self.rows, self.prompt_len = rows, prompt_len
         # An encoder-decoder model: the prompt is the encoder's source, and the decoder's own
         # prompt is its start token (Options.start).
@@ -919,10 +922,50 @@ class Decoder:
         if self.lengths is not None:
             self.lengths.before_step(self.written)
         logits = self._logits(self.next_ids, self.mask, self.position, first=False)
+        self._move_on(self._choose(logits))
+        self._agree()
+
+    # Whether compile=True compiles _moved_on too: a subclass whose _record traces as one
+    # graph, and whose _choose keeps what needs eager kernels' bits (the choice itself).
+    records_compiled = False
+
+    def _choose(self, logits: torch.Tensor) -> Any:
+        """What a step's logits decide, handed to :meth:`_record` (by default the logits:
+        the whole of ``_emit``)."""
+        return logits
+
+    def _record(self, chosen: Any) -> None:
+        self._emit(chosen)
+
+    def _moved_on(self, chosen: Any) -> None:
+        """After the forward: the lengths move on and what was chosen is recorded."""
         self.written.add_(1)
         self.position.add_(1)
-        self._emit(logits)
-        self._agree()
+        self._record(chosen)
+
+    def _move_on(self, chosen: Any) -> None:
+        """:meth:`_moved_on`, compiled as one graph where the step model compiles
+        (``CompiledStep.tail``) and the subclass asks for it (``records_compiled``): a dozen
+        one-element kernels of bookkeeping become a few of Inductor's. The choice stays
+        outside (eager, or in the compiled forward), so the tokens are those of the steps
+        without it: the bookkeeping is integer and boolean work, exact either way. Compiled
+        on the first step, which the build runs eagerly; where compiling fails the work runs
+        eagerly from then on, said on the ``grape`` logger."""
+        compiled = self._compiled_moved_on
+        if compiled is None:
+            tail = getattr(self.step_model, "tail", None)
+            compiled = self._compiled_moved_on = (
+                tail(self._moved_on) if tail is not None and self.records_compiled else False)
+        if compiled is not False:
+            try:
+                compiled(chosen)
+                return
+            except COMPILE_ERRORS as e:  # (raised while compiling, before anything ran)
+                self._compiled_moved_on = False
+                _LOG.info("grape.generate(compile=True): the step's bookkeeping did not "
+                          "compile (%s); it runs eagerly",
+                          str(e).splitlines()[0] if str(e) else type(e).__name__)
+        self._moved_on(chosen)
 
     def _keep(self, name: str, values: torch.Tensor) -> None:
         """Writes this token's ``values`` (rows, vocabulary) where the return dict keeps
@@ -1121,20 +1164,29 @@ class TokenDecoder(Decoder):
                 logits = warper(None, logits)
         return self._renormalized(logits)
 
+    records_compiled = True
+
     def _emit(self, logits: torch.Tensor) -> None:
+        self._record(self._choose(logits))
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's next token (and the scores or logits the return dict keeps)."""
         if self.sampler is not None:  # (the processed scores are nobody's: not kept)
             self._keep("logits", logits)
             token, overflowed = self.sampler.draw(
                 self._process(logits), self.uniforms.index_select(0, self.count).view(-1, 1))
             self.overflowed.logical_or_(overflowed.any())
-        else:
-            scores = self._processed(logits)
-            self._keep("scores", scores)  # as generate keeps them: processed, every row
-            self._keep("logits", logits)
-            if self.options.strategy == "sample":
-                token = sample(scores, self.uniforms.index_select(0, self.count).view(-1, 1))
-            else:
-                token = torch.argmax(scores, dim=-1)
+            return token
+        scores = self._processed(logits)
+        self._keep("scores", scores)  # as generate keeps them: processed, every row
+        self._keep("logits", logits)
+        if self.options.strategy == "sample":
+            return sample(scores, self.uniforms.index_select(0, self.count).view(-1, 1))
+        return torch.argmax(scores, dim=-1)
+
+    def _record(self, token: torch.Tensor) -> None:
+        """The token written where generate's sequences hold it, and the rows' state moved on:
+        finished rows, the stop criteria, whether the loop runs on."""
         if self.options.eos:
             token = torch.where(self.done, self.options.pad, token)
         self.tokens.index_copy_(1, self.count, token.unsqueeze(1))

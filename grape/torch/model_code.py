@@ -27,6 +27,13 @@ try:  # what a failing torch.compile raises (Dynamo's and Inductor's errors)
     COMPILE_ERRORS: tuple[type[Exception], ...] = (TorchDynamoException, InductorError)
 except ImportError:  # pragma: no cover - torch without Inductor
     COMPILE_ERRORS = ()
+try:  # a function compiled with fullgraph=True for more shapes than Dynamo's recompile_limit
+    # raises this, which is not a TorchDynamoException
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    COMPILE_ERRORS += (FailOnRecompileLimitHit,)
+except ImportError:  # pragma: no cover - older torch
+    pass
 
 
 @contextlib.contextmanager
