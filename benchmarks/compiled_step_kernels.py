@@ -4,8 +4,7 @@ Batch 1, a 32-token prompt, 128 new tokens, for each strategy asked and three wa
 
 - ``eager``: ``grape.generate(compile=False)``;
 - ``compiled_eager_tail``: ``compile=True`` with the decoder's bookkeeping after the forward
-  left eager (``TokenDecoder.records_compiled`` off: the step as it was before
-  ``CompiledStep.tail``);
+  left eager (``records_compiled`` off: the step as it was before ``CompiledStep.tail``);
 - ``compiled``: ``compile=True`` as a user calls it, the bookkeeping compiled too.
 
 For each: the step's node count and longest path, its kernels by origin (Inductor's Triton
@@ -14,8 +13,6 @@ name, and ms a token: ``--rounds`` rounds, each timing every way in turn (three 
 one untimed), the median round kept, so that the ways are measured side by side. The two
 compiled ways share one compiled forward (one ``CompiledStep``); their tokens should be equal,
 the choice being outside the compiled bookkeeping, and the table says whether they are.
-Beam search's decoder keeps its bookkeeping eager, so ``beam5`` rows of the two compiled ways
-measure the same step twice.
 
 Run on a GPU: python benchmarks/compiled_step_kernels.py [--size gpt2small] [--arch gpt2]
 [--strategies greedy,sample] [--rounds 5] [--out FILE]
@@ -40,6 +37,7 @@ from generate import SIZES, STRATEGIES, build
 import grape
 from grape.ir import Kernel
 from grape.torch.api import _CACHES, last_stats
+from grape.torch.beam import BeamDecoder
 from grape.torch.decoding import TokenDecoder
 
 NEW = 128
@@ -78,13 +76,15 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int) -> list[dict[str
     tokens: dict[str, torch.Tensor] = {}
     for way in WAYS:
         compile = way != "eager"
-        TokenDecoder.records_compiled = way != "compiled_eager_tail"
+        for kind in (TokenDecoder, BeamDecoder):
+            kind.records_compiled = way != "compiled_eager_tail"
         try:
             began = time.perf_counter()
             grape.generate(model, ids, compile=compile, seed=7, **kw)
             seconds = time.perf_counter() - began
         finally:
-            TokenDecoder.records_compiled = True
+            for kind in (TokenDecoder, BeamDecoder):
+                kind.records_compiled = True
         s = last_stats()
         entries = _CACHES[model].entries
         key = next(k for k in entries if k[2] == compile)

@@ -774,14 +774,18 @@ TAILS = {
     "sampling, scores kept": {"do_sample": True, "top_k": 20, "output_scores": True,
                               "return_dict_in_generate": True},
     "penalties": {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "eos_token_id": EOS},
+    "beam 4, EOS": {"num_beams": 4, "eos_token_id": EOS},
+    "beam 3, length penalty, early stopping": {"num_beams": 3, "length_penalty": 0.5,
+                                               "early_stopping": True, "eos_token_id": EOS},
 }
 
 
 @pytest.mark.parametrize("case", list(TAILS))
 def test_a_compiled_step_compiles_the_bookkeeping_after_its_forward(case):
     # grape.torch.compiled_step's tail: the lengths moved on, the token written, finished rows
-    # and the running flag, under one torch.compile (here Dynamo alone, fullgraph) at every
-    # step; the choice stays outside it, so the tokens are those of the same step without it.
+    # (a beam search's: the beams run on, the hypotheses kept, the cache reordered) and the
+    # running flag, under one torch.compile (here Dynamo alone, fullgraph) at every step; the
+    # choice stays outside it, so the tokens are those of the same step without it.
     from grape.torch.compiled_step import CompiledStep
 
     m = _built("gpt2", CONFIGS["gpt2"])
@@ -805,14 +809,15 @@ def test_a_compiled_step_compiles_the_bookkeeping_after_its_forward(case):
         return counted
     step.tail = tail
     outs = []
+    kind = BeamDecoder if options.strategy == "beam" else TokenDecoder
     for records_compiled in (False, True):
-        decoder = TokenDecoder(m, 3, ids.shape[1], options, step_model=step)
+        decoder = kind(m, 3, ids.shape[1], options, step_model=step)
         decoder.records_compiled = records_compiled
         if options.strategy == "sample":
             decoder.set_seed(1)
         out = decoder.generate_on_host(ids, m_mask)
         outs.append(out if isinstance(out, torch.Tensor) else out.sequences)
-    steps = outs[1].shape[1] - ids.shape[1] - 1  # (the prompt makes the first token)
+    steps = int(decoder.count[0]) - 1  # (the prompt makes the first token)
     assert asked == ["_moved_on"] and len(calls) == steps > 0
     # one graph took the chosen token (Dynamo names placeholders after their sources)
     assert len([g for g in graphs if any("chosen" in name for name in g)]) == 1, graphs

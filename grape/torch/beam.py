@@ -110,16 +110,29 @@ class BeamDecoder(Decoder):
         self.running_origins.fill_(-1)
         self.origins.fill_(-1)
 
+    records_compiled = True
+
     def _emit(self, logits: torch.Tensor) -> None:
-        batch, beams, vocab, t = self.batch, self.beams, self.vocab, self.count
+        self._record(self._choose(logits))
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top continuations over every beam (generate's _get_top_k_continuations): their
+        scores and their indices into (beam, token)."""
+        batch, beams, vocab = self.batch, self.beams, self.vocab
         log_probs = self._renormalized(
             self._process(torch.nn.functional.log_softmax(logits, dim=-1)))
         self._keep("scores", log_probs)  # generate's: processed, before the beams' own scores
         self._keep("logits", logits)
         log_probs = log_probs.view(batch, beams, vocab) + self.running_scores[:, :, None]
-        log_probs = log_probs.reshape(batch, beams * vocab)
-        # Top continuations over every beam (generate's _get_top_k_continuations).
-        top_scores, top_indices = torch.topk(log_probs, k=self.keep)
+        top_scores, top_indices = torch.topk(log_probs.reshape(batch, beams * vocab),
+                                             k=self.keep)
+        return top_scores, top_indices
+
+    def _record(self, top: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """From the top continuations: the beams that run on, the finished hypotheses kept,
+        the cache reordered by beam, whether the search goes on."""
+        batch, beams, vocab, t = self.batch, self.beams, self.vocab, self.count
+        top_scores, top_indices = top
         from_beam = top_indices // vocab
         top_origins = _gather(self.running_origins, from_beam)
         top_tokens = _gather(self.running_tokens, from_beam)
