@@ -259,6 +259,42 @@ def test_a_compiled_step_builds_its_mask_inside_the_compiled_function(cuda, capl
     clear_cache(model)
 
 
+@pytest.mark.parametrize("beams", [1, 3])
+def test_a_compiled_step_compiles_its_bookkeeping_into_fewer_kernels(cuda, caplog, beams):
+    # CompiledStep.tail: the decoder's work after the forward (lengths, the token written,
+    # finished rows or hypotheses, the beams' cache order, the running flag) under one
+    # torch.compile. The same generation built with that work eager, side by side: fewer
+    # nodes, the same tokens (the choice is outside the compiled bookkeeping).
+    import logging
+
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+    from grape.torch.beam import BeamDecoder
+    from grape.torch.decoding import TokenDecoder
+
+    model = _small_llama()
+    ids = torch.randint(3, 500, (2, 5), generator=torch.Generator().manual_seed(0)).cuda()
+    kw = dict(max_new_tokens=8, do_sample=False, num_beams=beams, eos_token_id=7,
+              pad_token_id=0, compile=True)
+    built = {}
+    for records_compiled in (False, True):
+        for kind in (TokenDecoder, BeamDecoder):
+            kind.records_compiled = records_compiled
+        try:
+            with caplog.at_level(logging.INFO, logger="grape"):
+                out = grape.generate(model, ids, **kw)
+        finally:
+            for kind in (TokenDecoder, BeamDecoder):
+                kind.records_compiled = True
+        stats = last_stats()
+        assert stats.graphed and stats.compiled
+        built[records_compiled] = (stats.step_nodes, out)
+        clear_cache(model)
+    assert "bookkeeping did not compile" not in caplog.text
+    assert built[True][0] < built[False][0], built
+    assert torch.equal(built[True][1], built[False][1])
+
+
 @pytest.mark.parametrize("new", [1, 2])
 def test_one_or_two_new_tokens_are_graphed_as_generate_makes_them(cuda, new):
     # The build steps twice before its capture: buffers max_new_tokens long were indexed past
