@@ -848,6 +848,34 @@ def test_bookkeeping_that_does_not_compile_runs_eagerly(caplog):
     assert torch.equal(out, _host(m, ids, mask, max_new_tokens=6, eos_token_id=EOS))
 
 
+def test_a_compiled_step_compiles_past_dynamo_s_default_recompile_limit():
+    # One executable per shape: a server's ninth (batch 9 here) was past Dynamo's default
+    # recompile_limit (8), and its step ran eagerly, captured uncompiled and reported
+    # compiled. grape's compiled functions raise the limit while they run.
+    import torch._dynamo.config
+
+    from grape.torch.compiled_step import CompiledStep
+
+    m = _built("gpt2", CONFIGS["gpt2"])
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    step = CompiledStep(m, backend=backend, dynamic=False)
+    default = torch._dynamo.config.recompile_limit
+    for batch in range(1, default + 3):
+        ids, mask = _prompt(batch=batch)
+        options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 3})
+        decoder = TokenDecoder(m, batch, ids.shape[1], options, step_model=step)
+        before = len(graphs)
+        decoder.generate_on_host(ids, m_mask)
+        # the step (preparation and forward) and its bookkeeping, each compiled for this shape
+        assert len(graphs) - before == 2, batch
+        assert not decoder._unprepared and decoder._compiled_moved_on is not False
+    assert torch._dynamo.config.recompile_limit == default  # raised only while they ran
+
+
 def test_compile_must_be_a_boolean():
     import grape
 

@@ -15,16 +15,43 @@ on one element or one row: the decoder's bookkeeping (the lengths moved on, the 
 finished rows, whether the loop runs on). :meth:`CompiledStep.tail` compiles that too, as a
 graph of its own (``Decoder._move_on``); the token's choice stays outside it, so the tokens
 are those the step makes without it.
+
+Each executable grape builds (a batch, a prompt bucket, a length, a strategy) compiles the
+step at shapes of its own, once. Dynamo keeps at most ``recompile_limit`` (8) compilations of
+a function and runs it eagerly past that, saying so only in a log line: a server's ninth
+shape would have been captured uncompiled and reported compiled. Calls of these functions
+raise that limit to :data:`SHAPES` while they run.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["CompiledStep"]
+__all__ = ["SHAPES", "CompiledStep"]
+
+# Compilations of each of grape's compiled functions (executables' shapes) before Dynamo runs
+# it eagerly; a tail or step compiled with fullgraph then raises, and falls back as said.
+SHAPES = 1024
+
+
+def _limits() -> dict[str, int]:
+    """Dynamo's recompile limits, raised to :data:`SHAPES` (those this torch has)."""
+    config = torch._dynamo.config
+    wanted = {"recompile_limit": SHAPES, "accumulated_recompile_limit": 4 * SHAPES}
+    return {k: max(v, getattr(config, k)) for k, v in wanted.items() if hasattr(config, k)}
+
+
+def _shaped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (compiled) called with Dynamo's recompile limits raised (:data:`SHAPES`)."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(**_limits()):
+            return fn(*args, **kwargs)
+    return call
 
 
 class CompiledStep:
@@ -35,7 +62,7 @@ class CompiledStep:
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         self.model, self.options = model, options
-        self.prepared = torch.compile(self._prepared, **options)
+        self.prepared = _shaped(torch.compile(self._prepared, **options))
         self._forward: Any = None
 
     def _prepared(self, ids: torch.Tensor, kwargs: dict[str, Any],
@@ -51,9 +78,9 @@ class CompiledStep:
         """``fn`` (a decoder's work after the forward) compiled with the step's options, as
         one graph: a graph break raises (caught by the decoder, which then runs ``fn``
         eagerly) rather than splitting it into pieces with eager work between."""
-        return torch.compile(fn, fullgraph=True, **self.options)
+        return _shaped(torch.compile(fn, fullgraph=True, **self.options))
 
     def __call__(self, **inputs: Any) -> Any:
         if self._forward is None:
-            self._forward = torch.compile(self.model, **self.options)
+            self._forward = _shaped(torch.compile(self.model, **self.options))
         return self._forward(**inputs)
