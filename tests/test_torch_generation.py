@@ -791,17 +791,18 @@ def test_a_compiled_step_compiles_the_bookkeeping_after_its_forward(case):
     m = _built("gpt2", CONFIGS["gpt2"])
     ids, mask = _prompt()
     options, m_mask = resolve(m, ids, mask, dict(TAILS[case], max_new_tokens=10))
-    graphs = []
+    graphs, rounding = [], []
 
     def backend(gm, example_inputs):  # Dynamo's graphs, run as traced
         graphs.append([n.name for n in gm.graph.nodes if n.op == "placeholder"])
+        rounding.append(torch._inductor.config.eager_numerics.division_rounding)
         return gm.forward
     step = CompiledStep(m, backend=backend, dynamic=False)
     asked, calls = [], []
 
-    def tail(fn):
+    def tail(fn, divides=False):
         asked.append(fn.__name__)
-        made = CompiledStep.tail(step, fn)
+        made = CompiledStep.tail(step, fn, divides)
 
         def counted(*args):
             calls.append(len(args))
@@ -819,8 +820,11 @@ def test_a_compiled_step_compiles_the_bookkeeping_after_its_forward(case):
         outs.append(out if isinstance(out, torch.Tensor) else out.sequences)
     steps = int(decoder.count[0]) - 1  # (the prompt makes the first token)
     assert asked == ["_moved_on"] and len(calls) == steps > 0
-    # one graph took the chosen token (Dynamo names placeholders after their sources)
-    assert len([g for g in graphs if any("chosen" in name for name in g)]) == 1, graphs
+    # one graph took the chosen token (Dynamo names placeholders after their sources), and
+    # a beam search's (its length penalty divides) was compiled to divide as eager does
+    tails = [i for i, g in enumerate(graphs) if any("chosen" in name for name in g)]
+    assert len(tails) == 1, graphs
+    assert rounding[tails[0]] == (options.strategy == "beam")
     assert decoder._compiled_moved_on is not False
     assert torch.equal(outs[1], outs[0])
 
@@ -839,13 +843,32 @@ def test_bookkeeping_that_does_not_compile_runs_eagerly(caplog):
 
     def refused(*args):  # what a fullgraph function raises past Dynamo's recompile limit
         raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
-    step.tail = lambda fn: refused
+    step.tail = lambda fn, divides=False: refused
     decoder = TokenDecoder(m, 3, ids.shape[1], options, step_model=step)
     with caplog.at_level(logging.INFO, logger="grape"):
         out = decoder.generate_on_host(ids, m_mask)
     assert decoder._compiled_moved_on is False
     assert "the step's bookkeeping did not compile (Hard failure" in caplog.text
     assert torch.equal(out, _host(m, ids, mask, max_new_tokens=6, eos_token_id=EOS))
+
+
+def test_a_beam_search_keeps_its_bookkeeping_eager_where_inductor_divides_otherwise(
+        monkeypatch):
+    # A torch whose Inductor cannot round float32 division as eager does: the beams' length
+    # penalty could part a tie, so their bookkeeping is not compiled (a token decoder's, which
+    # does not divide, still is).
+    from grape.torch import compiled_step
+
+    monkeypatch.setattr(compiled_step, "divides_as_eager", lambda: False)
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    step = compiled_step.CompiledStep(m, backend="eager", dynamic=False)
+    for kw, kind, compiled in (({"num_beams": 3}, BeamDecoder, False), ({}, TokenDecoder, True)):
+        options, m_mask = resolve(m, ids, mask, dict(kw, max_new_tokens=4))
+        decoder = kind(m, 3, ids.shape[1], options, step_model=step)
+        out = decoder.generate_on_host(ids, m_mask)
+        assert (decoder._compiled_moved_on is not False) == compiled
+        assert torch.equal(out, _host(m, ids, mask, max_new_tokens=4, **kw))
 
 
 def test_a_compiled_step_compiles_past_dynamo_s_default_recompile_limit():

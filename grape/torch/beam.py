@@ -111,9 +111,10 @@ class BeamDecoder(Decoder):
         self.origins.fill_(-1)
 
     records_compiled = True
+    records_divide = True  # (the length penalty)
 
     def _emit(self, logits: torch.Tensor) -> None:
-        self._record(self._choose(logits))
+        self._recorded(self._record(self._choose(logits)))
 
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top continuations over every beam (generate's _get_top_k_continuations): their
@@ -128,9 +129,9 @@ class BeamDecoder(Decoder):
                                              k=self.keep)
         return top_scores, top_indices
 
-    def _record(self, top: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _record(self, top: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """From the top continuations: the beams that run on, the finished hypotheses kept,
-        the cache reordered by beam, whether the search goes on."""
+        whether the search goes on; returns each beam's origin, for :meth:`_recorded`."""
         batch, beams, vocab, t = self.batch, self.beams, self.vocab, self.count
         top_scores, top_indices = top
         from_beam = top_indices // vocab
@@ -155,14 +156,8 @@ class BeamDecoder(Decoder):
         self.running_scores.copy_(_gather(running, chosen))
         self.running_origins.copy_(_gather(top_origins, chosen))
         self._finish(top_tokens, top_scores, top_origins, hits)
-        # The cache follows the beams (in place: a captured step reads fixed addresses).
+        # Each beam's origin: the row the cache follows it from (_recorded).
         rows = self.running_origins.index_select(2, t).view(-1).to(torch.long)
-        if self.reorder is not None:
-            self.reorder(rows)
-        else:  # the first prompt's token: the cache is not stacked yet
-            for layer in self.layers:
-                for state in state_tensors(layer):
-                    state.copy_(state.index_select(0, rows))
         self.next_ids.copy_(self.running_tokens.index_select(2, t).view(-1, 1))
         if self.seen is not None:  # each beam's tokens are its origin's and its new one
             self.seen.copy_(self.seen.index_select(0, rows))
@@ -172,6 +167,18 @@ class BeamDecoder(Decoder):
             self.history.index_copy_(1, t + self.head_len, self.next_ids)
         self.count.add_(1)
         self._stop_check(hits)
+        return rows
+
+    def _recorded(self, rows: torch.Tensor) -> None:
+        """The cache follows the beams (in place: a captured step reads fixed addresses).
+        Outside the compiled bookkeeping: a bandwidth-bound gather of the whole cache, which
+        ``RowReorder`` does in the form measured fastest (``benchmarks/row_reorder.py``)."""
+        if self.reorder is not None:
+            self.reorder(rows)
+        else:  # the first prompt's token: the cache is not stacked yet
+            for layer in self.layers:
+                for state in state_tensors(layer):
+                    state.copy_(state.index_select(0, rows))
 
     def _finish(self, top_tokens: torch.Tensor, top_scores: torch.Tensor,
                 top_origins: torch.Tensor, hits: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SHAPES", "CompiledStep"]
+__all__ = ["SHAPES", "CompiledStep", "divides_as_eager"]
 
 # Compilations of each of grape's compiled functions (executables' shapes) before Dynamo runs
 # it eagerly; a tail or step compiled with fullgraph then raises, and falls back as said.
@@ -45,11 +45,25 @@ def _limits() -> dict[str, int]:
     return {k: max(v, getattr(config, k)) for k, v in wanted.items() if hasattr(config, k)}
 
 
-def _shaped(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (compiled) called with Dynamo's recompile limits raised (:data:`SHAPES`)."""
+# Inductor's switch for float32 division as eager rounds it (IEEE): without it Triton's
+# division is approximate (``div.full``), which could part a tie that eager would break.
+_DIVISION = "eager_numerics.division_rounding"
+
+
+def divides_as_eager() -> bool:
+    """Whether this torch's Inductor can divide as eager does (:data:`_DIVISION`)."""
+    numerics = getattr(torch._inductor.config, "eager_numerics", None)
+    return hasattr(numerics, "division_rounding")
+
+
+def _shaped(fn: Callable[..., Any], inductor: dict[str, Any] | None = None
+            ) -> Callable[..., Any]:
+    """``fn`` (compiled) called with Dynamo's recompile limits raised (:data:`SHAPES`) and
+    Inductor's configuration patched with ``inductor`` (read while it compiles)."""
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(**_limits()):
+        with torch._dynamo.config.patch(**_limits()), \
+                torch._inductor.config.patch(inductor or {}):
             return fn(*args, **kwargs)
     return call
 
@@ -74,11 +88,17 @@ class CompiledStep:
             inputs["decoder_position_ids"] = decoder_positions
         return self.model(**inputs, return_dict=True).logits[:, -1, :].to(torch.float32)
 
-    def tail(self, fn: Callable[..., None]) -> Callable[..., None]:
+    def tail(self, fn: Callable[..., Any], divides: bool = False
+             ) -> Callable[..., Any] | None:
         """``fn`` (a decoder's work after the forward) compiled with the step's options, as
         one graph: a graph break raises (caught by the decoder, which then runs ``fn``
-        eagerly) rather than splitting it into pieces with eager work between."""
-        return _shaped(torch.compile(fn, fullgraph=True, **self.options))
+        eagerly) rather than splitting it into pieces with eager work between. Where ``fn``
+        ``divides`` floats, its divisions round as eager's (None, nothing compiled, where
+        this torch's Inductor cannot: :func:`divides_as_eager`)."""
+        if divides and not divides_as_eager():
+            return None
+        return _shaped(torch.compile(fn, fullgraph=True, **self.options),
+                       {_DIVISION: True} if divides else None)
 
     def __call__(self, **inputs: Any) -> Any:
         if self._forward is None:

@@ -926,46 +926,57 @@ class Decoder:
         self._agree()
 
     # Whether compile=True compiles _moved_on too: a subclass whose _record traces as one
-    # graph, and whose _choose keeps what needs eager kernels' bits (the choice itself).
+    # graph, and whose _choose keeps what needs eager kernels' bits (the choice itself); and
+    # whether its _record divides floats (compiled only where they round as eager's).
     records_compiled = False
+    records_divide = False
 
     def _choose(self, logits: torch.Tensor) -> Any:
         """What a step's logits decide, handed to :meth:`_record` (by default the logits:
         the whole of ``_emit``)."""
         return logits
 
-    def _record(self, chosen: Any) -> None:
+    def _record(self, chosen: Any) -> Any:
+        """The bookkeeping of what was chosen; returns what :meth:`_recorded` takes."""
         self._emit(chosen)
 
-    def _moved_on(self, chosen: Any) -> None:
+    def _recorded(self, recorded: Any) -> None:
+        """Work after the bookkeeping that stays out of its compiled form (none by
+        default)."""
+
+    def _moved_on(self, chosen: Any) -> Any:
         """After the forward: the lengths move on and what was chosen is recorded."""
         self.written.add_(1)
         self.position.add_(1)
-        self._record(chosen)
+        return self._record(chosen)
 
     def _move_on(self, chosen: Any) -> None:
         """:meth:`_moved_on`, compiled as one graph where the step model compiles
         (``CompiledStep.tail``) and the subclass asks for it (``records_compiled``): a dozen
         one-element kernels of bookkeeping become a few of Inductor's. The choice stays
         outside (eager, or in the compiled forward), so the tokens are those of the steps
-        without it: the bookkeeping is integer and boolean work, exact either way. Compiled
+        without it: the bookkeeping is selection and elementwise work, exact either way
+        (where it divides floats, Inductor is asked to round as eager: ``records_divide``). What
+        :meth:`_recorded` does with its result stays out too (a beam search's cache gather,
+        bandwidth-bound, in the form measured fastest). Compiled
         on the first step, which the build runs eagerly; where compiling fails the work runs
         eagerly from then on, said on the ``grape`` logger."""
         compiled = self._compiled_moved_on
         if compiled is None:
             tail = getattr(self.step_model, "tail", None)
-            compiled = self._compiled_moved_on = (
-                tail(self._moved_on) if tail is not None and self.records_compiled else False)
+            if tail is not None and self.records_compiled:
+                compiled = tail(self._moved_on, divides=self.records_divide)
+            self._compiled_moved_on = compiled = compiled or False
         if compiled is not False:
             try:
-                compiled(chosen)
+                self._recorded(compiled(chosen))
                 return
             except COMPILE_ERRORS as e:  # (raised while compiling, before anything ran)
                 self._compiled_moved_on = False
                 _LOG.info("grape.generate(compile=True): the step's bookkeeping did not "
                           "compile (%s); it runs eagerly",
                           str(e).splitlines()[0] if str(e) else type(e).__name__)
-        self._moved_on(chosen)
+        self._recorded(self._moved_on(chosen))
 
     def _keep(self, name: str, values: torch.Tensor) -> None:
         """Writes this token's ``values`` (rows, vocabulary) where the return dict keeps
