@@ -270,6 +270,7 @@ def test_a_compiled_step_compiles_its_bookkeeping_into_fewer_kernels(cuda, caplo
     import grape
     from grape.torch.api import clear_cache, last_stats
     from grape.torch.beam import BeamDecoder
+    from grape.torch.compiled_step import divides_as_eager
     from grape.torch.decoding import TokenDecoder
 
     model = _small_llama()
@@ -291,7 +292,10 @@ def test_a_compiled_step_compiles_its_bookkeeping_into_fewer_kernels(cuda, caplo
         built[records_compiled] = (stats.step_nodes, out)
         clear_cache(model)
     assert "bookkeeping did not compile" not in caplog.text
-    assert built[True][0] < built[False][0], built
+    if beams == 1 or divides_as_eager():
+        assert built[True][0] < built[False][0], built
+    else:  # (a torch whose Inductor divides otherwise keeps the beams' bookkeeping eager)
+        assert built[True][0] == built[False][0], built
     assert torch.equal(built[True][1], built[False][1])
 
 
