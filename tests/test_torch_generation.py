@@ -829,6 +829,28 @@ def test_a_compiled_step_compiles_the_bookkeeping_after_its_forward(case):
     assert torch.equal(outs[1], outs[0])
 
 
+@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
+                    reason="Inductor on the CPU needs a C++ compiler")
+@pytest.mark.parametrize("case", ["greedy, EOS and min_new_tokens", "beam 4, EOS"])
+def test_inductor_compiles_the_bookkeeping_and_keeps_the_tokens(case):
+    # The same tail through Inductor itself (C++ kernels here, Triton's on a GPU): its in-place
+    # writes at device indices (the token's column, the hypotheses) land where eager's do.
+    from grape.torch.compiled_step import CompiledStep
+
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, mask = _prompt()
+    options, m_mask = resolve(m, ids, mask, dict(TAILS[case], max_new_tokens=8))
+    kind = BeamDecoder if options.strategy == "beam" else TokenDecoder
+    step = CompiledStep(m, dynamic=False)  # Inductor, its default options
+    outs = []
+    for records_compiled in (False, True):  # (the same compiled forward for both)
+        decoder = kind(m, 3, ids.shape[1], options, step_model=step)
+        decoder.records_compiled = records_compiled
+        outs.append(decoder.generate_on_host(ids, m_mask))
+    assert decoder._compiled_moved_on is not False and not decoder._unprepared
+    assert torch.equal(outs[1], outs[0])
+
+
 def test_bookkeeping_that_does_not_compile_runs_eagerly(caplog):
     import logging
 
