@@ -48,6 +48,9 @@ def _penalised(scores: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
 class BeamDecoder(Decoder):
     """``num_beams`` beams per prompt; rows are batch x beams, beams of a prompt adjacent."""
 
+    records_compiled = True
+    records_divide = True  # (the length penalty)
+
     def __init__(self, model: torch.nn.Module, batch: int, prompt_len: int,
                  options: Options, step_model: Any = None, exact: bool = False) -> None:
         beams = options.num_beams
@@ -109,9 +112,6 @@ class BeamDecoder(Decoder):
         self.improvable.fill_(True)
         self.running_origins.fill_(-1)
         self.origins.fill_(-1)
-
-    records_compiled = True
-    records_divide = True  # (the length penalty)
 
     def _emit(self, logits: torch.Tensor) -> None:
         self._recorded(self._record(self._choose(logits)))

@@ -238,6 +238,12 @@ def _accepts(model: torch.nn.Module, name: str) -> bool:
 class Decoder:
     """Fixed-shape state shared by every strategy; subclasses choose tokens (``_emit``)."""
 
+    # Whether compile=True compiles _moved_on too: a subclass whose _record traces as one
+    # graph, and whose _choose keeps what needs eager kernels' bits (the choice itself); and
+    # whether its _record divides floats (compiled only where they round as eager's).
+    records_compiled = False
+    records_divide = False
+
     def __init__(self, model: torch.nn.Module, rows: int, prompt_len: int,
                  options: Options, step_model: Any = None, exact: bool = False) -> None:
         self.model, self.options = model, options
@@ -925,12 +931,6 @@ class Decoder:
         self._move_on(self._choose(logits))
         self._agree()
 
-    # Whether compile=True compiles _moved_on too: a subclass whose _record traces as one
-    # graph, and whose _choose keeps what needs eager kernels' bits (the choice itself); and
-    # whether its _record divides floats (compiled only where they round as eager's).
-    records_compiled = False
-    records_divide = False
-
     def _choose(self, logits: torch.Tensor) -> Any:
         """What a step's logits decide, handed to :meth:`_record` (by default the logits:
         the whole of ``_emit``)."""
@@ -956,11 +956,11 @@ class Decoder:
         one-element kernels of bookkeeping become a few of Inductor's. The choice stays
         outside (eager, or in the compiled forward), so the tokens are those of the steps
         without it: the bookkeeping is selection and elementwise work, exact either way
-        (where it divides floats, Inductor is asked to round as eager: ``records_divide``). What
-        :meth:`_recorded` does with its result stays out too (a beam search's cache gather,
-        bandwidth-bound, in the form measured fastest). Compiled
-        on the first step, which the build runs eagerly; where compiling fails the work runs
-        eagerly from then on, said on the ``grape`` logger."""
+        (where it divides floats, Inductor is asked to round as eager: ``records_divide``).
+        What :meth:`_recorded` does with its result stays out too (a beam search's cache
+        gather, bandwidth-bound, in the form measured fastest). Compiled on the first step,
+        which the build runs eagerly; where compiling fails the work runs eagerly from then
+        on, said on the ``grape`` logger."""
         compiled = self._compiled_moved_on
         if compiled is None:
             tail = getattr(self.step_model, "tail", None)
@@ -1117,6 +1117,8 @@ class TokenDecoder(Decoder):
     ``Options.whole_vocabulary``.
     """
 
+    records_compiled = True
+
     def __init__(self, model: torch.nn.Module, rows: int, prompt_len: int,
                  options: Options, step_model: Any = None, exact: bool = False) -> None:
         # num_return_sequences: each prompt's rows adjacent, as generate expands them.
@@ -1174,8 +1176,6 @@ class TokenDecoder(Decoder):
             for warper in self.warpers:
                 logits = warper(None, logits)
         return self._renormalized(logits)
-
-    records_compiled = True
 
     def _emit(self, logits: torch.Tensor) -> None:
         self._record(self._choose(logits))
