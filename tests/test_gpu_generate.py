@@ -259,6 +259,39 @@ def test_a_compiled_step_builds_its_mask_inside_the_compiled_function(cuda, capl
     clear_cache(model)
 
 
+def test_a_compiled_step_makes_its_few_row_products_fused_reductions(cuda):
+    # grape.torch.thin_matmuls: a decode step's one-row products become Inductor reductions,
+    # not GEMMs (Triton templates or a library's), fused with their neighbours. Side by side
+    # with the step compiled with the GEMMs: no GEMM left, fewer nodes, and tokens that mostly
+    # agree (the products add in another order, by design).
+    import grape
+    from grape.ir import Kernel
+    from grape.torch.api import _CACHES, clear_cache, last_stats
+    from grape.torch.compiled_step import CompiledStep
+
+    model = _small_llama()
+    ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
+    built = {}
+    for thin in (False, True):
+        CompiledStep.thin_matmuls = thin
+        try:
+            out = grape.generate(model, ids, max_new_tokens=16, do_sample=False, compile=True)
+        finally:
+            CompiledStep.thin_matmuls = True
+        stats = last_stats()
+        assert stats.graphed and stats.compiled
+        entry = next(e for key, e in _CACHES[model].entries.items() if key[2])
+        names = [op.name for _, op in entry.loop.capture.ir.ops() if isinstance(op, Kernel)]
+        gemms = [n for n in names if n.startswith(("triton_tem", "triton_mm")) or any(
+            s in n for s in ("gemm", "gemv", "nvjet", "cutlass", "sm90"))]
+        built[thin] = (stats.step_nodes, gemms, out)
+        clear_cache(model)
+    layers = model.config.num_hidden_layers
+    assert len(built[False][1]) >= 4 * layers and built[True][1] == [], built
+    assert built[True][0] < built[False][0], built
+    assert (built[True][2][:, 5:] == built[False][2][:, 5:]).float().mean() >= 0.75
+
+
 @pytest.mark.parametrize("beams", [1, 3])
 def test_a_compiled_step_compiles_its_bookkeeping_into_fewer_kernels(cuda, caplog, beams):
     # CompiledStep.tail: the decoder's work after the forward (lengths, the token written,

@@ -1615,3 +1615,38 @@ def test_paligemmas_images_and_token_types_make_its_tokens(num_beams):
                   pixel_values=torch.randn(2, 3, 32, 32, generator=g))
     reference = model.generate(ids, cache_implementation="static", **kwargs)
     assert torch.equal(generate_on_host(model, ids, check_written=True, **kwargs), reference)
+
+
+@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
+                    reason="Inductor on the CPU needs a C++ compiler")
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_compiled_step_makes_its_few_row_products_reductions(arch):
+    # grape.torch.thin_matmuls in a compiled step (Inductor, C++ kernels here): the decode
+    # step's products (GPT-2's addmm, Llama's mm) rewritten, the prefill's many-row ones not,
+    # and the logits those of the same step compiled with Inductor's GEMMs, to float32's
+    # rounding. Two steps of one model, with and without it, compile apart (Dynamo caches per
+    # function; the step guards on which it is).
+    from torch._dynamo.utils import counters
+
+    from grape.torch.compiled_step import CompiledStep
+
+    m = _built(arch, CONFIGS[arch])
+    ids, mask = _prompt()
+    options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 4, "output_scores": True,
+                                             "return_dict_in_generate": True})
+    scores, rewritten = {}, {}
+    for thin in (False, True):
+        CompiledStep.thin_matmuls = thin
+        try:
+            step = CompiledStep(m, dynamic=False)
+        finally:
+            CompiledStep.thin_matmuls = True
+        decoder = TokenDecoder(m, 3, ids.shape[1], options, step_model=step)
+        counters["inductor"]["grape_thin_matmuls"] = 0
+        out = decoder.generate_on_host(ids, m_mask)
+        rewritten[thin] = counters["inductor"]["grape_thin_matmuls"]
+        scores[thin] = torch.stack(out.scores[1:])  # (the first: the prefill's)
+        assert not decoder._unprepared
+    layers = m.config.num_hidden_layers
+    assert rewritten[False] == 0 and rewritten[True] >= 4 * layers + 1  # (+1: the head)
+    torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)

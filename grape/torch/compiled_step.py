@@ -16,6 +16,11 @@ finished rows, whether the loop runs on). :meth:`CompiledStep.tail` compiles tha
 graph of its own (``Decoder._move_on``); the token's choice stays outside it, so the tokens
 are those the step makes without it.
 
+A decode step multiplies a few rows by each weight, which Inductor hands to GEMMs tiled for
+many rows; the step's forward and preparation compile with :mod:`grape.torch.thin_matmuls`'s
+pass, which makes those products reductions that Inductor spreads over the GPU and fuses
+with their neighbours (:attr:`CompiledStep.thin_matmuls` turns it off, for comparison).
+
 Each executable grape builds (a batch, a prompt bucket, a length, a strategy) compiles the
 step at shapes of its own, once. Dynamo keeps at most ``recompile_limit`` (8) compilations of
 a function and runs it eagerly past that, saying so only in a log line: a server's ninth
@@ -30,6 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from grape.torch.thin_matmuls import ThinMatmuls
 
 __all__ = ["SHAPES", "CompiledStep", "divides_as_eager"]
 
@@ -68,19 +75,37 @@ def _shaped(fn: Callable[..., Any], inductor: dict[str, Any] | None = None
     return call
 
 
+def _inductor_passes() -> dict[str, Any]:
+    """Inductor's configuration for a step's forward: :class:`ThinMatmuls` after any
+    post-grad pass already configured (a user's own pass keeps running)."""
+    theirs = torch._inductor.config.post_grad_custom_pre_pass
+    return {"post_grad_custom_pre_pass": ThinMatmuls(theirs)}
+
+
 class CompiledStep:
     """``model``'s decode step under ``torch.compile(**options)``: :meth:`prepared` takes the
     step's token ids and the keyword arguments ``prepare_inputs_for_generation`` takes, and
     returns the last position's logits in float32; calling it runs the forward alone,
     compiled on first use (the form a compiled step falls back to)."""
 
+    # Whether steps made from now on compile their few-row products as reductions
+    # (grape.torch.thin_matmuls); off, they keep Inductor's GEMMs (benchmarks compare both).
+    thin_matmuls = True
+
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         self.model, self.options = model, options
-        self.prepared = _shaped(torch.compile(self._prepared, **options))
+        self.thin = self.thin_matmuls
+        forward = _inductor_passes() if self.thin else None
+        self.prepared = _shaped(torch.compile(self._prepared, **options), forward)
         self._forward: Any = None
+        self._forward_passes = forward
 
     def _prepared(self, ids: torch.Tensor, kwargs: dict[str, Any],
                   decoder_positions: torch.Tensor | None) -> torch.Tensor:
+        # (read so that Dynamo guards on it: its cache is per function, and two steps of one
+        # model, one with the rewrite and one without, must not share a compilation)
+        if self.thin:
+            pass
         inputs = self.model.prepare_inputs_for_generation(ids, **kwargs)
         # (an encoder-decoder's decoder positions, where its preparation makes them from the
         # running mask: the decoder's own, as Decoder._decoder_positions gives them)
@@ -102,5 +127,6 @@ class CompiledStep:
 
     def __call__(self, **inputs: Any) -> Any:
         if self._forward is None:
-            self._forward = _shaped(torch.compile(self.model, **self.options))
+            self._forward = _shaped(torch.compile(self.model, **self.options),
+                                    self._forward_passes)
         return self._forward(**inputs)
