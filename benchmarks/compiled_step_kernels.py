@@ -1,6 +1,7 @@
 """Which kernels a decoding step holds, uncompiled and with ``compile=True`` (GPU).
 
-Batch 1, a 32-token prompt, 128 new tokens, for each strategy asked and three ways:
+A batch (``--batch``, 1 unless said) of 32-token prompts, 128 new tokens, for each strategy asked
+and three ways:
 
 - ``eager``: ``grape.generate(compile=False)``;
 - ``compiled_gemms``: ``compile=True`` with the step's few-row products left to Inductor's GEMMs
@@ -13,10 +14,10 @@ name, and ms a token: ``--rounds`` rounds, each timing every way in turn (three 
 one untimed), the median round kept, so that the ways are measured side by side. The two
 compiled ways compile the step apart; their kernels add in other orders, so the table gives
 how many of their tokens agree (the first difference ends the comparison: after it, the two
-continue different texts) and the largest difference of their first step's logits.
+continue different texts) and the largest difference of the scores of their first step.
 
 Run on a GPU: python benchmarks/compiled_step_kernels.py [--size gpt2small] [--arch gpt2]
-[--strategies greedy,sample] [--rounds 5] [--out FILE]
+[--strategies greedy,sample] [--rounds 5] [--batch 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def agreement(ours: torch.Tensor, theirs: torch.Tensor, our_scores: tuple[torch.
             "step_scores_max_abs": float(b[torch.isfinite(b)].abs().max())}
 
 
-def measure(model: torch.nn.Module, strategy: str, rounds: int) -> list[dict[str, Any]]:
-    ids = torch.randint(3, 1000, (1, 32), device="cuda")
+def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int
+            ) -> list[dict[str, Any]]:
+    ids = torch.randint(3, 1000, (batch, 32), device="cuda")
     kw = dict(STRATEGIES[strategy], max_new_tokens=NEW, pad_token_id=0)
     built: dict[str, tuple[Any, Any]] = {}  # way -> (its cache key, its entry)
     rows: dict[str, dict[str, Any]] = {}
@@ -149,12 +151,13 @@ def main() -> None:
     parser.add_argument("--arch", default="gpt2")
     parser.add_argument("--strategies", default="greedy")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--out", help="write every row here as JSON")
     args = parser.parse_args()
     model = build(args.arch, SIZES[args.size])
     rows = []
     for strategy in args.strategies.split(","):
-        rows += measure(model, strategy, args.rounds)
+        rows += measure(model, strategy, args.rounds, args.batch)
     for row in rows:
         print(f"{row['strategy']} {row['way']} eager kernels:")
         for name, count in row["eager_kernels"].items():
@@ -162,9 +165,10 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
-    print(f"\n{args.arch} {args.size}, batch 1, {NEW} new tokens, median of {args.rounds} "
-          f"rounds")
+                       "command": " ".join(sys.argv), "batch": args.batch, "rows": rows},
+                      f, indent=1)
+    print(f"\n{args.arch} {args.size}, batch {args.batch}, {NEW} new tokens, median of "
+          f"{args.rounds} rounds")
     print(f"{'strategy':<9} {'way':<16} {'nodes':>5} {'eager':>5} {'ms/token':>9}  "
           f"agreement with compiled_gemms")
     for row in rows:
