@@ -56,18 +56,23 @@ def origin(name: str) -> str:
     return "eager"
 
 
-def kernels(entry: Any) -> tuple[dict[str, int], dict[str, int]]:
-    """The step's nodes by origin, and its eager kernels by (shortened) name."""
+def kernels(entry: Any) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """The step's nodes by origin, its eager kernels by (shortened) name, and Inductor's by
+    kind (``triton_per``sistent reduction, ``triton_red``uction, ``triton_poi``ntwise,
+    ``triton_tem``plate) and what they fuse, their index dropped."""
     kinds: collections.Counter[str] = collections.Counter()
     eager: collections.Counter[str] = collections.Counter()
+    inductor: collections.Counter[str] = collections.Counter()
     for _, op in entry.loop.capture.ir.ops():
         if isinstance(op, Kernel):
             kinds[origin(op.name)] += 1
             if origin(op.name) == "eager":
                 eager[op.name[:110]] += 1
+            elif origin(op.name) == "inductor":
+                inductor[op.name.rstrip("0123456789").rstrip("_")] += 1
         else:
             kinds[type(op).__name__] += 1
-    return dict(kinds), dict(eager.most_common())
+    return dict(kinds), dict(eager.most_common()), dict(inductor.most_common())
 
 
 def agreement(ours: torch.Tensor, theirs: torch.Tensor, our_scores: tuple[torch.Tensor, ...],
@@ -111,14 +116,16 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int
                 out = grape.generate(model, ids, compile=True, seed=7, output_scores=True,
                                      return_dict_in_generate=True, **kw)
                 scores[way] = out.scores
-                grape.clear_cache(model)
+                kept = _CACHES[model].entries
+                kept.pop(next(k for k in kept if k[2] == compile)).loop.close()
         finally:
             CompiledStep.thin_matmuls = True
-        kinds, eager = kernels(built[way][1])
+        kinds, eager, inductor = kernels(built[way][1])
         rows[way] = {"strategy": strategy, "way": way, "graphed": s.graphed,
                      "compiled": s.compiled, "step_nodes": s.step_nodes,
                      "step_depth": s.step_depth, "build_s": round(seconds, 1),
-                     "kinds": kinds, "eager_kernels": eager, "rounds_ms": []}
+                     "kinds": kinds, "eager_kernels": eager,
+                     "inductor_kernels": inductor, "rounds_ms": []}
         print(f"{strategy} {way}: graphed {s.graphed} compiled {s.compiled} nodes "
               f"{s.step_nodes} depth {s.step_depth} built in {seconds:.1f} s {kinds}",
               flush=True)
@@ -159,9 +166,11 @@ def main() -> None:
     for strategy in args.strategies.split(","):
         rows += measure(model, strategy, args.rounds, args.batch)
     for row in rows:
-        print(f"{row['strategy']} {row['way']} eager kernels:")
-        for name, count in row["eager_kernels"].items():
-            print(f"   {count:3d} {name}")
+        for origin_, names in (("eager", row["eager_kernels"]),
+                               ("Inductor's", row["inductor_kernels"])):
+            print(f"{row['strategy']} {row['way']} {origin_} kernels:")
+            for name, count in names.items():
+                print(f"   {count:3d} {name}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -9,13 +9,19 @@ also a kernel of its own: the layer norm before it and the bias, activation or r
 after it cannot join it.
 
 :func:`as_reductions` rewrites each product whose rows are statically at most :data:`ROWS`
-as what it is for so few rows: ``(a[:, :, None] * b[None]).sum(1)``, accumulated in float32
-and rounded once. Inductor then writes a reduction kernel, one output column a row of
-threads reading the weight's row contiguously, spread over every SM, and fuses the
-pointwise work on either side into it. Inductor has such a rewrite
-(``decompose_mem_bound_mm``), but for products with many rows and few columns, the other
-shape. Products with more rows than :data:`ROWS` (a prefill, a large batch) keep their GEMM:
-each row of a reduction reads the weight again.
+as what it is for so few rows: ``(a[:, None, :] * w[None]).sum(2)`` over the weight ``w``
+(``b`` transposed) in the layout it lies in, accumulated in float32 and rounded once.
+Inductor then writes a reduction kernel, each output's program reading one weight row
+contiguously, spread over every SM, and fuses the pointwise work after it into it.
+Inductor has such a rewrite (``decompose_mem_bound_mm``), but for products with many rows
+and few columns, the other shape. Products with more rows than :data:`ROWS` (a prefill, a
+large batch) keep their GEMM: each row of a reduction reads the weight again.
+
+Only a weight stored (out, in), as ``torch.nn.Linear`` stores it, is rewritten: each output
+then reduces one contiguous row. A weight stored (in, out) (GPT-2's ``Conv1D``) would make
+an outer reduction, whose outputs share each row of the weight: Inductor splits it in two
+kernels to find enough parallelism, and GPT-2 small's greedy step ran 0.899 ms a token that
+way against 0.547 with its GEMMs (H100, ``benchmarks/README.md``).
 
 :class:`ThinMatmuls` is the pass in the form Inductor's configuration takes
 (``post_grad_custom_pre_pass``); ``CompiledStep`` patches it in while it compiles.
@@ -50,16 +56,27 @@ _PATTERNS = PatternMatcherPass(pass_name="grape_thin_matmuls")
 
 
 def _thin(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    """Whether ``a @ b`` has at most :data:`ROWS` rows (known at compile time) of floats."""
+    """Whether ``a @ b`` has at most :data:`ROWS` rows (known at compile time) of floats, and
+    ``b`` is a weight stored (out, in), as ``torch.nn.Linear`` stores it: transposed."""
     va, vb = a.meta.get("val"), b.meta.get("val")
     if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
         return False
     return (va.dim() == 2 and vb.dim() == 2 and va.dtype.is_floating_point
-            and va.dtype == vb.dtype and bool(statically_known_true(va.shape[0] <= ROWS)))
+            and va.dtype == vb.dtype and vb.stride(0) == 1 and vb.shape[1] > 1
+            and bool(statically_known_true(va.shape[0] <= ROWS)))
+
+
+def _realized(a: torch.fx.Node) -> None:
+    # The rows are written once and read by every output's program, rather than recomputed
+    # there from what they are made of (a layer norm's input, weights and statistics). (Not
+    # the weight: realizing a transposed view of it would copy it.)
+    a.meta["inductor_realize_to_strides"] = True
 
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a[:, :, None].float() * b[None, :, :].float()).sum(dim=1)
+    # Reduced along the weight's rows, (out, in) as it lies (b is its transpose): the last,
+    # contiguous dimension, so Inductor lays its threads along it.
+    return (a[:, None, :].float() * b.t()[None, :, :].float()).sum(dim=2)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -76,6 +93,7 @@ def _rewrite_mm(match: Match, a: torch.fx.Node, b: torch.fx.Node) -> None:
     if _thin(a, b):
         counters["inductor"]["grape_thin_matmuls"] += 1
         match.replace_by_example(_mm, [a, b])
+        _realized(a)
 
 
 @register_graph_pattern(CallFunction(aten.addmm, Arg(), Arg(), Arg()),
@@ -86,6 +104,7 @@ def _rewrite_addmm(match: Match, bias: torch.fx.Node, a: torch.fx.Node,
     if _thin(a, b) and not match.nodes[-1].kwargs:
         counters["inductor"]["grape_thin_matmuls"] += 1
         match.replace_by_example(_addmm, [bias, a, b])
+        _realized(a)
 
 
 def as_reductions(graph: torch.fx.Graph) -> int:
