@@ -4,17 +4,19 @@ A batch (``--batch``, 1 unless said) of 32-token prompts, 128 new tokens, for ea
 and three ways:
 
 - ``eager``: ``grape.generate(compile=False)``;
-- ``compiled_gemms``: ``compile=True`` with the step's few-row products left to Inductor's GEMMs
-  (``CompiledStep.thin_matmuls`` off: the step as it was before ``grape.torch.thin_matmuls``);
+- ``compiled_gemms``: ``compile=True`` with the step's one-row biased products left to
+  Inductor's GEMMs (``CompiledStep.thin_matmuls`` off: the step as it was before
+  ``grape.torch.thin_matmuls``);
 - ``compiled``: ``compile=True`` as a user calls it, those products as fused reductions.
 
 For each: the step's node count and longest path, its kernels by origin (Inductor's Triton
 kernels, GEMM libraries', attention's, PyTorch's eager kernels, copies), the eager kernels by
-name, and ms a token: ``--rounds`` rounds, each timing every way in turn (three calls after
-one untimed), the median round kept, so that the ways are measured side by side. The two
-compiled ways compile the step apart; their kernels add in other orders, so the table gives
-how many of their tokens agree (the first difference ends the comparison: after it, the two
-continue different texts) and the largest difference of the scores of their first step.
+name, Inductor's by kind and what they fuse, and ms a token: ``--rounds`` rounds, each
+timing every way in turn (three calls after one untimed), the median round kept, so that
+the ways are measured side by side. The two compiled ways compile the step apart; their
+kernels add in other orders, so the table gives how many of their tokens agree (the first
+difference ends the comparison: after it, the two continue different texts) and the
+largest difference of the scores of their first step.
 
 Run on a GPU: python benchmarks/compiled_step_kernels.py [--size gpt2small] [--arch gpt2]
 [--strategies greedy,sample] [--rounds 5] [--batch 1] [--out FILE]

@@ -16,10 +16,11 @@ finished rows, whether the loop runs on). :meth:`CompiledStep.tail` compiles tha
 graph of its own (``Decoder._move_on``); the token's choice stays outside it, so the tokens
 are those the step makes without it.
 
-A decode step multiplies a few rows by each weight, which Inductor hands to GEMMs tiled for
-many rows; the step's forward and preparation compile with :mod:`grape.torch.thin_matmuls`'s
-pass, which makes those products reductions that Inductor spreads over the GPU and fuses
-with their neighbours (:attr:`CompiledStep.thin_matmuls` turns it off, for comparison).
+At batch 1 a decode step multiplies one row by each weight. Inductor writes a plain such
+product as a reduction, but hands a biased one (``addmm``) to a GEMM tiled for many rows;
+the step compiles with :mod:`grape.torch.thin_matmuls`'s pass, which makes those reductions
+too, fused with their neighbours (:attr:`CompiledStep.thin_matmuls` turns it off, for
+comparison).
 
 Each executable grape builds (a batch, a prompt bucket, a length, a strategy) compiles the
 step at shapes of its own, once. Dynamo keeps at most ``recompile_limit`` (8) compilations of
@@ -88,7 +89,7 @@ class CompiledStep:
     returns the last position's logits in float32; calling it runs the forward alone,
     compiled on first use (the form a compiled step falls back to)."""
 
-    # Whether steps made from now on compile their few-row products as reductions
+    # Whether steps made from now on compile their one-row products as reductions
     # (grape.torch.thin_matmuls); off, they keep Inductor's GEMMs (benchmarks compare both).
     thin_matmuls = True
 

@@ -1,27 +1,28 @@
-"""A decode step's matrix products over few rows, as reductions Inductor writes and fuses.
+"""A decode step's one-row matrix products, biased ones included, as reductions Inductor fuses.
 
-A decode step multiplies a handful of rows (one a sequence: a batch, a beam) by each weight.
-Inductor hands such a product to a GEMM: a Triton template tiled for many rows, or cuBLAS.
-Neither suits one row. Tiles 16 rows high over a 768 x 2304 weight made 36 blocks on a
-132-SM GPU, and took 7.4 us where reading the weight once takes about 1 us (H100, GPT-2
-small, Inductor's own autotuning log in ``benchmarks/results/gpu_h100_35ba8bb``). A GEMM is
-also a kernel of its own: the layer norm before it and the bias, activation or residual
-after it cannot join it.
+A decode step at batch 1 multiplies one row by each weight. Inductor already writes such a
+product as a reduction where it is a plain ``mm`` and coordinate-descent tuning is on (as
+``max-autotune`` modes set it): each output a dot product of the row with one weight row,
+spread over every SM, fused with the pointwise work after it. A ``torch.nn.Linear`` with a
+bias is an ``addmm``, which it leaves to GEMMs tiled for many rows (Triton templates 16
+rows high, or cuBLAS): few blocks over the weight, and a kernel of its own. On an OPT of
+width 1024 (12 layers, every Linear biased), 48 of the compiled step's kernels were such
+templates, and the compiled step ran slower than the eager one (H100, 0.789 against 0.700
+ms a token; ``benchmarks/README.md``).
 
-:func:`as_reductions` rewrites each product whose rows are statically at most :data:`ROWS`
-as what it is for so few rows: ``(a[:, None, :] * w[None]).sum(2)`` over the weight ``w``
-(``b`` transposed) in the layout it lies in, accumulated in float32 and rounded once.
-Inductor then writes a reduction kernel, each output's program reading one weight row
-contiguously, spread over every SM, and fuses the pointwise work after it into it.
-Inductor has such a rewrite (``decompose_mem_bound_mm``), but for products with many rows
-and few columns, the other shape. Products with more rows than :data:`ROWS` (a prefill, a
-large batch) keep their GEMM: each row of a reduction reads the weight again.
+:func:`as_reductions` rewrites each product of one row (:data:`ROWS`, known at compile time)
+by a weight stored (out, in), as ``Linear`` stores it, as ``(a[:, None, :] * w[None]).sum(2)``
+over the weight ``w`` as it lies, accumulated in float32 with the bias added before the one
+rounding, as a GEMM's epilogue adds it. The same OPT's step then ran 0.514 ms a token, its
+tokens those of the GEMMs' step for 128 of 128.
 
-Only a weight stored (out, in), as ``torch.nn.Linear`` stores it, is rewritten: each output
-then reduces one contiguous row. A weight stored (in, out) (GPT-2's ``Conv1D``) would make
-an outer reduction, whose outputs share each row of the weight: Inductor splits it in two
-kernels to find enough parallelism, and GPT-2 small's greedy step ran 0.899 ms a token that
-way against 0.547 with its GEMMs (H100, ``benchmarks/README.md``).
+What is not rewritten, and why:
+
+- a weight stored (in, out) (GPT-2's ``Conv1D``): each output would reduce a column, an
+  outer reduction, which Inductor splits in two kernels to find parallelism. Rewritten,
+  GPT-2 small's greedy step ran 0.899 ms a token against 0.547 with its GEMMs (H100).
+- more than one row (a batch, beams): each row's outputs would read the whole weight
+  again, from memory where it is larger than L2 (GPT-2's 77 MB head). Not measured.
 
 :class:`ThinMatmuls` is the pass in the form Inductor's configuration takes
 (``post_grad_custom_pre_pass``); ``CompiledStep`` patches it in while it compiles.
@@ -48,9 +49,8 @@ __all__ = ["ROWS", "ThinMatmuls", "as_reductions"]
 
 aten = torch.ops.aten
 
-# The most rows a product may have to become a reduction: a batch of 8 sequences, or a
-# beam search's beams over a small batch.
-ROWS = 8
+# The most rows a product may have to become a reduction (see the module's docstring).
+ROWS = 1
 
 _PATTERNS = PatternMatcherPass(pass_name="grape_thin_matmuls")
 
@@ -90,6 +90,8 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
 
 @register_graph_pattern(CallFunction(aten.mm, Arg(), Arg()), pass_dict=_PATTERNS)
 def _rewrite_mm(match: Match, a: torch.fx.Node, b: torch.fx.Node) -> None:
+    # (Inductor's own decomposition does this where coordinate-descent tuning is on; done
+    # here too, so that the step's kernels do not hang on that switch)
     if _thin(a, b):
         counters["inductor"]["grape_thin_matmuls"] += 1
         match.replace_by_example(_mm, [a, b])
