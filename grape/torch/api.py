@@ -25,10 +25,11 @@ With ``compile=True`` the step's kernels are Inductor's (``torch.compile`` with
 inside grape's one-launch loop; the prompt, at its own shape, runs the model's own kernels.
 The step's input preparation (where transformers builds its mask) is compiled with the forward
 as one function, and the decoder's bookkeeping after it as another (the token's choice stays
-eager; ``grape.torch.compiled_step``), built once per model and compiled once per step shape
-(the first call of a shape pays for it, minutes with autotuning on large models); its kernels
-differ from the eager ones by design, so its tokens are compared with a tolerance, not for
-equality.
+eager; ``grape.torch.compiled_step``); one-row products with a bias become reductions there
+as plain ones do (``grape.torch.thin_matmuls``). The step is built once per model and
+compiled once per step shape (the first call of a shape pays for it, minutes with
+autotuning on large models); its kernels differ from the eager ones by design, so its
+tokens are compared with a tolerance, not for equality.
 
 Encoder-decoder speech models generate the same way from what their encoder takes (the
 model's ``main_input_name``: Speech2Text's ``input_features``, SpeechT5's ``input_values``),
