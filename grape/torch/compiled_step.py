@@ -37,8 +37,6 @@ from typing import Any
 
 import torch
 
-from grape.torch.thin_matmuls import ThinMatmuls
-
 __all__ = ["SHAPES", "CompiledStep", "divides_as_eager"]
 
 # Compilations of each of grape's compiled functions (executables' shapes) before Dynamo runs
@@ -79,6 +77,10 @@ def _shaped(fn: Callable[..., Any], inductor: dict[str, Any] | None = None
 def _inductor_passes() -> dict[str, Any]:
     """Inductor's configuration for a step's forward: :class:`ThinMatmuls` after any
     post-grad pass already configured (a user's own pass keeps running)."""
+    # (imported here: Inductor's pattern matcher takes most of a second to import, and a
+    # process that never compiles a step should not pay for it)
+    from grape.torch.thin_matmuls import ThinMatmuls
+
     theirs = torch._inductor.config.post_grad_custom_pre_pass
     return {"post_grad_custom_pre_pass": ThinMatmuls(theirs)}
 

@@ -110,9 +110,9 @@ def _rewrite_addmm(match: Match, bias: torch.fx.Node, a: torch.fx.Node,
 
 
 def as_reductions(graph: torch.fx.Graph) -> int:
-    """Rewrite ``graph``'s products of at most :data:`ROWS` rows as reductions; returns how
-    many patterns matched (a product with more rows matches and is left as it was). Dynamo's
-    ``counters["inductor"]["grape_thin_matmuls"]`` counts those rewritten."""
+    """Rewrite ``graph``'s products of at most :data:`ROWS` rows by weights stored (out, in)
+    as reductions; returns how many patterns matched (every ``mm`` and ``addmm``, rewritten
+    or not). Dynamo's ``counters["inductor"]["grape_thin_matmuls"]`` counts those rewritten."""
     return _PATTERNS.apply(graph)
 
 
