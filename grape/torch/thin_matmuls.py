@@ -6,8 +6,9 @@ product as a reduction where it is a plain ``mm`` and coordinate-descent tuning 
 spread over every SM, fused with the pointwise work after it. A ``torch.nn.Linear`` with a
 bias is an ``addmm``, which it leaves to GEMMs tiled for many rows (Triton templates 16
 rows high, or cuBLAS): few blocks over the weight, and a kernel of its own. On an OPT of
-width 1024 (12 layers, every Linear biased), 48 of the compiled step's kernels were such
-templates, and the compiled step ran slower than the eager one (H100, 0.789 against 0.700
+width 1024 (12 layers, every Linear biased), the compiled step's 72 biased products were 60
+Triton templates and 12 cuBLAS GEMMs (each with a split-K reduction), and the compiled step
+ran slower than the eager one (H100, 0.789 against 0.700
 ms a token; ``benchmarks/README.md``).
 
 :func:`as_reductions` rewrites each product of one row (:data:`ROWS`, known at compile time)
