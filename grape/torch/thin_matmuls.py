@@ -8,8 +8,7 @@ bias is an ``addmm``, which it leaves to GEMMs tiled for many rows (Triton templ
 rows high, or cuBLAS): few blocks over the weight, and a kernel of its own. On an OPT of
 width 1024 (12 layers, every Linear biased), the compiled step's 72 biased products were 60
 Triton templates and 12 cuBLAS GEMMs (each with a split-K reduction), and the compiled step
-ran slower than the eager one (H100, 0.789 against 0.700
-ms a token; ``benchmarks/README.md``).
+ran slower than the eager one (H100, 0.789 against 0.700 ms a token; ``benchmarks/README.md``).
 
 :func:`as_reductions` rewrites each product of one row (:data:`ROWS`, known at compile time)
 by a weight stored (out, in), as ``Linear`` stores it, as ``(a[:, None, :] * w[None]).sum(2)``
