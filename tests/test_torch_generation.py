@@ -1620,7 +1620,7 @@ def test_paligemmas_images_and_token_types_make_its_tokens(num_beams):
 @pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
                     reason="Inductor on the CPU needs a C++ compiler")
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_a_compiled_step_makes_its_few_row_products_reductions(arch):
+def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
     # grape.torch.thin_matmuls in a compiled step (Inductor, C++ kernels here): the decode
     # step's products over Linear weights rewritten (Llama's every one, GPT-2's head: its
     # Conv1D weights lie (in, out) and keep their GEMMs), the prefill's many-row ones not,
