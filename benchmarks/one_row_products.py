@@ -23,7 +23,9 @@ weights the reduction is slower than cuBLAS. A whole compiled GPT-2 small token 
 pass (``compile_modes.py``'s ``gemv`` mode at commit de3d553, ``results/compile_modes_h200.jsonl``)
 ran 0.647 ms against 0.591 under ``max-autotune-no-cudagraphs``, same session. The pass was
 ``grape.torch.gemv`` then, unused by ``grape.generate``; it lives here with the measurement
-that retired it.
+that retired it. ``grape.torch.thin_matmuls`` (3f833ed) rewrites only the case these shapes
+lack, one row by a biased ``Linear`` (``addmm``), which Inductor leaves to GEMMs where it
+already makes a plain one-row ``mm`` a reduction (``benchmarks/README.md``).
 
 Run on a GPU: python benchmarks/one_row_products.py
 """

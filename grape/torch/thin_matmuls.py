@@ -24,6 +24,9 @@ What is not rewritten, and why:
 - more than one row (a batch, beams): each row's outputs would read the whole weight
   again, from memory where it is larger than L2 (GPT-2's 77 MB head). Not measured.
 
+An earlier form that rewrote every one-row product, whatever its layout, was measured and
+retired (``benchmarks/one_row_products.py``, which keeps it beside its figures).
+
 :class:`ThinMatmuls` is the pass in the form Inductor's configuration takes
 (``post_grad_custom_pre_pass``); ``CompiledStep`` patches it in while it compiles.
 """
