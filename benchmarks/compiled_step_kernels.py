@@ -1,25 +1,29 @@
 """Which kernels a decoding step holds, uncompiled and with ``compile=True`` (GPU).
 
 A batch (``--batch``, 1 unless said) of 32-token prompts, 128 new tokens, for each strategy asked
-and three ways:
+and the ways asked (``--ways``, all unless said):
 
 - ``eager``: ``grape.generate(compile=False)``;
 - ``compiled_gemms``: ``compile=True`` with the step's one-row biased products left to
   Inductor's GEMMs (``CompiledStep.thin_matmuls`` off: the step as it was before
   ``grape.torch.thin_matmuls``);
-- ``compiled``: ``compile=True`` as a user calls it, those products as fused reductions.
+- ``compiled_repeat_kv``: ``compile=True`` with grouped-query attention's keys and values
+  repeated per query head, as transformers does (``CompiledStep.grouped_queries`` off: the
+  step as it was before ``grape.torch.grouped_queries``);
+- ``compiled``: ``compile=True`` as a user calls it.
 
 For each: the step's node count and longest path, its kernels by origin (Inductor's Triton
 kernels, GEMM libraries', attention's, PyTorch's eager kernels, copies), the eager kernels by
 name, Inductor's by kind and what they fuse, and ms a token: ``--rounds`` rounds, each
 timing every way in turn (three calls after one untimed), the median round kept, so that
-the ways are measured side by side. The two compiled ways compile the step apart; their
-kernels add in other orders, so the table gives how many of their tokens agree (the first
-difference ends the comparison: after it, the two continue different texts) and the
-largest difference of the scores of their first step.
+the ways are measured side by side. The compiled ways compile the step apart; their
+kernels add in other orders, so the table gives, for each other compiled way, how many of
+its tokens agree with ``compiled``'s (the first difference ends the comparison: after it,
+the two continue different texts) and the largest difference of the scores of their first
+step.
 
 Run on a GPU: python benchmarks/compiled_step_kernels.py [--size gpt2small] [--arch gpt2]
-[--strategies greedy,sample] [--rounds 5] [--batch 1] [--out FILE]
+[--strategies greedy,sample] [--ways eager,compiled] [--rounds 5] [--batch 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ from grape.torch.api import _CACHES, last_stats
 from grape.torch.compiled_step import CompiledStep
 
 NEW = 128
-# way -> (compile=, CompiledStep.thin_matmuls)
-WAYS = {"eager": (False, True), "compiled_gemms": (True, False), "compiled": (True, True)}
+# way -> (compile=, CompiledStep's switches turned off)
+WAYS = {"eager": (False, ()), "compiled_gemms": (True, ("thin_matmuls",)),
+        "compiled_repeat_kv": (True, ("grouped_queries",)), "compiled": (True, ())}
+SWITCHES = ("thin_matmuls", "grouped_queries")
 
 
 def origin(name: str) -> str:
@@ -93,16 +99,18 @@ def agreement(ours: torch.Tensor, theirs: torch.Tensor, our_scores: tuple[torch.
             "step_scores_max_abs": float(b[torch.isfinite(b)].abs().max())}
 
 
-def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int
-            ) -> list[dict[str, Any]]:
+def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
+            ways: list[str]) -> list[dict[str, Any]]:
     ids = torch.randint(3, 1000, (batch, 32), device="cuda")
     kw = dict(STRATEGIES[strategy], max_new_tokens=NEW, pad_token_id=0)
     built: dict[str, tuple[Any, Any]] = {}  # way -> (its cache key, its entry)
     rows: dict[str, dict[str, Any]] = {}
     tokens: dict[str, torch.Tensor] = {}
     scores: dict[str, tuple[torch.Tensor, ...]] = {}
-    for way, (compile, thin) in WAYS.items():
-        CompiledStep.thin_matmuls = thin
+    for way in ways:
+        compile, off = WAYS[way]
+        for switch in off:
+            setattr(CompiledStep, switch, False)
         try:
             if compile and model in _CACHES:  # (a compiled step of this way's own)
                 _CACHES[model].compiled = None
@@ -121,7 +129,8 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int
                 kept = _CACHES[model].entries
                 kept.pop(next(k for k in kept if k[2] == compile)).loop.close()
         finally:
-            CompiledStep.thin_matmuls = True
+            for switch in SWITCHES:
+                setattr(CompiledStep, switch, True)
         kinds, eager, inductor = kernels(built[way][1])
         rows[way] = {"strategy": strategy, "way": way, "graphed": s.graphed,
                      "compiled": s.compiled, "step_nodes": s.step_nodes,
@@ -132,7 +141,7 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int
               f"{s.step_nodes} depth {s.step_depth} built in {seconds:.1f} s {kinds}",
               flush=True)
     for _ in range(rounds):
-        for way in WAYS:
+        for way in ways:
             key, entry = built[way]
             _CACHES[model].entries[key] = entry
             tokens[way] = grape.generate(model, ids, seed=7, compile=way != "eager", **kw)
@@ -144,11 +153,11 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int
             new = tokens[way].shape[1] - ids.shape[1]
             rows[way]["rounds_ms"].append((time.perf_counter() - began) / 3 / new * 1e3)
             del _CACHES[model].entries[key]
-    for way in WAYS:
+    for way in ways:
         rows[way]["ms_per_token"] = statistics.median(rows[way]["rounds_ms"])
-    rows["compiled"].update(agreement(tokens["compiled"], tokens["compiled_gemms"],
-                                      scores["compiled"], scores["compiled_gemms"],
-                                      ids.shape[1]))
+        if way in scores and way != "compiled" and "compiled" in scores:
+            rows[way].update(agreement(tokens[way], tokens["compiled"], scores[way],
+                                       scores["compiled"], ids.shape[1]))
     for _, entry in built.values():  # (grape.clear_cache would close the last only)
         entry.loop.close()
     return list(rows.values())
@@ -161,12 +170,17 @@ def main() -> None:
     parser.add_argument("--strategies", default="greedy")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--ways", default=",".join(WAYS),
+                        help=f"comma-separated, of {', '.join(WAYS)}")
     parser.add_argument("--out", help="write every row here as JSON")
     args = parser.parse_args()
+    ways = args.ways.split(",")
+    if unknown := [w for w in ways if w not in WAYS]:
+        parser.error(f"expected ways among {', '.join(WAYS)}, found {', '.join(unknown)}")
     model = build(args.arch, SIZES[args.size])
     rows = []
     for strategy in args.strategies.split(","):
-        rows += measure(model, strategy, args.rounds, args.batch)
+        rows += measure(model, strategy, args.rounds, args.batch, ways)
     for row in rows:
         for origin_, names in (("eager", row["eager_kernels"]),
                                ("Inductor's", row["inductor_kernels"])):
@@ -180,14 +194,14 @@ def main() -> None:
                       f, indent=1)
     print(f"\n{args.arch} {args.size}, batch {args.batch}, {NEW} new tokens, median of "
           f"{args.rounds} rounds")
-    print(f"{'strategy':<9} {'way':<16} {'nodes':>5} {'eager':>5} {'ms/token':>9}  "
-          f"agreement with compiled_gemms")
+    print(f"{'strategy':<9} {'way':<18} {'nodes':>5} {'eager':>5} {'ms/token':>9}  "
+          f"agreement with compiled")
     for row in rows:
         same = ("" if "tokens_compared" not in row else
                 f"{row['tokens_before_first_difference']}/{row['tokens_compared']} tokens, "
                 f"step's scores within {row['step_scores_max_abs_diff']:.3g} "
                 f"(of {row['step_scores_max_abs']:.3g})")
-        print(f"{row['strategy']:<9} {row['way']:<16} {row['step_nodes']:>5} "
+        print(f"{row['strategy']:<9} {row['way']:<18} {row['step_nodes']:>5} "
               f"{row['kinds'].get('eager', 0):>5} {row['ms_per_token']:>9.3f}  {same}")
 
 

@@ -1151,3 +1151,38 @@ def test_a_graphed_callable_takes_keyword_and_nested_tensor_arguments(cuda):
                                atol=0)
     assert g.stats.captures == 2 and g.stats.copy_bytes == 0
     g.close()
+
+
+def test_a_compiled_step_attends_with_grouped_queries_without_copying_keys(cuda):
+    # grape.torch.grouped_queries: a compiled decode step of a model with fewer key heads
+    # than query heads reads its keys and values where they lie, the query heads a key head
+    # serves as rows, where transformers repeats them per head (a copy of each layer's
+    # cache, keys and values: two kernels a layer). Side by side with the step compiled
+    # without it: the same attention kernels, two nodes a layer fewer, tokens that mostly
+    # agree (other kernels, by design).
+    import grape
+    from grape.ir import Kernel
+    from grape.torch.api import _CACHES, clear_cache, last_stats
+    from grape.torch.compiled_step import CompiledStep
+
+    model = _small_llama()
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
+    built = {}
+    for grouped in (False, True):
+        CompiledStep.grouped_queries = grouped
+        try:
+            out = grape.generate(model, ids, max_new_tokens=16, do_sample=False, compile=True)
+        finally:
+            CompiledStep.grouped_queries = True
+        stats = last_stats()
+        assert stats.graphed and stats.compiled
+        entry = next(e for key, e in _CACHES[model].entries.items() if key[2])
+        names = [op.name for _, op in entry.loop.capture.ir.ops() if isinstance(op, Kernel)]
+        attention = [n for n in names if not n.startswith("triton") and any(
+            s in n for s in ("flash", "fmha", "sdpa", "attention"))]
+        built[grouped] = (stats.step_nodes, len(attention), out)
+        clear_cache(model)
+    assert built[True][1] == built[False][1] == layers, built
+    assert built[True][0] <= built[False][0] - 2 * layers, built
+    assert (built[True][2][:, 5:] == built[False][2][:, 5:]).float().mean() >= 0.75

@@ -1652,3 +1652,52 @@ def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
     assert linears == (1 if arch == "gpt2" else 7 * m.config.num_hidden_layers + 1)
     assert rewritten[False] == 0 and rewritten[True] == linears
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
+                    reason="Inductor on the CPU needs a C++ compiler")
+def test_a_compiled_step_attends_with_grouped_queries_without_repeating_keys():
+    # grape.torch.grouped_queries in a compiled step (Inductor, C++ kernels here): the decode
+    # step of a model with fewer key heads than query heads copies no key or value head per
+    # query head (transformers' repeat_kv: an expand and a clone of each layer's keys and
+    # values, in the graph Inductor lowers), and its logits are those of the step compiled
+    # with the copies, to float32's rounding.
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from grape.torch.compiled_step import CompiledStep
+
+    class Repeats(CustomGraphPass):
+        """Counts the clones of 5-D expands (repeat_kv's) in each graph Inductor lowers."""
+        def __init__(self):
+            self.counts = []
+
+        def __call__(self, graph):
+            self.counts.append(sum(
+                n.target is torch.ops.aten.clone.default and n.args[0].target is
+                torch.ops.aten.expand.default and len(n.meta["val"].shape) == 5
+                for n in graph.nodes))
+
+        def uuid(self):
+            return None  # (uncacheable: every graph is lowered, and counted, here)
+
+    m = _built("llama", CONFIGS["llama"])
+    assert m.config.num_key_value_heads < m.config.num_attention_heads
+    ids, mask = (x[:1] for x in _prompt())
+    options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 4, "output_scores": True,
+                                             "return_dict_in_generate": True})
+    scores, repeats = {}, {}
+    for grouped in (False, True):
+        CompiledStep.grouped_queries = grouped
+        try:
+            step = CompiledStep(m, dynamic=False)
+        finally:
+            CompiledStep.grouped_queries = True
+        decoder = TokenDecoder(m, 1, ids.shape[1], options, step_model=step)
+        counted = Repeats()
+        with torch._inductor.config.patch(post_grad_custom_post_pass=counted):
+            out = decoder.generate_on_host(ids, m_mask)
+        repeats[grouped] = counted.counts[0]  # (the step's graph; the tail's after it)
+        scores[grouped] = torch.stack(out.scores[1:])
+        assert not decoder._unprepared
+    assert repeats == {False: 2 * m.config.num_hidden_layers, True: 0}
+    torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)

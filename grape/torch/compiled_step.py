@@ -31,11 +31,14 @@ raise that limit to :data:`SHAPES` while they run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from grape.torch.grouped_queries import grouped_queries
 
 __all__ = ["SHAPES", "CompiledStep", "divides_as_eager"]
 
@@ -62,14 +65,16 @@ def divides_as_eager() -> bool:
     return hasattr(numerics, "division_rounding")
 
 
-def _shaped(fn: Callable[..., Any], inductor: dict[str, Any] | None = None
-            ) -> Callable[..., Any]:
+def _shaped(fn: Callable[..., Any], inductor: dict[str, Any] | None = None,
+            grouped: bool = False) -> Callable[..., Any]:
     """``fn`` (compiled) called with Dynamo's recompile limits raised (:data:`SHAPES`) and
-    Inductor's configuration patched with ``inductor`` (read while it compiles)."""
+    Inductor's configuration patched with ``inductor`` (read while it compiles); ``grouped``:
+    inside :func:`grouped_queries` (a step's one-query grouped attention without copies)."""
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         with torch._dynamo.config.patch(**_limits()), \
-                torch._inductor.config.patch(inductor or {}):
+                torch._inductor.config.patch(inductor or {}), \
+                (grouped_queries() if grouped else contextlib.nullcontext()):
             return fn(*args, **kwargs)
     return call
 
@@ -94,20 +99,26 @@ class CompiledStep:
     # Whether steps made from now on compile their one-row products as reductions
     # (grape.torch.thin_matmuls); off, they keep Inductor's GEMMs (benchmarks compare both).
     thin_matmuls = True
+    # Whether they attend with one query's grouped heads as rows, reading keys and values
+    # where they lie (grape.torch.grouped_queries); off, transformers repeats them per head.
+    grouped_queries = True
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         self.model, self.options = model, options
-        self.thin = self.thin_matmuls
+        self.thin, self.grouped = self.thin_matmuls, self.grouped_queries
         forward = _inductor_passes() if self.thin else None
-        self.prepared = _shaped(torch.compile(self._prepared, **options), forward)
+        self.prepared = _shaped(torch.compile(self._prepared, **options), forward,
+                                self.grouped)
         self._forward: Any = None
         self._forward_passes = forward
 
     def _prepared(self, ids: torch.Tensor, kwargs: dict[str, Any],
                   decoder_positions: torch.Tensor | None) -> torch.Tensor:
-        # (read so that Dynamo guards on it: its cache is per function, and two steps of one
-        # model, one with the rewrite and one without, must not share a compilation)
+        # (read so that Dynamo guards on them: its cache is per function, and two steps of one
+        # model, one with a rewrite and one without, must not share a compilation)
         if self.thin:
+            pass
+        if self.grouped:
             pass
         inputs = self.model.prepare_inputs_for_generation(ids, **kwargs)
         # (an encoder-decoder's decoder positions, where its preparation makes them from the
@@ -131,5 +142,5 @@ class CompiledStep:
     def __call__(self, **inputs: Any) -> Any:
         if self._forward is None:
             self._forward = _shaped(torch.compile(self.model, **self.options),
-                                    self._forward_passes)
+                                    self._forward_passes, self.grouped)
         return self._forward(**inputs)
