@@ -63,10 +63,11 @@ SWITCHES = {switch for _, off in WAYS.values() for switch in off}
 def origin(name: str) -> str:
     if name.startswith("triton"):
         return "inductor"
-    if any(s in name for s in ("gemm", "nvjet", "cutlass", "sm90")):
-        return "gemm"
+    # (attention first: cuDNN's Hopper attention kernels are named sm90_flash_..._wgmma)
     if any(s in name for s in ("flash", "fmha", "sdpa", "attention")):
         return "attention"
+    if any(s in name for s in ("gemm", "nvjet", "cutlass", "sm90")):
+        return "gemm"
     return "eager"
 
 

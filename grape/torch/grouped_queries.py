@@ -23,7 +23,8 @@ cases:
   the decoding shape with keys masked out. Each attention kernel's arithmetic is the same
   whatever the data, so one probe per shape shows whether the two forms run the same sums.
   A shape first met under a capture, where nothing can be read back, keeps transformers'
-  form.
+  form. :func:`grape.torch.readback.as_captured`, which runs work as a capture would see it
+  on any device, counts as a capture here.
 
 Every other call passes through unchanged, and so does every eager call: more than one query,
 a mask that is not 4D with one query row and one head (broadcast over all heads), no mask
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 
 from grape.torch.control import capturing
+from grape.torch.readback import probing
 
 __all__ = ["grouped_queries"]
 
@@ -108,11 +110,12 @@ def _grouped(sdpa: Callable[..., Any]) -> Callable[..., Any]:
         else:
             shape = (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype,
                      query.device, scaling)
-            if shape not in verdicts and not capturing():
+            # (a capture, or grape's stand-in for one, reads nothing back: no probe there)
+            captured = capturing() or probing()
+            if shape not in verdicts and not captured:
                 verdicts[shape] = _probe(sdpa, module, query, key, value, dropout, scaling,
                                          kwargs)
-            rows = (verdicts.get(shape, False) and _decoding_mask(attention_mask)
-                    and capturing())
+            rows = verdicts.get(shape, False) and _decoding_mask(attention_mask) and captured
         if not rows:
             return sdpa(module, query, key, value, attention_mask, dropout=dropout,
                         scaling=scaling, **kwargs)
