@@ -4,26 +4,23 @@ A batch (``--batch``, 1 unless said) of 32-token prompts, 128 new tokens, for ea
 and the ways asked (``--ways``, all unless said):
 
 - ``eager``: ``grape.generate(compile=False)``;
-- ``eager_repeat_kv``: the same with grouped-query attention's keys and values repeated per
-  query head in the captured step, as transformers does (``Decoder.grouped_queries`` off:
-  the step as it was before ``grape.torch.grouped_queries``);
 - ``compiled_gemms``: ``compile=True`` with the step's one-row biased products left to
   Inductor's GEMMs (``CompiledStep.thin_matmuls`` off: the step as it was before
   ``grape.torch.thin_matmuls``);
-- ``compiled_repeat_kv``: ``compile=True`` with the keys and values repeated so
-  (``CompiledStep.grouped_queries`` off);
+- ``compiled_repeat_kv``: ``compile=True`` with grouped-query attention's keys and values
+  repeated per query head, as transformers does (``CompiledStep.grouped_queries`` off: the
+  step as it was before ``grape.torch.grouped_queries``);
 - ``compiled``: ``compile=True`` as a user calls it.
 
 For each: the step's node count and longest path, its kernels by origin (Inductor's Triton
 kernels, GEMM libraries', attention's, PyTorch's eager kernels, copies), the eager kernels by
 name, Inductor's by kind and what they fuse, and ms a token: ``--rounds`` rounds, each
 timing every way in turn (three calls after one untimed), the median round kept, so that
-the ways are measured side by side. The table gives how many of each way's tokens agree with
-``eager``'s (for ``eager_repeat_kv``) or ``compiled``'s (for the other compiled ways; these
-compile the step apart, and their kernels add in other orders): the first difference ends
-the comparison, after it the two continue different texts; and the largest difference of the
-scores of their first step. Where a probe let the eager step attend with grouped queries as
-rows, ``eager_repeat_kv`` should agree with ``eager`` to the bit.
+the ways are measured side by side. The compiled ways compile the step apart; their
+kernels add in other orders, so the table gives, for each other compiled way, how many of
+its tokens agree with ``compiled``'s (the first difference ends the comparison: after it,
+the two continue different texts) and the largest difference of the scores of their first
+step.
 
 Run on a GPU: python benchmarks/compiled_step_kernels.py [--size gpt2small] [--arch gpt2]
 [--strategies greedy,sample] [--ways eager,compiled] [--rounds 5] [--batch 1] [--out FILE]
@@ -49,15 +46,12 @@ import grape
 from grape.ir import Kernel
 from grape.torch.api import _CACHES, last_stats
 from grape.torch.compiled_step import CompiledStep
-from grape.torch.decoding import Decoder
 
 NEW = 128
-# way -> (compile=, the switches turned off: class attributes)
-WAYS = {"eager": (False, ()), "eager_repeat_kv": (False, ((Decoder, "grouped_queries"),)),
-        "compiled_gemms": (True, ((CompiledStep, "thin_matmuls"),)),
-        "compiled_repeat_kv": (True, ((CompiledStep, "grouped_queries"),)),
-        "compiled": (True, ())}
-SWITCHES = {switch for _, off in WAYS.values() for switch in off}
+# way -> (compile=, CompiledStep's switches turned off)
+WAYS = {"eager": (False, ()), "compiled_gemms": (True, ("thin_matmuls",)),
+        "compiled_repeat_kv": (True, ("grouped_queries",)), "compiled": (True, ())}
+SWITCHES = ("thin_matmuls", "grouped_queries")
 
 
 def origin(name: str) -> str:
@@ -116,8 +110,8 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
     scores: dict[str, tuple[torch.Tensor, ...]] = {}
     for way in ways:
         compile, off = WAYS[way]
-        for cls, switch in off:
-            setattr(cls, switch, False)
+        for switch in off:
+            setattr(CompiledStep, switch, False)
         try:
             if compile and model in _CACHES:  # (a compiled step of this way's own)
                 _CACHES[model].compiled = None
@@ -129,28 +123,23 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
             key = next(k for k in entries if k[2] == compile)
             # (the compiled ways have one key: each keeps its own entry, put back to be timed)
             built[way] = (key, entries.pop(key))
-            # each step's scores through this way's step (another executable, the same
-            # switches and, compiled, the same compiled step)
-            out = grape.generate(model, ids, compile=compile, seed=7, output_scores=True,
-                                 return_dict_in_generate=True, **kw)
-            scores[way] = out.scores
-            kept = _CACHES[model].entries
-            kept.pop(next(k for k in kept if k[2] == compile)).loop.close()
+            if compile:  # each step's scores through this way's compiled step
+                out = grape.generate(model, ids, compile=True, seed=7, output_scores=True,
+                                     return_dict_in_generate=True, **kw)
+                scores[way] = out.scores
+                kept = _CACHES[model].entries
+                kept.pop(next(k for k in kept if k[2] == compile)).loop.close()
         finally:
-            for cls, switch in SWITCHES:
-                setattr(cls, switch, True)
+            for switch in SWITCHES:
+                setattr(CompiledStep, switch, True)
         kinds, eager, inductor = kernels(built[way][1])
         rows[way] = {"strategy": strategy, "way": way, "graphed": s.graphed,
                      "compiled": s.compiled, "step_nodes": s.step_nodes,
                      "step_depth": s.step_depth, "build_s": round(seconds, 1),
                      "kinds": kinds, "eager_kernels": eager,
-                     "inductor_kernels": inductor, "rounds_ms": [],
-                     # (the eager step's probes: whether grouped rows kept the bits, by shape)
-                     "grouped_verdicts": list(
-                         (built[way][1].decoder._grouped_verdicts or {}).values())}
+                     "inductor_kernels": inductor, "rounds_ms": []}
         print(f"{strategy} {way}: graphed {s.graphed} compiled {s.compiled} nodes "
-              f"{s.step_nodes} depth {s.step_depth} built in {seconds:.1f} s {kinds} "
-              f"grouped rows' probes {rows[way]['grouped_verdicts']}",
+              f"{s.step_nodes} depth {s.step_depth} built in {seconds:.1f} s {kinds}",
               flush=True)
     for _ in range(rounds):
         for way in ways:
@@ -167,10 +156,9 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
             del _CACHES[model].entries[key]
     for way in ways:
         rows[way]["ms_per_token"] = statistics.median(rows[way]["rounds_ms"])
-        reference = "compiled" if WAYS[way][0] else "eager"
-        if way != reference and reference in scores:
-            rows[way].update(agreement(tokens[way], tokens[reference], scores[way],
-                                       scores[reference], ids.shape[1]))
+        if way in scores and way != "compiled" and "compiled" in scores:
+            rows[way].update(agreement(tokens[way], tokens["compiled"], scores[way],
+                                       scores["compiled"], ids.shape[1]))
     for _, entry in built.values():  # (grape.clear_cache would close the last only)
         entry.loop.close()
     return list(rows.values())
@@ -208,7 +196,7 @@ def main() -> None:
     print(f"\n{args.arch} {args.size}, batch {args.batch}, {NEW} new tokens, median of "
           f"{args.rounds} rounds")
     print(f"{'strategy':<9} {'way':<18} {'nodes':>5} {'eager':>5} {'ms/token':>9}  "
-          f"agreement with eager or compiled")
+          f"agreement with compiled")
     for row in rows:
         same = ("" if "tokens_compared" not in row else
                 f"{row['tokens_before_first_difference']}/{row['tokens_compared']} tokens, "

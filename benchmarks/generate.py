@@ -22,11 +22,7 @@ strategy (greedy, sampling, 5-beam search) and batch, side by side in one proces
   ``tokens_equal_to_grape_compiled`` where that way ran too;
 - ``grape_concurrent_vocabulary`` (sampling only): ``grape_concurrent`` with ``generate``'s
   warpers over the whole vocabulary, as ``grape.generate`` samples where its candidates'
-  sampler cannot serve (``grape.torch.sampling``), to measure that sampler side by side;
-- ``grape_concurrent_repeat_kv``: ``grape_concurrent`` with the captured step's grouped-query
-  attention repeating keys and values per query head, as transformers does
-  (``Decoder.grouped_queries`` off), to measure ``grape.torch.grouped_queries`` side by side;
-  its rows add ``tokens_equal_to_grape_concurrent`` (equal by design).
+  sampler cannot serve (``grape.torch.sampling``), to measure that sampler side by side.
 
 Each entry: ``ms_per_token`` (a whole call's wall time over the new tokens, median of
 ``--repeats`` calls), ``host_syncs_per_token`` (synchronising PyTorch operations the call made,
@@ -149,26 +145,6 @@ def _whole_vocabulary(on: bool):
         Options.samples_candidates = saved
 
 
-@contextlib.contextmanager
-def _repeated_kv(on: bool, model):
-    """While ``on``: grape's captured steps repeat grouped keys and values per query head
-    (``Decoder.grouped_queries`` off), in executables of their own: the model's cached ones
-    are dropped on the way in and out."""
-    if not on:
-        yield
-        return
-    from grape.torch.api import clear_cache
-    from grape.torch.decoding import Decoder
-
-    clear_cache(model)
-    Decoder.grouped_queries = False
-    try:
-        yield
-    finally:
-        Decoder.grouped_queries = True
-        clear_cache(model)
-
-
 def _timed(call, repeats: int) -> tuple[float, Any, int]:
     """Median seconds of ``repeats`` calls, the last result, and the syncs one call made."""
     import torch
@@ -226,10 +202,8 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
         else:
             call = dict(kw, compile=way in ("grape_compiled", "grape_compiled_concurrent"),
                         concurrent=way in ("grape_concurrent", "grape_compiled_concurrent",
-                                           "grape_concurrent_vocabulary",
-                                           "grape_concurrent_repeat_kv"))
-            with _whole_vocabulary(way == "grape_concurrent_vocabulary"), \
-                    _repeated_kv(way == "grape_concurrent_repeat_kv", model):
+                                           "grape_concurrent_vocabulary"))
+            with _whole_vocabulary(way == "grape_concurrent_vocabulary"):
                 with warnings.catch_warnings(record=True) as fell:
                     warnings.simplefilter("always")
                     grape.generate(model, ids, mask, seed=7, **call)  # captures
@@ -274,10 +248,6 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
     if "grape" in tokens and "grape_concurrent" in tokens:
         row = next(r for r in rows if r["way"] == "grape_concurrent")
         row["tokens_equal_to_grape"] = _same(tokens["grape_concurrent"], tokens["grape"])
-    if "grape_concurrent" in tokens and "grape_concurrent_repeat_kv" in tokens:
-        row = next(r for r in rows if r["way"] == "grape_concurrent_repeat_kv")
-        row["tokens_equal_to_grape_concurrent"] = _same(tokens["grape_concurrent_repeat_kv"],
-                                                        tokens["grape_concurrent"])
     if "grape_compiled" in tokens and "grape_compiled_concurrent" in tokens:
         row = next(r for r in rows if r["way"] == "grape_compiled_concurrent")
         row["tokens_equal_to_grape_compiled"] = _same(tokens["grape_compiled_concurrent"],

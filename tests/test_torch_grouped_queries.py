@@ -5,8 +5,6 @@ entry is transformers' again."""
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -118,45 +116,3 @@ def test_eager_calls_and_calls_after_the_block_are_transformers_own():
     finally:
         entries["sdpa"] = saved
 
-
-def test_a_captured_call_attends_as_rows_only_where_an_eager_probe_found_the_same_bits():
-    # Given verdicts (a decoder's): the first eager call of a shape probes both forms and
-    # passes through; under a capture (stood in for here) a probed shape whose bits agreed
-    # attends as rows, one whose bits differed, or one never probed, as transformers does.
-    import grape.torch.grouped_queries as gq
-
-    entries = AttentionInterface._global_mapping
-    saved = entries["sdpa"]
-    q, k, v = _inputs(2, 2, 4, 1, 7)
-    mask = torch.zeros(2, 1, 1, 7).masked_fill_(torch.rand(2, 1, 1, 7) < 0.3, float("-inf"))
-    mask[..., -1] = 0  # (the decoding position: every row attends to it)
-    module = _Attention(4)
-    ran, verdicts = [], {}
-
-    def theirs(*args, **kwargs):
-        ran.append(1)
-        return sdpa_attention_forward(*args, **kwargs)
-    entries["sdpa"] = theirs
-    try:
-        with grouped_queries(verdicts):
-            entry = entries["sdpa"]
-            expected, _ = entry(module, q, k, v, None, scaling=0.25)  # eager, no mask
-            assert len(ran) == 2 and len(verdicts) == 1  # the probe's call and the call's
-            (shape, agreed), = verdicts.items()
-            assert shape[:3] == (tuple(q.shape), tuple(k.shape), tuple(v.shape))
-            with mock.patch.object(gq, "capturing", lambda: True):
-                for verdict in (True, False):
-                    verdicts[shape] = verdict
-                    ran.clear()
-                    out, _ = entry(module, q, k, v, mask, scaling=0.25)
-                    assert len(ran) == (0 if verdict else 1)
-                    torch.testing.assert_close(
-                        out, sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)[0],
-                        rtol=1e-6, atol=1e-6)
-                ran.clear()
-                other = _inputs(2, 2, 4, 1, 9)  # a shape no eager call probed
-                entry(module, *other, torch.zeros(2, 1, 1, 9), scaling=0.25)
-                assert len(ran) == 1 and len(verdicts) == 1
-    finally:
-        entries["sdpa"] = saved
-    assert expected.shape == (2, 1, 8, 16) and isinstance(agreed, bool)

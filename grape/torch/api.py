@@ -26,7 +26,8 @@ inside grape's one-launch loop; the prompt, at its own shape, runs the model's o
 The step's input preparation (where transformers builds its mask) is compiled with the forward
 as one function, and the decoder's bookkeeping after it as another (the token's choice stays
 eager; ``grape.torch.compiled_step``); one-row products with a bias become reductions there
-as plain ones do (``grape.torch.thin_matmuls``). The step is built once per model and
+as plain ones do (``grape.torch.thin_matmuls``), and one query's grouped attention reads the
+keys where they lie (``grape.torch.grouped_queries``). The step is built once per model and
 compiled once per step shape (the first call of a shape pays for it, minutes with
 autotuning on large models); its kernels differ from the eager ones by design, so its
 tokens are compared with a tolerance, not for equality.

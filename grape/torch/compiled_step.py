@@ -22,6 +22,12 @@ the step compiles with :mod:`grape.torch.thin_matmuls`'s pass, which makes those
 too, fused with their neighbours (:attr:`CompiledStep.thin_matmuls` turns it off, for
 comparison).
 
+A model with fewer key heads than query heads has transformers copy each layer's keys and
+values once per query head they serve, where a mask is given. While the step compiles, its
+one-query attention reads them where they lie instead, the query heads a key head serves
+taken as rows (:mod:`grape.torch.grouped_queries`; :attr:`CompiledStep.grouped_queries`
+turns it off).
+
 Each executable grape builds (a batch, a prompt bucket, a length, a strategy) compiles the
 step at shapes of its own, once. Dynamo keeps at most ``recompile_limit`` (8) compilations of
 a function and runs it eagerly past that, saying so only in a log line: a server's ninth

@@ -55,7 +55,6 @@ from grape.torch.control import capturing
 from grape.torch.decode_mask import running_mask
 from grape.torch.deferred_checks import DeferredChecks
 from grape.torch.exact import Lengths, TokenMajorLayer, active
-from grape.torch.grouped_queries import grouped_queries
 from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.masked_writes import masked_writes
 from grape.torch.model_code import COMPILE_ERRORS
@@ -244,10 +243,6 @@ class Decoder:
     # whether its _record divides floats (compiled only where they round as eager's).
     records_compiled = False
     records_divide = False
-    # Whether decoders made from now on let their captured steps attend with grouped queries
-    # as rows where a probe found the bits unchanged (grape.torch.grouped_queries); off, as
-    # transformers does (benchmarks compare both).
-    grouped_queries = True
 
     def __init__(self, model: torch.nn.Module, rows: int, prompt_len: int,
                  options: Options, step_model: Any = None, exact: bool = False) -> None:
@@ -281,9 +276,6 @@ class Decoder:
         self.written = torch.zeros((1,), dtype=torch.long, device=device)
         self.given = Tokens()  # given to each forward: the layers write that many
         self.checks = DeferredChecks(device)  # the model's checks, read with the result
-        # Which attention shapes a captured step may attend with grouped queries as rows
-        # (grape.torch.grouped_queries: probed at the eager steps before the capture)
-        self._grouped_verdicts: dict[tuple, bool] | None = {} if self.grouped_queries else None
         self.cache = static_cache(model, self.max_len, self.written,
                                   TokenMajorLayer if exact else CountedLayer, self.given,
                                   ranged=step_model is None)
@@ -522,12 +514,9 @@ class Decoder:
     @contextlib.contextmanager
     def _step_masks(self, first: bool) -> Iterator[None]:
         """Around a step on the model's own kernels: its boolean mask converted for SDPA once,
-        not in every layer (grape.torch.sdpa_mask), under capture its causal mask over the
-        padded cache taken as the running 2D mask's view (grape.torch.decode_mask), and its
-        grouped-query attention reading keys where they lie where that changes no bit
-        (grape.torch.grouped_queries). Compiled, Inductor fuses the first two itself (a
-        compiled step reads keys where they lie: CompiledStep); the prompt runs once a
-        generation."""
+        not in every layer (grape.torch.sdpa_mask), and under capture its causal mask over the
+        padded cache taken as the running 2D mask's view (grape.torch.decode_mask). Compiled,
+        Inductor fuses both itself; the prompt runs once a generation."""
         with contextlib.ExitStack() as stack:
             if self.step_model is self.model and capturing():
                 # Positions made by torch.arange over the cache's length, on the device. Only
@@ -543,10 +532,6 @@ class Decoder:
             # against its features), on the device until the result is read (under a capture).
             stack.enter_context(self.checks.deferring())
             if not first and self.step_model is self.model:
-                # (first: convert_once's entry then wraps this one, which gets the mask
-                # converted once)
-                if self._grouped_verdicts is not None:
-                    stack.enter_context(grouped_queries(self._grouped_verdicts))
                 stack.enter_context(convert_once())
                 if self.lengths is None:
                     stack.enter_context(running_mask(tuple(self.mask.shape)))
