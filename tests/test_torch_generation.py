@@ -1617,6 +1617,21 @@ def test_paligemmas_images_and_token_types_make_its_tokens(num_beams):
     assert torch.equal(generate_on_host(model, ids, check_written=True, **kwargs), reference)
 
 
+def _compiled_step(model, **switches):
+    """A ``CompiledStep`` of ``model`` made with the class's switches (``thin_matmuls``,
+    ``grouped_queries``) set as given, each restored after."""
+    from grape.torch.compiled_step import CompiledStep
+
+    saved = {name: getattr(CompiledStep, name) for name in switches}
+    for name, on in switches.items():
+        setattr(CompiledStep, name, on)
+    try:
+        return CompiledStep(model, dynamic=False)
+    finally:
+        for name, on in saved.items():
+            setattr(CompiledStep, name, on)
+
+
 @pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
                     reason="Inductor on the CPU needs a C++ compiler")
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -1629,19 +1644,13 @@ def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
     # function; the step guards on which it is).
     from torch._dynamo.utils import counters
 
-    from grape.torch.compiled_step import CompiledStep
-
     m = _built(arch, CONFIGS[arch])
     ids, mask = (x[:1] for x in _prompt())  # (one row: ROWS)
     options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 4, "output_scores": True,
                                              "return_dict_in_generate": True})
     scores, rewritten = {}, {}
     for thin in (False, True):
-        CompiledStep.thin_matmuls = thin
-        try:
-            step = CompiledStep(m, dynamic=False)
-        finally:
-            CompiledStep.thin_matmuls = True
+        step = _compiled_step(m, thin_matmuls=thin)
         decoder = TokenDecoder(m, 1, ids.shape[1], options, step_model=step)
         counters["inductor"]["grape_thin_matmuls"] = 0
         out = decoder.generate_on_host(ids, m_mask)
@@ -1664,8 +1673,6 @@ def test_a_compiled_step_attends_with_grouped_queries_without_repeating_keys():
     # with the copies, to float32's rounding.
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    from grape.torch.compiled_step import CompiledStep
-
     class Repeats(CustomGraphPass):
         """Counts the clones of 5-D expands (repeat_kv's) in each graph Inductor lowers."""
         def __init__(self):
@@ -1687,11 +1694,7 @@ def test_a_compiled_step_attends_with_grouped_queries_without_repeating_keys():
                                              "return_dict_in_generate": True})
     scores, repeats = {}, {}
     for grouped in (False, True):
-        CompiledStep.grouped_queries = grouped
-        try:
-            step = CompiledStep(m, dynamic=False)
-        finally:
-            CompiledStep.grouped_queries = True
+        step = _compiled_step(m, grouped_queries=grouped)
         decoder = TokenDecoder(m, 1, ids.shape[1], options, step_model=step)
         counted = Repeats()
         # (Dynamo's compilations of a model of these shapes, another test's among them, serve
