@@ -1617,19 +1617,25 @@ def test_paligemmas_images_and_token_types_make_its_tokens(num_beams):
     assert torch.equal(generate_on_host(model, ids, check_written=True, **kwargs), reference)
 
 
-def _compiled_step(model, **switches):
-    """A ``CompiledStep`` of ``model`` made with the class's switches (``thin_matmuls``,
-    ``grouped_queries``) set as given, each restored after."""
+def _compiled_decoder(model, **switches):
+    """A one-row prompt of the test prompts, and a decoder for it whose step is a
+    ``CompiledStep`` of ``model`` made with the class's switches (``thin_matmuls``,
+    ``grouped_queries``) set as given, each restored after: (decoder, ids, mask) to pass to
+    ``generate_on_host``, its scores kept."""
     from grape.torch.compiled_step import CompiledStep
 
+    ids, mask = (x[:1] for x in _prompt())  # (one row: thin_matmuls.ROWS)
+    options, m_mask = resolve(model, ids, mask, {"max_new_tokens": 4, "output_scores": True,
+                                                 "return_dict_in_generate": True})
     saved = {name: getattr(CompiledStep, name) for name in switches}
     for name, on in switches.items():
         setattr(CompiledStep, name, on)
     try:
-        return CompiledStep(model, dynamic=False)
+        step = CompiledStep(model, dynamic=False)
     finally:
         for name, on in saved.items():
             setattr(CompiledStep, name, on)
+    return TokenDecoder(model, 1, ids.shape[1], options, step_model=step), ids, m_mask
 
 
 @pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
@@ -1645,13 +1651,9 @@ def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
     from torch._dynamo.utils import counters
 
     m = _built(arch, CONFIGS[arch])
-    ids, mask = (x[:1] for x in _prompt())  # (one row: ROWS)
-    options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 4, "output_scores": True,
-                                             "return_dict_in_generate": True})
     scores, rewritten = {}, {}
     for thin in (False, True):
-        step = _compiled_step(m, thin_matmuls=thin)
-        decoder = TokenDecoder(m, 1, ids.shape[1], options, step_model=step)
+        decoder, ids, m_mask = _compiled_decoder(m, thin_matmuls=thin)
         counters["inductor"]["grape_thin_matmuls"] = 0
         out = decoder.generate_on_host(ids, m_mask)
         rewritten[thin] = counters["inductor"]["grape_thin_matmuls"]
@@ -1689,13 +1691,9 @@ def test_a_compiled_step_attends_with_grouped_queries_without_repeating_keys():
 
     m = _built("llama", CONFIGS["llama"])
     assert m.config.num_key_value_heads < m.config.num_attention_heads
-    ids, mask = (x[:1] for x in _prompt())
-    options, m_mask = resolve(m, ids, mask, {"max_new_tokens": 4, "output_scores": True,
-                                             "return_dict_in_generate": True})
     scores, repeats = {}, {}
     for grouped in (False, True):
-        step = _compiled_step(m, grouped_queries=grouped)
-        decoder = TokenDecoder(m, 1, ids.shape[1], options, step_model=step)
+        decoder, ids, m_mask = _compiled_decoder(m, grouped_queries=grouped)
         counted = Repeats()
         # (Dynamo's compilations of a model of these shapes, another test's among them, serve
         # this one: dropped, and no cache, so that the step is lowered and counted here)
