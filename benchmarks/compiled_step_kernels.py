@@ -10,6 +10,9 @@ and the ways asked (``--ways``, all unless said):
 - ``compiled_repeat_kv``: ``compile=True`` with grouped-query attention's keys and values
   repeated per query head, as transformers does (``CompiledStep.grouped_queries`` off: the
   step as it was before ``grape.torch.grouped_queries``);
+- ``compiled_row_kernels``: ``compile=True`` with the step's one-row products run by
+  grape's Triton GEMV (``CompiledStep.row_kernels`` on: ``grape.torch.triton_gemv``, an
+  experiment, off by default);
 - ``compiled``: ``compile=True`` as a user calls it.
 
 For each: the step's node count and longest path, its kernels by origin (Inductor's Triton
@@ -48,10 +51,13 @@ from grape.torch.api import _CACHES, last_stats
 from grape.torch.compiled_step import CompiledStep
 
 NEW = 128
-# way -> (compile=, CompiledStep's switches turned off)
-WAYS = {"eager": (False, ()), "compiled_gemms": (True, ("thin_matmuls",)),
-        "compiled_repeat_kv": (True, ("grouped_queries",)), "compiled": (True, ())}
-SWITCHES = ("thin_matmuls", "grouped_queries")
+# way -> (compile=, CompiledStep's switches set otherwise than by default)
+WAYS = {"eager": (False, {}), "compiled_gemms": (True, {"thin_matmuls": False}),
+        "compiled_repeat_kv": (True, {"grouped_queries": False}),
+        "compiled_row_kernels": (True, {"row_kernels": True}), "compiled": (True, {})}
+# CompiledStep's switches and their defaults, put back after each way
+SWITCHES = {name: getattr(CompiledStep, name)
+            for name in ("thin_matmuls", "grouped_queries", "row_kernels")}
 
 
 def origin(name: str) -> str:
@@ -109,9 +115,9 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
     tokens: dict[str, torch.Tensor] = {}
     scores: dict[str, tuple[torch.Tensor, ...]] = {}
     for way in ways:
-        compile, off = WAYS[way]
-        for switch in off:
-            setattr(CompiledStep, switch, False)
+        compile, switches = WAYS[way]
+        for switch, value in switches.items():
+            setattr(CompiledStep, switch, value)
         try:
             if compile and model in _CACHES:  # (a compiled step of this way's own)
                 _CACHES[model].compiled = None
@@ -130,8 +136,8 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
                 kept = _CACHES[model].entries
                 kept.pop(next(k for k in kept if k[2] == compile)).loop.close()
         finally:
-            for switch in SWITCHES:
-                setattr(CompiledStep, switch, True)
+            for switch, value in SWITCHES.items():
+                setattr(CompiledStep, switch, value)
         kinds, eager, inductor = kernels(built[way][1])
         rows[way] = {"strategy": strategy, "way": way, "graphed": s.graphed,
                      "compiled": s.compiled, "step_nodes": s.step_nodes,

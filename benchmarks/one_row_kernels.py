@@ -15,10 +15,11 @@ product and the bandwidth it reached, for
 - ``inductor``: ``torch.compile(mode="max-autotune-no-cudagraphs")`` of the product, as
   ``compile=True`` compiles a step (a reduction for a weight stored (out, in), autotuned GEMM
   templates or cuBLAS for one stored (in, out));
-- ``triton``: :func:`_gemv` below, a plain Triton GEMV over the weight as it lies, either
-  layout, split over the reduction where the outputs are too few to fill the SMs (partial sums
-  in float32, added by a second kernel in a fixed order), with every configuration of
-  :func:`_configs` timed the same way and the fastest kept (``config`` in the output).
+- ``triton``: ``grape.torch.triton_gemv``'s kernels, a plain Triton GEMV over the weight as
+  it lies, either layout, split over the reduction where the outputs are too few to fill the
+  SMs (partial sums in float32, added by a second kernel in a fixed order), with every
+  configuration of its ``configs`` timed the same way and the fastest kept (``config``);
+  ``untimed`` is its choice without timing (what a capture gets for a shape never timed).
 
 Each result is compared with float32's product of the same operands (``max_err``). Prints a
 table; writes ``$OUT/one_row_kernels.json`` (``/tmp`` without ``OUT``).
@@ -31,6 +32,7 @@ TRITON_INTERPRET=1 python benchmarks/one_row_kernels.py --check
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -41,7 +43,8 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
+
+from grape.torch.triton_gemv import configs, product, untimed_config
 
 # The copies of a weight together hold at least this many times L2.
 SPILL = 3
@@ -60,80 +63,6 @@ SHAPES = [("gpt2small", "c_attn", 768, 2304, "conv1d"),
           ("llama2048x22", "gate_proj", 2048, 5632, "linear"),
           ("llama2048x22", "down_proj", 5632, 2048, "linear"),
           ("llama2048x22", "lm_head", 2048, 32000, "linear")]
-
-
-@triton.jit
-def _gemv(x, w, out, K, N, stride_k, stride_n,
-          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    """out[split, n] = sum over this split's k of x[k] * w[k, n] (float32): one program per
-    (BLOCK_N outputs, split); the splits take interleaved BLOCK_K slices of the reduction."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    for step in range(0, tl.cdiv(K, BLOCK_K * SPLIT)):
-        k = (step * SPLIT + split) * BLOCK_K + tl.arange(0, BLOCK_K)
-        a = tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)
-        b = tl.load(w + k[:, None] * stride_k + n[None, :] * stride_n,
-                    mask=(k[:, None] < K) & (n[None, :] < N), other=0.0).to(tl.float32)
-        acc += a[:, None] * b
-    tl.store(out + split * N + n, tl.sum(acc, axis=0), mask=n < N)
-
-
-@triton.jit
-def _splits(part, out, N, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[n] = the SPLIT partial sums of n added in order, rounded once to out's type."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for s in range(SPLIT):
-        total += tl.load(part + s * N + n, mask=n < N, other=0.0)
-    tl.store(out + n, total.to(out.dtype.element_ty), mask=n < N)
-
-
-class Gemv:
-    """``x @ w`` for one row ``x`` (1, K) and ``w`` seen as (K, N) (any strides), by
-    :func:`_gemv` with one configuration; buffers allocated at construction, so that a graph
-    captures the launches alone."""
-
-    def __init__(self, k: int, n: int, dtype: torch.dtype, device: Any,
-                 block_k: int, block_n: int, split: int, warps: int) -> None:
-        self.k, self.n = k, n
-        self.block_k, self.block_n, self.split, self.warps = block_k, block_n, split, warps
-        self.part = torch.empty(split, n, dtype=torch.float32, device=device)
-        self.out = torch.empty(1, n, dtype=dtype, device=device)
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # (one split stores its sums rounded to the output's type; more add theirs after)
-        target = self.out if self.split == 1 else self.part
-        grid = (triton.cdiv(self.n, self.block_n), self.split)
-        _gemv[grid](x, w, target, self.k, self.n, w.stride(0), w.stride(1),
-                    BLOCK_K=self.block_k, BLOCK_N=self.block_n, SPLIT=self.split,
-                    num_warps=self.warps)
-        if target is self.part:
-            _splits[(triton.cdiv(self.n, 1024),)](self.part, self.out, self.n, SPLIT=self.split,
-                                                  BLOCK_N=1024)
-        return self.out
-
-    def config(self) -> dict[str, int]:
-        return dict(block_k=self.block_k, block_n=self.block_n, split=self.split,
-                    warps=self.warps)
-
-
-def _configs(k: int, n: int, contiguous_k: bool, sms: int) -> list[tuple[int, int, int, int]]:
-    """(block_k, block_n, split, warps) to try: tiles of 4K or 8K elements (4 and 8 warps),
-    long along the contiguous dimension so that a warp's loads are coalesced; unsplit, and
-    split over the reduction until the programs cover the SMs about once."""
-    out = []
-    for size, warps in ((4096, 4), (8192, 8)):
-        for bk in (16, 32, 64, 128, 256, 512, 1024, 2048):
-            bn = size // bk
-            if (bk < 128 if contiguous_k else bn < 64) or bn < 1:
-                continue
-            if bk > 2 * triton.next_power_of_2(k) or bn > 2 * triton.next_power_of_2(n):
-                continue
-            cover = min(max(1, k // bk), max(1, round(sms / triton.cdiv(n, bn))))
-            for split in sorted({1, cover}):
-                out.append((bk, bn, split, warps))
-    return out
 
 
 def _graph_us(fn: Any, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
@@ -175,6 +104,11 @@ def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w
 
 
+def _triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int]
+            ) -> torch.Tensor:
+    return product(x, w, None, config)
+
+
 def measure(model: str, layer: str, k: int, n: int, layout: str) -> list[dict[str, Any]]:
     props = torch.cuda.get_device_properties(0)
     weight_bytes = k * n * 2
@@ -200,14 +134,21 @@ def measure(model: str, layer: str, k: int, n: int, layout: str) -> list[dict[st
         compile_s=round(compile_s, 1))
 
     contiguous_k = weights[0].stride(0) == 1
+    sms = props.multi_processor_count
     tried = []
-    for bk, bn, split, warps in _configs(k, n, contiguous_k, props.multi_processor_count):
-        gemv = Gemv(k, n, x.dtype, x.device, bk, bn, split, warps)
-        tried.append((_graph_us(gemv, x, weights), gemv))
-    tried.sort(key=lambda t: t[0])
+    for config in configs(k, n, contiguous_k, sms):
+        gemv = functools.partial(_triton, config=config)
+        tried.append((_graph_us(gemv, x, weights), config))
+    tried.sort()
     us, best = tried[0]
-    row("triton", us, best(x, weights[0]).clone(), config=best.config(), configs=len(tried),
-        runners_up=[dict(us=round(u, 3), **g.config()) for u, g in tried[1:4]])
+    names = ("block_k", "block_n", "split", "warps")
+    row("triton", us, _triton(x, weights[0], best), config=dict(zip(names, best, strict=True)),
+        configs=len(tried),
+        runners_up=[dict(us=round(u, 3), **dict(zip(names, c, strict=True)))
+                    for u, c in tried[1:4]])
+    untimed = untimed_config(k, n, contiguous_k, sms)
+    row("untimed", _graph_us(functools.partial(_triton, config=untimed), x, weights),
+        _triton(x, weights[0], untimed), config=dict(zip(names, untimed, strict=True)))
     return rows
 
 
@@ -215,17 +156,19 @@ def check() -> None:
     """The Triton kernels against float32's product, small shapes, both layouts, split and
     not (on the CPU under ``TRITON_INTERPRET=1``, or on a GPU)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for (k, n), layout, (bk, bn, split) in itertools.product(
+    for (k, n), layout, (bk, bn, split, biased) in itertools.product(
             [(64, 48), (100, 37), (256, 300)], ("linear", "conv1d"),
-            [(16, 16, 1), (32, 8, 3), (64, 64, 2)]):
+            [(16, 16, 1, False), (16, 16, 1, True), (32, 8, 3, False), (64, 64, 2, True)]):
         x, (w,) = _operands(k, n, layout, 1, device)
-        got = Gemv(k, n, x.dtype, x.device, bk, bn, split, 4)(x, w).float()
-        exact = x.float() @ w.float()
+        bias = torch.randn(n, device=device, dtype=torch.float16) if biased else None
+        got = product(x, w, bias, (bk, bn, split, 4)).float()
+        exact = x.float() @ w.float() + (0 if bias is None else bias.float())
         err = (got - exact).abs().max().item()
         # (one rounding to fp16 of a float32 sum: within fp16's half step at the result's size)
         bound = exact.abs().max().item() * 2 ** -10 + 1e-6
         status = "ok" if err <= bound else "WRONG"
         print(f"{status} k={k} n={n} {layout} block_k={bk} block_n={bn} split={split} "
+              f"bias={bias is not None} "
               f"err={err:.2e} bound={bound:.2e}")
         if status != "ok":
             raise SystemExit(1)

@@ -1620,8 +1620,8 @@ def test_paligemmas_images_and_token_types_make_its_tokens(num_beams):
 def _compiled_decoder(model, **switches):
     """A one-row prompt of the test prompts, and a decoder for it whose step is a
     ``CompiledStep`` of ``model`` made with the class's switches (``thin_matmuls``,
-    ``grouped_queries``) set as given, each restored after: (decoder, ids, mask) to pass to
-    ``generate_on_host``, its scores kept."""
+    ``grouped_queries``, ``row_kernels``) set as given, each restored after: (decoder, ids,
+    mask) to pass to ``generate_on_host``, its scores kept."""
     from grape.torch.compiled_step import CompiledStep
 
     ids, mask = (x[:1] for x in _prompt())  # (one row: thin_matmuls.ROWS)
@@ -1662,6 +1662,36 @@ def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
     linears = sum(isinstance(x, torch.nn.Linear) for x in m.modules())
     assert linears == (1 if arch == "gpt2" else 7 * m.config.num_hidden_layers + 1)
     assert rewritten[False] == 0 and rewritten[True] == linears
+    torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
+                    reason="Inductor on the CPU needs a C++ compiler")
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_compiled_step_can_run_its_one_row_products_through_grapes_operator(arch):
+    # grape.torch.triton_gemv's pre-grad pass in a compiled step (CompiledStep.row_kernels):
+    # every one-row product of the decode step, Linear's (out, in) weights and GPT-2's Conv1D
+    # (in, out) ones alike, becomes grape::one_row_product (float32's product here, the
+    # Triton GEMV on a GPU), the prefill's many-row ones not; the logits are those of the
+    # step compiled without it, to float32's rounding.
+    from torch._dynamo.utils import counters
+    from transformers.pytorch_utils import Conv1D
+
+    m = _built(arch, CONFIGS[arch])
+    scores, rewritten = {}, {}
+    for rows in (False, True):
+        decoder, ids, m_mask = _compiled_decoder(m, row_kernels=rows)
+        counters["inductor"]["grape_row_kernels"] = 0
+        # (another compilation of these shapes must not serve the step: lowered here)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(force_disable_caches=True):
+            out = decoder.generate_on_host(ids, m_mask)
+        rewritten[rows] = counters["inductor"]["grape_row_kernels"]
+        scores[rows] = torch.stack(out.scores[1:])  # (the first: the prefill's)
+        assert not decoder._unprepared
+    products = sum(isinstance(x, (torch.nn.Linear, Conv1D)) for x in m.modules())
+    assert products == (4 if arch == "gpt2" else 7) * m.config.num_hidden_layers + 1
+    assert rewritten == {False: 0, True: products}
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
 
 

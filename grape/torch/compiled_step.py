@@ -28,6 +28,10 @@ one-query attention reads them where they lie instead, the query heads a key hea
 taken as rows (:mod:`grape.torch.grouped_queries`; :attr:`CompiledStep.grouped_queries`
 turns it off).
 
+:attr:`CompiledStep.row_kernels` runs the step's one-row products by a Triton GEMV of
+grape's own instead of Inductor's kernels (:mod:`grape.torch.triton_gemv`): an experiment,
+off by default until benchmarks measure it against them.
+
 Each executable grape builds (a batch, a prompt bucket, a length, a strategy) compiles the
 step at shapes of its own, once. Dynamo keeps at most ``recompile_limit`` (8) compilations of
 a function and runs it eagerly past that, saying so only in a log line: a server's ninth
@@ -85,15 +89,24 @@ def _shaped(fn: Callable[..., Any], inductor: dict[str, Any] | None = None,
     return call
 
 
-def _inductor_passes() -> dict[str, Any]:
-    """Inductor's configuration for a step's forward: :class:`ThinMatmuls` after any
-    post-grad pass already configured (a user's own pass keeps running)."""
+def _inductor_passes(thin: bool, rows: bool) -> dict[str, Any] | None:
+    """Inductor's configuration for a step's forward: ``thin``, :class:`ThinMatmuls` after
+    any post-grad pass already configured; ``rows``, :class:`OneRowKernels` after any
+    pre-grad pass (a user's own passes keep running). None: nothing to patch."""
     # (imported here: Inductor's pattern matcher takes most of a second to import, and a
     # process that never compiles a step should not pay for it)
-    from grape.torch.thin_matmuls import ThinMatmuls
+    patches: dict[str, Any] = {}
+    if thin:
+        from grape.torch.thin_matmuls import ThinMatmuls
 
-    theirs = torch._inductor.config.post_grad_custom_pre_pass
-    return {"post_grad_custom_pre_pass": ThinMatmuls(theirs)}
+        theirs = torch._inductor.config.post_grad_custom_pre_pass
+        patches["post_grad_custom_pre_pass"] = ThinMatmuls(theirs)
+    if rows:
+        from grape.torch.triton_gemv import OneRowKernels
+
+        patches["pre_grad_custom_pass"] = OneRowKernels(
+            torch._inductor.config.pre_grad_custom_pass)
+    return patches or None
 
 
 class CompiledStep:
@@ -108,11 +121,15 @@ class CompiledStep:
     # Whether they attend with one query's grouped heads as rows, reading keys and values
     # where they lie (grape.torch.grouped_queries); off, transformers repeats them per head.
     grouped_queries = True
+    # Whether their one-row products run grape's Triton GEMV (grape.torch.triton_gemv)
+    # rather than Inductor's kernels: an experiment, off until measured against them.
+    row_kernels = False
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         self.model, self.options = model, options
         self.thin, self.grouped = self.thin_matmuls, self.grouped_queries
-        forward = _inductor_passes() if self.thin else None
+        self.rows = self.row_kernels
+        forward = _inductor_passes(self.thin, self.rows)
         self.prepared = _shaped(torch.compile(self._prepared, **options), forward,
                                 self.grouped)
         self._forward: Any = None
@@ -125,6 +142,8 @@ class CompiledStep:
         if self.thin:
             pass
         if self.grouped:
+            pass
+        if self.rows:
             pass
         inputs = self.model.prepare_inputs_for_generation(ids, **kwargs)
         # (an encoder-decoder's decoder positions, where its preparation makes them from the
