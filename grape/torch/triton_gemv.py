@@ -125,8 +125,9 @@ def configs(k: int, n: int, contiguous_k: bool, sms: int) -> list[Config]:
 
 
 def untimed_config(k: int, n: int, contiguous_k: bool, sms: int) -> Config:
-    """A configuration chosen without timing: 4K-element tiles as long as the contiguous
-    dimension allows (up to 512), split until the programs cover the SMs once."""
+    """A configuration chosen without timing: 4K-element tiles, as long along the contiguous
+    dimension as it allows (up to 512 along the reduction, 256 across it), split until the
+    programs cover the SMs once."""
     if contiguous_k:
         bk = min(512, _next_power_of_2(k))
         bn = max(1, 4096 // bk)
@@ -176,8 +177,9 @@ def _config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> Conf
         return untimed_config(k, n, contiguous_k, sms)
     from triton.testing import do_bench
 
+    tried = configs(k, n, contiguous_k, sms) or [untimed_config(k, n, contiguous_k, sms)]
     timed = [(do_bench(lambda c=c: product(a, b, bias, c), warmup=5, rep=20), c)
-             for c in configs(k, n, contiguous_k, sms)]
+             for c in tried]
     _CHOSEN[key] = min(timed)[1]
     _LOG.debug("grape.torch.triton_gemv: %s -> %s (%.2f us)", key, _CHOSEN[key],
                min(timed)[0] * 1e3)
