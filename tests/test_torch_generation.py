@@ -1638,6 +1638,26 @@ def _compiled_decoder(model, **switches):
     return TokenDecoder(model, 1, ids.shape[1], options, step_model=step), ids, m_mask
 
 
+def _off_and_on(model, switch, counter):
+    """({False: scores, True: scores}, {False: count, True: count}): the decode steps' scores
+    (not the prefill's) and Dynamo's ``counters["inductor"][counter]`` of ``model``'s step
+    compiled with ``CompiledStep``'s ``switch`` off, then on. Inductor's caches are off, so
+    that each lowers here; Dynamo's are not, so that a step serving the other's compilation
+    (the step guards on its switches) would show as a count of 0."""
+    from torch._dynamo.utils import counters
+
+    scores, counted = {}, {}
+    for on in (False, True):
+        decoder, ids, m_mask = _compiled_decoder(model, **{switch: on})
+        counters["inductor"][counter] = 0
+        with torch._inductor.config.patch(force_disable_caches=True):
+            out = decoder.generate_on_host(ids, m_mask)
+        counted[on] = counters["inductor"][counter]
+        scores[on] = torch.stack(out.scores[1:])  # (the first: the prefill's)
+        assert not decoder._unprepared
+    return scores, counted
+
+
 @pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
                     reason="Inductor on the CPU needs a C++ compiler")
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -1648,20 +1668,11 @@ def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
     # and the logits those of the same step compiled with Inductor's GEMMs, to float32's
     # rounding. Two steps of one model, with and without it, compile apart (Dynamo caches per
     # function; the step guards on which it is).
-    from torch._dynamo.utils import counters
-
     m = _built(arch, CONFIGS[arch])
-    scores, rewritten = {}, {}
-    for thin in (False, True):
-        decoder, ids, m_mask = _compiled_decoder(m, thin_matmuls=thin)
-        counters["inductor"]["grape_thin_matmuls"] = 0
-        out = decoder.generate_on_host(ids, m_mask)
-        rewritten[thin] = counters["inductor"]["grape_thin_matmuls"]
-        scores[thin] = torch.stack(out.scores[1:])  # (the first: the prefill's)
-        assert not decoder._unprepared
+    scores, rewritten = _off_and_on(m, "thin_matmuls", "grape_thin_matmuls")
     linears = sum(isinstance(x, torch.nn.Linear) for x in m.modules())
     assert linears == (1 if arch == "gpt2" else 7 * m.config.num_hidden_layers + 1)
-    assert rewritten[False] == 0 and rewritten[True] == linears
+    assert rewritten == {False: 0, True: linears}
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
 
 
@@ -1674,21 +1685,10 @@ def test_a_compiled_step_can_run_its_one_row_products_through_grapes_operator(ar
     # (in, out) ones alike, becomes grape::one_row_product (float32's product here, the
     # Triton GEMV on a GPU), the prefill's many-row ones not; the logits are those of the
     # step compiled without it, to float32's rounding.
-    from torch._dynamo.utils import counters
     from transformers.pytorch_utils import Conv1D
 
     m = _built(arch, CONFIGS[arch])
-    scores, rewritten = {}, {}
-    for rows in (False, True):
-        decoder, ids, m_mask = _compiled_decoder(m, row_kernels=rows)
-        counters["inductor"]["grape_row_kernels"] = 0
-        # (another compilation of these shapes must not serve the step: lowered here)
-        torch._dynamo.reset()
-        with torch._inductor.config.patch(force_disable_caches=True):
-            out = decoder.generate_on_host(ids, m_mask)
-        rewritten[rows] = counters["inductor"]["grape_row_kernels"]
-        scores[rows] = torch.stack(out.scores[1:])  # (the first: the prefill's)
-        assert not decoder._unprepared
+    scores, rewritten = _off_and_on(m, "row_kernels", "grape_row_kernels")
     products = sum(isinstance(x, (torch.nn.Linear, Conv1D)) for x in m.modules())
     assert products == (4 if arch == "gpt2" else 7) * m.config.num_hidden_layers + 1
     assert rewritten == {False: 0, True: products}

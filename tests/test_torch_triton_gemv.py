@@ -141,3 +141,19 @@ def test_the_triton_kernels_give_floats_product_rounded_once_on_a_gpu(transposed
     torch.cuda.synchronize()
     exact = a.float() @ w.float() + b.float()
     assert (captured.float() - exact).abs().max().item() <= exact.abs().max().item() * 2 ** -10
+
+
+def test_the_passes_uuids_name_their_sources_and_what_runs_before_them():
+    # Inductor keys its caches on these: a graph compiled with one pass, or with none before
+    # it, must never serve a compilation that asks for another.
+    from grape.torch.thin_matmuls import ThinMatmuls
+    from grape.torch.triton_gemv import OneRowKernels
+
+    class Anonymous:  # a pass that cannot say what it is
+        def __call__(self, graph):
+            pass
+
+    rows, thin = OneRowKernels(), ThinMatmuls()
+    assert rows.uuid() == OneRowKernels().uuid() and thin.uuid() == ThinMatmuls().uuid()
+    assert len({rows.uuid(), thin.uuid(), OneRowKernels(thin).uuid()}) == 3
+    assert OneRowKernels(Anonymous()).uuid() is None

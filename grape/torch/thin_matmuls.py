@@ -33,12 +33,8 @@ retired (``benchmarks/one_row_products.py``, which keeps it beside its figures).
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any
-
 import torch
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import (
     Arg,
     CallFunction,
@@ -47,6 +43,8 @@ from torch._inductor.pattern_matcher import (
     register_graph_pattern,
 )
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from grape.torch.inductor_passes import ChainedPass
 
 __all__ = ["ROWS", "ThinMatmuls", "as_reductions"]
 
@@ -119,26 +117,12 @@ def as_reductions(graph: torch.fx.Graph) -> int:
     return _PATTERNS.apply(graph)
 
 
-class ThinMatmuls(CustomGraphPass):
+class ThinMatmuls(ChainedPass):
     """:func:`as_reductions` as an Inductor post-grad pass, after ``before`` (a pass already
-    configured, which keeps running). Its uuid names this module's source and ``before``'s
-    uuid, so that Inductor's caches never serve a graph compiled without it, or with an older
-    version of it."""
+    configured, which keeps running; see :class:`ChainedPass` for its uuid)."""
 
-    def __init__(self, before: Any = None) -> None:
-        self.before = before
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.before is not None:
-            self.before(graph)
+    def apply(self, graph: torch.fx.Graph) -> None:
         as_reductions(graph)
 
-    def uuid(self) -> Any:
-        with open(__file__, "rb") as f:
-            digest = hashlib.sha256(f.read() + str(ROWS).encode())
-        if self.before is not None:
-            uuid = getattr(self.before, "uuid", lambda: None)()
-            if uuid is None:  # (a pass that cannot say what it is: nothing cached)
-                return None
-            digest.update(str(uuid).encode())
-        return digest.hexdigest()
+    def salt(self) -> bytes:
+        return str(ROWS).encode()

@@ -33,14 +33,14 @@ residual add after); the operator is a call of its own, so those run as kernels 
 # to make its schema)
 
 import functools
-import hashlib
 import logging
 from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from grape.torch.inductor_passes import ChainedPass
 
 __all__ = ["OneRowKernels", "configs", "one_row_product", "product", "rewrite",
            "untimed_config"]
@@ -270,25 +270,9 @@ def rewrite(graph: torch.fx.Graph) -> int:
     return rewritten
 
 
-class OneRowKernels(CustomGraphPass):
+class OneRowKernels(ChainedPass):
     """:func:`rewrite` as Inductor's ``pre_grad_custom_pass``, after ``before`` (a pass
-    already configured, which keeps running). Its uuid names this module's source and
-    ``before``'s uuid, so Inductor's caches never serve a graph compiled otherwise."""
+    already configured, which keeps running; see :class:`ChainedPass` for its uuid)."""
 
-    def __init__(self, before: Any = None) -> None:
-        self.before = before
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.before is not None:
-            self.before(graph)
+    def apply(self, graph: torch.fx.Graph) -> None:
         rewrite(graph)
-
-    def uuid(self) -> Any:
-        with open(__file__, "rb") as f:
-            digest = hashlib.sha256(f.read())
-        if self.before is not None:
-            uuid = getattr(self.before, "uuid", lambda: None)()
-            if uuid is None:  # (a pass that cannot say what it is: nothing cached)
-                return None
-            digest.update(str(uuid).encode())
-        return digest.hexdigest()
