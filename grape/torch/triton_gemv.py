@@ -63,7 +63,7 @@ def _kernels() -> Any:
              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
              HAS_BIAS: tl.constexpr):
         # out[split, n] = sum over this split's k of x[k] * w[k, n], in float32; with one
-        # split, the bias added and the sum rounded to out's type here
+        # split, the bias added (HAS_BIAS: only then) and the sum rounded to out's type here
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
@@ -74,7 +74,7 @@ def _kernels() -> Any:
                         mask=(k[:, None] < K) & (n[None, :] < N), other=0.0).to(tl.float32)
             acc += a[:, None] * b
         total = tl.sum(acc, axis=0)
-        if HAS_BIAS and SPLIT == 1:
+        if HAS_BIAS:
             total += tl.load(bias + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(out + split * N + n, total.to(out.dtype.element_ty), mask=n < N)
 
