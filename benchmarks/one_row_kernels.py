@@ -50,6 +50,9 @@ from grape.torch.triton_gemv import configs, product, untimed_config
 SPILL = 3
 # Products per timed graph (whole passes over the copies, at least this many products).
 PRODUCTS = 96
+# The ways each product is timed, in the table's order ("untimed": the GEMV's configuration
+# chosen without timing, what a capture gets for a shape never timed).
+WAYS = ("cublas", "inductor", "triton", "untimed")
 
 # (model, layer, in, out, layout): "linear" stores (out, in) and computes x @ w.t() (nn.Linear);
 # "conv1d" stores (in, out) and computes x @ w (GPT-2's Conv1D).
@@ -202,16 +205,16 @@ def main() -> None:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": triton.__version__, "spill": SPILL, "rows": rows}, f, indent=1)
     print(f"\n{'model':13} {'layer':12} {'layout':7} {'MB':>6} "
-          + " ".join(f"{w:>19}" for w in ("cublas", "inductor", "triton")))
+          + " ".join(f"{w:>19}" for w in WAYS))
     for model, layer, k, n, layout in SHAPES:
         cells = {r["way"]: r for r in rows if r["model"] == model and r["layer"] == layer}
         if cells:
             print(f"{model:13} {layer:12} {layout:7} {k * n * 2 / 1e6:6.1f} " + " ".join(
                 f"{cells[w]['us']:>8.2f} us {cells[w]['tb_per_s']:>4.2f} TB/s"
-                for w in ("cublas", "inductor", "triton")))
+                for w in WAYS))
     for model in sorted(wanted):
         sums = {w: sum(r["us"] for r in rows if r["model"] == model and r["way"] == w)
-                for w in ("cublas", "inductor", "triton")}
+                for w in WAYS}
         print(f"{model}: one of each product, us: " + ", ".join(
             f"{w} {us:.1f}" for w, us in sums.items()))
 
