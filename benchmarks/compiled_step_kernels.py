@@ -13,6 +13,9 @@ and the ways asked (``--ways``, all unless said):
 - ``compiled_row_kernels``: ``compile=True`` with the step's one-row products run by
   grape's Triton GEMV (``CompiledStep.row_kernels`` on: ``grape.torch.triton_gemv``, an
   experiment, off by default);
+- ``compiled_exact``: ``compile=True, exact_lengths=True``: each token's attention over the
+  keys that exist, by FlashAttention's variable-length kernel reading the lengths on the
+  device (``grape.torch.exact``), where the other ways attend over the whole cache, masked;
 - ``compiled``: ``compile=True`` as a user calls it.
 
 For each: the step's node count and longest path, its kernels by origin (Inductor's Triton
@@ -51,10 +54,12 @@ from grape.torch.api import _CACHES, last_stats
 from grape.torch.compiled_step import CompiledStep
 
 NEW = 128
-# way -> (compile=, CompiledStep's switches set otherwise than by default)
-WAYS = {"eager": (False, {}), "compiled_gemms": (True, {"thin_matmuls": False}),
-        "compiled_repeat_kv": (True, {"grouped_queries": False}),
-        "compiled_row_kernels": (True, {"row_kernels": True}), "compiled": (True, {})}
+# way -> (compile=, CompiledStep's switches set otherwise than by default, grape.generate's
+# other arguments)
+WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": False}, {}),
+        "compiled_repeat_kv": (True, {"grouped_queries": False}, {}),
+        "compiled_row_kernels": (True, {"row_kernels": True}, {}),
+        "compiled_exact": (True, {}, {"exact_lengths": True}), "compiled": (True, {}, {})}
 # CompiledStep's switches and their defaults, put back after each way
 SWITCHES = {name: getattr(CompiledStep, name)
             for name in ("thin_matmuls", "grouped_queries", "row_kernels")}
@@ -115,26 +120,26 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
     tokens: dict[str, torch.Tensor] = {}
     scores: dict[str, tuple[torch.Tensor, ...]] = {}
     for way in ways:
-        compile, switches = WAYS[way]
+        compile, switches, given = WAYS[way]
         for switch, value in switches.items():
             setattr(CompiledStep, switch, value)
         try:
             if compile and model in _CACHES:  # (a compiled step of this way's own)
                 _CACHES[model].compiled = None
             began = time.perf_counter()
-            grape.generate(model, ids, compile=compile, seed=7, **kw)
+            grape.generate(model, ids, compile=compile, seed=7, **given, **kw)
             seconds = time.perf_counter() - began
             s = last_stats()
             entries = _CACHES[model].entries
-            key = next(k for k in entries if k[2] == compile)
+            key = next(iter(entries))  # (each way's entry is taken out once built and timed)
             # (the compiled ways have one key: each keeps its own entry, put back to be timed)
             built[way] = (key, entries.pop(key))
             if compile:  # each step's scores through this way's compiled step
                 out = grape.generate(model, ids, compile=True, seed=7, output_scores=True,
-                                     return_dict_in_generate=True, **kw)
+                                     return_dict_in_generate=True, **given, **kw)
                 scores[way] = out.scores
                 kept = _CACHES[model].entries
-                kept.pop(next(k for k in kept if k[2] == compile)).loop.close()
+                kept.pop(next(iter(kept))).loop.close()
         finally:
             for switch, value in SWITCHES.items():
                 setattr(CompiledStep, switch, value)
@@ -151,11 +156,12 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
         for way in ways:
             key, entry = built[way]
             _CACHES[model].entries[key] = entry
-            tokens[way] = grape.generate(model, ids, seed=7, compile=way != "eager", **kw)
+            compile, _, given = WAYS[way]
+            tokens[way] = grape.generate(model, ids, seed=7, compile=compile, **given, **kw)
             torch.cuda.synchronize()
             began = time.perf_counter()
             for _ in range(3):
-                grape.generate(model, ids, seed=7, compile=way != "eager", **kw)
+                grape.generate(model, ids, seed=7, compile=compile, **given, **kw)
             torch.cuda.synchronize()
             new = tokens[way].shape[1] - ids.shape[1]
             rows[way]["rounds_ms"].append((time.perf_counter() - began) / 3 / new * 1e3)

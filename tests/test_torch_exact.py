@@ -219,14 +219,44 @@ def test_lengths_without_a_mask_have_no_padding():
     assert bool(lengths.ok)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"exact_lengths": "yes"}, "expected exact_lengths to be True, False or None, found 'yes'"),
-    ({"exact_lengths": True, "compile": True}, "expected compile=True or exact_lengths=True"),
-])
-def test_exact_lengths_arguments_are_checked(kwargs, message):
+def test_exact_lengths_arguments_are_checked():
     import grape
     from grape.errors import GrapeError
 
-    with pytest.raises(GrapeError, match=message):
+    with pytest.raises(GrapeError, match="expected exact_lengths to be True, False or None, "
+                                         "found 'yes'"):
         grape.generate(_model("gpt2"), torch.zeros((1, 3), dtype=torch.long), max_new_tokens=2,
-                       **kwargs)
+                       exact_lengths="yes")
+
+
+@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
+                    reason="Inductor on the CPU needs a C++ compiler")
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_compiled_step_attends_over_exact_lengths_compiled_once(arch):
+    # compile=True with exact lengths (Inductor's C++ kernels here; the varlen kernel's
+    # reference, masked by what the kernel is given, traced into the step): the first decode
+    # step runs the model's own forward and learns that no one reads the mask, so the
+    # forward compiles once, for the steps after it, with no graph break; every layer
+    # attends exactly, and the scores are those of the exact step uncompiled, to float32's
+    # rounding.
+    from torch._dynamo.utils import counters
+
+    from grape.torch.compiled_step import CompiledStep
+
+    model = _model(arch)
+    ids, mask = _prompt()
+    scores = {}
+    for compiled in (False, True):
+        options, m = resolve(model, ids, mask, {"max_new_tokens": 6, "output_scores": True,
+                                                "return_dict_in_generate": True})
+        step = CompiledStep(model, dynamic=False) if compiled else None
+        decoder = TokenDecoder(model, ids.shape[0], ids.shape[1], options, step_model=step,
+                               exact=True)
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        scores[compiled] = torch.stack(decoder.generate_on_host(ids, m).scores)
+        assert decoder.lengths.served == {"exact": model.config.num_hidden_layers}
+        if compiled:
+            # (the forward; the decoder's bookkeeping after it compiles apart, at most once)
+            assert counters["stats"]["unique_graphs"] - graphs in (1, 2)
+            assert sum(counters["graph_break"].values()) == breaks
+    torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)

@@ -302,6 +302,11 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
             replace(prompt, mask=padded).prefill(decoder)
         prompt.prefill(decoder)
         decoder.step()
+        if exact and step_model is not None:
+            # That step ran the model's own forward (Decoder._logits): once more, from the
+            # prompt, so that the step compiles here, not inside the capture.
+            prompt.prefill(decoder)
+            decoder.step()
     if exact and warn_whole and not decoder.lengths.served.get("exact"):
         why = ", ".join(decoder.lengths.served) or (
             "its attention does not dispatch through transformers' AttentionInterface")
@@ -480,9 +485,6 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     if exact_lengths is not None and not isinstance(exact_lengths, bool):
         raise GrapeError(f"expected exact_lengths to be True, False or None, found "
                          f"{exact_lengths!r}")
-    if compile and exact_lengths:
-        raise GrapeError("expected compile=True or exact_lengths=True, found both: exact "
-                         "lengths inside a compiled step are not supported yet")
     if prompt_bucket is not None and (not isinstance(prompt_bucket, int)
                                       or isinstance(prompt_bucket, bool) or prompt_bucket < 1):
         raise GrapeError(f"expected prompt_bucket to be a positive integer or None, found "

@@ -270,6 +270,7 @@ class Decoder:
         device = next(model.parameters()).device
         # Exact lengths: attention over each row's valid keys, counted on the device.
         self.lengths = Lengths(rows, self.max_len, device) if exact else None
+        self._exact_learned = False  # (see _logits)
         # Tokens in the cache, on the device: every attention layer writes at this count (its
         # length, for transformers), and the decoder advances it once per forward; a recurrent
         # layer counts its own, in step with it.
@@ -422,6 +423,11 @@ class Decoder:
             # its own mask code leaves it unbuilt the same way. Until then, and for models
             # that attend by their own code, the inputs are prepared as generate prepares them.
             unread = self.lengths.mask_unread
+            # A compiled step's first exact call runs the model's own forward: it learns
+            # whether the mask is read, so that the step compiles once, for the steps after
+            # it, not a second time for them (Dynamo guards on the mask given).
+            forward = self.step_model if unread or self._exact_learned else self.model
+            self._exact_learned = True
             if not unread:
                 inputs = self.model.prepare_inputs_for_generation(ids, is_first_iteration=first,
                                                                   **kwargs)
@@ -432,7 +438,7 @@ class Decoder:
                     if self.uses_mask and inputs.get("attention_mask") is None:
                         inputs["attention_mask"] = mask
                 self._decoder_positions(inputs, position)
-                out = self.step_model(**inputs, return_dict=True)
+                out = forward(**inputs, return_dict=True)
         if logits is None:
             logits = out.logits[:, -1, :].to(dtype=torch.float32)
         if self._audit is not None:

@@ -98,6 +98,10 @@ class Lengths:
         self.pad = torch.zeros(rows, dtype=torch.long, device=device)
         self.ok = torch.ones((), dtype=torch.bool, device=device)
         self.columns = torch.arange(max_len, device=device)
+        # (asked here, not in each attention call: a compiled step traces those)
+        device = torch.device(device)
+        self.before_ampere = (device.type == "cuda"
+                              and torch.cuda.get_device_capability(device) < (8, 0))
         self.served: Counter[str] = Counter()  # attention calls by what ran them
         # Whether the last step's every decoder layer ran its attention here, exactly: then
         # the next step's causal mask is read by no one, and :func:`mask` does not build it.
@@ -205,7 +209,7 @@ def _refusal(lengths: Lengths, query: torch.Tensor, key: torch.Tensor, dropout: 
             return f"{query.dtype} (the kernel takes 16-bit floats)"
         if query.shape[-1] % 8 or query.shape[-1] > 256:
             return f"head dimension {query.shape[-1]}"
-        if torch.cuda.get_device_capability(query.device) < (8, 0):
+        if lengths.before_ampere:
             return "a GPU before Ampere"
     return None
 
@@ -243,14 +247,18 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Lengths,
                scaling: float | None) -> torch.Tensor:
-    """What the varlen kernel computes, row by row (reads the lengths back: for CPU tests of
-    the bookkeeping, never under capture)."""
-    out = []
-    groups = q.shape[1] // k.shape[1]
-    for r, (start, used) in enumerate(zip(lengths.starts[:-1].tolist(),
-                                          lengths.used.tolist(), strict=True)):
-        keys = k[start:start + used].transpose(0, 1).repeat_interleave(groups, dim=0)
-        values = v[start:start + used].transpose(0, 1).repeat_interleave(groups, dim=0)
-        out.append(torch.nn.functional.scaled_dot_product_attention(
-            q[r].unsqueeze(1), keys, values, scale=scaling).squeeze(1))
-    return torch.stack(out)
+    """What the varlen kernel computes, from what it is given: row r's keys are the flattened
+    cache's tokens ``starts[r]`` to ``starts[r] + used[r]``, as a mask over the row's stretch
+    (no read-back, so that a compiled step traces it whole; for CPU tests of the bookkeeping)."""
+    rows, heads, dim = q.shape
+    groups = heads // k.shape[1]
+    keys = k.view(rows, lengths.max_len, k.shape[1], dim).transpose(1, 2)
+    values = v.view(rows, lengths.max_len, v.shape[1], v.shape[-1]).transpose(1, 2)
+    token = (torch.arange(rows, device=q.device)[:, None] * lengths.max_len
+             + lengths.columns)  # each key's place in the flattened cache
+    first = lengths.starts[:-1, None]
+    seen = (token >= first) & (token < first + lengths.used[:, None])
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), keys.repeat_interleave(groups, dim=1),
+        values.repeat_interleave(groups, dim=1), attn_mask=seen[:, None, None, :],
+        scale=scaling).squeeze(2)
