@@ -394,7 +394,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     the whole preallocated cache, masked; its kernel differs from SDPA's, so its tokens are
     greedy decoding's to fp16 near-ties, not ``generate``'s bit for bit. Prompts must be left
     padded (a mask with a zero after a one falls back to ``model.generate``, with a warning); a
-    model whose attention cannot run it attends over the whole cache, with one warning. The
+    model whose attention cannot run it attends over the whole cache, with one warning. With
+    ``compile=True`` the kernel runs inside the compiled step (its first decode step runs the
+    model's own forward, so that the step compiles once). The
     default, None, turns it on for generations of at least ``EXACT_FROM`` tokens (prompt and
     new) of 16-bit models without ``compile``, where it measured faster on the H200, and off
     below, where grape's tokens are ``generate``'s bit for bit; a mask it cannot take then
