@@ -21,9 +21,10 @@ fixed order (no atomics: the same bits every run).
   ``linear`` and ``addmm`` calls, either weight layout, into the operator, before Inductor
   decomposes them (it makes a plain one-row ``mm`` a reduction of its own when it decomposes,
   where coordinate-descent tuning is on, so a later pass would find none).
-  ``CompiledStep.row_kernels`` turns it on; off by default until
-  ``benchmarks/one_row_kernels.py`` and ``benchmarks/compiled_step_kernels.py`` measure
-  it against Inductor's kernels.
+  ``CompiledStep.row_kernels`` turns it on; off by default: on an H100 the fastest
+  configuration trailed Inductor's kernel on every product of GPT-2 small and the Llama shape
+  (``benchmarks/one_row_kernels.py``), and the steps ran 1.16x and 1.99x slower with it
+  (``benchmarks/compiled_step_kernels.py``; ``benchmarks/README.md``).
 
 What it gives up: Inductor fuses its reductions with their neighbours (a layer norm before, a
 residual add after); the operator is a call of its own, so those run as kernels apart.
