@@ -119,3 +119,38 @@ def test_a_cache_longer_than_the_generation_changes_what_is_read_not_the_tokens(
     assert last_stats().graphed and padded.shape == short.shape
     assert float(greedy_gaps(model, padded, mask, 16).max()) < 0.05
     clear_cache(model)
+
+
+def test_a_compiled_step_attends_over_exact_lengths_in_one_launch(cuda):
+    # compile=True with exact lengths: the varlen kernel inside the compiled step (Inductor
+    # calls it as an extern kernel), every layer exact, one launch and one read-back, and
+    # tokens greedy decoding would make up to fp16 near-ties (compiled kernels round their
+    # own way); a second prompt of the same shape captures nothing.
+    from exact_lengths import greedy_gaps
+
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=3, num_attention_heads=8,
+                                      num_key_value_heads=2, vocab_size=4000, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    model = model.cuda().eval()
+    ids = torch.randint(3, 4000, (2, 24), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    kw = dict(max_new_tokens=64, eos_token_id=None, pad_token_id=0, exact_lengths=True,
+              compile=True)
+    out = grape.generate(model, ids, mask, **kw)
+    stats = last_stats()
+    assert stats.graphed and stats.compiled and stats.host_syncs == 1, stats
+    assert stats.attention == {"exact": 3}
+    other = torch.randint(3, 4000, (2, 24), device="cuda")
+    again = grape.generate(model, other, mask, **kw)
+    assert not last_stats().captured
+    for tokens, prompt in ((out, ids), (again, other)):
+        assert torch.equal(tokens[:, :24], prompt)
+        assert float(greedy_gaps(model, tokens, mask, 24).max()) < 0.05
+    clear_cache(model)
