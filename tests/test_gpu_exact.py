@@ -58,19 +58,25 @@ class _Config:
         self.config = type("C", (), {"_attn_implementation": "sdpa"})()
 
 
-def test_generate_with_exact_lengths_is_one_launch_of_greedy_tokens(cuda):
-    from exact_lengths import greedy_gaps
-
-    import grape
-    from grape.torch.api import clear_cache, last_stats
-
+def _llama():
+    """A 3-layer fp16 Llama with grouped keys (8 query heads over 2), random weights, on the
+    GPU."""
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
                                       num_hidden_layers=3, num_attention_heads=8,
                                       num_key_value_heads=2, vocab_size=4000, bos_token_id=1,
                                       eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
-    model = model.cuda().eval()
+    return model.cuda().eval()
+
+
+def test_generate_with_exact_lengths_is_one_launch_of_greedy_tokens(cuda):
+    from exact_lengths import greedy_gaps
+
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+
+    model = _llama()
     ids = torch.randint(3, 4000, (3, 24), device="cuda")
     mask = torch.ones_like(ids)
     mask[0, :6] = 0
@@ -131,13 +137,7 @@ def test_a_compiled_step_attends_over_exact_lengths_in_one_launch(cuda):
     import grape
     from grape.torch.api import clear_cache, last_stats
 
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
-                                      num_hidden_layers=3, num_attention_heads=8,
-                                      num_key_value_heads=2, vocab_size=4000, bos_token_id=1,
-                                      eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
-    model = model.cuda().eval()
+    model = _llama()
     ids = torch.randint(3, 4000, (2, 24), device="cuda")
     mask = torch.ones_like(ids)
     mask[0, :6] = 0
