@@ -5,6 +5,8 @@ kernel cannot take falls back by name; masks that are not left padding are caugh
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -229,7 +231,7 @@ def test_exact_lengths_arguments_are_checked():
                        exact_lengths="yes")
 
 
-@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="Inductor on the CPU needs a C++ compiler")
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_compiled_step_attends_over_exact_lengths_compiled_once(arch):

@@ -5,6 +5,7 @@ architectures and strategies; sampling, options, fallbacks and bad input."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import warnings
 
 import pytest
@@ -18,6 +19,9 @@ from grape.torch.decoding import ExactRefused, TokenDecoder, sample, static_cach
 from grape.torch.host_loop import generate_on_host  # noqa: E402
 from grape.torch.options import NotGraphable, resolve  # noqa: E402
 
+# Inductor's CPU kernels are C++: the compiled-step tests need a compiler.
+_NEEDS_CXX = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                                reason="Inductor on the CPU needs a C++ compiler")
 VOCAB = 300
 COMMON = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 CONFIGS = {
@@ -829,8 +833,7 @@ def test_a_compiled_step_compiles_the_bookkeeping_after_its_forward(case):
     assert torch.equal(outs[1], outs[0])
 
 
-@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
-                    reason="Inductor on the CPU needs a C++ compiler")
+@_NEEDS_CXX
 @pytest.mark.parametrize("case", ["greedy, EOS and min_new_tokens", "beam 4, EOS"])
 def test_inductor_compiles_the_bookkeeping_and_keeps_the_tokens(case):
     # The same tail through Inductor itself (C++ kernels here, Triton's on a GPU): its in-place
@@ -1658,8 +1661,7 @@ def _off_and_on(model, switch, counter):
     return scores, counted
 
 
-@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
-                    reason="Inductor on the CPU needs a C++ compiler")
+@_NEEDS_CXX
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
     # grape.torch.thin_matmuls in a compiled step (Inductor, C++ kernels here): the decode
@@ -1676,8 +1678,7 @@ def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
-                    reason="Inductor on the CPU needs a C++ compiler")
+@_NEEDS_CXX
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_compiled_step_can_run_its_one_row_products_through_grapes_operator(arch):
     # grape.torch.triton_gemv's pre-grad pass in a compiled step (CompiledStep.row_kernels):
@@ -1695,8 +1696,7 @@ def test_a_compiled_step_can_run_its_one_row_products_through_grapes_operator(ar
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
-                    reason="Inductor on the CPU needs a C++ compiler")
+@_NEEDS_CXX
 def test_a_compiled_step_attends_with_grouped_queries_without_repeating_keys():
     # grape.torch.grouped_queries in a compiled step (Inductor, C++ kernels here): the decode
     # step of a model with fewer key heads than query heads copies no key or value head per
