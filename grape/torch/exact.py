@@ -99,8 +99,7 @@ class Lengths:
         self.ok = torch.ones((), dtype=torch.bool, device=device)
         self.columns = torch.arange(max_len, device=device)
         # (asked here, not in each attention call: a compiled step traces those)
-        device = torch.device(device)
-        self.before_ampere = (device.type == "cuda"
+        self.before_ampere = (torch.device(device).type == "cuda"
                               and torch.cuda.get_device_capability(device) < (8, 0))
         self.served: Counter[str] = Counter()  # attention calls by what ran them
         # Whether the last step's every decoder layer ran its attention here, exactly: then
