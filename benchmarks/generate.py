@@ -13,6 +13,9 @@ strategy (greedy, sampling, 5-beam search) and batch, side by side in one proces
 - ``grape_compiled``: ``grape.generate(compile=True, concurrent=False)``: Inductor's kernels in
   grape's loop (``compiled`` false, with the reason in ``fallback``, where a compiled step
   could not serve and the model's own kernels ran);
+- ``grape_compiled_exact``: ``grape_compiled`` with ``exact_lengths=True``: each token's
+  attention over the keys that exist, by a kernel that reads the lengths on the device
+  (``grape.torch.exact``), inside the compiled step;
 - ``grape_concurrent``: ``grape.generate(concurrent=True)``, its default uncompiled: grape's
   loop with the step's independent operations side by side (``grape.passes.concurrency``);
   its rows add ``step_nodes`` and ``step_depth`` (nodes on the step's longest path) and
@@ -102,6 +105,8 @@ SIZES = {"small": {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_he
 STRATEGIES = {"greedy": {}, "sample": {"do_sample": True, "temperature": 0.8, "top_k": 50,
                                        "top_p": 0.9},
               "beam5": {"num_beams": 5}}
+# the grape ways that run with compile=True
+COMPILED_WAYS = ("grape_compiled", "grape_compiled_concurrent", "grape_compiled_exact")
 
 
 def _log(line: str) -> None:
@@ -200,9 +205,11 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
         elif way == "grape_concurrent_vocabulary" and strategy != "sample":
             continue
         else:
-            call = dict(kw, compile=way in ("grape_compiled", "grape_compiled_concurrent"),
+            call = dict(kw, compile=way in COMPILED_WAYS,
                         concurrent=way in ("grape_concurrent", "grape_compiled_concurrent",
                                            "grape_concurrent_vocabulary"))
+            if way == "grape_compiled_exact":
+                call["exact_lengths"] = True
             with _whole_vocabulary(way == "grape_concurrent_vocabulary"):
                 with warnings.catch_warnings(record=True) as fell:
                     warnings.simplefilter("always")
@@ -241,8 +248,7 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                         row["reference_margin_at_first_difference"] = _margin(
                             hf["hf_static"], tokens[row["way"]], tokens["hf_static"],
                             args.prompt, row["first_difference"])
-            elif row["way"] in ("grape_compiled", "grape_compiled_concurrent",
-                                "hf_static_compiled"):
+            elif row["way"] in (*COMPILED_WAYS, "hf_static_compiled"):
                 row["token_agreement"] = _agreement(tokens[row["way"]], tokens["hf_static"],
                                                     args.prompt)
     if "grape" in tokens and "grape_concurrent" in tokens:

@@ -233,14 +233,16 @@ def test_exact_lengths_arguments_are_checked():
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="Inductor on the CPU needs a C++ compiler")
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_a_compiled_step_attends_over_exact_lengths_compiled_once(arch):
+@pytest.mark.parametrize("arch, kwargs", [("gpt2", {}), ("llama", {}),
+                                          ("llama", {"num_beams": 3})],
+                         ids=["gpt2", "llama", "llama beam 3"])
+def test_a_compiled_step_attends_over_exact_lengths_compiled_once(arch, kwargs):
     # compile=True with exact lengths (Inductor's C++ kernels here; the varlen kernel's
     # reference, masked by what the kernel is given, traced into the step): the first decode
     # step runs the model's own forward and learns that no one reads the mask, so the
     # forward compiles once, for the steps after it, with no graph break; every layer
     # attends exactly, and the scores are those of the exact step uncompiled, to float32's
-    # rounding.
+    # rounding (a beam search's too, its cache reordered by beam between steps).
     from torch._dynamo.utils import counters
 
     from grape.torch.compiled_step import CompiledStep
@@ -250,10 +252,10 @@ def test_a_compiled_step_attends_over_exact_lengths_compiled_once(arch):
     scores = {}
     for compiled in (False, True):
         options, m = resolve(model, ids, mask, {"max_new_tokens": 6, "output_scores": True,
-                                                "return_dict_in_generate": True})
+                                                "return_dict_in_generate": True, **kwargs})
         step = CompiledStep(model, dynamic=False) if compiled else None
-        decoder = TokenDecoder(model, ids.shape[0], ids.shape[1], options, step_model=step,
-                               exact=True)
+        cls = BeamDecoder if options.strategy == "beam" else TokenDecoder
+        decoder = cls(model, ids.shape[0], ids.shape[1], options, step_model=step, exact=True)
         graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         scores[compiled] = torch.stack(decoder.generate_on_host(ids, m).scores)
         assert decoder.lengths.served == {"exact": model.config.num_hidden_layers}
