@@ -187,6 +187,30 @@ def test_models_of_other_attention_code_make_the_whole_cache_s_tokens(arch):
     assert exact.lengths.mask_unread == (set(served) == {"exact"})
 
 
+def test_a_model_whose_own_code_fails_on_the_token_major_cache_refuses_exact_lengths():
+    # GPT-NeoX-Japanese's attention views its keys as laid out by heads, which exact lengths'
+    # cache (laid out by tokens) is not: grape.generate's eager first runs refuse exact
+    # lengths, naming the model's line, so that its default runs the loop over the whole
+    # cache, which serves this model, instead of falling back to generate.
+    from grape.torch.api import _Prompt, _warm_up
+    from grape.torch.decoding import ExactRefused
+
+    model = _model("gpt_neox_japanese", {"hidden_size": 64, "num_hidden_layers": 2,
+                                         "num_attention_heads": 4,
+                                         "intermediate_multiple_size": 2})
+    ids, mask = _prompt()
+    exact, m = _decoder(model, ids, mask, exact=True)
+    with pytest.raises(ExactRefused, match=r"GPTNeoXJapaneseForCausalLM failed on exact "
+                                           r"lengths' cache, laid out by tokens: RuntimeError: "
+                                           r"view size .*\(at .*modeling_gpt_neox_japanese"):
+        _warm_up(model, exact, _Prompt(ids, m, None, None, None, ()), None, exact=True)
+    whole, _ = _decoder(model, ids, mask, exact=False)
+    _warm_up(model, whole, _Prompt(ids, m, None, None, None, ()), None, exact=False)
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                               cache_implementation="static", pad_token_id=0)
+    assert torch.equal(whole.generate_on_host(ids, m), reference)
+
+
 def test_layers_that_never_call_grape_s_attention_keep_their_mask(monkeypatch):
     # As a model that attends by its own code: its layers read the mask generate would build.
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

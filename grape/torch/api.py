@@ -282,6 +282,7 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
         decoder = _decoder(model, batch, prompt_len, options, step_model, exact)
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
         decoder.set_seed(0)
+    _warm_up(model, decoder, prompt, step_model, exact)
     params = dict(model.named_parameters())
     arena, device = PinnedArena(), input_ids.device
 
@@ -289,24 +290,6 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
         return _NoStaging() if step_model is not None else HostConstants(arena, device)
 
     staged = [staging(), staging()]
-    with model_code(model):  # eagerly: nothing is being captured yet
-        decoder.check_written_only(input_ids, prompt.mask, prompt.decoder_ids,
-                                   prompt.decoder_mask, prompt.embeds, dict(prompt.model_inputs))
-        if decoder.uses_mask and prompt_len > 1:
-            # The captured prompt holds both of its attention paths (grape.torch.hfmasks):
-            # each runs once here, with no padding and with some, so that neither meets its
-            # lazy initialisation (a kernel plan, a workspace) inside the capture.
-            padded = torch.ones((batch, prompt_len), dtype=torch.long, device=input_ids.device)
-            padded[:, 0] = 0
-            replace(prompt, mask=None).prefill(decoder)
-            replace(prompt, mask=padded).prefill(decoder)
-        prompt.prefill(decoder)
-        decoder.step()
-        if exact and step_model is not None:
-            # That step ran the model's own forward (Decoder._logits): once more, from the
-            # prompt, so that the step compiles here, not inside the capture.
-            prompt.prefill(decoder)
-            decoder.step()
     if exact and warn_whole and not decoder.lengths.served.get("exact"):
         why = ", ".join(decoder.lengths.served) or (
             "its attention does not dispatch through transformers' AttentionInterface")
@@ -354,6 +337,44 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
               "inside the launch" if inputs is not None else "run eagerly before it")
     return _Entry(decoder, loop, seconds, arena, inputs, copy_bytes, attention)
 
+
+
+def _warm_up(model: torch.nn.Module, decoder: Decoder, prompt: _Prompt, step_model: Any,
+             exact: bool) -> None:
+    """The decoder's first runs, eagerly (nothing is being captured yet): the check that the
+    model reads only what it wrote, the prompt's attention paths, and a step.
+
+    Raises
+    ------
+    ExactRefused
+        With exact lengths, the model failed on their cache, laid out by tokens
+        (``grape.torch.exact.TokenMajorLayer``): a model whose own attention code views its
+        keys as laid out by heads fails there, where the loop over the whole cache may not
+        (``grape.generate``'s default then runs the whole cache).
+    NotGraphable
+        Without, the model failed on grape's static cache and fixed-shape inputs.
+    """
+    batch, prompt_len = prompt.ids.shape[0], prompt.length
+    eagerly = (model_code(model, ExactRefused, "exact lengths' cache, laid out by tokens")
+               if exact else model_code(model))
+    with eagerly:
+        decoder.check_written_only(prompt.ids, prompt.mask, prompt.decoder_ids,
+                                   prompt.decoder_mask, prompt.embeds, dict(prompt.model_inputs))
+        if decoder.uses_mask and prompt_len > 1:
+            # The captured prompt holds both of its attention paths (grape.torch.hfmasks):
+            # each runs once here, with no padding and with some, so that neither meets its
+            # lazy initialisation (a kernel plan, a workspace) inside the capture.
+            padded = torch.ones((batch, prompt_len), dtype=torch.long, device=prompt.ids.device)
+            padded[:, 0] = 0
+            replace(prompt, mask=None).prefill(decoder)
+            replace(prompt, mask=padded).prefill(decoder)
+        prompt.prefill(decoder)
+        decoder.step()
+        if exact and step_model is not None:
+            # That step ran the model's own forward (Decoder._logits): once more, from the
+            # prompt, so that the step compiles here, not inside the capture.
+            prompt.prefill(decoder)
+            decoder.step()
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,

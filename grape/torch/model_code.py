@@ -37,10 +37,11 @@ except ImportError:  # pragma: no cover - older torch
 
 
 @contextlib.contextmanager
-def model_code(model: torch.nn.Module) -> Iterator[None]:
-    """Runs the model's own code, eagerly: what it raises becomes :class:`NotGraphable`,
-    naming the model, the error and the line that raised. grape's own refusals, and
-    compilation's errors (reported as such), pass through."""
+def model_code(model: torch.nn.Module, refusal: type[NotGraphable] = NotGraphable,
+               state: str = "grape's static cache and fixed-shape inputs") -> Iterator[None]:
+    """Runs the model's own code, eagerly: what it raises becomes ``refusal``, naming the
+    model, the state it failed on, the error and the line that raised. grape's own refusals,
+    and compilation's errors (reported as such), pass through."""
     try:
         yield
     except (GrapeError, NotGraphable, *COMPILE_ERRORS):
@@ -51,6 +52,5 @@ def model_code(model: torch.nn.Module) -> Iterator[None]:
         from grape.torch.capture import culprit
 
         message = (str(e).strip().splitlines() or [""])[0]
-        raise NotGraphable(f"{type(model).__name__} failed on grape's static cache and "
-                           f"fixed-shape inputs: {type(e).__name__}: {message} (at "
-                           f"{culprit(e)})") from None
+        raise refusal(f"{type(model).__name__} failed on {state}: {type(e).__name__}: "
+                      f"{message} (at {culprit(e)})") from None
