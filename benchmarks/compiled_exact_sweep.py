@@ -13,8 +13,9 @@ finite ones (``max_gap``), or where it failed, the error's first line (``ExactRe
 documented refusal; ``grape.generate`` then attends over the whole cache). ``--no-exact`` runs
 the same without exact lengths, to tell which breaks exact lengths bring.
 
-Run (CPU, about 25 minutes for every type): python benchmarks/compiled_exact_sweep.py [--archs
-a,b] [--no-exact] [--out FILE]
+Run (CPU; a first version without the eager first runs took about 25 minutes for every type,
+this one takes longer: each compiled step compiles in them): python
+benchmarks/compiled_exact_sweep.py [--archs a,b] [--no-exact] [--out FILE]
 """
 
 from __future__ import annotations
