@@ -338,7 +338,6 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
     return _Entry(decoder, loop, seconds, arena, inputs, copy_bytes, attention)
 
 
-
 def _warm_up(model: torch.nn.Module, decoder: Decoder, prompt: _Prompt, step_model: Any,
              exact: bool) -> None:
     """The decoder's first runs, eagerly (nothing is being captured yet): the check that the
@@ -375,6 +374,7 @@ def _warm_up(model: torch.nn.Module, decoder: Decoder, prompt: _Prompt, step_mod
             # prompt, so that the step compiles here, not inside the capture.
             prompt.prefill(decoder)
             decoder.step()
+
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
