@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from arch_sweep import architectures, build
+from arch_sweep import architectures, build, machine
 
 
 def one(arch: str, exact: bool) -> dict[str, Any]:
@@ -91,9 +91,10 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     warnings.simplefilter("ignore")
     archs = args.archs.split(",") if args.archs else architectures()
+    ran_on = machine("cpu")  # (each row names its machine and grape's commit)
     rows = []
     for i, arch in enumerate(archs, 1):
-        row = one(arch, exact=not args.no_exact)
+        row = one(arch, exact=not args.no_exact) | ran_on
         rows.append(row)
         print(json.dumps(row), flush=True)
         print(f"[{i}/{len(archs)}] {arch}: {row.get('error', 'ran')}", file=sys.stderr,
