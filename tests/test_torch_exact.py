@@ -211,6 +211,26 @@ def test_a_model_whose_own_code_fails_on_the_token_major_cache_refuses_exact_len
     assert torch.equal(whole.generate_on_host(ids, m), reference)
 
 
+@pytest.mark.parametrize("arch", ["falcon", "bloom"])
+def test_a_model_that_masks_by_its_own_code_refuses_exact_lengths_where_it_reads_the_tail(arch):
+    # Falcon's and Bloom's attention never calls grape's, and under exact lengths' attention
+    # name their own code reads the cache's unwritten tail (the written-only check sees the
+    # poison move a step's logits): refused as exact lengths, so that grape.generate's
+    # default runs the whole cache, over which the same check passes.
+    from grape.torch.api import _Prompt, _warm_up
+    from grape.torch.decoding import ExactRefused
+
+    model = _model(arch, OWN_CODE[arch])
+    ids, mask = _prompt()
+    exact, m = _decoder(model, ids, mask, exact=True)
+    with pytest.raises(ExactRefused, match=r"masks by its own code, not through transformers' "
+                                           r"AttentionInterface; under exact lengths: .*reads "
+                                           r"cache positions it has not written"):
+        _warm_up(model, exact, _Prompt(ids, m, None, None, None, ()), None, exact=True)
+    whole, _ = _decoder(model, ids, mask, exact=False)
+    _warm_up(model, whole, _Prompt(ids, m, None, None, None, ()), None, exact=False)
+
+
 def test_layers_that_never_call_grape_s_attention_keep_their_mask(monkeypatch):
     # As a model that attends by its own code: its layers read the mask generate would build.
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -349,7 +349,8 @@ def _warm_up(model: torch.nn.Module, decoder: Decoder, prompt: _Prompt, step_mod
         With exact lengths, the model failed on their cache, laid out by tokens
         (``grape.torch.exact.TokenMajorLayer``): a model whose own attention code views its
         keys as laid out by heads fails there, where the loop over the whole cache may not
-        (``grape.generate``'s default then runs the whole cache).
+        (``grape.generate``'s default then runs the whole cache); or a model whose attention
+        never called grape's read positions it had not written.
     NotGraphable
         Without, the model failed on grape's static cache and fixed-shape inputs.
     """
@@ -357,8 +358,20 @@ def _warm_up(model: torch.nn.Module, decoder: Decoder, prompt: _Prompt, step_mod
     eagerly = (model_code(model, ExactRefused, "exact lengths' cache, laid out by tokens")
                if exact else model_code(model))
     with eagerly:
-        decoder.check_written_only(prompt.ids, prompt.mask, prompt.decoder_ids,
-                                   prompt.decoder_mask, prompt.embeds, dict(prompt.model_inputs))
+        try:
+            decoder.check_written_only(prompt.ids, prompt.mask, prompt.decoder_ids,
+                                       prompt.decoder_mask, prompt.embeds,
+                                       dict(prompt.model_inputs))
+        except NotGraphable as e:
+            if not exact or decoder.lengths.served.get("exact"):
+                raise
+            # No layer attended through grape's function: the model masks by its own code,
+            # which under exact lengths' attention name takes branches and masks it was not
+            # written for (Falcon's and Bloom's read the unused tail then); over the whole
+            # cache it runs as generate runs it.
+            raise ExactRefused(f"{type(model).__name__}'s attention masks by its own code, "
+                               f"not through transformers' AttentionInterface; under exact "
+                               f"lengths: {e}") from None
         if decoder.uses_mask and prompt_len > 1:
             # The captured prompt holds both of its attention paths (grape.torch.hfmasks):
             # each runs once here, with no padding and with some, so that neither meets its
