@@ -428,7 +428,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     the whole preallocated cache, masked; its kernel differs from SDPA's, so its tokens are
     greedy decoding's to fp16 near-ties, not ``generate``'s bit for bit. Prompts must be left
     padded (a mask with a zero after a one falls back to ``model.generate``, with a warning); a
-    model whose attention cannot run it attends over the whole cache, with one warning. With
+    model whose attention cannot run it attends over the whole cache, with one warning, but one
+    whose own code fails on exact lengths' cache (laid out by tokens), or that masks by its own
+    code and then reads the cache's unwritten tail, falls back to ``model.generate``, with the
+    reason (the default, None, runs such a model over the whole cache instead). With
     ``compile=True`` the kernel runs inside the compiled step (its first decode step runs the
     model's own forward, so that the step compiles once). The
     default, None, turns it on for generations of at least ``EXACT_FROM`` tokens (prompt and
