@@ -212,16 +212,20 @@ def test_a_model_whose_own_code_fails_on_the_token_major_cache_refuses_exact_len
     assert torch.equal(whole.generate_on_host(ids, m), reference)
 
 
-@pytest.mark.parametrize("arch, theirs", [("falcon", True), ("llama", False)])
+@pytest.mark.parametrize("own_code", [True, False], ids=["own code", "through grape"])
 def test_a_written_only_refusal_is_exact_lengths_where_no_layer_attended_through_grape(
-        arch, theirs, monkeypatch):
-    # Falcon's and Bloom's attention masks by its own code, never calling grape's, and in
-    # benchmarks/compiled_exact_sweep.py's run (a fresh process) the written-only check saw
-    # their steps read the cache's unwritten tail under exact lengths' attention name, not
-    # over the whole cache. Whether this process shows it depends on what earlier tests left
-    # in transformers' registries, so the check's refusal is forced here: where no layer
-    # attended through grape's function it is exact lengths' (grape.generate's default then
-    # runs the whole cache), where layers did (Llama) it stays the model's.
+        own_code, monkeypatch):
+    # Falcon's and Bloom's attention can mask by its own code, never calling grape's (which
+    # path Falcon takes depends on what earlier code left in transformers: in the whole suite
+    # it dispatched), and in benchmarks/compiled_exact_sweep.py's run the written-only check
+    # saw their steps read the cache's unwritten tail under exact lengths' attention name, not
+    # over the whole cache. Here a Llama's layers attend by SDPA directly where ``own_code``
+    # (as such a model does), and the check's refusal is forced: where no layer attended
+    # through grape's function it is exact lengths' (grape.generate's default then runs the
+    # whole cache), where layers did it stays the model's.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import grape.torch.exact as exact_module
     from grape.torch.api import _Prompt, _warm_up
     from grape.torch.decoding import Decoder, ExactRefused
     from grape.torch.options import NotGraphable
@@ -234,15 +238,19 @@ def test_a_written_only_refusal_is_exact_lengths_where_no_layer_attended_through
         raise NotGraphable("M reads cache positions it has not written (forced)")
 
     monkeypatch.setattr(Decoder, "check_written_only", refusing)
-    model = _model(arch, OWN_CODE.get(arch))
+    if own_code:
+        monkeypatch.setattr(exact_module, "attention", lambda module, query, key, value, mask,
+                            **kwargs: sdpa_attention_forward(module, query, key, value, mask,
+                                                             **kwargs))
+    model = _model("llama")
     ids, mask = _prompt()
     exact, m = _decoder(model, ids, mask, exact=True)
     with pytest.raises(NotGraphable) as refused:
         _warm_up(model, exact, _Prompt(ids, m, None, None, None, ()), None, exact=True)
-    assert isinstance(refused.value, ExactRefused) == theirs
-    if theirs:
+    assert isinstance(refused.value, ExactRefused) == own_code
+    if own_code:
         assert str(refused.value).startswith(
-            "FalconForCausalLM's attention masks by its own code, not through transformers' "
+            "LlamaForCausalLM's attention masks by its own code, not through transformers' "
             "AttentionInterface; under exact lengths: M reads cache positions")
     whole, _ = _decoder(model, ids, mask, exact=False)
     with pytest.raises(NotGraphable) as refused:  # without exact lengths: the model's
