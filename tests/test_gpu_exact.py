@@ -154,3 +154,33 @@ def test_a_compiled_step_attends_over_exact_lengths_in_one_launch(cuda):
         assert torch.equal(tokens[:, :24], prompt)
         assert float(greedy_gaps(model, tokens, mask, 24).max()) < 0.05
     clear_cache(model)
+
+
+def test_full_layers_run_exactly_beside_sliding_windows_in_one_launch(cuda):
+    # Gemma 3's layers: sliding windows shorter than the generation, and a full-attention
+    # layer, which alone grows with the length: the varlen kernel serves it, each window runs
+    # SDPA over its own keys and mask, and the tokens are greedy decoding's up to fp16 ties.
+    from exact_lengths import greedy_gaps
+
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+
+    config = transformers.Gemma3TextConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, sliding_window=32, vocab_size=4000,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    model = model.cuda().eval()
+    ids = torch.randint(3, 4000, (2, 24), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    out = grape.generate(model, ids, mask, max_new_tokens=96, eos_token_id=None,
+                         pad_token_id=0, exact_lengths=True)
+    stats = last_stats()
+    assert stats.graphed and stats.host_syncs == 1, stats
+    assert stats.attention == {"exact": 1, "sdpa: a sliding window's own keys": 2}
+    assert torch.equal(out[:, :24], ids)
+    assert float(greedy_gaps(model, out, mask, 24).max()) < 0.05
+    clear_cache(model)

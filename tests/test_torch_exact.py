@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from grape.torch.beam import BeamDecoder  # noqa: E402
-from grape.torch.decoding import NotLeftPadded, TokenDecoder  # noqa: E402
+from grape.torch.decoding import ExactRefused, NotLeftPadded, TokenDecoder  # noqa: E402
 from grape.torch.exact import Lengths, TokenMajorLayer  # noqa: E402
 from grape.torch.options import resolve  # noqa: E402
 
@@ -182,28 +182,111 @@ def test_models_of_other_attention_code_make_the_whole_cache_s_tokens(arch):
     model = _model(arch, OWN_CODE[arch])
     ids, mask = _prompt()
     whole, m = _decoder(model, ids, mask, exact=False)
+    if not model._supports_sdpa:  # (GPT-J and Bloom in 5.17: eager attention alone)
+        with pytest.raises(ExactRefused, match=f"{type(model).__name__} does not support SDPA "
+                                               f"\\(it attends by 'eager'\\)"):
+            _decoder(model, ids, mask, exact=True)
+        return
     exact, _ = _decoder(model, ids, mask, exact=True)
     assert torch.equal(exact.generate_on_host(ids, m), whole.generate_on_host(ids, m))
     served = exact.lengths.served
     assert exact.lengths.mask_unread == (set(served) == {"exact"})
 
 
-def test_a_model_whose_own_code_fails_on_the_token_major_cache_refuses_exact_lengths():
-    # GPT-NeoX-Japanese's attention views its keys as laid out by heads, which exact lengths'
-    # cache (laid out by tokens) is not: grape.generate's eager first runs refuse exact
-    # lengths, naming the model's line, so that its default runs the loop over the whole
-    # cache, which serves this model, instead of falling back to generate.
-    from grape.torch.api import _Prompt, _warm_up
-    from grape.torch.decoding import ExactRefused
+# Models whose layers are not all attention over the whole generation: a sliding window shorter
+# than it (Gemma 3's five in six layers), a recurrent state (OLMo-hybrid's linear attention).
+# Their full-attention layers are what grows with the length.
+MIXED = {
+    "gemma3_text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    "olmo_hybrid": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "layer_types": ["linear_attention", "full_attention"],
+                    "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                    "linear_key_head_dim": 16, "linear_value_head_dim": 32},
+}
 
-    model = _model("gpt_neox_japanese", {"hidden_size": 64, "num_hidden_layers": 2,
-                                         "num_attention_heads": 4,
-                                         "intermediate_multiple_size": 2})
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_beams": 3}], ids=["greedy", "beam 3"])
+@pytest.mark.parametrize("arch", list(MIXED))
+def test_full_attention_runs_exactly_beside_windows_and_recurrent_states(arch, kwargs):
+    from grape.torch.static_layers import CountedSlidingLayer
+
+    model = _model(arch, MIXED[arch])
+    ids, mask = _prompt()  # 7 tokens and 10 new: past the window of 8
+    whole, m = _decoder(model, ids, mask, exact=False, **kwargs)
+    exact, _ = _decoder(model, ids, mask, exact=True, **kwargs)
+    assert torch.equal(exact.generate_on_host(ids, m), whole.generate_on_host(ids, m))
+    kinds = [type(layer) for layer in exact.cache.layers]
+    assert kinds.count(TokenMajorLayer) == exact.lengths.layers == 1
+    windows = kinds.count(CountedSlidingLayer)
+    # The last step: the full layer exactly, the window over its own keys and mask (the
+    # recurrent layer calls no attention), and the full layers' mask left unbuilt.
+    assert exact.lengths.served == dict({"exact": 1},
+                                        **({"sdpa: a sliding window's own keys": 1}
+                                           if windows else {}))
+    assert windows == (arch == "gemma3_text") and exact.lengths.mask_unread
+
+
+def test_a_model_without_sdpa_is_refused_exact_lengths_before_it_runs():
+    # GPT-OSS attends by eager code alone: its attention sinks (``s_aux``) are a term SDPA
+    # has no place for. Exact lengths run SDPA for every call their kernel cannot take (its
+    # sinks among them), which would drop the sinks without a word: refused instead, so that
+    # grape.generate's default runs the whole cache through the model's own attention.
+    model = _model("gpt_oss", {"hidden_size": 64, "intermediate_size": 64,
+                               "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "head_dim": 16,
+                               "num_local_experts": 4, "num_experts_per_tok": 2,
+                               "sliding_window": 8,
+                               "layer_types": ["sliding_attention", "full_attention"]})
+    ids, mask = _prompt()
+    with pytest.raises(ExactRefused, match="exact lengths run SDPA where their kernel cannot "
+                                           "serve a call, and GptOssForCausalLM does not "
+                                           "support SDPA \\(it attends by 'eager'\\)"):
+        _decoder(model, ids, mask, exact=True)
+
+
+def test_a_step_that_ran_no_attention_exactly_refuses_exact_lengths():
+    # Gemma 2 soft-caps its scores, which the varlen kernel does not: every call of its
+    # full-attention layer runs SDPA, and exact lengths would add their bookkeeping alone.
+    from grape.torch.api import _Prompt, _warm_up
+
+    model = _model("gemma2", dict(MIXED["gemma3_text"], attn_logit_softcapping=50.0))
     ids, mask = _prompt()
     exact, m = _decoder(model, ids, mask, exact=True)
-    with pytest.raises(ExactRefused, match=r"GPTNeoXJapaneseForCausalLM failed on exact "
-                                           r"lengths' cache, laid out by tokens: RuntimeError: "
-                                           r"view size .*\(at .*modeling_gpt_neox_japanese"):
+    with pytest.raises(ExactRefused, match="no attention call of Gemma2ForCausalLM's step ran "
+                                           "over exact lengths \\((1 by sdpa: [^,]*(, )?){2}"
+                                           "\\)$") as refused:
+        _warm_up(model, exact, _Prompt(ids, m, None, None, None, ()), None, exact=True)
+    assert "sdpa: the keyword 'softcap'" in str(refused.value)
+    assert "sdpa: a sliding window's own keys" in str(refused.value)
+
+
+def test_a_model_whose_own_code_fails_on_the_token_major_cache_refuses_exact_lengths(
+        monkeypatch):
+    # An attention that views its keys as laid out by heads (GPT-NeoX-Japanese's does
+    # ``key.view(batch * heads, ...)``) fails on exact lengths' cache, laid out by tokens:
+    # grape.generate's eager first runs refuse exact lengths, naming the model's line, so that
+    # its default runs the loop over the whole cache, which serves the model, instead of
+    # falling back to generate. (A Llama whose attention does so, here: GPT-NeoX-Japanese
+    # attends by eager code alone, which exact lengths refuse before any run.)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import grape.torch.exact as exact_module
+    from grape.torch.api import _Prompt, _warm_up
+
+    def heads_major(module, query, key, value, mask, **kwargs):
+        key.view(-1, key.shape[-1])  # as one (batch * heads * tokens, dim) matrix
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+    monkeypatch.setattr(exact_module, "attention", heads_major)
+    model = _model("llama")
+    ids, mask = _prompt()
+    exact, m = _decoder(model, ids, mask, exact=True)
+    with pytest.raises(ExactRefused, match=r"LlamaForCausalLM failed on exact lengths' cache, "
+                                           r"laid out by tokens: RuntimeError: view size .*"
+                                           r"\(at .*test_torch_exact.py:\d+ \(key.view"):
         _warm_up(model, exact, _Prompt(ids, m, None, None, None, ()), None, exact=True)
     whole, _ = _decoder(model, ids, mask, exact=False)
     _warm_up(model, whole, _Prompt(ids, m, None, None, None, ()), None, exact=False)
@@ -227,7 +310,7 @@ def test_a_written_only_refusal_is_exact_lengths_where_no_layer_attended_through
 
     import grape.torch.exact as exact_module
     from grape.torch.api import _Prompt, _warm_up
-    from grape.torch.decoding import Decoder, ExactRefused
+    from grape.torch.decoding import Decoder
     from grape.torch.options import NotGraphable
 
     checked = Decoder.check_written_only

@@ -382,6 +382,14 @@ def _warm_up(model: torch.nn.Module, decoder: Decoder, prompt: _Prompt, step_mod
             replace(prompt, mask=padded).prefill(decoder)
         prompt.prefill(decoder)
         decoder.step()
+        served = decoder.lengths.served if exact else None
+        if served is not None and not served.get("exact"):
+            # Exact lengths would only add their bookkeeping: every layer attends over a
+            # cache of its own (a window, a recurrent state), by its own code, or with
+            # something the kernel does not take.
+            calls = ", ".join(f"{n} by {how}" for how, n in served.items())
+            raise ExactRefused(f"no attention call of {type(model).__name__}'s step ran over "
+                               f"exact lengths ({calls or 'its layers attend by their own code'})")
         if exact and step_model is not None:
             # That step ran the model's own forward (Decoder._logits): once more, from the
             # prompt, so that the step compiles here, not inside the capture.

@@ -186,10 +186,11 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
         if kind in (StaticSlidingWindowLayer, _HYBRID_SLIDING):
             # A window shorter than the generation: its roll and its mask's offset decided on
             # the device (grape.torch.static_layers.CountedSlidingLayer), a recurrent state
-            # beside it where the layer keeps one.
-            if layer is not CountedLayer:
-                raise ExactRefused(f"exact lengths count whole caches, and cache layer {i} is "
-                                   f"a sliding window of {made.max_cache_len} tokens")
+            # beside it where the layer keeps one. Under exact lengths the window stays as it
+            # is: its attention reads a window's keys, never the whole cache, and runs SDPA
+            # over its own mask (grape.torch.exact) while the full layers run exactly.
+            if kind is _HYBRID_SLIDING and layer is not CountedLayer:
+                raise _recurrent_refused(i, kind)
             if not ranged:
                 raise CompileRefused(f"cache layer {i} is a sliding window of "
                                      f"{made.max_cache_len} tokens, shorter than the "
@@ -206,7 +207,10 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
             continue
         if isinstance(made, _RECURRENT) and (not isinstance(made, StaticLayer)
                                              or kind is _HYBRID):
-            if layer is not CountedLayer:
+            # A state of fixed size, whatever the length: exact lengths leave it to the
+            # model's own code, except beside attention in one layer, whose keys sit in
+            # transformers' own (batch, heads, tokens) buffers, which no varlen kernel reads.
+            if kind is _HYBRID and layer is not CountedLayer:
                 raise _recurrent_refused(i, kind)
             continue
         if kind is StaticSlidingWindowLayer or isinstance(made, _RECURRENT):
@@ -216,12 +220,17 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
         raise NotGraphable(f"cache layer {i} is a {kind.__name__}, a kind of cache layer "
                            f"grape does not hold in a graph (it knows static attention layers "
                            f"and recurrent states)")
+    if layer is not CountedLayer and not any(isinstance(made, layer) for made in cache.layers):
+        raise ExactRefused(f"exact lengths serve attention over the whole generation, and no "
+                           f"cache layer of {type(model).__name__} holds it (its layers: "
+                           f"{', '.join(sorted({type(made).__name__ for made in cache.layers}))})")
     return cache
 
 
 def _recurrent_refused(i: int, kind: type) -> ExactRefused:
-    return ExactRefused(f"exact lengths count attention caches alone, and cache layer {i} "
-                        f"keeps a recurrent state ({kind.__name__})")
+    return ExactRefused(f"exact lengths read keys laid out by tokens, and cache layer {i} "
+                        f"keeps its keys beside a recurrent state ({kind.__name__}) in "
+                        f"transformers' own layout")
 
 
 def _written(layer: Any) -> bool:
@@ -261,6 +270,13 @@ class Decoder:
         if self.seq2seq and exact:
             raise ExactRefused("exact lengths count the decoder's own cache, and an "
                                "encoder-decoder model's cross-attention reads the source's")
+        if exact and not getattr(model, "_supports_sdpa", False):
+            # The calls the varlen kernel cannot take run SDPA, and a model that does not
+            # support it attends by its own eager code for a reason (attention sinks: SDPA
+            # would run without them, and the tokens would part unannounced).
+            raise ExactRefused(f"exact lengths run SDPA where their kernel cannot serve a call, "
+                               f"and {type(model).__name__} does not support SDPA (it attends "
+                               f"by {model.config._attn_implementation!r})")
         # The tokens before the new ones in the decoder's own sequence: the prompt, or an
         # encoder-decoder's decoder prompt (its start token, or the caller's decoder_input_ids).
         # (A prompt given as inputs_embeds: the token ids given beside them, or none.)
@@ -281,6 +297,8 @@ class Decoder:
                                   TokenMajorLayer if exact else CountedLayer, self.given,
                                   ranged=step_model is None)
         self.layers = self.cache.layers  # the decoder's own, which follow beams
+        if self.lengths is not None:
+            self.lengths.layers = sum(isinstance(made, TokenMajorLayer) for made in self.layers)
         if self.seq2seq:
             # Cross-attention keys and values, written once by the prompt's forward (which
             # turns transformers' host-side is_updated flags, the same at every step after):

@@ -59,10 +59,16 @@ __all__ = ["NAME", "Lengths", "TokenMajorLayer", "active", "attention", "registe
 
 NAME = "grape_exact"
 
+# A sliding window's attention over its own keys, shorter than grape's cache: SDPA runs it over
+# the window's mask, which transformers builds for it, exact lengths or not.
+_WINDOW = "a sliding window's own keys"
+
 # Keyword arguments transformers' attention modules pass that change nothing here (their
 # meaning is carried by the cache and the lengths); any other keyword is a reason to fall back.
 _INERT = {"position_ids", "cache_position", "output_attentions", "is_causal", "layer_idx",
-          "position_embeddings", "use_cache", "past_key_values", "cache"}
+          "position_embeddings", "use_cache", "past_key_values", "cache",
+          # the model's outputs, which its **kwargs carry down to every layer
+          "logits_to_keep", "output_router_logits"}
 
 
 class TokenMajorLayer(CountedLayer):
@@ -102,8 +108,13 @@ class Lengths:
         self.before_ampere = (torch.device(device).type == "cuda"
                               and torch.cuda.get_device_capability(device) < (8, 0))
         self.served: Counter[str] = Counter()  # attention calls by what ran them
-        # Whether the last step's every decoder layer ran its attention here, exactly: then
-        # the next step's causal mask is read by no one, and :func:`mask` does not build it.
+        # The cache layers laid out by tokens (TokenMajorLayer), which its owner counts: the
+        # layers whose attention the causal mask over the whole cache serves (a sliding
+        # window's has a mask of its own, a recurrent state none).
+        self.layers: int | None = None
+        # Whether the last step ran every such layer's attention here, exactly, and nothing
+        # else over the whole cache: then the next step's causal mask is read by no one, and
+        # :func:`mask` does not build it.
         self.mask_unread = False
 
     def set_prompt(self, mask: torch.Tensor | None, prompt_len: int) -> None:
@@ -180,10 +191,11 @@ def active(lengths: Lengths, model: torch.nn.Module) -> Iterator[None]:
     finally:
         config._attn_implementation = before
         _ACTIVE = None
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        layers = getattr(text, "num_hidden_layers", None)
-        lengths.mask_unread = (isinstance(layers, int) and set(lengths.served) == {"exact"}
-                               and lengths.served["exact"] >= layers)
+        # (A layer that attends by its own code never comes here, and is missing from the
+        # exact calls; a sliding window's reads a mask of its own.)
+        others = set(lengths.served) - {"exact", f"sdpa: {_WINDOW}"}
+        lengths.mask_unread = (lengths.layers is not None and not others
+                               and lengths.served["exact"] >= lengths.layers > 0)
 
 
 def _refusal(lengths: Lengths, query: torch.Tensor, key: torch.Tensor, dropout: float,
@@ -191,13 +203,16 @@ def _refusal(lengths: Lengths, query: torch.Tensor, key: torch.Tensor, dropout: 
     """Why this attention call cannot run over exact lengths (None: it can)."""
     if query.shape[2] != 1:
         return "more than one query (a prompt)"
+    window = kwargs.get("sliding_window")
+    if (key.shape[0] == lengths.rows and key.shape[2] < lengths.max_len and window is not None
+            and key.shape[2] <= window < lengths.max_len):
+        return _WINDOW
     if key.shape[0] != lengths.rows or key.shape[2] != lengths.max_len:
         return "keys that are not grape's cache"
     if not key.transpose(1, 2).is_contiguous():
         return "a cache not laid out by tokens"
     if dropout:
         return "attention dropout"
-    window = kwargs.get("sliding_window")
     if window is not None and window < lengths.max_len:
         return "a sliding window shorter than the cache"
     for name, value in kwargs.items():
@@ -224,7 +239,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     if why is not None:
         if lengths is not None:
             lengths.served[f"sdpa: {why}"] += 1
-            if attention_mask is None and query.shape[2] == 1 and key.shape[0] == lengths.rows:
+            if (attention_mask is None and query.shape[2] == 1 and key.shape[0] == lengths.rows
+                    and why != _WINDOW):
                 # A decode step's mask, which :func:`mask` left unbuilt: the same from the
                 # lengths (sliced to the keys, as transformers' SDPA path slices its own).
                 attention_mask = lengths.mask(key.shape[2])
