@@ -167,9 +167,11 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_o
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     lengths = _ACTIVE
-    if (lengths is not None and lengths.mask_unread and q_length == 1 and kv_offset == 0
-            and kv_length == lengths.max_len and batch_size == lengths.rows
-            and mask_function is causal_mask_function):
+    # (kv_offset last, and only where it is a number: a sliding window's is a device tensor,
+    # which a comparison would read back, inside a capture)
+    if (lengths is not None and lengths.mask_unread and mask_function is causal_mask_function
+            and q_length == 1 and kv_length == lengths.max_len and batch_size == lengths.rows
+            and isinstance(kv_offset, int) and kv_offset == 0):
         return None
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                      q_offset=q_offset, kv_offset=kv_offset,
