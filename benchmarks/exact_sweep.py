@@ -1,0 +1,118 @@
+"""Every causal-LM type through exact lengths against the whole cache (CPU).
+
+Exact lengths (``grape.torch.exact``) serve the attention layers whose cache spans the whole
+generation; sliding windows shorter than it and recurrent states stay as the whole-cache loop
+keeps them. For each model type of ``arch_sweep.py`` (its small config, fp32 on the CPU, where
+exact attention runs its reference, a mask over what the GPU's kernel is given): a batch of
+two 7-token prompts, one left-padded, 12 new tokens (past the small configs' windows of 8),
+greedy and a 3-beam search, by grape's decoder with exact lengths and over the whole cache,
+each after ``grape.generate``'s eager first runs (``api._warm_up``: where they refuse exact
+lengths, ``grape.generate``'s default runs the whole cache). One JSON line each: whether the
+tokens are the same (``same_greedy``, ``same_beam``) and the largest difference of the greedy
+scores (``max_gap``), how the last step's attention calls ran (``served``: "exact", or
+"sdpa: <why not>"), the cache's layer kinds, or the refusal or failure's first line.
+
+Run (CPU, about 10 minutes): python benchmarks/exact_sweep.py [--archs a,b] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+from arch_sweep import architectures, build, machine
+
+NEW = 12
+
+
+def one(arch: str) -> dict[str, Any]:
+    import torch
+
+    from grape.torch.api import _Prompt, _warm_up
+    from grape.torch.beam import BeamDecoder
+    from grape.torch.decoding import TokenDecoder
+    from grape.torch.options import resolve
+
+    row: dict[str, Any] = {"arch": arch}
+    began = time.perf_counter()
+    try:
+        model = build(arch, "cpu", torch.float32)
+        vocab = model.config.get_text_config().vocab_size
+        ids = torch.randint(5, min(vocab, 200), (2, 7),
+                            generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        for strategy, kwargs in (("greedy", {}), ("beam", {"num_beams": 3})):
+            made = {}
+            for exact in (True, False):
+                options, m = resolve(model, ids, mask, dict(
+                    kwargs, max_new_tokens=NEW, output_scores=True,
+                    return_dict_in_generate=True))
+                kind = BeamDecoder if options.strategy == "beam" else TokenDecoder
+                decoder = kind(model, 2, 7, options, exact=exact)
+                _warm_up(model, decoder, _Prompt(ids, m, None, None, None, ()), None, exact)
+                made[exact] = decoder.generate_on_host(ids, m)
+                if exact and strategy == "greedy":
+                    row["served"] = dict(decoder.lengths.served)
+                    row["layers"] = dict(Counter(type(layer).__name__
+                                                 for layer in decoder.cache.layers))
+            row[f"same_{strategy}"] = bool(torch.equal(made[True].sequences,
+                                                       made[False].sequences))
+            if strategy == "greedy":
+                exact_scores, whole = (torch.stack(made[e].scores) for e in (True, False))
+                finite = torch.isfinite(whole)
+                row["max_gap"] = float((exact_scores - whole)[finite].abs().max())
+    except Exception as e:  # a row per architecture, whatever fails
+        row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+    row["seconds"] = round(time.perf_counter() - began, 1)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--archs", default=None, help="model types (default: every one)")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="write the rows as JSON lines here (nothing is written without it)")
+    args = parser.parse_args()
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.simplefilter("ignore")
+    archs = args.archs.split(",") if args.archs else architectures()
+    ran_on = machine("cpu")  # (each row names its machine and grape's commit)
+    rows = []
+    for i, arch in enumerate(archs, 1):
+        row = one(arch) | ran_on
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        print(f"[{i}/{len(archs)}] {arch}: {row.get('error', 'ran')}", file=sys.stderr,
+              flush=True)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    ran = [r for r in rows if "error" not in r]
+    same = [r for r in ran if r["same_greedy"] and r["same_beam"]]
+    served = [r for r in ran if r["served"].get("exact")]
+    beside = [r for r in served if set(r["layers"]) - {"TokenMajorLayer"}]
+    # (grouped by reason, the model's class named alike)
+    refused = Counter(re.sub(r"\b[A-Z]\w*(For|Model|LMHead)\w*", "M", r["error"])[14:90]
+                      for r in rows if r.get("error", "").startswith("ExactRefused"))
+    print(f"{len(rows)} types: {len(ran)} ran with exact lengths, {len(same)} of them with the "
+          f"whole cache's tokens (greedy and 3 beams), {len(beside)} with cache layers beside "
+          f"the token-major ones; {sum(refused.values())} refused exact lengths, "
+          f"{len(rows) - len(ran) - sum(refused.values())} failed otherwise")
+    for reason, n in refused.most_common():
+        print(f"  refused {n:3d}: {reason}")
+
+
+if __name__ == "__main__":
+    main()
