@@ -282,7 +282,9 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
         decoder = _decoder(model, batch, prompt_len, options, step_model, exact)
     if isinstance(decoder, TokenDecoder) and options.strategy == "sample":
         decoder.set_seed(0)
-    _warm_up(model, decoder, prompt, step_model, exact)
+    # (asked for exact lengths, a model that runs none of its calls by them is still graphed,
+    # with the warning below; chosen by grape, it is refused, and runs the whole cache)
+    _warm_up(model, decoder, prompt, step_model, exact, refuse_unserved=not warn_whole)
     params = dict(model.named_parameters())
     arena, device = PinnedArena(), input_ids.device
 
@@ -339,7 +341,7 @@ def _build(model: torch.nn.Module, prompt: _Prompt, options: Options, step_model
 
 
 def _warm_up(model: torch.nn.Module, decoder: Decoder, prompt: _Prompt, step_model: Any,
-             exact: bool) -> None:
+             exact: bool, refuse_unserved: bool = True) -> None:
     """The decoder's first runs, eagerly (nothing is being captured yet): the check that the
     model reads only what it wrote, the prompt's attention paths, and a step.
 
@@ -350,7 +352,8 @@ def _warm_up(model: torch.nn.Module, decoder: Decoder, prompt: _Prompt, step_mod
         (``grape.torch.exact.TokenMajorLayer``): a model whose own attention code views its
         keys as laid out by heads fails there, where the loop over the whole cache may not
         (``grape.generate``'s default then runs the whole cache); or a model whose attention
-        never called grape's read positions it had not written.
+        never called grape's read positions it had not written; or, with
+        ``refuse_unserved``, no attention call of the step ran by exact lengths.
     NotGraphable
         Without, the model failed on grape's static cache and fixed-shape inputs.
     """
@@ -382,7 +385,7 @@ def _warm_up(model: torch.nn.Module, decoder: Decoder, prompt: _Prompt, step_mod
             replace(prompt, mask=padded).prefill(decoder)
         prompt.prefill(decoder)
         decoder.step()
-        served = decoder.lengths.served if exact else None
+        served = decoder.lengths.served if exact and refuse_unserved else None
         if served is not None and not served.get("exact"):
             # Exact lengths would only add their bookkeeping: every layer attends over a
             # cache of its own (a window, a recurrent state), by its own code, or with
@@ -437,9 +440,14 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     greedy decoding's to fp16 near-ties, not ``generate``'s bit for bit. Prompts must be left
     padded (a mask with a zero after a one falls back to ``model.generate``, with a warning); a
     model whose attention cannot run it attends over the whole cache, with one warning, but one
-    whose own code fails on exact lengths' cache (laid out by tokens), or that masks by its own
-    code and then reads the cache's unwritten tail, falls back to ``model.generate``, with the
-    reason (the default, None, runs such a model over the whole cache instead). With
+    whose own code fails on exact lengths' cache (laid out by tokens), that masks by its own
+    code and then reads the cache's unwritten tail, or that does not support SDPA (which runs
+    the calls the kernel cannot take, and has no place for terms such as attention sinks),
+    falls back to ``model.generate``, with the reason (the default, None, runs such a model
+    over the whole cache instead, as it does a model whose step runs no call by exact
+    lengths). Layers whose cache does not span the generation keep theirs: a sliding window
+    shorter than it attends over its own keys by SDPA, a recurrent state is the model's, and
+    exact lengths serve the full-attention layers beside them. With
     ``compile=True`` the kernel runs inside the compiled step (its first decode step runs the
     model's own forward, so that the step compiles once). The
     default, None, turns it on for generations of at least ``EXACT_FROM`` tokens (prompt and
