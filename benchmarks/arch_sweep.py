@@ -849,6 +849,24 @@ CHECK_REORDERING = [False]
 CHECK_READ_BACKS = [False]
 
 
+def each_type(archs: list[str], one: Any, out: Path | None, device: str = "cpu") -> list[dict]:
+    """``one(arch)``'s row for each model type, with the machine and commit (:func:`machine`):
+    printed as a JSON line and, with ``out``, appended there as it is made (a long sweep
+    that stops keeps what it made), the progress on stderr."""
+    ran_on = machine(device)
+    rows = []
+    for i, arch in enumerate(archs, 1):
+        row = one(arch) | ran_on
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        print(f"[{i}/{len(archs)}] {arch}: {row.get('error', 'ran')}", file=sys.stderr,
+              flush=True)
+        if out:
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    return rows
+
+
 def machine(device: str) -> dict[str, Any]:
     """What each row ran on and at which commit, so that a row names its machine without a
     note beside it: the device's name, torch's and transformers' versions, and grape's commit

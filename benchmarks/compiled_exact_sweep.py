@@ -21,7 +21,6 @@ benchmarks/compiled_exact_sweep.py [--archs a,b] [--no-exact] [--out FILE]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from arch_sweep import architectures, build, machine
+from arch_sweep import architectures, build, each_type
 
 
 def one(arch: str, exact: bool) -> dict[str, Any]:
@@ -91,17 +90,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     warnings.simplefilter("ignore")
     archs = args.archs.split(",") if args.archs else architectures()
-    ran_on = machine("cpu")  # (each row names its machine and grape's commit)
-    rows = []
-    for i, arch in enumerate(archs, 1):
-        row = one(arch, exact=not args.no_exact) | ran_on
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        print(f"[{i}/{len(archs)}] {arch}: {row.get('error', 'ran')}", file=sys.stderr,
-              flush=True)
-        if args.out:
-            with args.out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+    rows = each_type(archs, lambda arch: one(arch, exact=not args.no_exact), args.out)
     ran = [r for r in rows if "error" not in r]
     clean = [r for r in ran if not r["breaks"] and r["same_infinities"] and r["max_gap"] < 1e-3
              and r["served_compiled"] == r["served_uncompiled"]]

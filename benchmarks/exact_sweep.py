@@ -18,7 +18,6 @@ Run (CPU, about 10 minutes): python benchmarks/exact_sweep.py [--archs a,b] [--o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from arch_sweep import architectures, build, machine
+from arch_sweep import architectures, build, each_type
 
 NEW = 12
 
@@ -88,17 +87,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     warnings.simplefilter("ignore")
     archs = args.archs.split(",") if args.archs else architectures()
-    ran_on = machine("cpu")  # (each row names its machine and grape's commit)
-    rows = []
-    for i, arch in enumerate(archs, 1):
-        row = one(arch) | ran_on
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        print(f"[{i}/{len(archs)}] {arch}: {row.get('error', 'ran')}", file=sys.stderr,
-              flush=True)
-        if args.out:
-            with args.out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+    rows = each_type(archs, one, args.out)
     ran = [r for r in rows if "error" not in r]
     same = [r for r in ran if r["same_greedy"] and r["same_beam"]]
     served = [r for r in ran if r["served"].get("exact")]
