@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from grape.torch.beam import BeamDecoder  # noqa: E402
 from grape.torch.decoding import ExactRefused, NotLeftPadded, TokenDecoder  # noqa: E402
-from grape.torch.exact import Lengths, TokenMajorLayer  # noqa: E402
+from grape.torch.exact import Lengths, TokenMajorHybridLayer, TokenMajorLayer  # noqa: E402
 from grape.torch.options import resolve  # noqa: E402
 
 VOCAB = 300
@@ -194,7 +194,8 @@ def test_models_of_other_attention_code_make_the_whole_cache_s_tokens(arch):
 
 
 # Models whose layers are not all attention over the whole generation: a sliding window shorter
-# than it (Gemma 3's five in six layers), a recurrent state (OLMo-hybrid's linear attention).
+# than it (Gemma 3's five in six layers), a recurrent state (OLMo-hybrid's linear attention),
+# or one beside attention keys in one layer (Zaya's, as Zamba's and Falcon-H1's).
 # Their full-attention layers are what grows with the length.
 MIXED = {
     "gemma3_text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -205,6 +206,9 @@ MIXED = {
                     "layer_types": ["linear_attention", "full_attention"],
                     "linear_num_key_heads": 2, "linear_num_value_heads": 2,
                     "linear_key_head_dim": 16, "linear_value_head_dim": 32},
+    # a recurrent state and attention keys in one layer (LinearAttentionAndStaticFull...)
+    "zaya": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 128, "head_dim": 16},
 }
 
 
@@ -218,15 +222,17 @@ def test_full_attention_runs_exactly_beside_windows_and_recurrent_states(arch, k
     whole, m = _decoder(model, ids, mask, exact=False, **kwargs)
     exact, _ = _decoder(model, ids, mask, exact=True, **kwargs)
     assert torch.equal(exact.generate_on_host(ids, m), whole.generate_on_host(ids, m))
-    kinds = [type(layer) for layer in exact.cache.layers]
-    assert kinds.count(TokenMajorLayer) == exact.lengths.layers == 1
-    windows = kinds.count(CountedSlidingLayer)
-    # The last step: the full layer exactly, the window over its own keys and mask (the
-    # recurrent layer calls no attention), and the full layers' mask left unbuilt.
-    assert exact.lengths.served == dict({"exact": 1},
-                                        **({"sdpa: a sliding window's own keys": 1}
+    layers = exact.cache.layers
+    full = sum(isinstance(layer, TokenMajorLayer) for layer in layers)
+    assert full == exact.lengths.layers >= 1
+    assert any(isinstance(layer, TokenMajorHybridLayer) for layer in layers) == (arch == "zaya")
+    windows = sum(type(layer) is CountedSlidingLayer for layer in layers)
+    # The last step: the full layers exactly, the window over its own keys and mask (a
+    # recurrent state calls no attention), and the full layers' mask left unbuilt.
+    assert exact.lengths.served == dict({"exact": full},
+                                        **({"sdpa: a sliding window's own keys": windows}
                                            if windows else {}))
-    assert windows == (arch == "gemma3_text") and exact.lengths.mask_unread
+    assert bool(windows) == (arch == "gemma3_text") and exact.lengths.mask_unread
 
 
 def test_a_model_without_sdpa_is_refused_exact_lengths_before_it_runs():

@@ -1029,7 +1029,7 @@ def test_models_with_recurrent_state_make_generates_tokens(recurrent, strategy):
     assert torch.equal(_host(recurrent, ids, mask, **kwargs), reference)
 
 
-def test_exact_lengths_are_refused_where_no_attention_cache_is_laid_out_by_tokens(recurrent):
+def test_exact_lengths_lay_out_hybrid_layers_by_tokens_and_refuse_states_alone(recurrent):
     # (Recurrent layers beside attention layers of their own: tests/test_torch_exact.py.)
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
@@ -1039,12 +1039,14 @@ def test_exact_lengths_are_refused_where_no_attention_cache_is_laid_out_by_token
     # the layers as made: the states are fixed already
     cache = static_cache(recurrent, 32, torch.zeros(1, dtype=torch.long))
     assert any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
-    # Mamba: no attention at all; Zaya: attention keys beside a recurrent state in one layer,
-    # in transformers' own layout.
-    with pytest.raises(ExactRefused, match="holds it \\(its layers: LinearAttentionLayer\\)"
-                       if type(recurrent).__name__.startswith("Mamba") else
-                       "keeps its keys beside a recurrent state"):
-        static_cache(recurrent, 32, torch.zeros(1, dtype=torch.long), TokenMajorLayer)
+    if type(recurrent).__name__.startswith("Mamba"):  # no attention at all
+        with pytest.raises(ExactRefused, match="holds it \\(its layers: LinearAttentionLayer\\)"):
+            static_cache(recurrent, 32, torch.zeros(1, dtype=torch.long), TokenMajorLayer)
+    else:  # Zaya: attention keys beside a recurrent state in one layer, laid out by tokens
+        from grape.torch.exact import TokenMajorHybridLayer
+
+        exact = static_cache(recurrent, 32, torch.zeros(1, dtype=torch.long), TokenMajorLayer)
+        assert any(isinstance(layer, TokenMajorHybridLayer) for layer in exact.layers)
 
 
 def test_a_cache_layer_of_a_kind_grape_does_not_know_is_refused_by_name(monkeypatch):

@@ -54,7 +54,7 @@ from grape.torch.cache_length import ranged_arange
 from grape.torch.control import capturing
 from grape.torch.decode_mask import running_mask
 from grape.torch.deferred_checks import DeferredChecks
-from grape.torch.exact import Lengths, TokenMajorLayer, active
+from grape.torch.exact import Lengths, TokenMajorHybridLayer, TokenMajorLayer, active
 from grape.torch.hfmasks import prompt_padding_on_device
 from grape.torch.masked_writes import masked_writes
 from grape.torch.model_code import COMPILE_ERRORS
@@ -125,7 +125,9 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
     capture-time value. Layers with a recurrent state (``_RECURRENT``; beside a static
     attention cache in hybrid models), and layers that hold nothing, are kept as made.
     ``layer``: the static layer class (``grape.torch.exact.TokenMajorLayer`` for exact-length
-    attention). Recurrent layers, and
+    attention; a hybrid layer's keys then are ``grape.torch.exact.TokenMajorHybridLayer``'s,
+    and windows shorter than the generation stay counted windows: their attention reads their
+    own keys). Recurrent layers, and
     static ones that also hold a recurrent state, count their own tokens; they advance their
     count once per forward as well. ``tokens``: what each forward is given, which the
     attention layers hold their writes to (``grape.torch.static_layers.Tokens``). ``ranged``:
@@ -135,8 +137,8 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
     Raises
     ------
     ExactRefused
-        Exact lengths were asked (``layer``) of a model with recurrent layers: they count
-        lengths in attention layers alone.
+        Exact lengths were asked (``layer``) of a model none of whose layers holds attention
+        over the whole generation, or whose indexer keeps keys at a length of its own.
     NotGraphable
         A layer that keeps host-side state the window cannot excuse, or a kind of layer grape
         does not know to hold in a graph.
@@ -177,10 +179,7 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
         if kind is _HYBRID_SLIDING and made.max_cache_len >= max_len:
             # Its window holds the whole generation: transformers' full-attention hybrid, whose
             # attention side counts on the device (kept as made, as _HYBRID layers are).
-            if layer is not CountedLayer:
-                raise _recurrent_refused(i, kind)
-            cache.layers[i] = _HYBRID(max_cache_len=max_len,
-                                      number_of_states=made.number_of_states)
+            cache.layers[i] = _hybrid(layer, max_len, count, tokens, ranged, made)
             cache.layers[i].is_sliding = True  # (which layer the masks' sizes come from)
             continue
         if kind in (StaticSlidingWindowLayer, _HYBRID_SLIDING):
@@ -189,8 +188,6 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
             # beside it where the layer keeps one. Under exact lengths the window stays as it
             # is: its attention reads a window's keys, never the whole cache, and runs SDPA
             # over its own mask (grape.torch.exact) while the full layers run exactly.
-            if kind is _HYBRID_SLIDING and layer is not CountedLayer:
-                raise _recurrent_refused(i, kind)
             if not ranged:
                 raise CompileRefused(f"cache layer {i} is a sliding window of "
                                      f"{made.max_cache_len} tokens, shorter than the "
@@ -207,11 +204,10 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
             continue
         if isinstance(made, _RECURRENT) and (not isinstance(made, StaticLayer)
                                              or kind is _HYBRID):
-            # A state of fixed size, whatever the length: exact lengths leave it to the
-            # model's own code, except beside attention in one layer, whose keys sit in
-            # transformers' own (batch, heads, tokens) buffers, which no varlen kernel reads.
+            # A state of fixed size, whatever the length: the model's own code keeps it (exact
+            # lengths too), with attention keys beside it in hybrid layers.
             if kind is _HYBRID and layer is not CountedLayer:
-                raise _recurrent_refused(i, kind)
+                cache.layers[i] = _hybrid(layer, max_len, count, tokens, ranged, made)
             continue
         if kind is StaticSlidingWindowLayer or isinstance(made, _RECURRENT):
             raise NotGraphable(f"cache layer {i} is a {kind.__name__} over "
@@ -227,10 +223,17 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
     return cache
 
 
-def _recurrent_refused(i: int, kind: type) -> ExactRefused:
-    return ExactRefused(f"exact lengths read keys laid out by tokens, and cache layer {i} "
-                        f"keeps its keys beside a recurrent state ({kind.__name__}) in "
-                        f"transformers' own layout")
+def _hybrid(layer: type[CountedLayer], max_len: int, count: torch.Tensor, tokens: Any,
+            ranged: Any, made: Any) -> Any:
+    """A hybrid layer (a recurrent state and attention keys) for a generation of ``max_len``
+    tokens: as transformers makes it, its attention side counting on the device; or, for
+    exact lengths, with its keys laid out by tokens and written at ``count``."""
+    if layer is CountedLayer:
+        return _HYBRID(max_cache_len=max_len, number_of_states=made.number_of_states)
+    hybrid = TokenMajorHybridLayer(max_cache_len=max_len, count=count, tokens=tokens,
+                                   number_of_states=made.number_of_states)
+    hybrid.ranged = ranged
+    return hybrid
 
 
 def _written(layer: Any) -> bool:

@@ -51,11 +51,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import transformers.cache_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from grape.torch.static_layers import CountedLayer
 
-__all__ = ["NAME", "Lengths", "TokenMajorLayer", "active", "attention", "register"]
+__all__ = ["NAME", "Lengths", "TokenMajorHybridLayer", "TokenMajorLayer", "active", "attention",
+           "register"]
 
 NAME = "grape_exact"
 
@@ -88,6 +90,44 @@ class TokenMajorLayer(CountedLayer):
         self.values = self.value_buffer.transpose(1, 2)
         self._take_count()
         self.is_initialized = True
+
+
+# transformers' linear-attention state (releases without it have none)
+_LinearAttentionLayer: Any = getattr(transformers.cache_utils, "LinearAttentionLayer", None)
+
+if _LinearAttentionLayer is not None:
+    class TokenMajorHybridLayer(_LinearAttentionLayer, TokenMajorLayer):
+        """transformers' hybrid layer (``LinearAttentionAndStaticFullAttentionLayer``: a
+        recurrent state and attention keys in one layer, as Zamba, Zaya and Falcon-H1 keep
+        them) with its keys laid out by tokens and written at the decoder's count, as
+        :class:`TokenMajorLayer` writes them. Built as transformers builds its own: each side
+        initialised and reset by its own code, the attention side allocated by an attention
+        update (two tensors), the state side by a state update (keywords)."""
+
+        def __init__(self, max_cache_len: int, count: torch.Tensor, tokens: Any = None,
+                     number_of_states: int = 1) -> None:
+            TokenMajorLayer.__init__(self, max_cache_len=max_cache_len, count=count,
+                                     tokens=tokens)
+            _LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+        def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+            if len(args) == 2 and not kwargs:
+                TokenMajorLayer.lazy_initialization(self, *args)
+            elif not args:
+                _LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+        def reset(self) -> None:
+            _LinearAttentionLayer.reset(self)
+            TokenMajorLayer.reset(self)
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            _LinearAttentionLayer.reorder_cache(self, beam_idx)
+            TokenMajorLayer.reorder_cache(self, beam_idx)
+
+        def get_seq_length(self) -> int:
+            return TokenMajorLayer.get_seq_length(self)
+else:  # pragma: no cover - transformers without linear-attention layers
+    TokenMajorHybridLayer = None
 
 
 class Lengths:
