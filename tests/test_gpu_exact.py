@@ -184,3 +184,29 @@ def test_full_layers_run_exactly_beside_sliding_windows_in_one_launch(cuda):
     assert torch.equal(out[:, :24], ids)
     assert float(greedy_gaps(model, out, mask, 24).max()) < 0.05
     clear_cache(model)
+
+
+@pytest.mark.parametrize("arch", ["falcon_h1", "qwen3_next"])
+def test_full_layers_run_exactly_beside_recurrent_states_in_one_launch(cuda, arch):
+    # Falcon-H1 keeps a recurrent state and attention keys in one layer (grape lays the keys
+    # out by tokens: TokenMajorHybridLayer), Qwen3-Next linear-attention layers beside full
+    # ones: the varlen kernel serves every layer that attends over the cache, and the tokens
+    # are greedy decoding's up to fp16 ties (arch_sweep's GPU-sized config, random weights).
+    from arch_sweep import build
+    from exact_lengths import greedy_gaps
+
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+
+    model = build(arch, "cuda", torch.float16)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (2, 24), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    out = grape.generate(model, ids, mask, max_new_tokens=64, eos_token_id=None,
+                         pad_token_id=0, exact_lengths=True)
+    stats = last_stats()
+    assert stats.graphed and stats.host_syncs == 1, stats
+    assert set(stats.attention) == {"exact"}, stats.attention
+    assert float(greedy_gaps(model, out, mask, 24).max()) < 0.05
+    clear_cache(model)
