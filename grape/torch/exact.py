@@ -51,10 +51,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import transformers.cache_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from grape.torch.static_layers import CountedLayer
+from grape.torch.static_layers import CountedLayer, LinearAttentionLayer, StateBeside
 
 __all__ = ["NAME", "Lengths", "TokenMajorHybridLayer", "TokenMajorLayer", "active", "attention",
            "register"]
@@ -92,40 +91,20 @@ class TokenMajorLayer(CountedLayer):
         self.is_initialized = True
 
 
-# transformers' linear-attention state (releases without it have none)
-_LinearAttentionLayer: Any = getattr(transformers.cache_utils, "LinearAttentionLayer", None)
-
-if _LinearAttentionLayer is not None:
-    class TokenMajorHybridLayer(_LinearAttentionLayer, TokenMajorLayer):
+if StateBeside is not None:
+    class TokenMajorHybridLayer(StateBeside, TokenMajorLayer):
         """transformers' hybrid layer (``LinearAttentionAndStaticFullAttentionLayer``: a
         recurrent state and attention keys in one layer, as Zamba, Zaya and Falcon-H1 keep
         them) with its keys laid out by tokens and written at the decoder's count, as
-        :class:`TokenMajorLayer` writes them. Built as transformers builds its own: each side
-        initialised and reset by its own code, the attention side allocated by an attention
-        update (two tensors), the state side by a state update (keywords)."""
+        :class:`TokenMajorLayer` writes them."""
+
+        attention = TokenMajorLayer
 
         def __init__(self, max_cache_len: int, count: torch.Tensor, tokens: Any = None,
                      number_of_states: int = 1) -> None:
             TokenMajorLayer.__init__(self, max_cache_len=max_cache_len, count=count,
                                      tokens=tokens)
-            _LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
-
-        def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
-            if len(args) == 2 and not kwargs:
-                TokenMajorLayer.lazy_initialization(self, *args)
-            elif not args:
-                _LinearAttentionLayer.lazy_initialization(self, **kwargs)
-
-        def reset(self) -> None:
-            _LinearAttentionLayer.reset(self)
-            TokenMajorLayer.reset(self)
-
-        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-            _LinearAttentionLayer.reorder_cache(self, beam_idx)
-            TokenMajorLayer.reorder_cache(self, beam_idx)
-
-        def get_seq_length(self) -> int:
-            return TokenMajorLayer.get_seq_length(self)
+            LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 else:  # pragma: no cover - transformers without linear-attention layers
     TokenMajorHybridLayer = None
 

@@ -39,7 +39,7 @@ from grape.torch.cache_length import CacheLength
 from grape.torch.options import NotGraphable
 
 __all__ = ["CountedIndexedLayer", "CountedLayer", "CountedLinearSlidingLayer",
-           "CountedSlidingLayer", "Tokens"]
+           "CountedSlidingLayer", "StateBeside", "Tokens"]
 
 # Dynamic sparse attention's static layer (DeepSeek-V3.2, GLM-MoE-DSA): a static layer with an
 # indexer's key cache beside it. transformers versions without it have none.
@@ -292,37 +292,46 @@ LinearAttentionLayer: Any = getattr(transformers.cache_utils, "LinearAttentionLa
 
 
 if LinearAttentionLayer is not None:
-    class CountedLinearSlidingLayer(LinearAttentionLayer, CountedSlidingLayer):
+    class StateBeside(LinearAttentionLayer):
+        """A recurrent state beside an attention cache in one layer, as transformers' hybrid
+        layers keep them: a subclass names its attention side (``attention``, the class after
+        this one in its bases) and initialises both. Built as transformers builds its own: the
+        linear-attention side first in the method order (its states, its own token count, crop
+        and compile flags), each side initialised and reset by its own code, the attention side
+        lazily allocated by an attention update (two tensors) and the state side by a state
+        update (keywords). Beam search reorders both sides' tensors by row
+        (``grape.torch.rows``)."""
+
+        attention: Any = None
+
+        def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+            if len(args) == 2 and not kwargs:
+                self.attention.lazy_initialization(self, *args)
+            elif not args:
+                LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+        def reset(self) -> None:
+            LinearAttentionLayer.reset(self)
+            self.attention.reset(self)
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            LinearAttentionLayer.reorder_cache(self, beam_idx)
+            self.attention.reorder_cache(self, beam_idx)
+
+        def get_seq_length(self) -> int:
+            return self.attention.get_seq_length(self)
+
+    class CountedLinearSlidingLayer(StateBeside, CountedSlidingLayer):
         """transformers' ``LinearAttentionAndStaticSlidingWindowAttentionLayer`` (a recurrent
         state and a sliding window in one layer: Inkling) with its window counted on the
-        device, as :class:`CountedSlidingLayer` counts one. Built as transformers builds its
-        own: the linear-attention side first in the method order (its states, its own token
-        count, crop and compile flags), each side initialised and reset by its own code, the
-        attention side lazily allocated by an attention update (two tensors) and the state
-        side by a state update (keywords). Beam search reorders both sides' tensors by row
-        (``grape.torch.rows``)."""
+        device, as :class:`CountedSlidingLayer` counts one."""
+
+        attention = CountedSlidingLayer
 
         def __init__(self, max_cache_len: int, window: int, count: torch.Tensor,
                      tokens: Tokens | None = None, number_of_states: int = 1) -> None:
             CountedSlidingLayer.__init__(self, max_cache_len=max_cache_len, window=window,
                                          count=count, tokens=tokens)
             LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
-
-        def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
-            if len(args) == 2 and not kwargs:
-                CountedSlidingLayer.lazy_initialization(self, *args)
-            elif not args:
-                LinearAttentionLayer.lazy_initialization(self, **kwargs)
-
-        def reset(self) -> None:
-            LinearAttentionLayer.reset(self)
-            CountedSlidingLayer.reset(self)
-
-        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-            LinearAttentionLayer.reorder_cache(self, beam_idx)
-            CountedSlidingLayer.reorder_cache(self, beam_idx)
-
-        def get_seq_length(self) -> int:
-            return CountedSlidingLayer.get_seq_length(self)
 else:  # pragma: no cover - transformers without linear-attention layers
-    CountedLinearSlidingLayer = None
+    StateBeside = CountedLinearSlidingLayer = None
