@@ -849,14 +849,22 @@ CHECK_REORDERING = [False]
 CHECK_READ_BACKS = [False]
 
 
-def each_type(archs: list[str], one: Any, out: Path | None, device: str = "cpu") -> list[dict]:
-    """``one(arch)``'s row for each model type, with the machine and commit (:func:`machine`):
-    printed as a JSON line and, with ``out``, appended there as it is made (a long sweep
-    that stops keeps what it made), the progress on stderr."""
+def each_type(archs: list[str], fill: Any, out: Path | None, device: str = "cpu") -> list[dict]:
+    """A row per model type, ``{"arch": ...}`` filled by ``fill(arch, row)`` (where it raises,
+    the error's first line as ``error``), its ``seconds``, the machine and commit
+    (:func:`machine`): printed as a JSON line and, with ``out``, appended there as it is made
+    (a long sweep that stops keeps what it made), the progress on stderr."""
     ran_on = machine(device)
     rows = []
     for i, arch in enumerate(archs, 1):
-        row = one(arch) | ran_on
+        row: dict[str, Any] = {"arch": arch}
+        began = time.perf_counter()
+        try:
+            fill(arch, row)
+        except Exception as e:  # a row per architecture, whatever fails
+            row["error"] = _first_line(e)
+        row["seconds"] = round(time.perf_counter() - began, 1)
+        row |= ran_on
         rows.append(row)
         print(json.dumps(row), flush=True)
         print(f"[{i}/{len(archs)}] {arch}: {row.get('error', 'ran')}", file=sys.stderr,
@@ -865,6 +873,18 @@ def each_type(archs: list[str], one: Any, out: Path | None, device: str = "cpu")
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     return rows
+
+
+def two_prompts(model: Any) -> tuple[Any, Any]:
+    """The CPU sweeps' batch: two 7-token prompts of ids every small config knows, the first
+    left-padded by two."""
+    import torch
+
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(5, min(vocab, 200), (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    return ids, mask
 
 
 def machine(device: str) -> dict[str, Any]:

@@ -23,16 +23,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from arch_sweep import architectures, build, each_type
+from arch_sweep import architectures, build, each_type, two_prompts
 
 
-def one(arch: str, exact: bool) -> dict[str, Any]:
+def one(arch: str, row: dict[str, Any], exact: bool) -> None:
     import torch
     from torch._dynamo.utils import counters
 
@@ -41,40 +40,30 @@ def one(arch: str, exact: bool) -> dict[str, Any]:
     from grape.torch.decoding import TokenDecoder
     from grape.torch.options import resolve
 
-    row: dict[str, Any] = {"arch": arch, "exact": exact}
-    began = time.perf_counter()
-    try:
-        model = build(arch, "cpu", torch.float32)
-        vocab = model.config.get_text_config().vocab_size
-        ids = torch.randint(5, min(vocab, 200), (2, 7),
-                            generator=torch.Generator().manual_seed(0))
-        mask = torch.ones_like(ids)
-        mask[0, :2] = 0
-        scores = {}
-        for compiled in (False, True):
-            torch._dynamo.reset()
-            counters.clear()
-            options, m = resolve(model, ids, mask, {"max_new_tokens": 4, "output_scores": True,
-                                                    "return_dict_in_generate": True})
-            step = CompiledStep(model, dynamic=False) if compiled else None
-            decoder = TokenDecoder(model, 2, 7, options, step_model=step, exact=exact)
-            # (grape.generate's eager first runs, which refuse exact lengths where the model
-            # fails on their cache)
-            _warm_up(model, decoder, _Prompt(ids, m, None, None, None, ()), step, exact)
-            scores[compiled] = torch.stack(decoder.generate_on_host(ids, m).scores)
-            served = dict(decoder.lengths.served) if decoder.lengths else None
-            row["served_compiled" if compiled else "served_uncompiled"] = served
-        row.update(graphs=counters["stats"]["unique_graphs"],
-                   breaks=sum(counters["graph_break"].values()),
-                   break_reasons=[str(k).splitlines()[0][:160]
-                                  for k in counters["graph_break"]][:3])
-        finite = torch.isfinite(scores[False])
-        row["same_infinities"] = bool(torch.equal(finite, torch.isfinite(scores[True])))
-        row["max_gap"] = float((scores[True] - scores[False])[finite].abs().max())
-    except Exception as e:  # a row per architecture, whatever fails
-        row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-    row["seconds"] = round(time.perf_counter() - began, 1)
-    return row
+    row["exact"] = exact
+    model = build(arch, "cpu", torch.float32)
+    ids, mask = two_prompts(model)
+    scores = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        options, m = resolve(model, ids, mask, {"max_new_tokens": 4, "output_scores": True,
+                                                "return_dict_in_generate": True})
+        step = CompiledStep(model, dynamic=False) if compiled else None
+        decoder = TokenDecoder(model, 2, 7, options, step_model=step, exact=exact)
+        # (grape.generate's eager first runs, which refuse exact lengths where the model
+        # fails on their cache)
+        _warm_up(model, decoder, _Prompt(ids, m, None, None, None, ()), step, exact)
+        scores[compiled] = torch.stack(decoder.generate_on_host(ids, m).scores)
+        served = dict(decoder.lengths.served) if decoder.lengths else None
+        row["served_compiled" if compiled else "served_uncompiled"] = served
+    row.update(graphs=counters["stats"]["unique_graphs"],
+               breaks=sum(counters["graph_break"].values()),
+               break_reasons=[str(k).splitlines()[0][:160]
+                              for k in counters["graph_break"]][:3])
+    finite = torch.isfinite(scores[False])
+    row["same_infinities"] = bool(torch.equal(finite, torch.isfinite(scores[True])))
+    row["max_gap"] = float((scores[True] - scores[False])[finite].abs().max())
 
 
 def main() -> None:
@@ -90,7 +79,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     warnings.simplefilter("ignore")
     archs = args.archs.split(",") if args.archs else architectures()
-    rows = each_type(archs, lambda arch: one(arch, exact=not args.no_exact), args.out)
+    rows = each_type(archs, lambda arch, row: one(arch, row, exact=not args.no_exact), args.out)
     ran = [r for r in rows if "error" not in r]
     clean = [r for r in ran if not r["breaks"] and r["same_infinities"] and r["max_gap"] < 1e-3
              and r["served_compiled"] == r["served_uncompiled"]]

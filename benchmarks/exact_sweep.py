@@ -21,19 +21,18 @@ import argparse
 import os
 import re
 import sys
-import time
 import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from arch_sweep import architectures, build, each_type
+from arch_sweep import architectures, build, each_type, two_prompts
 
 NEW = 12
 
 
-def one(arch: str) -> dict[str, Any]:
+def one(arch: str, row: dict[str, Any]) -> None:
     import torch
 
     from grape.torch.api import _Prompt, _warm_up
@@ -41,39 +40,26 @@ def one(arch: str) -> dict[str, Any]:
     from grape.torch.decoding import TokenDecoder
     from grape.torch.options import resolve
 
-    row: dict[str, Any] = {"arch": arch}
-    began = time.perf_counter()
-    try:
-        model = build(arch, "cpu", torch.float32)
-        vocab = model.config.get_text_config().vocab_size
-        ids = torch.randint(5, min(vocab, 200), (2, 7),
-                            generator=torch.Generator().manual_seed(0))
-        mask = torch.ones_like(ids)
-        mask[0, :2] = 0
-        for strategy, kwargs in (("greedy", {}), ("beam", {"num_beams": 3})):
-            made = {}
-            for exact in (True, False):
-                options, m = resolve(model, ids, mask, dict(
-                    kwargs, max_new_tokens=NEW, output_scores=True,
-                    return_dict_in_generate=True))
-                kind = BeamDecoder if options.strategy == "beam" else TokenDecoder
-                decoder = kind(model, 2, 7, options, exact=exact)
-                _warm_up(model, decoder, _Prompt(ids, m, None, None, None, ()), None, exact)
-                made[exact] = decoder.generate_on_host(ids, m)
-                if exact and strategy == "greedy":
-                    row["served"] = dict(decoder.lengths.served)
-                    row["layers"] = dict(Counter(type(layer).__name__
-                                                 for layer in decoder.cache.layers))
-            row[f"same_{strategy}"] = bool(torch.equal(made[True].sequences,
-                                                       made[False].sequences))
-            if strategy == "greedy":
-                exact_scores, whole = (torch.stack(made[e].scores) for e in (True, False))
-                finite = torch.isfinite(whole)
-                row["max_gap"] = float((exact_scores - whole)[finite].abs().max())
-    except Exception as e:  # a row per architecture, whatever fails
-        row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-    row["seconds"] = round(time.perf_counter() - began, 1)
-    return row
+    model = build(arch, "cpu", torch.float32)
+    ids, mask = two_prompts(model)
+    for strategy, kwargs in (("greedy", {}), ("beam", {"num_beams": 3})):
+        made = {}
+        for exact in (True, False):
+            options, m = resolve(model, ids, mask, dict(
+                kwargs, max_new_tokens=NEW, output_scores=True, return_dict_in_generate=True))
+            kind = BeamDecoder if options.strategy == "beam" else TokenDecoder
+            decoder = kind(model, 2, 7, options, exact=exact)
+            _warm_up(model, decoder, _Prompt(ids, m, None, None, None, ()), None, exact)
+            made[exact] = decoder.generate_on_host(ids, m)
+            if exact and strategy == "greedy":
+                row["served"] = dict(decoder.lengths.served)
+                row["layers"] = dict(Counter(type(layer).__name__
+                                             for layer in decoder.cache.layers))
+        row[f"same_{strategy}"] = bool(torch.equal(made[True].sequences, made[False].sequences))
+        if strategy == "greedy":
+            exact_scores, whole = (torch.stack(made[e].scores) for e in (True, False))
+            finite = torch.isfinite(whole)
+            row["max_gap"] = float((exact_scores - whole)[finite].abs().max())
 
 
 def main() -> None:
