@@ -177,8 +177,7 @@ def static_cache(model: torch.nn.Module, max_len: int, count: torch.Tensor,
             cache.layers[i].ranged = ranged
             continue
         if kind is _HYBRID_SLIDING and made.max_cache_len >= max_len:
-            # Its window holds the whole generation: transformers' full-attention hybrid, whose
-            # attention side counts on the device (kept as made, as _HYBRID layers are).
+            # Its window holds the whole generation: a full-attention hybrid layer (_hybrid).
             cache.layers[i] = _hybrid(layer, max_len, count, tokens, ranged, made)
             cache.layers[i].is_sliding = True  # (which layer the masks' sizes come from)
             continue

@@ -98,7 +98,7 @@ if StateBeside is not None:
         them) with its keys laid out by tokens and written at the decoder's count, as
         :class:`TokenMajorLayer` writes them."""
 
-        attention = TokenMajorLayer
+        attention_side = TokenMajorLayer
 
         def __init__(self, max_cache_len: int, count: torch.Tensor, tokens: Any = None,
                      number_of_states: int = 1) -> None:

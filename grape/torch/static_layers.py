@@ -294,7 +294,7 @@ LinearAttentionLayer: Any = getattr(transformers.cache_utils, "LinearAttentionLa
 if LinearAttentionLayer is not None:
     class StateBeside(LinearAttentionLayer):
         """A recurrent state beside an attention cache in one layer, as transformers' hybrid
-        layers keep them: a subclass names its attention side (``attention``, the class after
+        layers keep them: a subclass names its attention side (``attention_side``, the class after
         this one in its bases) and initialises both. Built as transformers builds its own: the
         linear-attention side first in the method order (its states, its own token count, crop
         and compile flags), each side initialised and reset by its own code, the attention side
@@ -302,31 +302,31 @@ if LinearAttentionLayer is not None:
         update (keywords). Beam search reorders both sides' tensors by row
         (``grape.torch.rows``)."""
 
-        attention: Any = None
+        attention_side: Any = None
 
         def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
             if len(args) == 2 and not kwargs:
-                self.attention.lazy_initialization(self, *args)
+                self.attention_side.lazy_initialization(self, *args)
             elif not args:
                 LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
         def reset(self) -> None:
             LinearAttentionLayer.reset(self)
-            self.attention.reset(self)
+            self.attention_side.reset(self)
 
         def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
             LinearAttentionLayer.reorder_cache(self, beam_idx)
-            self.attention.reorder_cache(self, beam_idx)
+            self.attention_side.reorder_cache(self, beam_idx)
 
         def get_seq_length(self) -> int:
-            return self.attention.get_seq_length(self)
+            return self.attention_side.get_seq_length(self)
 
     class CountedLinearSlidingLayer(StateBeside, CountedSlidingLayer):
         """transformers' ``LinearAttentionAndStaticSlidingWindowAttentionLayer`` (a recurrent
         state and a sliding window in one layer: Inkling) with its window counted on the
         device, as :class:`CountedSlidingLayer` counts one."""
 
-        attention = CountedSlidingLayer
+        attention_side = CountedSlidingLayer
 
         def __init__(self, max_cache_len: int, window: int, count: torch.Tensor,
                      tokens: Tokens | None = None, number_of_states: int = 1) -> None:
