@@ -12,12 +12,14 @@ tokens are the same (``same_greedy``, ``same_beam``) and the largest difference 
 scores (``max_gap``), how the last step's attention calls ran (``served``: "exact", or
 "sdpa: <why not>"), the cache's layer kinds, or the refusal or failure's first line.
 
-Run (CPU, about 10 minutes): python benchmarks/exact_sweep.py [--archs a,b] [--out FILE]
+Run (CPU, about 10 minutes): python benchmarks/exact_sweep.py [--archs a,b] [--out FILE];
+``--summarize FILE`` prints the summary of rows written before.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -62,18 +64,9 @@ def one(arch: str, row: dict[str, Any]) -> None:
             row["max_gap"] = float((exact_scores - whole)[finite].abs().max())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--archs", default=None, help="model types (default: every one)")
-    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
-                        help="write the rows as JSON lines here (nothing is written without it)")
-    args = parser.parse_args()
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    warnings.simplefilter("ignore")
-    archs = args.archs.split(",") if args.archs else architectures()
-    rows = each_type(archs, one, args.out)
+def summary(rows: list[dict[str, Any]]) -> str:
+    """The sweep's last lines: types that ran, gave the whole cache's tokens, kept layers
+    beside the token-major ones, were refused (by reason) or failed."""
     ran = [r for r in rows if "error" not in r]
     same = [r for r in ran if r["same_greedy"] and r["same_beam"]]
     served = [r for r in ran if r["served"].get("exact")]
@@ -81,12 +74,32 @@ def main() -> None:
     # (grouped by reason, the model's class named alike)
     refused = Counter(re.sub(r"\b[A-Z]\w*(For|Model|LMHead)\w*", "M", r["error"])[14:90]
                       for r in rows if r.get("error", "").startswith("ExactRefused"))
-    print(f"{len(rows)} types: {len(ran)} ran with exact lengths, {len(same)} of them with the "
-          f"whole cache's tokens (greedy and 3 beams), {len(beside)} with cache layers beside "
-          f"the token-major ones; {sum(refused.values())} refused exact lengths, "
-          f"{len(rows) - len(ran) - sum(refused.values())} failed otherwise")
-    for reason, n in refused.most_common():
-        print(f"  refused {n:3d}: {reason}")
+    lines = [f"{len(rows)} types: {len(ran)} ran with exact lengths, {len(same)} of them with "
+             f"the whole cache's tokens (greedy and 3 beams), {len(beside)} with cache layers "
+             f"beside the token-major ones; {sum(refused.values())} refused exact lengths, "
+             f"{len(rows) - len(ran) - sum(refused.values())} failed otherwise"]
+    lines += [f"  refused {n:3d}: {reason}" for reason, n in refused.most_common()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--archs", default=None, help="model types (default: every one)")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="write the rows as JSON lines here (nothing is written without it)")
+    parser.add_argument("--summarize", type=Path, default=None, metavar="FILE",
+                        help="print the summary of rows written before (--out), running nothing")
+    args = parser.parse_args()
+    if args.summarize:
+        print(summary([json.loads(line) for line in args.summarize.read_text().splitlines()
+                       if line.strip()]))
+        return
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.simplefilter("ignore")
+    archs = args.archs.split(",") if args.archs else architectures()
+    print(summary(each_type(archs, one, args.out)))
 
 
 if __name__ == "__main__":
