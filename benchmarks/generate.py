@@ -86,7 +86,10 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 # MoE architectures run in bf16: PyTorch's grouped GEMM for experts runs on the device alone
 # only in bf16 (in fp16 it loops over the experts with offsets read back to the host, which
 # no graph can hold, and grape falls back), and models of this kind ship in bf16.
-DTYPES = {"mixtral": "bfloat16"}
+DTYPES = {"mixtral": "bfloat16",
+          # (exact_lengths.py's models beside full attention: a mixture of experts, and a
+          # family that ships in bf16)
+          "qwen3_next": "bfloat16", "gemma3": "bfloat16"}
 SIZES = {"small": {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
                    "vocab_size": 4000},
          "bench": {"hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16,
@@ -119,11 +122,11 @@ def _value(spec: Any, size: dict[str, int]) -> Any:
             "head/2": h // heads // 2}.get(spec, spec) if isinstance(spec, str) else spec
 
 
-def build(arch: str, size: dict[str, int]):
+def build(arch: str, size: dict[str, int], archs: dict[str, tuple[str, dict[str, Any]]] = ARCHS):
     import torch
     import transformers
 
-    model_type, extra = ARCHS[arch]
+    model_type, extra = archs[arch]
     config = transformers.AutoConfig.for_model(
         model_type, **{**{k: _value(v, size) for k, v in extra.items()}, **size},
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
