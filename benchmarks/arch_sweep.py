@@ -421,13 +421,22 @@ def shrunk_by_name(config: Any) -> Any:
     return type(config).from_dict(shrink(config.to_dict()))
 
 
+class NotBuilt(Exception):
+    """transformers could not make a model type's model from the sweep's small config: a limit
+    of the sweep's configs (or a model needing a library not installed), before grape runs."""
+
+
 def build(model_type: str, device: str, dtype: Any):
     import torch
 
-    config = sized_config(model_type, device)
-    torch.manual_seed(0)
-    with torch.device(device):  # made where it runs: a large one initialises fast there
-        model = _auto().from_config(config, dtype=dtype if device == "cuda" else torch.float32)
+    try:
+        config = sized_config(model_type, device)
+        torch.manual_seed(0)
+        with torch.device(device):  # made where it runs: a large one initialises fast there
+            model = _auto().from_config(config,
+                                        dtype=dtype if device == "cuda" else torch.float32)
+    except Exception as e:
+        raise NotBuilt(_first_line(e)) from e
     # (a parameter made by the legacy torch.Tensor constructor, SpeechT5's masked_spec_embed,
     # ignores the device context: moved as a user's .to(device) moves it)
     return model.to(device).eval()

@@ -29,6 +29,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 from arch_sweep import architectures, build, each_type, two_prompts
+from exact_sweep import _unbuilt
 
 
 def one(arch: str, row: dict[str, Any], exact: bool) -> None:
@@ -86,7 +87,8 @@ def main() -> None:
     refused = [r for r in rows if r.get("error", "").startswith("ExactRefused")]
     print(f"{len(rows)} types: {len(ran)} ran, {len(clean)} of them whole (no graph break, "
           f"scores as uncompiled), {len(refused)} refused exact lengths, "
-          f"{len(rows) - len(ran) - len(refused)} failed otherwise", file=sys.stderr)
+          f"{len(rows) - len(ran) - len(refused)} failed otherwise{_unbuilt(rows)}",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

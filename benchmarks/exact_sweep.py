@@ -64,6 +64,15 @@ def one(arch: str, row: dict[str, Any]) -> None:
             row["max_gap"] = float((exact_scores - whole)[finite].abs().max())
 
 
+def _unbuilt(rows: list[dict[str, Any]]) -> str:
+    """How many of the failures were the sweep's: a model transformers could not make from its
+    small config (``arch_sweep.NotBuilt``), before grape ran. (Rows written before the sweeps
+    said so name transformers' own error.)"""
+    n = sum(r.get("error", "").startswith("NotBuilt") for r in rows)
+    return f" ({n} of them building the model from its small config, before grape ran)" if n \
+        else ""
+
+
 def summary(rows: list[dict[str, Any]]) -> str:
     """The sweep's last lines: types that ran, gave the whole cache's tokens, kept layers
     beside the token-major ones, were refused (by reason) or failed."""
@@ -74,10 +83,11 @@ def summary(rows: list[dict[str, Any]]) -> str:
     # (grouped by reason, the model's class named alike)
     refused = Counter(re.sub(r"\b[A-Z]\w*(For|Model|LMHead)\w*", "M", r["error"])[14:90]
                       for r in rows if r.get("error", "").startswith("ExactRefused"))
+    failed = len(rows) - len(ran) - sum(refused.values())
     lines = [f"{len(rows)} types: {len(ran)} ran with exact lengths, {len(same)} of them with "
              f"the whole cache's tokens (greedy and 3 beams), {len(beside)} with cache layers "
              f"beside the token-major ones; {sum(refused.values())} refused exact lengths, "
-             f"{len(rows) - len(ran) - sum(refused.values())} failed otherwise"]
+             f"{failed} failed otherwise{_unbuilt(rows)}"]
     lines += [f"  refused {n:3d}: {reason}" for reason, n in refused.most_common()]
     return "\n".join(lines)
 
