@@ -15,8 +15,12 @@ With ``--cache-length`` the cache is sized once, longer than the generation, as 
 it; with ``--buckets``, per-shape graphs (one per length bucket) against the exact loop, bucket
 by bucket (see ``by_bucket``).
 
-python benchmarks/exact_lengths.py [--size llama2048x22] [--batches 1,8] [--new 256,1024,4000]
-    [--cache-length N] [--buckets 128,256,512] [--out benchmarks/results/exact_lengths_h200.json]
+With ``--arch gemma3`` or ``qwen3_next`` (``BESIDE``), the full-attention layers run by exact
+lengths beside sliding windows or recurrent states, which both ways keep alike.
+
+python benchmarks/exact_lengths.py [--arch llama] [--size llama2048x22] [--batches 1,8]
+    [--new 256,1024,4000] [--cache-length N] [--buckets 128,256,512]
+    [--out benchmarks/results/exact_lengths_h200.json]
 """
 
 from __future__ import annotations
