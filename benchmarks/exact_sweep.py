@@ -101,8 +101,12 @@ def main() -> None:
                         help="print the summary of rows written before (--out), running nothing")
     args = parser.parse_args()
     if args.summarize:
-        print(summary([json.loads(line) for line in args.summarize.read_text().splitlines()
-                       if line.strip()]))
+        try:
+            rows = [json.loads(line) for line in args.summarize.read_text().splitlines()
+                    if line.strip()]
+        except (OSError, ValueError) as e:
+            parser.error(f"expected --summarize FILE of this sweep's JSON lines, found {e}")
+        print(summary(rows))
         return
     import transformers
 
