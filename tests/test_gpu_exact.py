@@ -190,23 +190,44 @@ def test_full_layers_run_exactly_beside_sliding_windows_in_one_launch(cuda):
 def test_full_layers_run_exactly_beside_recurrent_states_in_one_launch(cuda, arch):
     # Falcon-H1 keeps a recurrent state and attention keys in one layer (grape lays the keys
     # out by tokens: TokenMajorHybridLayer), Qwen3-Next linear-attention layers beside full
-    # ones: the varlen kernel serves every layer that attends over the cache, and the tokens
-    # are greedy decoding's up to fp16 ties (arch_sweep's GPU-sized config, random weights).
+    # ones: the varlen kernel serves every layer that attends over the cache (arch_sweep's
+    # GPU-sized config, random weights). bf16, as these models ship: Qwen3-Next's experts run
+    # PyTorch's grouped GEMM, which in fp16 reads the experts' offsets back to the host.
+    # The reference is generate, the model's own recurrent step: one forward over the whole
+    # sequence is not, since Qwen3-Next's chunked delta rule parts from its recurrent step by
+    # up to 2 logits over 64 tokens in bf16 (measured on an H100 with generate's own tokens).
     from arch_sweep import build
-    from exact_lengths import greedy_gaps
 
     import grape
     from grape.torch.api import clear_cache, last_stats
 
-    model = build(arch, "cuda", torch.float16)
+    model = build(arch, "cuda", torch.bfloat16)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab, (2, 24), device="cuda")
     mask = torch.ones_like(ids)
     mask[0, :6] = 0
-    out = grape.generate(model, ids, mask, max_new_tokens=64, eos_token_id=None,
-                         pad_token_id=0, exact_lengths=True)
+    kw = dict(max_new_tokens=64, eos_token_id=None, pad_token_id=0)
+    out = grape.generate(model, ids, mask, exact_lengths=True, **kw)
     stats = last_stats()
     assert stats.graphed and stats.host_syncs == 1, stats
     assert set(stats.attention) == {"exact"}, stats.attention
-    assert float(greedy_gaps(model, out, mask, 24).max()) < 0.05
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, **kw)
+    assert _parted_beyond_a_tie(out, ref, 24, tie=0.1) is None
     clear_cache(model)
+
+
+def _parted_beyond_a_tie(out: torch.Tensor, ref, prompt: int, tie: float) -> str | None:
+    """Where ``out``'s tokens first part from ``generate``'s (``ref``, with its scores), the
+    row, step and how far below generate's best score grape's token was, if by ``tie`` or
+    more; None where each row's tokens are generate's up to a near-tie (a difference of
+    rounding: after it the two continue from other tokens, and nothing more is compared)."""
+    for row in range(out.shape[0]):
+        parted = (out[row, prompt:] != ref.sequences[row, prompt:]).nonzero()
+        if len(parted):
+            step = int(parted[0])
+            scores = ref.scores[step][row].float()
+            below = float(scores.max() - scores[out[row, prompt + step]])
+            if below >= tie:
+                return f"row {row} parts from generate at step {step}, {below:.3f} below its best"
+    return None
