@@ -16,7 +16,10 @@ it; with ``--buckets``, per-shape graphs (one per length bucket) against the exa
 by bucket (see ``by_bucket``).
 
 With ``--arch gemma3`` or ``qwen3_next`` (``BESIDE``), the full-attention layers run by exact
-lengths beside sliding windows or recurrent states, which both ways keep alike.
+lengths beside sliding windows or recurrent states, which both ways keep alike. The forward
+judges a recurrent model's decoding badly: Qwen3-Next's runs the chunked delta rule, which in
+bf16 parts from the recurrent step by logits, and ``generate``'s own tokens are "off" by it as
+much as grape's (``decode_vs_forward.py``); there the gaps say nothing about grape.
 
 python benchmarks/exact_lengths.py [--arch llama] [--size llama2048x22] [--batches 1,8]
     [--new 256,1024,4000] [--cache-length N] [--buckets 128,256,512]
