@@ -83,9 +83,10 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("mixtral", {"intermediate_size": "2h", "num_key_value_heads": "heads/4",
                             "num_local_experts": 8, "num_experts_per_tok": 2}),
 }
-# MoE architectures run in bf16: PyTorch's grouped GEMM for experts runs on the device alone
-# only in bf16 (in fp16 it loops over the experts with offsets read back to the host, which
-# no graph can hold, and grape falls back), and models of this kind ship in bf16.
+# MoE architectures run in bf16, as models of this kind ship: PyTorch's grouped GEMM for
+# experts runs on the device alone only in bf16 (in fp16 it loops over the experts with offsets
+# read back to the host, which no graph can hold; grape then captures transformers' batched_mm
+# instead, grape.torch.experts, whose speed no benchmark has measured).
 DTYPES = {"mixtral": "bfloat16",
           # (exact_lengths.py's models beside full attention: a mixture of experts, and a
           # family that ships in bf16)

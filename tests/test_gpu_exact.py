@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from grape.torch.exact import Lengths, active, attention  # noqa: E402
+from tests.ties import parted_beyond_a_tie  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -213,21 +214,6 @@ def test_full_layers_run_exactly_beside_recurrent_states_in_one_launch(cuda, arc
     assert set(stats.attention) == {"exact"}, stats.attention
     ref = model.generate(ids, attention_mask=mask, do_sample=False, output_scores=True,
                          return_dict_in_generate=True, **kw)
-    assert _parted_beyond_a_tie(out, ref, 24, tie=0.1) is None
+    assert parted_beyond_a_tie(out, ref, 24, tie=0.1) is None
     clear_cache(model)
 
-
-def _parted_beyond_a_tie(out: torch.Tensor, ref, prompt: int, tie: float) -> str | None:
-    """Where ``out``'s tokens first part from ``generate``'s (``ref``, with its scores), the
-    row, step and how far below generate's best score grape's token was, if by ``tie`` or
-    more; None where each row's tokens are generate's up to a near-tie (a difference of
-    rounding: after it the two continue from other tokens, and nothing more is compared)."""
-    for row in range(out.shape[0]):
-        parted = (out[row, prompt:] != ref.sequences[row, prompt:]).nonzero()
-        if len(parted):
-            step = int(parted[0])
-            scores = ref.scores[step][row].float()
-            below = float(scores.max() - scores[out[row, prompt + step]])
-            if below >= tie:
-                return f"row {row} parts from generate at step {step}, {below:.3f} below its best"
-    return None

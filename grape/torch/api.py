@@ -74,6 +74,7 @@ from grape.torch.beam import BeamDecoder
 from grape.torch.capture import capture, frozen_heap
 from grape.torch.compiled_step import CompiledStep
 from grape.torch.decoding import CompileRefused, Decoder, ExactRefused, TokenDecoder
+from grape.torch.experts import experts_on_device
 from grape.torch.loop import DeviceLoop
 from grape.torch.model_code import COMPILE_ERRORS, model_code
 from grape.torch.options import (
@@ -135,6 +136,9 @@ class GenerationStats:
     # sampled over top-k's candidates, which tokens tied with the k-th score outnumbered: made
     # again over the whole vocabulary (grape.torch.sampling; its launch and read-back counted)
     resampled: bool = False
+    # where the model's experts would read back inside a capture, what they ran by (e.g.
+    # "grouped_mm in float16"): captured by transformers' batched_mm (grape.torch.experts)
+    experts_switched_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,7 @@ class _Entry:
     inputs: Inputs | None  # the caller's tensors the captured prefill reads; None: eager
     copy_bytes: int
     attention: dict[str, int]
+    experts_switched_from: str | None = None
 
 
 @dataclass
@@ -783,8 +788,10 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
             step_model = cache.step_model(model) if compiled else None
             group = group_of(model)
             try:
-                built, failure = _build(model, prompt, options, step_model, exact, warn_whole,
-                                        concurrent), None
+                with experts_on_device(model) as switched_from:
+                    built, failure = _build(model, prompt, options, step_model, exact,
+                                            warn_whole, concurrent), None
+                built.experts_switched_from = switched_from
             except (NotGraphable, CaptureError, UnsupportedError, GraphError) as e:
                 built, failure = None, e
             # Split over ranks: every rank graphs, or every rank falls back together (a rank
@@ -820,5 +827,5 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
             step_depth=(entry.loop.concurrency["body"].depth
                         if "body" in entry.loop.concurrency else len(entry.loop.capture.ir)),
             streamed_while_running=0 if feed is None else feed.while_running,
-            compiled=compiled))
+            compiled=compiled, experts_switched_from=entry.experts_switched_from))
         return result

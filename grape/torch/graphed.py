@@ -61,6 +61,7 @@ from grape.passes.delta import ShapeDelta, identity, join
 from grape.torch.aliasing import Inputs, signature
 from grape.torch.capture import TorchCapture, capture, pool_segments
 from grape.torch.control import capturing
+from grape.torch.experts import experts_on_device
 from grape.torch.hfmasks import no_padding_shortcut
 from grape.torch.masked_writes import masked_writes
 
@@ -291,9 +292,14 @@ class Graphed:
                 return fn(*args, **kwargs)
 
         began = time.perf_counter()
-        captured = capture(call, *tensors, params=self.params, pool=self._pool,
-                           instantiate=False, tag=tag, warmup=self.warmup,
-                           accesses=self.concurrent)
+        # (a module's experts that would read back run by batched_mm: grape.torch.experts;
+        # the module called, or the one whose method is)
+        module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+        with (experts_on_device(module) if isinstance(module, torch.nn.Module)
+              else contextlib.nullcontext()):
+            captured = capture(call, *tensors, params=self.params, pool=self._pool,
+                               instantiate=False, tag=tag, warmup=self.warmup,
+                               accesses=self.concurrent)
         if made := next((t.grad_fn for t in tree_flatten(captured.outputs)[0]
                          if isinstance(t, torch.Tensor) and t.grad_fn is not None), None):
             # Autograd would run the capture's one backward graph over whatever a later launch

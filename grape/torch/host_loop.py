@@ -19,6 +19,7 @@ import torch
 
 from grape.torch.beam import BeamDecoder
 from grape.torch.decoding import Decoder, TokenDecoder
+from grape.torch.experts import experts_on_device
 from grape.torch.model_code import model_code
 from grape.torch.options import (
     NotGraphable,
@@ -115,24 +116,28 @@ def loop_on_host(model: torch.nn.Module, ids: torch.Tensor | None = None,
         if options.strategy == "sample":
             decoder.set_seed(seed)
         return decoder
-    decoder = made(options)
-    extra = {k: kwargs[k] for k in options.model_inputs}
-    call = HostCall(decoder, options, ids, mask, decoder_ids, decoder_mask, embeds, extra)
-    if check_written:
-        # (where grape.generate first runs the model, before capture: a forward that fails
-        # there is a reason to fall back, as it is there; a streamer's own errors, later,
-        # stay the caller's)
-        with model_code(model):
-            decoder.check_written_only(ids, mask, decoder_ids, decoder_mask, embeds, extra)
-    if calls is not None:
-        calls.append(call)
-    feed = None if options.streamer is None else TokenFeed(options.streamer)
-    try:
-        out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra, feed)
-    except CandidatesOverflowed:  # as grape.generate does: again over the whole vocabulary
-        options = replace(options, whole_vocabulary=True)
+    # (its experts run as the launch's would: grape.torch.experts)
+    with experts_on_device(model):
         decoder = made(options)
-        call.decoder, call.options = decoder, options
-        out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra, feed)
+        extra = {k: kwargs[k] for k in options.model_inputs}
+        call = HostCall(decoder, options, ids, mask, decoder_ids, decoder_mask, embeds, extra)
+        if check_written:
+            # (where grape.generate first runs the model, before capture: a forward that fails
+            # there is a reason to fall back, as it is there; a streamer's own errors, later,
+            # stay the caller's)
+            with model_code(model):
+                decoder.check_written_only(ids, mask, decoder_ids, decoder_mask, embeds, extra)
+        if calls is not None:
+            calls.append(call)
+        feed = None if options.streamer is None else TokenFeed(options.streamer)
+        try:
+            out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra,
+                                           feed)
+        except CandidatesOverflowed:  # as grape.generate does: again over the whole vocabulary
+            options = replace(options, whole_vocabulary=True)
+            decoder = made(options)
+            call.decoder, call.options = decoder, options
+            out = decoder.generate_on_host(ids, mask, decoder_ids, decoder_mask, embeds, extra,
+                                           feed)
     note_no_speech(options)
     return out

@@ -1,0 +1,87 @@
+"""Experts that read back inside a capture run by transformers' batched_mm while grape
+captures (grape.torch.experts), and as before afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from grape.torch import experts  # noqa: E402
+from grape.torch.experts import experts_on_device, reads_back  # noqa: E402
+from grape.torch.readback import ReadBack, as_captured  # noqa: E402
+
+H100 = (9, 0)
+
+
+@pytest.mark.parametrize("implementation, dtype, capability, expected", [
+    # PyTorch's grouped GEMM runs on the device alone in bf16 from compute capability 8.0;
+    # otherwise it loops over the experts with their offsets copied to the host
+    ("grouped_mm", torch.bfloat16, H100, False),
+    (None, torch.bfloat16, H100, False),  # transformers' default
+    ("grouped_mm", torch.float16, H100, True),
+    ("grouped_mm", torch.float32, H100, True),
+    ("grouped_mm", torch.bfloat16, (7, 5), True),
+    ("eager", torch.bfloat16, H100, True),  # the model's loop finds its experts by nonzero
+    ("batched_mm", torch.float16, H100, False),
+    ("sonicmoe", torch.float16, H100, False),  # another library's kernels: not second-guessed
+    ("eager", torch.float16, None, False),  # on the CPU: nothing captured, nothing switched
+])
+def test_which_experts_read_back_inside_a_capture(implementation, dtype, capability, expected):
+    assert reads_back(implementation, dtype, capability) is expected
+
+
+def _mixtral(implementation: str):
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    model.set_experts_implementation(implementation)
+    return model
+
+
+def _forward(model):
+    with torch.no_grad():
+        return model(torch.tensor([[3, 14, 15, 92, 65]])).logits
+
+
+def test_experts_that_would_read_back_run_batched_inside_and_as_before_after(monkeypatch):
+    # The CPU stands in for an H100 (the weights' capability), so that the model's eager
+    # experts, whose nonzero a capture refuses, are the ones to switch.
+    monkeypatch.setattr(experts, "_capability", lambda weight: H100)
+    model = _mixtral("eager")
+    before = _forward(model)
+    with pytest.raises(ReadBack, match="nonzero"), as_captured():
+        _forward(model)
+    with experts_on_device(model) as switched_from:
+        assert switched_from == "eager in float32"
+        assert model.get_experts_implementation()[""] == "batched_mm"
+        with as_captured():  # (a read-back raises ReadBack here, as above)
+            inside = _forward(model)
+    assert model.get_experts_implementation()[""] == "eager"  # the caller's model, as it was
+    # the same sums, but for the order of rounding (batched_mm adds the top-k in float32)
+    torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)
+    assert torch.equal(_forward(model), before)
+
+
+def test_experts_that_run_on_the_device_and_models_without_experts_are_left_alone(monkeypatch):
+    monkeypatch.setattr(experts, "_capability", lambda weight: H100)
+    model = _mixtral("batched_mm")
+    with experts_on_device(model) as switched_from:
+        assert switched_from is None
+        assert model.get_experts_implementation()[""] == "batched_mm"
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2,
+                                                                vocab_size=100))
+    with experts_on_device(gpt2) as switched_from:
+        assert switched_from is None
+
+
+def test_on_the_cpu_nothing_is_switched():
+    # (the host loop there keeps generate's arithmetic: bit for bit, tests/test_torch_generation)
+    model = _mixtral("eager")
+    with experts_on_device(model) as switched_from:
+        assert switched_from is None
+        assert model.get_experts_implementation()[""] == "eager"
