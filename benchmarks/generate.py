@@ -85,8 +85,8 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # MoE architectures run in bf16, as models of this kind ship: PyTorch's grouped GEMM for
 # experts runs on the device alone only in bf16 (in fp16 it loops over the experts with offsets
-# read back to the host, which no graph can hold; grape then captures transformers' batched_mm
-# instead, grape.torch.experts, whose speed no benchmark has measured).
+# read back to the host, which no graph can hold; grape then captures a step's experts by
+# transformers' batched_mm, grape.torch.experts, whose speed no benchmark has measured).
 DTYPES = {"mixtral": "bfloat16",
           # (exact_lengths.py's models beside full attention: a mixture of experts, and a
           # family that ships in bf16)

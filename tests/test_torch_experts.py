@@ -43,28 +43,56 @@ def _mixtral(implementation: str):
     return model
 
 
-def _forward(model):
+def _forward(model, ids=(3, 14, 15, 92, 65)):
     with torch.no_grad():
-        return model(torch.tensor([[3, 14, 15, 92, 65]])).logits
+        return model(torch.tensor([ids])).logits
 
 
 def test_experts_that_would_read_back_run_batched_inside_and_as_before_after(monkeypatch):
     # The CPU stands in for an H100 (the weights' capability), so that the model's eager
-    # experts, whose nonzero a capture refuses, are the ones to switch.
+    # experts, whose nonzero a capture refuses, are the ones to switch. One token picks 2 of
+    # the 4 experts: within the bound, batched.
     monkeypatch.setattr(experts, "_capability", lambda weight: H100)
     model = _mixtral("eager")
-    before = _forward(model)
+    before = _forward(model, (3,))
     with pytest.raises(ReadBack, match="nonzero"), as_captured():
-        _forward(model)
+        _forward(model, (3,))
     with experts_on_device(model) as switched_from:
         assert switched_from == "eager in float32"
-        assert model.get_experts_implementation()[""] == "batched_mm"
+        assert model.get_experts_implementation()[""] == experts.ON_DEVICE
         with as_captured():  # (a read-back raises ReadBack here, as above)
-            inside = _forward(model)
+            inside = _forward(model, (3,))
     assert model.get_experts_implementation()[""] == "eager"  # the caller's model, as it was
     # the same sums, but for the order of rounding (batched_mm adds the top-k in float32)
     torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)
-    assert torch.equal(_forward(model), before)
+    assert torch.equal(_forward(model, (3,)), before)
+
+
+def test_a_call_of_more_pairs_than_experts_runs_as_given(monkeypatch):
+    # Five tokens pick 10 (token, expert) pairs of 4 experts: gathering their weights would
+    # copy more than the layer holds, so the model's own experts run (a prompt; grape.generate
+    # then runs it eagerly, before each launch), and read back as before.
+    monkeypatch.setattr(experts, "_capability", lambda weight: H100)
+    model = _mixtral("eager")
+    before = _forward(model)
+    with experts_on_device(model) as switched_from:
+        assert switched_from == "eager in float32"
+        assert torch.equal(_forward(model), before)  # the eager loop's own arithmetic
+        with pytest.raises(ReadBack, match="nonzero"), as_captured():
+            _forward(model)
+
+
+def test_grouped_experts_over_the_bound_run_grouped_and_under_it_batched(monkeypatch):
+    # grouped_mm in float32 reads the experts' offsets back on a GPU (PyTorch's loop over
+    # them); over the bound it still runs, bit for bit, under it batched_mm's sums
+    monkeypatch.setattr(experts, "_capability", lambda weight: H100)
+    model = _mixtral("grouped_mm")
+    prompt, one = _forward(model), _forward(model, (3,))
+    with experts_on_device(model) as switched_from:
+        assert switched_from == "grouped_mm in float32"
+        assert torch.equal(_forward(model), prompt)
+        torch.testing.assert_close(_forward(model, (3,)), one, rtol=1e-5, atol=1e-5)
+    assert model.get_experts_implementation()[""] == "grouped_mm"
 
 
 def test_experts_that_run_on_the_device_and_models_without_experts_are_left_alone(monkeypatch):
@@ -72,7 +100,7 @@ def test_experts_that_run_on_the_device_and_models_without_experts_are_left_alon
     model = _mixtral("batched_mm")
     with experts_on_device(model) as switched_from:
         assert switched_from is None
-        assert model.get_experts_implementation()[""] == "batched_mm"
+        assert model.get_experts_implementation()[""] == "batched_mm"  # as it was
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2,
                                                                 vocab_size=100))
     with experts_on_device(gpt2) as switched_from:

@@ -9,14 +9,17 @@ values back to the host, which no capture holds:
   experts with their offsets copied to the host.
 - ``eager``, the model's own loop, finds the experts a batch hit with ``nonzero``.
 
-While ``grape.generate`` warms a model up and captures it, :func:`experts_on_device` runs such
-experts by transformers' ``batched_mm`` instead: each token's chosen experts' weights are
-gathered and multiplied in one batched product, on the device alone in every dtype, and the
-top-k products are summed in float32. The tokens are ``generate``'s up to that rounding. When
-it ends the model runs its experts as before (through the public snapshot and restore that
+While grape warms such a model up and captures it, :func:`experts_on_device` runs its experts
+by transformers' ``batched_mm`` wherever a call picks no more (token, expert) pairs than the
+layer has experts: each pair's expert weights are gathered and multiplied in one batched
+product, on the device alone in every dtype, and the top-k products are summed in float32 (the
+tokens are ``generate``'s up to that rounding). The bound keeps the gathered copies within
+what one layer's experts hold: a decode step's few rows fit; a prompt's tokens do not, and
+run by the model's own implementation, so a captured prompt fails where it reads back and
+``grape.generate`` runs the prompt eagerly before each launch (its documented way). When the
+context ends the model runs its experts as before (through the snapshot and restore that
 transformers gives, ``get_experts_implementation`` and ``set_experts_implementation``): the
-caller's model is not left changed, and what runs eagerly later (a prompt run before each
-launch) runs as ``generate`` runs it.
+caller's model is not left changed.
 """
 
 from __future__ import annotations
@@ -24,13 +27,39 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["experts_on_device", "reads_back"]
+__all__ = ["ON_DEVICE", "experts_on_device", "reads_back"]
 
 _LOG = logging.getLogger("grape")
-_ON_DEVICE = "batched_mm"
+# the implementation registered with transformers while inside experts_on_device
+ON_DEVICE = "grape_batched_mm"
+# the implementation each switched config had (by id: configs need not hash), which calls over
+# the bound run by
+_GIVEN: dict[int, str | None] = {}
+
+
+def _batched_when_few(module: torch.nn.Module, hidden_states: torch.Tensor,
+                      top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' ``batched_mm`` where the call picks at most ``num_experts`` (token,
+    expert) pairs, else the implementation the module's config had."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward
+
+    if top_k_index.numel() <= module.num_experts:
+        return batched_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    given = _GIVEN.get(id(module.config)) or "grouped_mm"
+    # (eager: the class's own forward, which transformers' decorator wraps)
+    own = ALL_EXPERTS_FUNCTIONS.get_interface(given, type(module).forward.__wrapped__)
+    return own(module, hidden_states, top_k_index, top_k_weights)
+
+
+def _register() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if ON_DEVICE not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(ON_DEVICE, _batched_when_few)
 
 
 def _experts(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -68,33 +97,42 @@ def _reading(model: torch.nn.Module) -> list[str]:
     return found
 
 
+def _configs(model: torch.nn.Module) -> list[Any]:
+    return list({id(m.config): m.config for m in _experts(model)}.values())
+
+
 @contextlib.contextmanager
 def experts_on_device(model: torch.nn.Module) -> Iterator[str | None]:
-    """While inside: ``model``'s experts that would read back run by ``batched_mm``. Yields what
-    they ran by before (e.g. "grouped_mm in float16"), or None where nothing changed: a model
-    without such experts, or one whose experts transformers cannot switch (then its capture
-    fails where they read back, and says so)."""
+    """While inside: ``model``'s experts that would read back run by ``batched_mm`` where a
+    call is small enough (see the module). Yields what they ran by before (e.g. "grouped_mm in
+    float16"), or None where nothing changed: a model without such experts, or one whose
+    experts transformers cannot switch (then its capture fails where they read back, and says
+    so)."""
     reading = _reading(model)
-    snapshot = None
-    if reading and hasattr(model, "set_experts_implementation"):
-        snapshot = model.get_experts_implementation()
-        try:
-            model.set_experts_implementation(_ON_DEVICE)
-        except (ValueError, RuntimeError, ImportError) as e:
-            _LOG.info("grape: %s's experts stay %s: transformers would not switch them (%s)",
-                      type(model).__name__, reading[0], str(e).splitlines()[0])
-            model.set_experts_implementation(snapshot)
-            snapshot = None
-        else:
-            if _reading(model):  # some it could not reach: as before, whole
-                model.set_experts_implementation(snapshot)
-                snapshot = None
-    if snapshot is None:
+    if not reading or not hasattr(model, "set_experts_implementation"):
         yield None
         return
-    _LOG.info("grape: %s's experts run by %s while grape captures: %s reads back to the host",
-              type(model).__name__, _ON_DEVICE, reading[0])
+    _register()
+    snapshot = model.get_experts_implementation()
+    given = {id(c): c._experts_implementation for c in _configs(model)}
+    try:
+        model.set_experts_implementation(ON_DEVICE)
+        switched = not _reading(model) and all(
+            c._experts_implementation == ON_DEVICE for c in _configs(model))
+    except (ValueError, RuntimeError, ImportError, KeyError) as e:
+        _LOG.info("grape: %s's experts stay %s: transformers would not switch them (%s)",
+                  type(model).__name__, reading[0], str(e).splitlines()[0])
+        switched = False
+    if not switched:  # (some it could not reach: all as before)
+        model.set_experts_implementation(snapshot)
+        yield None
+        return
+    _GIVEN.update(given)
+    _LOG.info("grape: %s's experts run by batched_mm in calls of few tokens while grape "
+              "captures: %s reads back to the host", type(model).__name__, reading[0])
     try:
         yield reading[0]
     finally:
+        for key in given:
+            _GIVEN.pop(key, None)
         model.set_experts_implementation(snapshot)
