@@ -220,7 +220,6 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    import grape
     from grape.torch.api import clear_cache
 
     if args.arch not in ARCHS and args.arch not in BESIDE:
@@ -233,6 +232,7 @@ def main() -> None:
             rows.extend(measure(model, batch, new, args))
             clear_cache(model)
             torch.cuda.empty_cache()
+            _write(args, rows, done=False)  # a run cut short keeps what it measured
     print(f"{'batch':>5} {'new':>5} {'way':<18} {'ms/token':>9} {'speed-up':>8} "
           f"{'max gap':>8} {'off':>4} {'agree':>6}")
     for r in (r for r in rows if "bucket" not in r):
@@ -247,13 +247,24 @@ def main() -> None:
         span = f"{r['bucket'][0]}..{r['bucket'][1]}"
         print(f"{r['batch']:>5} {span:>11} {r['way']:<18} {r['ms_per_token']:>9.3f} "
               f"{r.get('vs_per_shape_graphs', 1.0):>11.2f}")
-    if args.out:
-        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "grape": grape.__version__, "python": platform.python_version(),
-                  "command": " ".join(sys.argv), "arch": args.arch, "size": args.size,
-                  "prompt": args.prompt, "cache_length": args.cache_length, "tol": args.tol,
-                  "results": rows}
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    _write(args, rows, done=True)
+
+
+def _write(args, rows: list[dict[str, Any]], done: bool) -> None:
+    """The results so far to ``--out`` (none without it), ``complete`` once every (batch, new
+    tokens) pair has run."""
+    if not args.out:
+        return
+    import torch
+
+    import grape
+
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "grape": grape.__version__, "python": platform.python_version(),
+              "command": " ".join(sys.argv), "arch": args.arch, "size": args.size,
+              "prompt": args.prompt, "cache_length": args.cache_length, "tol": args.tol,
+              "complete": done, "results": rows}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
