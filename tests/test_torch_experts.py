@@ -113,3 +113,32 @@ def test_on_the_cpu_nothing_is_switched():
     with experts_on_device(model) as switched_from:
         assert switched_from is None
         assert model.get_experts_implementation()[""] == "eager"
+
+
+def test_the_host_loop_runs_the_experts_as_the_launch_would(monkeypatch):
+    # The host loop drives the step a launch captures: its decode steps run batched_mm (one
+    # row picks 2 of 4 experts), the prompt the model's own experts, and the model is left as
+    # it was. The tokens are generate's up to a near-tie.
+    from grape.torch.host_loop import generate_on_host
+    from tests.ties import parted_beyond_a_tie
+
+    monkeypatch.setattr(experts, "_capability", lambda weight: H100)
+    model = _mixtral("eager")
+    ran = []
+    original = experts._batched_when_few
+
+    def counting(module, hidden_states, top_k_index, top_k_weights):
+        ran.append(top_k_index.numel() <= module.num_experts)
+        return original(module, hidden_states, top_k_index, top_k_weights)
+
+    # (the implementation grape registers with transformers, counted)
+    from transformers.integrations.moe import ExpertsInterface
+
+    monkeypatch.setitem(ExpertsInterface._global_mapping, experts.ON_DEVICE, counting)
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    out = generate_on_host(model, ids, max_new_tokens=6, do_sample=False)
+    assert model.get_experts_implementation()[""] == "eager"
+    assert True in ran and False in ran  # steps batched, the prompt as given
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True)
+    assert parted_beyond_a_tie(out, ref, 5, tie=1e-4) is None
