@@ -123,7 +123,10 @@ def _value(spec: Any, size: dict[str, int]) -> Any:
             "head/2": h // heads // 2}.get(spec, spec) if isinstance(spec, str) else spec
 
 
-def build(arch: str, size: dict[str, int], archs: dict[str, tuple[str, dict[str, Any]]] = ARCHS):
+def build(arch: str, size: dict[str, int], archs: dict[str, tuple[str, dict[str, Any]]] = ARCHS,
+          dtype: str | None = None):
+    """``arch`` from its config with random weights, on the GPU, in ``dtype`` (default: the
+    architecture's entry in DTYPES, else float16)."""
     import torch
     import transformers
 
@@ -132,8 +135,8 @@ def build(arch: str, size: dict[str, int], archs: dict[str, tuple[str, dict[str,
         model_type, **{**{k: _value(v, size) for k, v in extra.items()}, **size},
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
-    dtype = getattr(torch, DTYPES.get(arch, "float16"))
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=getattr(torch, dtype or DTYPES.get(arch, "float16")))
     return model.cuda().eval()
 
 
@@ -406,6 +409,8 @@ def main() -> None:
     parser.add_argument("--eos-runs", action="store_true",
                         help="also run each with an EOS that occurs mid-way")
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
+                        help="every model in this dtype (default: DTYPES, else float16)")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE",
                         help="write the results as JSON here (nothing is written without it)")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG")
@@ -438,7 +443,7 @@ def main() -> None:
     for arch in args.archs.split(","):
         _log(f"[+] {arch}")
         try:
-            model = build(arch, size)
+            model = build(arch, size, dtype=args.dtype)
         except Exception as e:  # an architecture this transformers lacks: say so, go on
             rows.append({"arch": arch, "failed": f"{type(e).__name__}: {e}"[:300]})
             continue

@@ -1,7 +1,9 @@
-"""Experts that read back inside a capture run by transformers' batched_mm while grape
-captures (grape.torch.experts), and as before afterwards."""
+"""Experts that read back inside a capture run by transformers' batched_mm, or densely, while
+grape captures (grape.torch.experts), and as before afterwards."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -9,7 +11,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from grape.torch import experts  # noqa: E402
-from grape.torch.experts import experts_on_device, reads_back  # noqa: E402
+from grape.torch.experts import (  # noqa: E402
+    DENSE_TOKENS,
+    dense_experts_forward,
+    experts_on_device,
+    reads_back,
+    way,
+)
 from grape.torch.readback import ReadBack, as_captured  # noqa: E402
 
 H100 = (9, 0)
@@ -68,11 +76,39 @@ def test_experts_that_would_read_back_run_batched_inside_and_as_before_after(mon
     assert torch.equal(_forward(model, (3,)), before)
 
 
-def test_a_call_of_more_pairs_than_experts_runs_as_given(monkeypatch):
+@pytest.mark.parametrize("pairs, tokens, num_experts, expected", [
+    (2, 1, 8, "batched"),  # a decode step at batch 1, top 2 of 8
+    (8, 4, 8, "batched"),  # as many pairs as experts: the gathered copies hold one layer's
+    (16, 8, 8, "dense"),  # batch 8: 16 copies would be twice the layer's experts
+    (10, 5, 8, "dense"),  # five beams
+    (2 * DENSE_TOKENS, DENSE_TOKENS, 8, "dense"),
+    (2 * DENSE_TOKENS + 2, DENSE_TOKENS + 1, 8, "given"),  # a prompt: its arithmetic 4x over
+    (8 * 512, 512, 4096, "batched"),  # (few pairs of very many experts, whatever the tokens)
+])
+def test_which_way_a_call_runs(pairs, tokens, num_experts, expected):
+    assert way(pairs, tokens, num_experts) == expected
+
+
+def test_a_call_of_more_pairs_than_experts_runs_densely_on_the_device(monkeypatch):
     # Five tokens pick 10 (token, expert) pairs of 4 experts: gathering their weights would
-    # copy more than the layer holds, so the model's own experts run (a prompt; grape.generate
-    # then runs it eagerly, before each launch), and read back as before.
+    # copy more than the layer holds, so every token runs through every expert, weighted by
+    # its routing, without reading back; the sums are the eager loop's up to rounding.
     monkeypatch.setattr(experts, "_capability", lambda weight: H100)
+    model = _mixtral("eager")
+    before = _forward(model)
+    with experts_on_device(model) as switched_from:
+        assert switched_from == "eager in float32"
+        with as_captured():
+            inside = _forward(model)
+    torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)
+    assert torch.equal(_forward(model), before)
+
+
+def test_a_call_of_more_tokens_than_the_dense_bound_runs_as_given(monkeypatch):
+    # Over DENSE_TOKENS (a prompt; grape.generate then runs it eagerly, before each launch),
+    # the model's own experts run, bit for bit, and read back as before.
+    monkeypatch.setattr(experts, "_capability", lambda weight: H100)
+    monkeypatch.setattr(experts, "DENSE_TOKENS", 4)
     model = _mixtral("eager")
     before = _forward(model)
     with experts_on_device(model) as switched_from:
@@ -82,17 +118,77 @@ def test_a_call_of_more_pairs_than_experts_runs_as_given(monkeypatch):
             _forward(model)
 
 
-def test_grouped_experts_over_the_bound_run_grouped_and_under_it_batched(monkeypatch):
+def test_grouped_experts_run_grouped_over_the_bounds_and_on_the_device_under_them(monkeypatch):
     # grouped_mm in float32 reads the experts' offsets back on a GPU (PyTorch's loop over
-    # them); over the bound it still runs, bit for bit, under it batched_mm's sums
+    # them); over the dense bound it still runs, bit for bit; under it, batched_mm's sums
+    # for one token, dense sums for five
     monkeypatch.setattr(experts, "_capability", lambda weight: H100)
     model = _mixtral("grouped_mm")
     prompt, one = _forward(model), _forward(model, (3,))
     with experts_on_device(model) as switched_from:
         assert switched_from == "grouped_mm in float32"
-        assert torch.equal(_forward(model), prompt)
         torch.testing.assert_close(_forward(model, (3,)), one, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_forward(model), prompt, rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(experts, "DENSE_TOKENS", 4)
+        assert torch.equal(_forward(model), prompt)
     assert model.get_experts_implementation()[""] == "grouped_mm"
+
+
+def _experts_model_types() -> list[str]:
+    """The model types whose modeling file has transformers' experts dispatch."""
+    import importlib.util
+
+    from transformers.models.auto.configuration_auto import (
+        CONFIG_MAPPING_NAMES,
+        model_type_to_module_name,
+    )
+
+    found = []
+    for model_type in CONFIG_MAPPING_NAMES:
+        name = model_type_to_module_name(model_type)
+        spec = importlib.util.find_spec(f"transformers.models.{name}.modeling_{name}")
+        if spec is not None and spec.origin and "@use_experts_implementation" in Path(
+                spec.origin).read_text():
+            found.append(model_type)
+    return found
+
+
+def test_dense_experts_sum_what_batched_mm_sums_in_every_architecture_with_experts():
+    # Every layout transformers' experts take (gate and up concatenated or interleaved,
+    # transposed weights, biases, no gate, a model's own gate with its clamps), as built from
+    # each architecture's small config: the same sums as batched_mm's, up to rounding.
+    import sys
+
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import arch_sweep
+
+    checked, layouts = [], set()
+    for model_type in _experts_model_types():
+        try:
+            model = arch_sweep.build(model_type, "cpu", torch.float32)
+        except arch_sweep.NotBuilt:  # (a vision or audio part, no causal LM to build)
+            continue
+        for module in experts._experts(model)[:1]:
+            down = module.down_proj
+            hidden = down.shape[-1] if module.is_transposed else down.shape[-2]
+            generator = torch.Generator().manual_seed(1)
+            tokens = torch.randn(6, hidden, generator=generator)
+            index = torch.stack([torch.randperm(module.num_experts, generator=generator)[:2]
+                                 for _ in range(6)])
+            weights = torch.rand(6, 2, generator=generator)
+            with torch.no_grad():
+                batched = batched_mm_experts_forward(module, tokens, index, weights)
+                dense = dense_experts_forward(module, tokens, index, weights)
+            torch.testing.assert_close(dense, batched, rtol=1e-5,
+                                       atol=1e-5 * float(batched.abs().max()))
+            checked.append(model_type)
+            layouts.add((module.has_gate, module.has_bias, module.is_transposed,
+                         module.is_concatenated))
+    # (transformers 5.17 builds 45 such causal LMs from the sweep's configs, in 3 layouts:
+    # gated and concatenated; gated, biased, transposed and interleaved; ungated)
+    assert len(checked) >= 20 and len(layouts) >= 3, (checked, layouts)
 
 
 def test_experts_that_run_on_the_device_and_models_without_experts_are_left_alone(monkeypatch):
@@ -117,18 +213,20 @@ def test_on_the_cpu_nothing_is_switched():
 
 def test_the_host_loop_runs_the_experts_as_the_launch_would(monkeypatch):
     # The host loop drives the step a launch captures: its decode steps run batched_mm (one
-    # row picks 2 of 4 experts), the prompt the model's own experts, and the model is left as
-    # it was. The tokens are generate's up to a near-tie.
+    # row picks 2 of 4 experts), the prompt the model's own experts (over a dense bound made
+    # small here), and the model is left as it was. The tokens are generate's up to a
+    # near-tie.
     from grape.torch.host_loop import generate_on_host
     from tests.ties import parted_beyond_a_tie
 
     monkeypatch.setattr(experts, "_capability", lambda weight: H100)
+    monkeypatch.setattr(experts, "DENSE_TOKENS", 4)
     model = _mixtral("eager")
     ran = []
-    original = experts._batched_when_few
+    original = experts._on_device
 
     def counting(module, hidden_states, top_k_index, top_k_weights):
-        ran.append(top_k_index.numel() <= module.num_experts)
+        ran.append(way(top_k_index.numel(), hidden_states.size(0), module.num_experts))
         return original(module, hidden_states, top_k_index, top_k_weights)
 
     # (the implementation grape registers with transformers, counted)
@@ -138,7 +236,7 @@ def test_the_host_loop_runs_the_experts_as_the_launch_would(monkeypatch):
     ids = torch.tensor([[3, 14, 15, 92, 65]])
     out = generate_on_host(model, ids, max_new_tokens=6, do_sample=False)
     assert model.get_experts_implementation()[""] == "eager"
-    assert True in ran and False in ran  # steps batched, the prompt as given
+    assert set(ran) == {"batched", "given"}  # steps batched, the prompt as given
     ref = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
                          return_dict_in_generate=True)
     assert parted_beyond_a_tie(out, ref, 5, tie=1e-4) is None

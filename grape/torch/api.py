@@ -137,8 +137,9 @@ class GenerationStats:
     # again over the whole vocabulary (grape.torch.sampling; its launch and read-back counted)
     resampled: bool = False
     # where the model's experts would read back inside a capture, what they ran by (e.g.
-    # "grouped_mm in float16"): its steps' experts were captured by transformers' batched_mm,
-    # within grape.torch.experts' bound (a prompt over it runs eagerly before the launch)
+    # "grouped_mm in float16"): its steps' experts were captured by transformers' batched_mm
+    # or densely, within grape.torch.experts' bounds (a prompt over them runs eagerly before
+    # the launch)
     experts_switched_from: str | None = None
 
 

@@ -10,16 +10,24 @@ values back to the host, which no capture holds:
 - ``eager``, the model's own loop, finds the experts a batch hit with ``nonzero``.
 
 While grape warms such a model up and captures it, :func:`experts_on_device` runs its experts
-by transformers' ``batched_mm`` wherever a call picks no more (token, expert) pairs than the
-layer has experts: each pair's expert weights are gathered and multiplied in one batched
-product, on the device alone in every dtype, and the top-k products are summed in float32 (the
-tokens are ``generate``'s up to that rounding). The bound keeps the gathered copies within
-what one layer's experts hold: a decode step's few rows fit; a prompt's tokens do not, and
-run by the model's own implementation, so a captured prompt fails where it reads back and
-``grape.generate`` runs the prompt eagerly before each launch (its documented way). When the
-context ends the model runs its experts as before (through the snapshot and restore that
-transformers gives, ``get_experts_implementation`` and ``set_experts_implementation``): the
-caller's model is not left changed.
+by an implementation that reads nothing back, chosen per call by the call's size (:func:`way`):
+
+- transformers' ``batched_mm`` where a call picks no more (token, expert) pairs than the layer
+  has experts: each pair's expert weights are gathered and multiplied in one batched product.
+  The bound keeps the gathered copies within what one layer's experts hold.
+- :func:`dense_experts_forward` where more pairs are picked but the call has at most
+  ``DENSE_TOKENS`` tokens: every token through every expert, weighted by the routing (zero
+  where not picked). It reads each expert's weights once, and at so few rows a product's time
+  is that of reading its weights, so the arithmetic for pairs not picked costs little. A
+  decode step at batch 8, or five beams, runs so.
+- the model's own implementation otherwise (a long prompt): a captured prompt fails where it
+  reads back, and ``grape.generate`` runs the prompt eagerly before each launch (its
+  documented way).
+
+Both sum the top-k products in float32 (the tokens are ``generate``'s up to that rounding).
+When the context ends the model runs its experts as before (through the snapshot and restore
+that transformers gives, ``get_experts_implementation`` and ``set_experts_implementation``):
+the caller's model is not left changed.
 """
 
 from __future__ import annotations
@@ -31,24 +39,80 @@ from typing import Any
 
 import torch
 
-__all__ = ["ON_DEVICE", "experts_on_device", "reads_back"]
+__all__ = ["DENSE_TOKENS", "ON_DEVICE", "dense_experts_forward", "experts_on_device",
+           "reads_back", "way"]
 
 _LOG = logging.getLogger("grape")
 # the implementation registered with transformers while inside experts_on_device
 ON_DEVICE = "grape_batched_mm"
+# The most tokens a call runs through every expert. A GPU's bf16 arithmetic runs several
+# hundred operations in the time it reads a byte (about 300 on an H100): a product of so few
+# rows is paced by reading its weights, which dense reads once per expert, so the products of
+# pairs not picked cost little time; a prompt of thousands of tokens would pay num_experts /
+# top_k times its arithmetic at every launch.
+DENSE_TOKENS = 128
 # the implementation each switched config had (by id: configs need not hash), which calls over
 # the bound run by
 _GIVEN: dict[int, str | None] = {}
 
 
-def _batched_when_few(module: torch.nn.Module, hidden_states: torch.Tensor,
-                      top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' ``batched_mm`` where the call picks at most ``num_experts`` (token,
-    expert) pairs, else the implementation the module's config had."""
+def _per_expert(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                transposed: bool) -> torch.Tensor:
+    """Rows ``x`` [experts, tokens, in] through each expert's ``weight`` ([experts, out, in],
+    or [experts, in, out] where ``transposed``): one batched product that reads each expert's
+    weights where they lie, without gathering copies."""
+    out = torch.bmm(x, weight if transposed else weight.transpose(1, 2))
+    return out if bias is None else out + bias.unsqueeze(1)
+
+
+def dense_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
+                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Every token through every expert, each product weighted by its routing weight (zero
+    where the router did not pick it), summed in float32 as ``batched_mm`` sums. Fixed shapes
+    and no read-back, in any dtype; it reads each expert's weights once, where ``batched_mm``
+    copies one expert's weights per (token, expert) pair, at ``num_experts / top_k`` times the
+    arithmetic the picked pairs need."""
+    experts = module.num_experts
+    # (index sentinels of expert parallelism carry zero weights: clamped as batched_mm does)
+    routing = torch.zeros(hidden_states.size(0), experts, dtype=torch.float32,
+                          device=hidden_states.device).scatter_add_(
+        1, top_k_index.clamp(0, experts - 1), top_k_weights.to(torch.float32))
+    x = hidden_states.unsqueeze(0).expand(experts, -1, -1)
+    if module.has_gate:
+        up = _per_expert(x, module.gate_up_proj,
+                         module.gate_up_proj_bias if module.has_bias else None,
+                         module.is_transposed)
+        up = module._apply_gate(up)
+    else:
+        up = module.act_fn(_per_expert(x, module.up_proj,
+                                       module.up_proj_bias if module.has_bias else None,
+                                       module.is_transposed))
+    down = _per_expert(up, module.down_proj, module.down_proj_bias if module.has_bias else None,
+                       module.is_transposed)
+    return torch.einsum("te,eth->th", routing, down.to(torch.float32)).to(hidden_states.dtype)
+
+
+def way(pairs: int, tokens: int, num_experts: int) -> str:
+    """How grape's implementation runs a call of ``tokens`` rows that picks ``pairs`` (token,
+    expert) pairs of ``num_experts``: "batched" (transformers' batched_mm) while the copies it
+    gathers stay within one layer's experts, "dense" for at most ``DENSE_TOKENS`` tokens, else
+    "given" (the implementation the config had, which reads back: a long prompt, run eagerly
+    by grape.generate before its launch)."""
+    if pairs <= num_experts:
+        return "batched"
+    return "dense" if tokens <= DENSE_TOKENS else "given"
+
+
+def _on_device(module: torch.nn.Module, hidden_states: torch.Tensor,
+               top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The implementation grape registers: by :func:`way`."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward
 
-    if top_k_index.numel() <= module.num_experts:
+    chosen = way(top_k_index.numel(), hidden_states.size(0), module.num_experts)
+    if chosen == "batched":
         return batched_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    if chosen == "dense":
+        return dense_experts_forward(module, hidden_states, top_k_index, top_k_weights)
     given = _GIVEN.get(id(module.config)) or "grouped_mm"
     # (eager: the class's own forward, which transformers' decorator wraps)
     own = ALL_EXPERTS_FUNCTIONS.get_interface(given, type(module).forward.__wrapped__)
@@ -59,7 +123,7 @@ def _register() -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
     if ON_DEVICE not in ALL_EXPERTS_FUNCTIONS:
-        ExpertsInterface.register(ON_DEVICE, _batched_when_few)
+        ExpertsInterface.register(ON_DEVICE, _on_device)
 
 
 def _experts(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -103,7 +167,7 @@ def _configs(model: torch.nn.Module) -> list[Any]:
 
 @contextlib.contextmanager
 def experts_on_device(model: torch.nn.Module) -> Iterator[str | None]:
-    """While inside: ``model``'s experts that would read back run by ``batched_mm`` where a
+    """While inside: ``model``'s experts that would read back run on the device alone where a
     call is small enough (see the module). Yields what they ran by before (e.g. "grouped_mm in
     float16"), or None where nothing changed: a model without such experts, or one whose
     experts transformers cannot switch (then its capture fails where they read back, and says
@@ -128,8 +192,8 @@ def experts_on_device(model: torch.nn.Module) -> Iterator[str | None]:
         yield None
         return
     _GIVEN.update(given)
-    _LOG.info("grape: %s's experts run by batched_mm in calls of few tokens while grape "
-              "captures: %s reads back to the host", type(model).__name__, reading[0])
+    _LOG.info("grape: %s's experts run by batched_mm or densely in calls of few tokens while "
+              "grape captures: %s reads back to the host", type(model).__name__, reading[0])
     try:
         yield reading[0]
     finally:

@@ -292,7 +292,7 @@ class Graphed:
                 return fn(*args, **kwargs)
 
         began = time.perf_counter()
-        # (a module's experts that would read back run by batched_mm: grape.torch.experts;
+        # (a module's experts that would read back run on the device: grape.torch.experts;
         # the module called, or the one whose method is)
         module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
         with (experts_on_device(module) if isinstance(module, torch.nn.Module)
