@@ -120,14 +120,17 @@ def test_a_graphed_prompt_attends_as_generate_does_for_its_mask(cuda, tmp_path):
     assert all(r["graphed"] for r in rows if r["batch"] == 2)
 
 
-def test_a_moe_model_in_fp16_is_captured_with_experts_that_read_nothing_back(cuda):
+def test_a_moe_model_in_fp16_is_captured_with_experts_that_read_nothing_back(cuda, monkeypatch):
     # PyTorch's grouped GEMM runs on the device alone only in bf16; in fp16 it reads the expert
     # offsets back to the host, which no graph holds (grape fell back to generate here). While
-    # grape captures, a step's experts run by transformers' batched_mm (grape.torch.experts);
-    # the prompt's 8 tokens pick more (token, expert) pairs than the 4 experts, so it keeps
-    # grouped_mm and runs eagerly before the launch; the caller's model keeps grouped_mm. The
-    # experts' sums round otherwise, so the tokens are generate's up to a near-tie.
+    # grape captures, the experts run on the device (grape.torch.experts): the steps' rows and
+    # the prompt's 16 tokens pick more than a third of the 4 experts, densely (the CPU tests
+    # hold batched_mm's calls). So the prompt runs inside the launch too. Over the dense
+    # bound (made 8 tokens here) the prompt keeps grouped_mm and runs eagerly before the
+    # launch, with a warning. The caller's model keeps grouped_mm. The experts' sums round
+    # otherwise, so the tokens are generate's up to a near-tie.
     import grape
+    from grape.torch import experts
     from grape.torch.api import clear_cache, last_stats
 
     config = transformers.MixtralConfig(hidden_size=64, intermediate_size=128,
@@ -136,19 +139,28 @@ def test_a_moe_model_in_fp16_is_captured_with_experts_that_read_nothing_back(cud
                                         num_experts_per_tok=2, vocab_size=500)
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(config).cuda().half().eval()
-    ids = torch.randint(3, 500, (1, 8), device="cuda")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = grape.generate(model, ids, max_new_tokens=6)
-    stats = last_stats()
-    assert stats.graphed and not stats.prefill_graphed, stats
-    assert stats.experts_switched_from == "grouped_mm in float16"
-    said = [str(w.message) for w in caught]
-    assert any("runs the prompt eagerly" in m for m in said), said
-    assert model.get_experts_implementation()[""] in (None, "grouped_mm")
-    ref = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True)
-    assert parted_beyond_a_tie(out, ref, 8, tie=0.02) is None
+    ids = torch.randint(3, 500, (2, 8), device="cuda")
+    for dense_tokens, beams, inside in ((experts.DENSE_TOKENS, 1, True),
+                                        (experts.DENSE_TOKENS, 3, True), (8, 1, False)):
+        monkeypatch.setattr(experts, "DENSE_TOKENS", dense_tokens)
+        clear_cache(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = grape.generate(model, ids, max_new_tokens=6, num_beams=beams,
+                                 return_dict_in_generate=beams > 1, output_scores=beams > 1)
+        stats = last_stats()
+        assert stats.graphed and stats.prefill_graphed is inside, (beams, stats)
+        assert stats.experts_switched_from == "grouped_mm in float16"
+        said = [str(w.message) for w in caught]
+        assert any("runs the prompt eagerly" in m for m in said) is not inside, said
+        assert model.get_experts_implementation()[""] in (None, "grouped_mm")
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False, num_beams=beams,
+                             output_scores=True, return_dict_in_generate=True)
+        if beams == 1:
+            assert parted_beyond_a_tie(out, ref, 8, tie=0.02) is None
+        else:  # the best beams score as generate's do, whichever a near-tie picked
+            torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, rtol=0,
+                                       atol=0.02)
     clear_cache(model)
 
 def test_the_prompt_is_read_where_it_lies_and_re_pointed_only_when_it_moves(cuda):

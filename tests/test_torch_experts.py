@@ -40,10 +40,10 @@ def test_which_experts_read_back_inside_a_capture(implementation, dtype, capabil
     assert reads_back(implementation, dtype, capability) is expected
 
 
-def _mixtral(implementation: str):
+def _mixtral(implementation: str, experts: int = 4):
     config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64,
                                         num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, num_local_experts=4,
+                                        num_key_value_heads=2, num_local_experts=experts,
                                         num_experts_per_tok=2, vocab_size=100)
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(config).eval()
@@ -59,9 +59,9 @@ def _forward(model, ids=(3, 14, 15, 92, 65)):
 def test_experts_that_would_read_back_run_batched_inside_and_as_before_after(monkeypatch):
     # The CPU stands in for an H100 (the weights' capability), so that the model's eager
     # experts, whose nonzero a capture refuses, are the ones to switch. One token picks 2 of
-    # the 4 experts: within the bound, batched.
+    # the 8 experts: batched.
     monkeypatch.setattr(experts, "_capability", lambda weight: H100)
-    model = _mixtral("eager")
+    model = _mixtral("eager", experts=8)
     before = _forward(model, (3,))
     with pytest.raises(ReadBack, match="nonzero"), as_captured():
         _forward(model, (3,))
@@ -78,12 +78,15 @@ def test_experts_that_would_read_back_run_batched_inside_and_as_before_after(mon
 
 @pytest.mark.parametrize("pairs, tokens, num_experts, expected", [
     (2, 1, 8, "batched"),  # a decode step at batch 1, top 2 of 8
-    (8, 4, 8, "batched"),  # as many pairs as experts: the gathered copies hold one layer's
-    (16, 8, 8, "dense"),  # batch 8: 16 copies would be twice the layer's experts
+    (4, 2, 8, "dense"),  # batched_mm would move 12 experts' weights where dense reads 8
+    (16, 8, 8, "dense"),  # batch 8
     (10, 5, 8, "dense"),  # five beams
+    (8, 1, 64, "batched"),  # top 8 of 64: batch 1 and 2 batched, batch 4 dense
+    (16, 2, 64, "batched"),
+    (32, 4, 64, "dense"),
     (2 * DENSE_TOKENS, DENSE_TOKENS, 8, "dense"),
     (2 * DENSE_TOKENS + 2, DENSE_TOKENS + 1, 8, "given"),  # a prompt: its arithmetic 4x over
-    (8 * 512, 512, 4096, "batched"),  # (few pairs of very many experts, whatever the tokens)
+    (8 * 512, 512, 16384, "batched"),  # (few pairs of very many experts, whatever the tokens)
 ])
 def test_which_way_a_call_runs(pairs, tokens, num_experts, expected):
     assert way(pairs, tokens, num_experts) == expected
@@ -121,9 +124,9 @@ def test_a_call_of_more_tokens_than_the_dense_bound_runs_as_given(monkeypatch):
 def test_grouped_experts_run_grouped_over_the_bounds_and_on_the_device_under_them(monkeypatch):
     # grouped_mm in float32 reads the experts' offsets back on a GPU (PyTorch's loop over
     # them); over the dense bound it still runs, bit for bit; under it, batched_mm's sums
-    # for one token, dense sums for five
+    # for one token of 8 experts, dense sums for five
     monkeypatch.setattr(experts, "_capability", lambda weight: H100)
-    model = _mixtral("grouped_mm")
+    model = _mixtral("grouped_mm", experts=8)
     prompt, one = _forward(model), _forward(model, (3,))
     with experts_on_device(model) as switched_from:
         assert switched_from == "grouped_mm in float32"
@@ -213,7 +216,7 @@ def test_on_the_cpu_nothing_is_switched():
 
 def test_the_host_loop_runs_the_experts_as_the_launch_would(monkeypatch):
     # The host loop drives the step a launch captures: its decode steps run batched_mm (one
-    # row picks 2 of 4 experts), the prompt the model's own experts (over a dense bound made
+    # row picks 2 of 8 experts), the prompt the model's own experts (over a dense bound made
     # small here), and the model is left as it was. The tokens are generate's up to a
     # near-tie.
     from grape.torch.host_loop import generate_on_host
@@ -221,7 +224,7 @@ def test_the_host_loop_runs_the_experts_as_the_launch_would(monkeypatch):
 
     monkeypatch.setattr(experts, "_capability", lambda weight: H100)
     monkeypatch.setattr(experts, "DENSE_TOKENS", 4)
-    model = _mixtral("eager")
+    model = _mixtral("eager", experts=8)
     ran = []
     original = experts._on_device
 
