@@ -25,7 +25,10 @@ strategy (greedy, sampling, 5-beam search) and batch, side by side in one proces
   ``tokens_equal_to_grape_compiled`` where that way ran too;
 - ``grape_concurrent_vocabulary`` (sampling only): ``grape_concurrent`` with ``generate``'s
   warpers over the whole vocabulary, as ``grape.generate`` samples where its candidates'
-  sampler cannot serve (``grape.torch.sampling``), to measure that sampler side by side.
+  sampler cannot serve (``grape.torch.sampling``), to measure that sampler side by side;
+- ``grape_switched_experts``: ``grape`` with ``switch_experts=True``: a mixture of experts'
+  layers run by grape's implementations in bf16 too (``grape.torch.experts``), with
+  ``token_agreement``, as their sums round otherwise.
 
 Each entry: ``ms_per_token`` (a whole call's wall time over the new tokens, median of
 ``--repeats`` calls), ``host_syncs_per_token`` (synchronising PyTorch operations the call made,
@@ -85,8 +88,8 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # MoE architectures run in bf16, as models of this kind ship: PyTorch's grouped GEMM for
 # experts runs on the device alone only in bf16 (in fp16 it loops over the experts with offsets
-# read back to the host, which no graph can hold; grape then captures a step's experts by
-# transformers' batched_mm, grape.torch.experts, whose speed no benchmark has measured).
+# read back to the host, which no graph can hold; grape then captures a step's experts by its
+# own implementations, grape.torch.experts: --dtype float16 measures them).
 DTYPES = {"mixtral": "bfloat16",
           # (exact_lengths.py's models beside full attention: a mixture of experts, and a
           # family that ships in bf16)
@@ -217,6 +220,8 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                                            "grape_concurrent_vocabulary"))
             if way == "grape_compiled_exact":
                 call["exact_lengths"] = True
+            if way == "grape_switched_experts":  # (bf16's grouped GEMM too: grape.torch.experts)
+                call["switch_experts"] = True
             with _whole_vocabulary(way == "grape_concurrent_vocabulary"):
                 with warnings.catch_warnings(record=True) as fell:
                     warnings.simplefilter("always")
@@ -255,7 +260,7 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                         row["reference_margin_at_first_difference"] = _margin(
                             hf["hf_static"], tokens[row["way"]], tokens["hf_static"],
                             args.prompt, row["first_difference"])
-            elif row["way"] in (*COMPILED_WAYS, "hf_static_compiled"):
+            elif row["way"] in (*COMPILED_WAYS, "hf_static_compiled", "grape_switched_experts"):
                 row["token_agreement"] = _agreement(tokens[row["way"]], tokens["hf_static"],
                                                     args.prompt)
     if "grape" in tokens and "grape_concurrent" in tokens:

@@ -243,3 +243,32 @@ def test_the_host_loop_runs_the_experts_as_the_launch_would(monkeypatch):
     ref = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
                          return_dict_in_generate=True)
     assert parted_beyond_a_tie(out, ref, 5, tie=1e-4) is None
+
+
+def test_every_switches_experts_that_run_on_the_device_too(monkeypatch):
+    # bf16's grouped GEMM reads nothing back on an H100, so it is left as it is, unless every
+    # experts layer is asked for (grape.generate(switch_experts=True)); other libraries'
+    # kernels never are
+    monkeypatch.setattr(experts, "_capability", lambda weight: H100)
+    model = _mixtral("grouped_mm", experts=8).to(torch.bfloat16)
+    with experts_on_device(model) as switched_from:
+        assert switched_from is None
+    with experts_on_device(model, every=True) as switched_from:
+        assert switched_from == "grouped_mm in bfloat16"
+        assert model.get_experts_implementation()[""] == experts.ON_DEVICE
+        with as_captured():
+            _forward(model, (3,))
+    assert model.get_experts_implementation()[""] == "grouped_mm"
+    model.set_experts_implementation("batched_mm")
+    with experts_on_device(model, every=True) as switched_from:
+        assert switched_from is None
+
+
+def test_switch_experts_takes_true_false_or_none():
+    from grape.errors import GrapeError
+    from grape.torch.api import generate
+
+    with pytest.raises(GrapeError, match="expected switch_experts to be True, False or None, "
+                                         "found 'yes'"):
+        generate(_mixtral("eager"), torch.tensor([[3, 14]]), max_new_tokens=2,
+                 switch_experts="yes")

@@ -55,6 +55,7 @@ raises ``GrapeError``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -412,7 +413,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
              seed: int | None = None, compile: bool = False,
              exact_lengths: bool | None = None, cache_length: int | None = None,
              prompt_bucket: int | None = None, concurrent: bool | None = None,
-             **kwargs: Any) -> Any:
+             switch_experts: bool | None = None, **kwargs: Any) -> Any:
     """``model.generate(input_ids, attention_mask=..., max_new_tokens=..., **kwargs)``, graphed.
 
     Takes the ``GenerationConfig`` fields users pass most (``do_sample``, ``temperature``,
@@ -486,6 +487,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     rather than its compiled code (``benchmarks/compiled_under_dispatch_mode.py``), so that
     on an H100 GPT-2 small's compiled step captured with ``concurrent=True`` held 307 nodes
     against the chain's 151 and ran 0.765 ms a token against 0.581 (``benchmarks/README.md``).
+    ``switch_experts`` (default None) says which mixture-of-experts layers run, while grape
+    captures, by grape's implementations that read nothing back (``grape.torch.experts``:
+    ``batched_mm`` for calls of few pairs, every token through every expert for the rest):
+    None those that would read back (PyTorch's grouped GEMM outside bf16, a model's eager
+    loop), without which the model falls back; True every layer transformers runs by the
+    grouped GEMM or the eager loop, bf16 too, where they measured faster in graphs
+    (``benchmarks/experts_ways.py``), with ``generate``'s tokens up to rounding; False none.
 
     Encoder-decoder models (T5, BART, Marian, Pegasus...) generate the same way: the prompt is
     the encoder's source, run once per call, and the decoder starts from its start token
@@ -551,8 +559,11 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
                                       or isinstance(prompt_bucket, bool) or prompt_bucket < 1):
         raise GrapeError(f"expected prompt_bucket to be a positive integer or None, found "
                          f"{prompt_bucket!r}")
+    if switch_experts is not None and not isinstance(switch_experts, bool):
+        raise GrapeError(f"expected switch_experts to be True, False or None, found "
+                         f"{switch_experts!r}")
     grape_args = _GrapeArgs(seed, compile, exact_lengths, cache_length, prompt_bucket,
-                            concurrent)
+                            concurrent, switch_experts)
     hf_kwargs = dict(kwargs, max_new_tokens=max_new_tokens)
     if owns_generate(model):
         return _through_own_generate(model, input_ids, attention_mask, hf_kwargs, grape_args)
@@ -581,6 +592,7 @@ class _GrapeArgs:
     cache_length: int | None
     prompt_bucket: int | None
     concurrent: bool | None  # None: as the step is compiled or not
+    switch_experts: bool | None = None  # None: the experts that would read back
 
 
 def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
@@ -624,6 +636,7 @@ def _generate(model: torch.nn.Module, input_ids: torch.Tensor,
                 _graphed_generate, model, prompt, caller_ids=input_ids,
                 padded_bytes=padded + decoder_copied,
                 concurrent=_concurrent(args.concurrent, compiled),
+                switch_experts=args.switch_experts,
                 syncs_before=int(decoder_ids is not None) + options.read_backs,
                 # (one for the call: a loop run again streams what it makes)
                 feed=None if options.streamer is None else TokenFeed(options.streamer))
@@ -772,25 +785,28 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
                       seed: int | None, compiled: bool, exact: bool,
                       warn_whole: bool, caller_ids: torch.Tensor | None = None,
                       padded_bytes: int = 0, concurrent: bool = False,
-                      syncs_before: int = 0, feed: TokenFeed | None = None) -> Any:
+                      switch_experts: bool | None = None, syncs_before: int = 0,
+                      feed: TokenFeed | None = None) -> Any:
     """``caller_ids``: the prompt as the caller gave it, before ``bucketed`` padded it
     (``prompt.ids``); the result starts with it. ``padded_bytes``: what making ``prompt`` from
     the caller's tensors copied (bucketing, a decoder prompt's start token put before it);
     ``syncs_before``: the read-backs that took (a decoder prompt's check for its start
     token). ``feed``: the call's streamer, handed each token while the launch runs
-    (``grape.torch.streaming``)."""
+    (``grape.torch.streaming``). ``switch_experts``: as ``generate`` takes it."""
     cache = _CACHES.setdefault(model, _Cache())
     # One generation at a time per model: its executables share the decoder's buffers (a
     # second thread's call of the same shape would overwrite them mid-generation).
     with cache.lock:
-        key = (prompt.key, options.key, compiled, exact, concurrent)
+        key = (prompt.key, options.key, compiled, exact, concurrent, switch_experts)
         entry = cache.entries.get(key)
         captured = entry is None
         if entry is None:
             step_model = cache.step_model(model) if compiled else None
             group = group_of(model)
             try:
-                with experts_on_device(model) as switched_from:
+                with (experts_on_device(model, every=switch_experts is True)
+                      if switch_experts is not False else contextlib.nullcontext()) \
+                        as switched_from:
                     built, failure = _build(model, prompt, options, step_model, exact,
                                             warn_whole, concurrent), None
                 built.experts_switched_from = switched_from

@@ -158,13 +158,24 @@ def _capability(weight: torch.Tensor) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(weight.device) if weight.is_cuda else None
 
 
-def _reading(model: torch.nn.Module) -> list[str]:
-    """The implementations of ``model``'s experts that read back, one per module."""
+def _switchable(implementation: str | None, capability: tuple[int, int] | None) -> bool:
+    """Whether grape's implementation can stand in for ``implementation`` on a GPU of
+    ``capability``: transformers' grouped GEMM and the eager loop (other libraries' kernels
+    are left as they are)."""
+    return capability is not None and implementation in (None, "grouped_mm", "eager")
+
+
+def _reading(model: torch.nn.Module, every: bool = False) -> list[str]:
+    """The implementations of ``model``'s experts to switch, one per module: those that read
+    back, or with ``every`` all that grape's implementation can stand in for."""
     found = []
     for module in _experts(model):
         weight = next(module.parameters(), None)
-        implementation = module.config._experts_implementation
-        if weight is not None and reads_back(implementation, weight.dtype, _capability(weight)):
+        if weight is None:
+            continue
+        implementation, capability = module.config._experts_implementation, _capability(weight)
+        if (_switchable(implementation, capability) if every
+                else reads_back(implementation, weight.dtype, capability)):
             found.append(f"{implementation or 'grouped_mm'} in {str(weight.dtype)[6:]}")
     return found
 
@@ -174,13 +185,14 @@ def _configs(model: torch.nn.Module) -> list[Any]:
 
 
 @contextlib.contextmanager
-def experts_on_device(model: torch.nn.Module) -> Iterator[str | None]:
-    """While inside: ``model``'s experts that would read back run on the device alone where a
-    call is small enough (see the module). Yields what they ran by before (e.g. "grouped_mm in
-    float16"), or None where nothing changed: a model without such experts, or one whose
-    experts transformers cannot switch (then its capture fails where they read back, and says
-    so)."""
-    reading = _reading(model)
+def experts_on_device(model: torch.nn.Module, every: bool = False) -> Iterator[str | None]:
+    """While inside: ``model``'s experts that would read back (with ``every``: every experts
+    layer run by transformers' grouped GEMM or eager loop on a GPU, faster in graphs though it
+    reads nothing back in bf16) run by grape's implementation (see the module). Yields what
+    they ran by before (e.g. "grouped_mm in float16"), or None where nothing changed: a model
+    without such experts, or one whose experts transformers cannot switch (then its capture
+    fails where they read back, and says so)."""
+    reading = _reading(model, every)
     if not reading or not hasattr(model, "set_experts_implementation"):
         yield None
         return
@@ -189,7 +201,7 @@ def experts_on_device(model: torch.nn.Module) -> Iterator[str | None]:
     given = {id(c): c._experts_implementation for c in _configs(model)}
     try:
         model.set_experts_implementation(ON_DEVICE)
-        switched = not _reading(model) and all(
+        switched = not _reading(model, every) and all(
             c._experts_implementation == ON_DEVICE for c in _configs(model))
     except (ValueError, RuntimeError, ImportError, KeyError) as e:
         _LOG.info("grape: %s's experts stay %s: transformers would not switch them (%s)",
@@ -201,7 +213,7 @@ def experts_on_device(model: torch.nn.Module) -> Iterator[str | None]:
         return
     _GIVEN.update(given)
     _LOG.info("grape: %s's experts run by batched_mm or densely in calls of few tokens while "
-              "grape captures: %s reads back to the host", type(model).__name__, reading[0])
+              "grape captures, not by %s", type(model).__name__, reading[0])
     try:
         yield reading[0]
     finally:
