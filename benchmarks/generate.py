@@ -277,8 +277,8 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
 
             options, m = resolve(model, ids, mask, kw)
             decoder = TokenDecoder(model, batch, args.prompt, options)
-            row["host_loop_tokens_identical"] = _same(_host_loop(decoder, ids, m, True),
-                                                      tokens["grape"])
+            row["host_loop_tokens_identical"] = _same(
+                _host_loop(decoder, ids, m, row["prefill_graphed"]), tokens["grape"])
     if strategy == "sample" and "grape" in tokens:
         row = next(r for r in rows if r["way"] == "grape")
         again = grape.generate(model, ids, mask, seed=7, **kw)
@@ -300,10 +300,18 @@ def _host_loop(decoder, ids, mask, captured_prompt: bool):
     mask code picks its attention kernels by whether a capture is under way (outside one it
     drops an all-ones mask and runs the causal kernel), so only then are the prompt's kernels
     the ones grape's launch runs."""
+
+    from grape.torch.experts import experts_on_device
+
+    if not captured_prompt:  # (grape's launch too ran it eagerly: a prompt it could not capture)
+        return decoder.generate_on_host(ids, mask)
+    with experts_on_device(decoder.model):  # (a mixture of experts' as in grape's launch)
+        return _captured_prompt_loop(decoder, ids, mask)
+
+
+def _captured_prompt_loop(decoder, ids, mask):
     import torch
 
-    if not captured_prompt:
-        return decoder.generate_on_host(ids, mask)
     from grape.torch.control import graph as recovering_graph
     from grape.torch.staging import HostConstants, PinnedArena
 

@@ -47,11 +47,14 @@ _LOG = logging.getLogger("grape")
 # the implementation registered with transformers while inside experts_on_device
 ON_DEVICE = "grape_batched_mm"
 # The most tokens a call runs through every expert. A GPU's bf16 arithmetic runs several
-# hundred operations in the time it reads a byte (about 300 on an H100): a product of so few
-# rows is paced by reading its weights, which dense reads once per expert, so the products of
-# pairs not picked cost little time; a prompt of thousands of tokens would pay num_experts /
-# top_k times its arithmetic at every launch.
-DENSE_TOKENS = 128
+# hundred operations in the time it reads a byte (about 300 on an H100): a product of few rows
+# is paced by reading its weights, which dense reads once per expert, so the products of pairs
+# not picked cost little time; a prompt of thousands of tokens would pay num_experts / top_k
+# times its arithmetic at every launch. Measured in graphs (benchmarks/experts_ways.py), dense
+# ran as fast as bf16's grouped GEMM up to 256 tokens in both layers tried on an H200 (8
+# experts of 2048, top 2: 91 us against 146; 64 of 256, top 8: 166 against 165), and on an
+# H100 up to 512 tokens of the first (169 against 188; at 1024, 313 against 236).
+DENSE_TOKENS = 256
 # the implementation each switched config had (by id: configs need not hash), which calls over
 # the bound run by
 _GIVEN: dict[int, str | None] = {}
