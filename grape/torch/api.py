@@ -137,10 +137,11 @@ class GenerationStats:
     # sampled over top-k's candidates, which tokens tied with the k-th score outnumbered: made
     # again over the whole vocabulary (grape.torch.sampling; its launch and read-back counted)
     resampled: bool = False
-    # where the model's experts would read back inside a capture, what they ran by (e.g.
+    # where the model's experts would read back inside a capture (or, with
+    # switch_experts=True, ran by the grouped GEMM or the eager loop), what they ran by (e.g.
     # "grouped_mm in float16"): its steps' experts were captured by transformers' batched_mm
-    # or densely, within grape.torch.experts' bounds (a prompt over them runs eagerly before
-    # the launch)
+    # or densely, within grape.torch.experts' bounds (a prompt over them runs as before, and
+    # eagerly before the launch where that reads back)
     experts_switched_from: str | None = None
 
 

@@ -145,6 +145,13 @@ def _experts(model: torch.nn.Module) -> list[torch.nn.Module]:
             and hasattr(getattr(m, "config", None), "_experts_implementation")]
 
 
+def _switchable(implementation: str | None, capability: tuple[int, int] | None) -> bool:
+    """Whether grape's implementation can stand in for ``implementation`` on a GPU of
+    ``capability``: transformers' grouped GEMM and the eager loop (other libraries' kernels
+    are left as they are)."""
+    return capability is not None and implementation in (None, "grouped_mm", "eager")
+
+
 def reads_back(implementation: str | None, dtype: torch.dtype,
                capability: tuple[int, int] | None) -> bool:
     """Whether experts run by ``implementation`` (None: transformers' default, ``grouped_mm``)
@@ -152,20 +159,13 @@ def reads_back(implementation: str | None, dtype: torch.dtype,
     weights are not on a GPU, and nothing is read back: no capture runs there, and the host
     loop keeps ``generate``'s arithmetic). Other implementations (``batched_mm``, kernels of
     other libraries) are taken to run on the device."""
-    if capability is None or implementation not in (None, "grouped_mm", "eager"):
+    if not _switchable(implementation, capability):
         return False
     return implementation == "eager" or dtype != torch.bfloat16 or capability < (8, 0)
 
 
 def _capability(weight: torch.Tensor) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(weight.device) if weight.is_cuda else None
-
-
-def _switchable(implementation: str | None, capability: tuple[int, int] | None) -> bool:
-    """Whether grape's implementation can stand in for ``implementation`` on a GPU of
-    ``capability``: transformers' grouped GEMM and the eager loop (other libraries' kernels
-    are left as they are)."""
-    return capability is not None and implementation in (None, "grouped_mm", "eager")
 
 
 def _reading(model: torch.nn.Module, every: bool = False) -> list[str]:
