@@ -2,12 +2,13 @@
 
 ``grape.torch.experts`` runs a mixture of experts' layer, while grape captures, by
 transformers' ``batched_mm`` (each picked pair's expert weights gathered, then one batched
-product) where a call picks at most ``num_experts`` (token, expert) pairs, and by
-``dense_experts_forward`` (every token through every expert, weighted by its routing) for
-larger calls of at most ``DENSE_TOKENS`` tokens. Here each way, and PyTorch's grouped GEMM
-where it runs on the device alone (bf16), is captured once per token count and replayed:
-microseconds a call, the median of ``--repeats`` timings of ``--replays`` replays each. Rows
-mark the way ``grape.torch.experts.way`` picks for that call.
+product) where a call picks at most a third as many (token, expert) pairs as there are
+experts, and by ``dense_experts_forward`` (every token through every expert, weighted by its
+routing) for larger calls of at most ``DENSE_TOKENS`` tokens. Here each way, and PyTorch's
+grouped GEMM where it runs on the device alone (bf16), is captured once per token count and
+replayed: microseconds a call, the median of ``--repeats`` timings of ``--replays`` replays
+each (fewer for a slow call: about 20 ms of replays a timing). Rows mark the way
+``grape.torch.experts.way`` picks for that call.
 
 python benchmarks/experts_ways.py [--layers mixtral,many] [--tokens 1,2,4,...] [--dtypes
     float16,bfloat16] [--out FILE]
@@ -43,7 +44,8 @@ def _layer(hidden: int, intermediate: int, experts: int, top_k: int, dtype: Any)
 
 
 def _time_us(fn: Any, replays: int, repeats: int) -> float:
-    """Microseconds a call of ``fn`` captured in a graph takes, replayed ``replays`` times."""
+    """Microseconds a call of ``fn`` captured in a graph takes, replayed up to ``replays``
+    times a timing (fewer for a slow call: about 20 ms of replays, at least 5)."""
     import torch
 
     for _ in range(3):  # lazy initialisation, cuBLAS handles and workspaces, before capture
@@ -52,9 +54,14 @@ def _time_us(fn: Any, replays: int, repeats: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    replays = max(5, min(replays, int(20_000 / max(start.elapsed_time(end) * 1000, 1.0))))
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
             graph.replay()
