@@ -300,12 +300,11 @@ def _host_loop(decoder, ids, mask, captured_prompt: bool):
     mask code picks its attention kernels by whether a capture is under way (outside one it
     drops an all-ones mask and runs the causal kernel), so only then are the prompt's kernels
     the ones grape's launch runs."""
-
     from grape.torch.experts import experts_on_device
 
-    if not captured_prompt:  # (grape's launch too ran it eagerly: a prompt it could not capture)
-        return decoder.generate_on_host(ids, mask)
     with experts_on_device(decoder.model):  # (a mixture of experts' as in grape's launch)
+        if not captured_prompt:  # (as grape's launch ran a prompt it could not capture)
+            return decoder.generate_on_host(ids, mask)
         return _captured_prompt_loop(decoder, ids, mask)
 
 
