@@ -299,3 +299,33 @@ def test_threads_calling_one_graphed_callable_take_turns(monkeypatch):
     assert len(log) == 6 and all(log[i][1] == log[i + 1][1] and log[i][0] == "bring"
                                  for i in range(0, 6, 2)), log
     assert g.stats.calls == 3
+
+
+def test_the_modules_a_callable_runs_are_found_where_it_holds_them():
+    # grape.graphed switches the experts of the modules fn runs (grape.torch.experts): the
+    # module called, the one whose method is, what a partial binds, what a closure holds
+    import functools
+
+    from grape.torch.graphed import modules_of
+
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    assert modules_of(model) == [model]
+    assert modules_of(model.forward) == [model]
+    assert modules_of(lambda x: model(x)) == [model]
+    assert modules_of(functools.partial(lambda m, x: m(x), other)) == [other]
+
+    def outer():
+        def inner(x):
+            return model(x) + other(x)
+        return inner
+
+    assert {id(m) for m in modules_of(outer())} == {id(model), id(other)}
+
+    def ping(x):  # closures that hold each other end the search
+        return pong(x)
+
+    def pong(x):
+        return ping(model(x))
+
+    assert modules_of(ping) == [model]
+    assert modules_of(torch.relu) == []

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -292,11 +293,11 @@ class Graphed:
                 return fn(*args, **kwargs)
 
         began = time.perf_counter()
-        # (a module's experts that would read back run on the device: grape.torch.experts;
-        # the module called, or the one whose method is)
-        module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-        with (experts_on_device(module) if isinstance(module, torch.nn.Module)
-              else contextlib.nullcontext()):
+        # (the experts that would read back, of the modules fn runs, run on the device:
+        # grape.torch.experts)
+        with contextlib.ExitStack() as switched:
+            for module in modules_of(fn):
+                switched.enter_context(experts_on_device(module))
             captured = capture(call, *tensors, params=self.params, pool=self._pool,
                                instantiate=False, tag=tag, warmup=self.warmup,
                                accesses=self.concurrent)
@@ -410,6 +411,34 @@ class Graphed:
         self._written.clear()
 
 
+def modules_of(fn: Callable[..., Any]) -> list[torch.nn.Module]:
+    """The modules ``fn`` runs, as far as they can be found without running it: ``fn`` itself,
+    the module whose method it is, what a ``functools.partial`` binds, and the modules a
+    closure holds (``lambda ids: model(ids).logits``). A module reached only through globals
+    is not found (its experts are then not switched, and a capture that reads back says
+    where)."""
+    found: dict[int, torch.nn.Module] = {}
+    pending: list[Any] = [fn]
+    seen: set[int] = set()  # (closures may hold each other)
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.nn.Module):
+            found[id(item)] = item
+        elif isinstance(item, functools.partial):
+            pending += [item.func, *item.args, *item.keywords.values()]
+        elif callable(item):
+            pending.append(getattr(item, "__self__", None))
+            for cell in getattr(item, "__closure__", None) or ():
+                try:
+                    pending.append(cell.cell_contents)
+                except ValueError:  # (a cell not yet filled)
+                    continue
+    return list(found.values())
+
+
 def graphed(fn: Callable[..., Any], *, params: Mapping[str, torch.Tensor] | None = None,
             shapes: Iterable[tuple] | None = None, share: bool = True,
             warmup: int = 1, concurrent: bool = False) -> Graphed:
@@ -433,7 +462,9 @@ def graphed(fn: Callable[..., Any], *, params: Mapping[str, torch.Tensor] | None
     comparisons). ``warmup=0`` captures without running ``fn`` first, for a ``fn`` that
     changes state it keeps (a training step) and has already run once. ``concurrent=True``:
     each signature's graph as the DAG its memory demands, independent operations side by side
-    (see the module).
+    (see the module). A mixture of experts' layers that would read back, in the modules ``fn``
+    runs (as :func:`modules_of` finds them), run on the device while it is captured
+    (``grape.torch.experts``).
     """
     if not callable(fn):
         raise GrapeError(f"expected a callable to graph, found {type(fn).__name__}")
