@@ -163,6 +163,40 @@ def test_a_moe_model_in_fp16_is_captured_with_experts_that_read_nothing_back(cud
                                        atol=0.02)
     clear_cache(model)
 
+
+def test_switch_experts_runs_bf16_experts_by_grapes_implementations(cuda):
+    # bf16's grouped GEMM reads nothing back, so by default grape captures it as it is;
+    # switch_experts=True runs it by grape's implementations too,
+    # in an executable of its own, and False leaves fp16's reading experts as they are, so
+    # that the model falls back to generate with the reason.
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+
+    config = transformers.MixtralConfig(hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=8,
+                                        num_experts_per_tok=2, vocab_size=500)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(3, 500, (2, 8), device="cuda")
+    kw = dict(max_new_tokens=6, do_sample=False)
+    ref = model.generate(ids, output_scores=True, return_dict_in_generate=True, **kw)
+    as_given = grape.generate(model, ids, **kw)
+    assert last_stats().graphed and last_stats().experts_switched_from is None
+    assert parted_beyond_a_tie(as_given, ref, 8, tie=0.05) is None
+    switched = grape.generate(model, ids, switch_experts=True, **kw)
+    stats = last_stats()
+    assert stats.graphed and stats.captured and stats.prefill_graphed, stats
+    assert stats.experts_switched_from == "grouped_mm in bfloat16"
+    assert model.get_experts_implementation()[""] in (None, "grouped_mm")
+    assert parted_beyond_a_tie(switched, ref, 8, tie=0.05) is None
+    model.half()
+    clear_cache(model)
+    with pytest.warns(UserWarning, match="grape.generate runs model.generate instead"):
+        grape.generate(model, ids, switch_experts=False, **kw)
+    assert not last_stats().graphed
+    clear_cache(model)
+
 def test_the_prompt_is_read_where_it_lies_and_re_pointed_only_when_it_moves(cuda):
     import grape
     from grape.torch.api import clear_cache, last_stats
