@@ -194,6 +194,25 @@ def test_dense_experts_sum_what_batched_mm_sums_in_every_architecture_with_exper
     assert len(checked) >= 20 and len(layouts) >= 3, (checked, layouts)
 
 
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
+def test_dense_experts_in_bf16_weight_as_batched_mm_weights(weights_dtype):
+    # Routers hand their weights in the model's dtype or in float32; each product is weighted
+    # in the promoted dtype, as batched_mm weights it, and the result keeps the hidden states'
+    # dtype (on the CPU the two ways' sums came out bit for bit; 2 ulp of bf16 allowed here)
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    module = _mixtral("eager", experts=8).model.layers[0].mlp.experts.to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randn(6, 32, generator=generator).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2, generator=generator).to(weights_dtype)
+    with torch.no_grad():
+        batched = batched_mm_experts_forward(module, tokens, index, weights)
+        dense = dense_experts_forward(module, tokens, index, weights)
+    assert dense.dtype == batched.dtype == torch.bfloat16
+    torch.testing.assert_close(dense.float(), batched.float(), rtol=2 ** -7, atol=1e-6)
+
+
 def test_experts_that_run_on_the_device_and_models_without_experts_are_left_alone(monkeypatch):
     monkeypatch.setattr(experts, "_capability", lambda weight: H100)
     model = _mixtral("batched_mm")
