@@ -73,20 +73,10 @@ def dense_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """Every token through every expert, each product weighted by its routing weight (zero
     where the router did not pick it) in the dtype ``batched_mm`` weights it in, and summed in
-    float32 as ``batched_mm`` sums. Fixed shapes
-    and no read-back, in any dtype; it reads each expert's weights once, where ``batched_mm``
-    copies one expert's weights per (token, expert) pair, at ``num_experts / top_k`` times the
-    arithmetic the picked pairs need."""
+    float32 as ``batched_mm`` sums. Fixed shapes and no read-back, in any dtype; it reads each
+    expert's weights once, where ``batched_mm`` copies one expert's weights per (token,
+    expert) pair, at ``num_experts / top_k`` times the arithmetic the picked pairs need."""
     experts = module.num_experts
-    down_dtype = module.down_proj.dtype
-    # Each product is weighted in the dtype batched_mm weights it in (the weights' and the
-    # products' promoted), then summed in float32: the zeros of pairs not picked add nothing,
-    # and a 16-bit product needs no float32 copy of every expert's rows. (Index sentinels of
-    # expert parallelism carry zero weights: clamped as batched_mm does.)
-    weighting = torch.promote_types(down_dtype, top_k_weights.dtype)
-    routing = torch.zeros(experts, hidden_states.size(0), dtype=weighting,
-                          device=hidden_states.device).scatter_add_(
-        0, top_k_index.clamp(0, experts - 1).t(), top_k_weights.to(weighting).t())
     x = hidden_states.unsqueeze(0).expand(experts, -1, -1)
     if module.has_gate:
         up = _per_expert(x, module.gate_up_proj,
@@ -99,6 +89,14 @@ def dense_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                                        module.is_transposed))
     down = _per_expert(up, module.down_proj, module.down_proj_bias if module.has_bias else None,
                        module.is_transposed)
+    # Each product is weighted in the dtype batched_mm weights it in (the products' and the
+    # router weights' promoted), then summed in float32: the zeros of pairs not picked add
+    # nothing, and 16-bit weights need no float32 copy of every expert's rows. (Index sentinels
+    # of expert parallelism carry zero weights: clamped as batched_mm does.)
+    weighting = torch.promote_types(down.dtype, top_k_weights.dtype)
+    routing = torch.zeros(experts, hidden_states.size(0), dtype=weighting,
+                          device=hidden_states.device).scatter_add_(
+        0, top_k_index.clamp(0, experts - 1).t(), top_k_weights.to(weighting).t())
     return (down * routing.unsqueeze(-1)).sum(0, dtype=torch.float32).to(hidden_states.dtype)
 
 
