@@ -44,8 +44,9 @@ __all__ = ["DENSE_TOKENS", "ON_DEVICE", "dense_experts_forward", "experts_on_dev
            "reads_back", "way"]
 
 _LOG = logging.getLogger("grape")
-# the implementation registered with transformers while inside experts_on_device
-ON_DEVICE = "grape_batched_mm"
+# the implementation registered with transformers while inside experts_on_device (it runs
+# batched_mm, dense or the given implementation, by way())
+ON_DEVICE = "grape_on_device"
 # The most tokens a call runs through every expert. A GPU's bf16 arithmetic runs several
 # hundred operations in the time it reads a byte (about 300 on an H100): a product of few rows
 # is paced by reading its weights, which dense reads once per expert, so the products of pairs
