@@ -194,6 +194,29 @@ def test_dense_experts_sum_what_batched_mm_sums_in_every_architecture_with_exper
     assert len(checked) >= 20 and len(layouts) >= 3, (checked, layouts)
 
 
+def test_dense_experts_run_in_chunks_that_hold_at_most_dense_bytes(monkeypatch):
+    # 8 experts of 64 (gated: 128 up) over 32 wide, fp32: a token's products are
+    # 8 * (128 + 64 + 32 + 32) * 4 = 8192 bytes; a bound of 3 tokens' runs 7 tokens as 3, 3, 1,
+    # each token's sums as in one call
+    module = _mixtral("eager", experts=8).model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randn(7, 32, generator=generator)
+    index = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(7)])
+    weights = torch.rand(7, 2, generator=generator)
+    per_token = experts._dense_bytes_per_token(module, tokens, weights)
+    assert per_token == 8192
+    with torch.no_grad():
+        whole = dense_experts_forward(module, tokens, index, weights)
+        sizes = []
+        dense = experts._dense
+        monkeypatch.setattr(experts, "_dense",
+                            lambda m, h, i, w: sizes.append(h.size(0)) or dense(m, h, i, w))
+        monkeypatch.setattr(experts, "DENSE_BYTES", 3 * per_token + 1)
+        chunked = dense_experts_forward(module, tokens, index, weights)
+    assert sizes == [3, 3, 1]
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
 def test_dense_experts_in_bf16_weight_as_batched_mm_weights(weights_dtype):
     # Routers hand their weights in the model's dtype or in float32; each product is weighted

@@ -20,7 +20,8 @@ by an implementation that reads nothing back, chosen per call by the call's size
   where not picked). It reads each expert's weights once, and at so few rows a product's time
   is that of reading its weights, so the arithmetic for pairs not picked costs little. A
   decode step at batch 8, or five beams, runs so; on an H200 it ran an 8-expert layer's
-  8-token call in 51 us where batched_mm took 160 and bf16's grouped GEMM 107.
+  8-token call in 51 us where batched_mm took 160 and bf16's grouped GEMM 107. Its products
+  are held for every expert at once: over ``DENSE_BYTES`` the tokens run in chunks.
 - the model's own implementation otherwise (a long prompt): a captured prompt fails where it
   reads back, and ``grape.generate`` runs the prompt eagerly before each launch (its
   documented way).
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DENSE_TOKENS", "ON_DEVICE", "dense_experts_forward", "experts_on_device",
+__all__ = ["DENSE_BYTES", "DENSE_TOKENS", "ON_DEVICE", "dense_experts_forward", "experts_on_device",
            "reads_back", "way"]
 
 _LOG = logging.getLogger("grape")
@@ -56,6 +57,10 @@ ON_DEVICE = "grape_on_device"
 # experts of 2048, top 2: 91 us against 146; 64 of 256, top 8: 166 against 165), and on an
 # H100 up to 512 tokens of the first (169 against 188; at 1024, 313 against 236).
 DENSE_TOKENS = 256
+# The most bytes dense holds in products at once; more tokens run in chunks (at a DeepSeek-V3
+# width, 256 experts of 2048 over hidden 7168, fp16 with fp32 router weights, a token's
+# products take 14 MB: 37 tokens a chunk, and a 256-token call would otherwise hold 3.6 GB).
+DENSE_BYTES = 512 << 20
 # the implementation each switched config had (by id: configs need not hash), which calls over
 # the bound run by
 _GIVEN: dict[int, str | None] = {}
@@ -70,13 +75,43 @@ def _per_expert(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out + bias.unsqueeze(1)
 
 
+def _dense_bytes_per_token(module: torch.nn.Module, hidden_states: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> int:
+    """The bytes :func:`_dense` holds at once for each token it runs: the up projection and
+    its gated half, the down projection and its weighted copy, for every expert."""
+    def out_width(weight: torch.Tensor) -> int:
+        return weight.shape[-1] if module.is_transposed else weight.shape[-2]
+
+    up = out_width(module.gate_up_proj if module.has_gate else module.up_proj)
+    gated = up // 2 if module.has_gate else up
+    hidden = out_width(module.down_proj)
+    size = hidden_states.element_size()
+    weighting = torch.promote_types(hidden_states.dtype, top_k_weights.dtype).itemsize
+    return module.num_experts * ((up + gated + hidden) * size + hidden * weighting)
+
+
 def dense_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """Every token through every expert, each product weighted by its routing weight (zero
     where the router did not pick it) in the dtype ``batched_mm`` weights it in, and summed in
     float32 as ``batched_mm`` sums. Fixed shapes and no read-back, in any dtype; it reads each
     expert's weights once, where ``batched_mm`` copies one expert's weights per (token,
-    expert) pair, at ``num_experts / top_k`` times the arithmetic the picked pairs need."""
+    expert) pair, at ``num_experts / top_k`` times the arithmetic the picked pairs need.
+
+    Every expert's products for every token are held at once: where they would pass
+    ``DENSE_BYTES``, the tokens run in as many chunks as keep them under it (each chunk reads
+    every expert's weights again; each token's sums are its own, whatever the chunks)."""
+    rows = max(1, DENSE_BYTES // _dense_bytes_per_token(module, hidden_states, top_k_weights))
+    if hidden_states.size(0) <= rows:
+        return _dense(module, hidden_states, top_k_index, top_k_weights)
+    chunks = zip(hidden_states.split(rows), top_k_index.split(rows), top_k_weights.split(rows),
+                 strict=True)
+    return torch.cat([_dense(module, *chunk) for chunk in chunks])
+
+
+def _dense(module: torch.nn.Module, hidden_states: torch.Tensor,
+           top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """:func:`dense_experts_forward` over tokens it holds at once."""
     experts = module.num_experts
     x = hidden_states.unsqueeze(0).expand(experts, -1, -1)
     if module.has_gate:
