@@ -10,6 +10,9 @@ and the ways asked (``--ways``, all unless said):
 - ``compiled_repeat_kv``: ``compile=True`` with grouped-query attention's keys and values
   repeated per query head, as transformers does (``CompiledStep.grouped_queries`` off: the
   step as it was before ``grape.torch.grouped_queries``);
+- ``compiled_in_out``: ``compile=True`` with one-row products by weights stored (in, out)
+  (GPT-2's ``Conv1D``) reading those weights as they lie (``CompiledStep.weight_rows`` off:
+  the step as it was before ``grape.torch.weight_rows``);
 - ``compiled_row_kernels``: ``compile=True`` with the step's one-row products run by
   grape's Triton GEMV (``CompiledStep.row_kernels`` on: ``grape.torch.triton_gemv``, an
   experiment, off by default);
@@ -58,11 +61,12 @@ NEW = 128
 # other arguments)
 WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": False}, {}),
         "compiled_repeat_kv": (True, {"grouped_queries": False}, {}),
+        "compiled_in_out": (True, {"weight_rows": False}, {}),
         "compiled_row_kernels": (True, {"row_kernels": True}, {}),
         "compiled_exact": (True, {}, {"exact_lengths": True}), "compiled": (True, {}, {})}
 # CompiledStep's switches and their defaults, put back after each way
 SWITCHES = {name: getattr(CompiledStep, name)
-            for name in ("thin_matmuls", "grouped_queries", "row_kernels")}
+            for name in ("thin_matmuls", "grouped_queries", "row_kernels", "weight_rows")}
 
 
 def origin(name: str) -> str:

@@ -1674,17 +1674,51 @@ def _off_and_on(model, switch, counter):
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
     # grape.torch.thin_matmuls in a compiled step (Inductor, C++ kernels here): the decode
-    # step's products over Linear weights rewritten (Llama's every one, GPT-2's head: its
-    # Conv1D weights lie (in, out) and keep their GEMMs), the prefill's many-row ones not,
-    # and the logits those of the same step compiled with Inductor's GEMMs, to float32's
-    # rounding. Two steps of one model, with and without it, compile apart (Dynamo caches per
-    # function; the step guards on which it is).
+    # step's every product rewritten (Llama's Linears; GPT-2's head and its Conv1D products,
+    # whose weights lie (in, out) and are read from copies laid (out, in):
+    # grape.torch.weight_rows), the prefill's many-row ones not, and the logits those of the
+    # same step compiled with Inductor's GEMMs, to float32's rounding. Two steps of one model,
+    # with and without it, compile apart (Dynamo caches per function; the step guards on
+    # which it is).
+    from transformers.pytorch_utils import Conv1D
+
     m = _built(arch, CONFIGS[arch])
     scores, rewritten = _off_and_on(m, "thin_matmuls", "grape_thin_matmuls")
     linears = sum(isinstance(x, torch.nn.Linear) for x in m.modules())
+    conv1ds = sum(isinstance(x, Conv1D) for x in m.modules())
     assert linears == (1 if arch == "gpt2" else 7 * m.config.num_hidden_layers + 1)
-    assert rewritten == {False: 0, True: linears}
+    assert conv1ds == (4 * m.config.num_hidden_layers if arch == "gpt2" else 0)
+    assert rewritten == {False: 0, True: linears + conv1ds}
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
+
+
+@_NEEDS_CXX
+def test_a_compiled_step_reads_weights_stored_in_out_from_copies_it_keeps_up_to_date():
+    # grape.torch.weight_rows: GPT-2's Conv1D weights lie (in, out); the compiled one-row
+    # step reads copies laid (out, in), which thin_matmuls makes reductions (without them,
+    # only the head is rewritten), with the scores of the step that reads the weights, to
+    # float32's rounding. A weight changed in place afterwards is copied again before the
+    # step runs: the scores follow the model's.
+    from transformers.pytorch_utils import Conv1D
+
+    m = _built("gpt2", CONFIGS["gpt2"])
+    scores, rewritten = _off_and_on(m, "weight_rows", "grape_thin_matmuls")
+    conv1ds = [x for x in m.modules() if isinstance(x, Conv1D)]
+    assert rewritten == {False: 1, True: 1 + len(conv1ds)}
+    torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
+
+    decoder, ids, m_mask = _compiled_decoder(m)
+    decoder.generate_on_host(ids, m_mask)
+    relaid = decoder.step_model.weights.relaid
+    assert sorted(id(r.source) for r in relaid) == sorted(id(c.weight) for c in conv1ds)
+    with torch.no_grad():
+        conv1ds[0].weight.mul_(3.0)
+        conv1ds[-1].weight.add_(0.5)
+    followed = torch.stack(decoder.generate_on_host(ids, m_mask).scores[1:])
+    eager, *_ = _compiled_decoder(m, thin_matmuls=False)
+    changed = torch.stack(eager.generate_on_host(ids, m_mask).scores[1:])
+    assert not torch.allclose(changed, scores[False], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(followed, changed, rtol=1e-5, atol=1e-5)
 
 
 @_NEEDS_CXX

@@ -830,6 +830,10 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
         else:
             updates = entry.inputs.point(entry.loop.graph, entry.loop.executable, prompt.tensors())
         head_ids = prompt.ids if caller_ids is None else caller_ids
+        if compiled and cache.compiled is not None:
+            # (copies of weights the compiled step reads laid otherwise, made again where the
+            # weights changed in place: grape.torch.weight_rows)
+            cache.compiled.refresh()
         if feed is None:
             entry.loop.launch()
         else:

@@ -20,7 +20,9 @@ At batch 1 a decode step multiplies one row by each weight. Inductor writes a pl
 product as a reduction, but hands a biased one (``addmm``) to a GEMM tiled for many rows;
 the step compiles with :mod:`grape.torch.thin_matmuls`'s pass, which makes those reductions
 too, fused with their neighbours (:attr:`CompiledStep.thin_matmuls` turns it off, for
-comparison).
+comparison). A product by a weight stored (in, out) (GPT-2's ``Conv1D``) reads a copy laid
+(out, in), made as the step compiles, so that it becomes such a reduction as well
+(:mod:`grape.torch.weight_rows`; :attr:`CompiledStep.weight_rows` turns it off).
 
 A model with fewer key heads than query heads has transformers copy each layer's keys and
 values once per query head they serve, where a mask is given. While the step compiles, its
@@ -48,7 +50,9 @@ from typing import Any
 
 import torch
 
+from grape.torch.control import capturing
 from grape.torch.grouped_queries import grouped_queries
+from grape.torch.weight_rows import WeightRows
 
 __all__ = ["SHAPES", "CompiledStep", "divides_as_eager"]
 
@@ -76,12 +80,16 @@ def divides_as_eager() -> bool:
 
 
 def _shaped(fn: Callable[..., Any], inductor: dict[str, Any] | None = None,
-            grouped: bool = False) -> Callable[..., Any]:
+            grouped: bool = False, weights: WeightRows | None = None) -> Callable[..., Any]:
     """``fn`` (compiled) called with Dynamo's recompile limits raised (:data:`SHAPES`) and
     Inductor's configuration patched with ``inductor`` (read while it compiles); ``grouped``:
-    inside :func:`grouped_queries` (a step's one-query grouped attention without copies)."""
+    inside :func:`grouped_queries` (a step's one-query grouped attention without copies);
+    ``weights``: its backend's relaid weights, refreshed first (not inside a capture, which
+    would hold the copy: the launch refreshes them before it runs)."""
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if weights is not None and not capturing():
+            weights.refresh()
         with torch._dynamo.config.patch(**_limits()), \
                 torch._inductor.config.patch(inductor or {}), \
                 (grouped_queries() if grouped else contextlib.nullcontext()):
@@ -124,16 +132,44 @@ class CompiledStep:
     # Whether their one-row products run grape's Triton GEMV (grape.torch.triton_gemv)
     # rather than Inductor's kernels: an experiment, off (measured slower on an H100).
     row_kernels = False
+    # Whether their one-row products by weights stored (in, out) read copies laid (out, in)
+    # (grape.torch.weight_rows), so that thin_matmuls makes them reductions too.
+    weight_rows = True
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         self.model, self.options = model, options
         self.thin, self.grouped = self.thin_matmuls, self.grouped_queries
         self.rows = self.row_kernels
+        self.relays = self.weight_rows and self.thin and not self.rows
         forward = _inductor_passes(self.thin, self.rows)
-        self.prepared = _shaped(torch.compile(self._prepared, **options), forward,
-                                self.grouped)
+        self.weights = self._backend() if self.relays else None
+        self.prepared = _shaped(self._compile(self._prepared), forward, self.grouped,
+                                self.weights)
         self._forward: Any = None
         self._forward_passes = forward
+
+    def _backend(self) -> WeightRows:
+        """Inductor as ``torch.compile`` configures it from these options, behind
+        :func:`grape.torch.weight_rows.relay`."""
+        from grape.torch.thin_matmuls import ROWS
+
+        inductor = torch._TorchCompileInductorWrapper(self.options.get("mode"),
+                                                      self.options.get("options"),
+                                                      self.options.get("dynamic"))
+        return WeightRows(inductor, ROWS)
+
+    def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` under ``torch.compile`` with the step's options, through :attr:`weights`
+        where it relays weights."""
+        if self.weights is None:
+            return torch.compile(fn, **self.options)
+        rest = {k: v for k, v in self.options.items() if k not in ("mode", "options")}
+        return torch.compile(fn, backend=self.weights, **rest)
+
+    def refresh(self) -> int:
+        """Copy the relaid weights again where their weights changed in place (before a
+        launch that holds the step); how many did."""
+        return 0 if self.weights is None else self.weights.refresh()
 
     def _prepared(self, ids: torch.Tensor, kwargs: dict[str, Any],
                   decoder_positions: torch.Tensor | None) -> torch.Tensor:
@@ -144,6 +180,8 @@ class CompiledStep:
         if self.grouped:
             pass
         if self.rows:
+            pass
+        if self.relays:
             pass
         inputs = self.model.prepare_inputs_for_generation(ids, **kwargs)
         # (an encoder-decoder's decoder positions, where its preparation makes them from the
@@ -166,6 +204,6 @@ class CompiledStep:
 
     def __call__(self, **inputs: Any) -> Any:
         if self._forward is None:
-            self._forward = _shaped(torch.compile(self.model, **self.options),
-                                    self._forward_passes, self.grouped)
+            self._forward = _shaped(self._compile(self.model), self._forward_passes,
+                                    self.grouped, self.weights)
         return self._forward(**inputs)
