@@ -140,7 +140,9 @@ class CompiledStep:
         self.model, self.options = model, options
         self.thin, self.grouped = self.thin_matmuls, self.grouped_queries
         self.rows = self.row_kernels
-        self.relays = self.weight_rows and self.thin and not self.rows
+        # (only in front of Inductor: another backend keeps the graph it is given)
+        self.relays = (self.weight_rows and self.thin and not self.rows
+                       and options.get("backend", "inductor") == "inductor")
         forward = _inductor_passes(self.thin, self.rows)
         self.weights = self._backend() if self.relays else None
         self.prepared = _shaped(self._compile(self._prepared), forward, self.grouped,
@@ -163,7 +165,8 @@ class CompiledStep:
         where it relays weights."""
         if self.weights is None:
             return torch.compile(fn, **self.options)
-        rest = {k: v for k, v in self.options.items() if k not in ("mode", "options")}
+        rest = {k: v for k, v in self.options.items()
+                if k not in ("mode", "options", "backend")}
         return torch.compile(fn, backend=self.weights, **rest)
 
     def refresh(self) -> int:
