@@ -72,9 +72,10 @@ def _rows(value: Any) -> int | None:
 
 
 def _stored_in_out(weight: Any, rows: Any) -> bool:
-    """Whether ``weight`` is a real 2D floating tensor stored (in, out) (contiguous, so that
-    each output reads a strided column), of more than one output, in ``rows``' dtype."""
-    return (isinstance(weight, torch.Tensor) and weight.dim() == 2
+    """Whether ``weight`` is a 2D floating parameter stored (in, out) (contiguous, so that
+    each output reads a strided column), of more than one output, in ``rows``' dtype. (Only
+    parameters: a buffer may be written by the very graphs that would read its copy.)"""
+    return (isinstance(weight, torch.nn.Parameter) and weight.dim() == 2
             and weight.is_floating_point() and weight.shape[0] > 1 and weight.shape[1] > 1
             and weight.stride() == (weight.shape[1], 1)
             and isinstance(rows, torch.Tensor) and rows.dtype == weight.dtype)
