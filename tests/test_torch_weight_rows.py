@@ -60,3 +60,16 @@ def test_a_parameter_changed_in_place_is_copied_again_by_refresh():
         assert not torch.allclose(compiled(x), module(x))  # (the copy, before a refresh)
         assert backend.refresh() == 1 and backend.refresh() == 0
         torch.testing.assert_close(compiled(x), module(x))
+
+
+def test_a_graph_that_fails_to_compile_keeps_no_copies():
+    torch._dynamo.reset()
+
+    def failing(gm, example_inputs):
+        raise RuntimeError("the compiler refused")
+
+    backend = WeightRows(failing, most_rows=1)
+    compiled = torch.compile(_Products(), backend=backend, dynamic=False)
+    with torch.no_grad(), pytest.raises(Exception, match="the compiler refused"):
+        compiled(torch.randn(1, 8))
+    assert backend.relaid == []

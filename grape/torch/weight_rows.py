@@ -142,12 +142,14 @@ class WeightRows:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         made = relay(gm, example_inputs, self.most_rows)
+        compiled = self.compile(gm, example_inputs)
+        # (kept once the graph compiled: a compilation that fails drops its copies with it)
+        self.relaid.extend(made)
         if made:
             _LOG.info("grape: %d one-row products' weights stored (in, out) are read from "
                       "copies laid (out, in): %.1f MB", len(made),
                       sum(r.copy.nbytes for r in made) / 1e6)
-        self.relaid.extend(made)
-        return self.compile(gm, example_inputs)
+        return compiled
 
     def refresh(self) -> int:
         """Refresh every copy whose weight changed in place; how many did."""
