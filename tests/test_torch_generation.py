@@ -1711,6 +1711,7 @@ def test_a_compiled_step_reads_weights_stored_in_out_from_copies_it_keeps_up_to_
     decoder.generate_on_host(ids, m_mask)
     relaid = decoder.step_model.weights.relaid
     assert sorted(id(r.source) for r in relaid) == sorted(id(c.weight) for c in conv1ds)
+    assert decoder.step_model.copied_bytes() == sum(c.weight.nbytes for c in conv1ds)
     with torch.no_grad():
         conv1ds[0].weight.mul_(3.0)
         conv1ds[-1].weight.add_(0.5)

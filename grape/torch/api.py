@@ -143,6 +143,11 @@ class GenerationStats:
     # or densely, within grape.torch.experts' bounds (a prompt over them runs as before, and
     # eagerly before the launch where that reads back)
     experts_switched_from: str | None = None
+    # compile=True: device bytes of the weight copies laid (out, in) that the compiled step
+    # reads (grape.torch.weight_rows), and how many were made again before this launch
+    # because their weights had changed in place
+    weight_copy_bytes: int = 0
+    weight_copies_refreshed: int = 0
 
 
 @dataclass(frozen=True)
@@ -830,10 +835,11 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
         else:
             updates = entry.inputs.point(entry.loop.graph, entry.loop.executable, prompt.tensors())
         head_ids = prompt.ids if caller_ids is None else caller_ids
+        refreshed = copies = 0
         if compiled and cache.compiled is not None:
             # (copies of weights the compiled step reads laid otherwise, made again where the
             # weights changed in place: grape.torch.weight_rows)
-            cache.compiled.refresh()
+            refreshed, copies = cache.compiled.refresh(), cache.compiled.copied_bytes()
         if feed is None:
             entry.loop.launch()
         else:
@@ -850,5 +856,6 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
             step_depth=(entry.loop.concurrency["body"].depth
                         if "body" in entry.loop.concurrency else len(entry.loop.capture.ir)),
             streamed_while_running=0 if feed is None else feed.while_running,
-            compiled=compiled, experts_switched_from=entry.experts_switched_from))
+            compiled=compiled, experts_switched_from=entry.experts_switched_from,
+            weight_copy_bytes=copies, weight_copies_refreshed=refreshed))
         return result

@@ -174,6 +174,10 @@ class CompiledStep:
         launch that holds the step); how many did."""
         return 0 if self.weights is None else self.weights.refresh()
 
+    def copied_bytes(self) -> int:
+        """The device bytes of the relaid weights' copies."""
+        return 0 if self.weights is None else sum(r.copy.nbytes for r in self.weights.relaid)
+
     def _prepared(self, ids: torch.Tensor, kwargs: dict[str, Any],
                   decoder_positions: torch.Tensor | None) -> torch.Tensor:
         # (read so that Dynamo guards on them: its cache is per function, and two steps of one
