@@ -93,7 +93,9 @@ def relay(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     relaid: dict[torch.fx.Node, torch.fx.Node] = {}
     made: list[RelaidWeight] = []
     for node in list(gm.graph.nodes):
-        at = _PRODUCTS.get(node.target) if node.op == "call_function" else None
+        at = None
+        if node.op == "call_function":  # (by identity: a call's target need not hash)
+            at = next((i for f, i in _PRODUCTS.items() if node.target is f), None)
         if at is None or len(node.args) <= at or node.kwargs:
             continue
         weight, left = node.args[at], node.args[at - 1]
