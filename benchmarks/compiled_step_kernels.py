@@ -16,6 +16,9 @@ and the ways asked (``--ways``, all unless said):
 - ``compiled_row_kernels``: ``compile=True`` with the step's one-row products run by
   grape's Triton GEMV (``CompiledStep.row_kernels`` on: ``grape.torch.triton_gemv``, an
   experiment, off by default);
+- ``compiled_pdl``: ``compile=True`` with Inductor's Triton kernels launched dependently
+  (``CompiledStep.dependent_launch`` on: programmatic dependent launch, Hopper and later),
+  each kernel's launch overlapping the tail of the one before;
 - ``compiled_exact``: ``compile=True, exact_lengths=True``: each token's attention over the
   keys that exist, by FlashAttention's variable-length kernel reading the lengths on the
   device (``grape.torch.exact``), where the other ways attend over the whole cache, masked;
@@ -63,10 +66,12 @@ WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": Fals
         "compiled_repeat_kv": (True, {"grouped_queries": False}, {}),
         "compiled_in_out": (True, {"weight_rows": False}, {}),
         "compiled_row_kernels": (True, {"row_kernels": True}, {}),
+        "compiled_pdl": (True, {"dependent_launch": True}, {}),
         "compiled_exact": (True, {}, {"exact_lengths": True}), "compiled": (True, {}, {})}
 # CompiledStep's switches and their defaults, put back after each way
 SWITCHES = {name: getattr(CompiledStep, name)
-            for name in ("thin_matmuls", "grouped_queries", "row_kernels", "weight_rows")}
+            for name in ("thin_matmuls", "grouped_queries", "row_kernels", "weight_rows",
+                          "dependent_launch")}
 
 
 def origin(name: str) -> str:
@@ -96,6 +101,9 @@ def kernels(entry: Any) -> tuple[dict[str, int], dict[str, int], dict[str, int]]
                 inductor[op.name.rstrip("0123456789").rstrip("_")] += 1
         else:
             kinds[type(op).__name__] += 1
+    for *_, kind in entry.loop.capture.ir.edges():  # (PDL's, where launched dependently)
+        if kind is not None:
+            kinds[f"{kind}_edges"] += 1
     return dict(kinds), dict(eager.most_common()), dict(inductor.most_common())
 
 

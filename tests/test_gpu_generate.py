@@ -1211,6 +1211,39 @@ def test_a_graphed_callable_takes_keyword_and_nested_tensor_arguments(cuda):
     g.close()
 
 
+def test_a_compiled_step_launched_dependently_keeps_its_programmatic_edges(cuda):
+    # CompiledStep.dependent_launch: on Hopper and later, Inductor launches its Triton kernels
+    # dependently (PDL); captured, those launches are programmatic edges, which grape's IR
+    # keeps and its device loop builds. Side by side with the step compiled without: the same
+    # nodes, edges made programmatic only with the switch, tokens that mostly agree (each
+    # compilation tunes its own kernels).
+    import grape
+    from grape.torch.api import _CACHES, clear_cache, last_stats
+    from grape.torch.compiled_step import CompiledStep, launches_dependently
+
+    if not launches_dependently():
+        pytest.skip("this torch's Inductor has no programmatic dependent launch")
+    model = _small_llama()
+    ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
+    built = {}
+    for on in (False, True):
+        CompiledStep.dependent_launch = on
+        try:
+            out = grape.generate(model, ids, max_new_tokens=16, do_sample=False, compile=True)
+        finally:
+            CompiledStep.dependent_launch = False
+        stats = last_stats()
+        assert stats.graphed and stats.compiled
+        entry = next(e for key, e in _CACHES[model].entries.items() if key[2])
+        edges = [k for *_, k in entry.loop.capture.ir.edges() if k == "programmatic"]
+        built[on] = (stats.step_nodes, len(edges), out)
+        clear_cache(model)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert built[False][1] == 0 and (built[True][1] > 0) == hopper, built
+    assert built[True][0] == built[False][0], built
+    assert (built[True][2][:, 5:] == built[False][2][:, 5:]).float().mean() >= 0.75
+
+
 def test_a_compiled_step_attends_with_grouped_queries_without_copying_keys(cuda):
     # grape.torch.grouped_queries: a compiled decode step of a model with fewer key heads
     # than query heads reads its keys and values where they lie, the query heads a key head

@@ -1780,3 +1780,30 @@ def test_a_compiled_step_attends_with_grouped_queries_without_repeating_keys():
         assert not decoder._unprepared
     assert repeats == {False: 2 * m.config.num_hidden_layers, True: 0}
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_step_asks_inductor_for_dependent_launches_only_when_told(monkeypatch):
+    # CompiledStep.dependent_launch: Inductor's configuration, as its backend reads it while
+    # compiling the step's forward and its bookkeeping, holds programmatic dependent launch
+    # for a step made with the switch on, and as configured otherwise for one made without.
+    from grape.torch.compiled_step import CompiledStep, launches_dependently
+
+    if not launches_dependently():
+        pytest.skip("this torch's Inductor has no programmatic dependent launch")
+    configured = torch._inductor.config.triton.enable_pdl
+    seen = []
+
+    def backend(gm, example_inputs):  # (what Inductor would read, recorded; runs eagerly)
+        seen.append(torch._inductor.config.triton.enable_pdl)
+        return gm.forward
+
+    m = _built("gpt2", CONFIGS["gpt2"])
+    ids, _ = _prompt()
+    for on in (False, True):
+        monkeypatch.setattr(CompiledStep, "dependent_launch", on)
+        step = CompiledStep(m, backend=backend, dynamic=False)
+        assert step.pdl is on
+        torch._dynamo.reset()  # (each step's own compilations, not the last one's)
+        step(input_ids=ids)
+        step.tail(lambda x: x * 2)(torch.ones(3))
+    assert seen == [configured] * 2 + [True] * 2

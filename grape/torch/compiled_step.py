@@ -97,13 +97,27 @@ def _shaped(fn: Callable[..., Any], inductor: dict[str, Any] | None = None,
     return call
 
 
-def _inductor_passes(thin: bool, rows: bool) -> dict[str, Any] | None:
+# Inductor's switch for programmatic dependent launch (PDL): each of its Triton kernels waits
+# for the kernel before it only where it first reads what that kernel wrote, and lets the next
+# one start once its own reads are done, so that on Hopper and later a kernel's launch and
+# prologue overlap the tail of the one before (Inductor emits nothing below compute
+# capability 9). Captured, the launches become programmatic edges, which grape's IR keeps.
+_PDL = "triton.enable_pdl"
+
+
+def launches_dependently() -> bool:
+    """Whether this torch's Inductor can emit programmatic dependent launches (:data:`_PDL`)."""
+    return hasattr(torch._inductor.config.triton, "enable_pdl")
+
+
+def _inductor_passes(thin: bool, rows: bool, pdl: bool = False) -> dict[str, Any] | None:
     """Inductor's configuration for a step's forward: ``thin``, :class:`ThinMatmuls` after
     any post-grad pass already configured; ``rows``, :class:`OneRowKernels` after any
-    pre-grad pass (a user's own passes keep running). None: nothing to patch."""
+    pre-grad pass (a user's own passes keep running); ``pdl``, programmatic dependent
+    launches (:data:`_PDL`). None: nothing to patch."""
     # (imported here: Inductor's pattern matcher takes most of a second to import, and a
     # process that never compiles a step should not pay for it)
-    patches: dict[str, Any] = {}
+    patches: dict[str, Any] = {_PDL: True} if pdl else {}
     if thin:
         from grape.torch.thin_matmuls import ThinMatmuls
 
@@ -135,15 +149,19 @@ class CompiledStep:
     # Whether their one-row products by weights stored (in, out) read copies laid (out, in)
     # (grape.torch.weight_rows), so that thin_matmuls makes them reductions too.
     weight_rows = True
+    # Whether their Triton kernels launch dependently (programmatic dependent launch, where
+    # this torch's Inductor has it: launches_dependently).
+    dependent_launch = False
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         self.model, self.options = model, options
         self.thin, self.grouped = self.thin_matmuls, self.grouped_queries
         self.rows = self.row_kernels
+        self.pdl = self.dependent_launch and launches_dependently()
         # (only in front of Inductor: another backend keeps the graph it is given)
         self.relays = (self.weight_rows and self.thin and not self.rows
                        and options.get("backend", "inductor") == "inductor")
-        forward = _inductor_passes(self.thin, self.rows)
+        forward = _inductor_passes(self.thin, self.rows, self.pdl)
         self.weights = self._backend() if self.relays else None
         self.prepared = _shaped(self._compile(self._prepared), forward, self.grouped,
                                 self.weights)
@@ -190,6 +208,8 @@ class CompiledStep:
             pass
         if self.relays:
             pass
+        if self.pdl:
+            pass
         inputs = self.model.prepare_inputs_for_generation(ids, **kwargs)
         # (an encoder-decoder's decoder positions, where its preparation makes them from the
         # running mask: the decoder's own, as Decoder._decoder_positions gives them)
@@ -206,8 +226,8 @@ class CompiledStep:
         this torch's Inductor cannot: :func:`divides_as_eager`)."""
         if divides and not divides_as_eager():
             return None
-        return _shaped(torch.compile(fn, fullgraph=True, **self.options),
-                       {_DIVISION: True} if divides else None)
+        patches = {**({_DIVISION: True} if divides else {}), **({_PDL: True} if self.pdl else {})}
+        return _shaped(torch.compile(fn, fullgraph=True, **self.options), patches or None)
 
     def __call__(self, **inputs: Any) -> Any:
         if self._forward is None:
