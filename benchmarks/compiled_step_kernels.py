@@ -19,6 +19,11 @@ and the ways asked (``--ways``, all unless said):
 - ``compiled_pdl``: ``compile=True`` with Inductor's Triton kernels launched dependently
   (``CompiledStep.dependent_launch`` on: programmatic dependent launch, Hopper and later),
   each kernel's launch overlapping the tail of the one before;
+- ``compiled_pdl_full``: the same kernels (Inductor's cache serves ``compiled_pdl``'s where
+  it ran first in the process), the loop built with every edge a full dependency, so that
+  a kernel waits for the whole of the one before as it would launched plainly: against
+  ``compiled_pdl``, what the programmatic edges do; against ``compiled``, what the kernels
+  compiled for PDL do;
 - ``compiled_exact``: ``compile=True, exact_lengths=True``: each token's attention over the
   keys that exist, by FlashAttention's variable-length kernel reading the lengths on the
   device (``grape.torch.exact``), where the other ways attend over the whole cache, masked;
@@ -42,12 +47,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -55,7 +62,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from generate import SIZES, STRATEGIES, build
 
 import grape
-from grape.ir import Kernel
+from grape.ir import Kernel, KernelGraph
 from grape.torch.api import _CACHES, last_stats
 from grape.torch.compiled_step import CompiledStep
 
@@ -67,7 +74,10 @@ WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": Fals
         "compiled_in_out": (True, {"weight_rows": False}, {}),
         "compiled_row_kernels": (True, {"row_kernels": True}, {}),
         "compiled_pdl": (True, {"dependent_launch": True}, {}),
+        "compiled_pdl_full": (True, {"dependent_launch": True}, {}),
         "compiled_exact": (True, {}, {"exact_lengths": True}), "compiled": (True, {}, {})}
+# ways whose loops are built with every edge a full dependency
+FULL_EDGES = {"compiled_pdl_full"}
 # CompiledStep's switches and their defaults, put back after each way
 SWITCHES = {name: getattr(CompiledStep, name)
             for name in ("thin_matmuls", "grouped_queries", "row_kernels", "weight_rows",
@@ -139,7 +149,9 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
             if compile and model in _CACHES:  # (a compiled step of this way's own)
                 _CACHES[model].compiled = None
             began = time.perf_counter()
-            grape.generate(model, ids, compile=compile, seed=7, **given, **kw)
+            with (mock.patch.object(KernelGraph, "kinds_into", lambda self, node: {})
+                  if way in FULL_EDGES else contextlib.nullcontext()):
+                grape.generate(model, ids, compile=compile, seed=7, **given, **kw)
             seconds = time.perf_counter() - began
             s = last_stats()
             entries = _CACHES[model].entries
@@ -158,6 +170,7 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
         kinds, eager, inductor = kernels(built[way][1])
         rows[way] = {"strategy": strategy, "way": way, "graphed": s.graphed,
                      "compiled": s.compiled, "step_nodes": s.step_nodes,
+                     "edges_built_full": way in FULL_EDGES,
                      "step_depth": s.step_depth, "build_s": round(seconds, 1),
                      "kinds": kinds, "eager_kernels": eager,
                      "inductor_kernels": inductor, "rounds_ms": []}
