@@ -18,16 +18,14 @@ and the ways asked (``--ways``, all unless said):
   experiment, off by default);
 - ``compiled_pdl``: ``compile=True`` with Inductor's Triton kernels launched dependently
   (``CompiledStep.dependent_launch`` on: programmatic dependent launch, Hopper and later),
-  each kernel's launch overlapping the tail of the one before;
-- ``compiled_pdl_full``: the same kernels (Inductor's cache serves ``compiled_pdl``'s where
-  it ran first in the process), the loop built with every edge a full dependency, so that
-  a kernel waits for the whole of the one before as it would launched plainly: against
-  ``compiled_pdl``, what the programmatic edges do; against ``compiled``, what the kernels
-  compiled for PDL do;
-- ``compiled_pdl_triton``: the same, the loop built with programmatic edges only out of
-  Inductor's kernels (those out of attention's and PyTorch's kernels made full);
-- ``compiled_pdl_one_wave``: the same, programmatic edges only into kernels of at most one
-  block per multiprocessor;
+  each kernel's launch overlapping the tail of the one before, programmatic edges kept only
+  out of kernels launched dependently (``grape.passes.dependent_launch``);
+- ``compiled_pdl_captured``: the same kernels (Inductor's cache serves ``compiled_pdl``'s
+  where it ran first in the process), the loop built with every edge as captured;
+- ``compiled_pdl_full``: the same kernels, the loop built with every edge a full
+  dependency, so that a kernel waits for the whole of the one before as it would launched
+  plainly: against ``compiled_pdl``, what the programmatic edges do; against ``compiled``,
+  what the kernels compiled for PDL do;
 - ``compiled_exact``: ``compile=True, exact_lengths=True``: each token's attention over the
   keys that exist, by FlashAttention's variable-length kernel reading the lengths on the
   device (``grape.torch.exact``), where the other ways attend over the whole cache, masked;
@@ -79,38 +77,22 @@ WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": Fals
         "compiled_row_kernels": (True, {"row_kernels": True}, {}),
         "compiled_pdl": (True, {"dependent_launch": True}, {}),
         "compiled_pdl_full": (True, {"dependent_launch": True}, {}),
-        "compiled_pdl_triton": (True, {"dependent_launch": True}, {}),
-        "compiled_pdl_one_wave": (True, {"dependent_launch": True}, {}),
+        "compiled_pdl_captured": (True, {"dependent_launch": True}, {}),
         "compiled_exact": (True, {}, {"exact_lengths": True}), "compiled": (True, {}, {})}
+
 
 
 def _blocks(op: Any) -> int:
     return op.grid[0] * op.grid[1] * op.grid[2] if isinstance(op, Kernel) else 0
 
 
-# ways whose loops are built with some programmatic edges made full: which (graph, upstream
-# node, node) keep theirs
-KEEP_EDGES = {
-    "compiled_pdl_full": lambda g, u, v: False,
-    "compiled_pdl_triton": lambda g, u, v: origin(getattr(g.op(u), "name", "")) == "inductor",
-    "compiled_pdl_one_wave": lambda g, u, v: 0 < _blocks(g.op(v)) <= _SMS(),
+# ways whose loops are built otherwise than grape builds them: the patch that does it
+BUILDS = {
+    "compiled_pdl_captured": lambda: mock.patch("grape.torch.loop.dependent_edges",
+                                                lambda graph: graph),
+    "compiled_pdl_full": lambda: mock.patch.object(KernelGraph, "kinds_into",
+                                                   lambda self, node: {}),
 }
-_SMS = lambda: torch.cuda.get_device_properties().multi_processor_count  # noqa: E731
-
-
-@contextlib.contextmanager
-def edges_kept(way: str) -> Any:
-    """While a loop is built for ``way``, its programmatic edges kept as :data:`KEEP_EDGES`
-    says (all, for a way it does not name)."""
-    if way not in KEEP_EDGES:
-        yield
-        return
-    keep, kinds = KEEP_EDGES[way], KernelGraph.kinds_into
-
-    def kept(self: KernelGraph, node: str) -> dict[str, str]:
-        return {u: k for u, k in kinds(self, node).items() if keep(self, u, node)}
-    with mock.patch.object(KernelGraph, "kinds_into", kept):
-        yield
 # CompiledStep's switches and their defaults, put back after each way
 SWITCHES = {name: getattr(CompiledStep, name)
             for name in ("thin_matmuls", "grouped_queries", "row_kernels", "weight_rows",
@@ -191,7 +173,7 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
             if compile and model in _CACHES:  # (a compiled step of this way's own)
                 _CACHES[model].compiled = None
             began = time.perf_counter()
-            with edges_kept(way):
+            with BUILDS[way]() if way in BUILDS else contextlib.nullcontext():
                 grape.generate(model, ids, compile=compile, seed=7, **given, **kw)
             seconds = time.perf_counter() - began
             s = last_stats()
@@ -211,7 +193,7 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
         kinds, eager, inductor = kernels(built[way][1])
         rows[way] = {"strategy": strategy, "way": way, "graphed": s.graphed,
                      "compiled": s.compiled, "step_nodes": s.step_nodes,
-                     "programmatic_edges_built": "all" if way not in KEEP_EDGES else way,
+                     "built_otherwise": way in BUILDS,
                      "step_ops": step_ops(built[way][1]),
                      "step_depth": s.step_depth, "build_s": round(seconds, 1),
                      "kinds": kinds, "eager_kernels": eager,

@@ -39,6 +39,7 @@ from grape.errors import GrapeError
 from grape.ir import Buffer, BufferRole, HandleRef, Kernel, KernelGraph
 from grape.passes.concurrency import Concurrency
 from grape.passes.concurrency import concurrent as concurrent_dag
+from grape.passes.dependent_launch import dependent_edges
 from grape.passes.loops import check_bound, while_loop_graph
 from grape.torch.capture import TorchCapture, capture
 
@@ -98,11 +99,12 @@ class DeviceLoop:
         self.executable: Executable = self.graph.instantiate()
 
     def _dag(self, name: str, captured: TorchCapture) -> KernelGraph:
+        # (programmatic edges out of kernels not written for them cost: dependent_edges)
         if not captured.accesses:
-            return captured.ir
+            return dependent_edges(captured.ir)
         dag = self.concurrency[name] = concurrent_dag(captured.ir, captured.accesses,
                                                       captured.allocations)
-        return dag.graph
+        return dependent_edges(dag.graph)
 
     def launch(self, stream: int | None = None) -> None:
         self.executable.launch(torch.cuda.current_stream().cuda_stream
