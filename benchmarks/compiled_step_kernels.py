@@ -16,6 +16,8 @@ and the ways asked (``--ways``, all unless said):
 - ``compiled_row_kernels``: ``compile=True`` with the step's one-row products run by
   grape's Triton GEMV (``CompiledStep.row_kernels`` on: ``grape.torch.triton_gemv``, an
   experiment, off by default);
+- ``compiled_plain``: ``compile=True`` with Inductor's Triton kernels launched plainly
+  (``CompiledStep.dependent_launch`` off: the step as it was before);
 - ``compiled_pdl``: ``compile=True`` with Inductor's Triton kernels launched dependently
   (``CompiledStep.dependent_launch`` on: programmatic dependent launch, Hopper and later),
   each kernel's launch overlapping the tail of the one before, programmatic edges kept only
@@ -75,6 +77,7 @@ WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": Fals
         "compiled_repeat_kv": (True, {"grouped_queries": False}, {}),
         "compiled_in_out": (True, {"weight_rows": False}, {}),
         "compiled_row_kernels": (True, {"row_kernels": True}, {}),
+        "compiled_plain": (True, {"dependent_launch": False}, {}),
         "compiled_pdl": (True, {"dependent_launch": True}, {}),
         "compiled_pdl_full": (True, {"dependent_launch": True}, {}),
         "compiled_pdl_captured": (True, {"dependent_launch": True}, {}),

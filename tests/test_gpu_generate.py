@@ -1225,13 +1225,13 @@ def test_a_compiled_step_launched_dependently_keeps_its_programmatic_edges(cuda)
         pytest.skip("this torch's Inductor has no programmatic dependent launch")
     model = _small_llama()
     ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
-    built = {}
+    built, default = {}, CompiledStep.dependent_launch
     for on in (False, True):
         CompiledStep.dependent_launch = on
         try:
             out = grape.generate(model, ids, max_new_tokens=16, do_sample=False, compile=True)
         finally:
-            CompiledStep.dependent_launch = False
+            CompiledStep.dependent_launch = default
         stats = last_stats()
         assert stats.graphed and stats.compiled
         entry = next(e for key, e in _CACHES[model].entries.items() if key[2])
