@@ -28,6 +28,10 @@ and the ways asked (``--ways``, all unless said):
   dependency, so that a kernel waits for the whole of the one before as it would launched
   plainly: against ``compiled_pdl``, what the programmatic edges do; against ``compiled``,
   what the kernels compiled for PDL do;
+- ``compiled_no_cd``: ``compile=True`` with Inductor's options as ``max-autotune`` gives
+  them less coordinate-descent tuning (each kernel's configuration from Inductor's own
+  candidates), to see whether the tuning's choices are what makes two compilations of one
+  step run at different speeds;
 - ``compiled_exact``: ``compile=True, exact_lengths=True``: each token's attention over the
   keys that exist, by FlashAttention's variable-length kernel reading the lengths on the
   device (``grape.torch.exact``), where the other ways attend over the whole cache, masked;
@@ -81,6 +85,7 @@ WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": Fals
         "compiled_pdl": (True, {"dependent_launch": True}, {}),
         "compiled_pdl_full": (True, {"dependent_launch": True}, {}),
         "compiled_pdl_captured": (True, {"dependent_launch": True}, {}),
+        "compiled_no_cd": (True, {}, {}),
         "compiled_exact": (True, {}, {"exact_lengths": True}), "compiled": (True, {}, {})}
 
 
@@ -90,7 +95,18 @@ def _blocks(op: Any) -> int:
 
 
 # ways whose loops are built otherwise than grape builds them: the patch that does it
+class _NoCoordinateDescent(CompiledStep):
+    """A compiled step whose Inductor options are ``max-autotune-no-cudagraphs``'s without
+    coordinate-descent tuning."""
+
+    def __init__(self, model: torch.nn.Module, **options: Any) -> None:
+        options.pop("mode", None)
+        super().__init__(model, options={"max_autotune": True,
+                                         "coordinate_descent_tuning": False}, **options)
+
+
 BUILDS = {
+    "compiled_no_cd": lambda: mock.patch("grape.torch.api.CompiledStep", _NoCoordinateDescent),
     "compiled_pdl_captured": lambda: mock.patch("grape.torch.loop.dependent_edges",
                                                 lambda graph: graph),
     "compiled_pdl_full": lambda: mock.patch.object(KernelGraph, "kinds_into",
