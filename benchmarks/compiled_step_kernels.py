@@ -212,7 +212,7 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
         kinds, eager, inductor = kernels(built[way][1])
         rows[way] = {"strategy": strategy, "way": way, "graphed": s.graphed,
                      "compiled": s.compiled, "step_nodes": s.step_nodes,
-                     "built_otherwise": way in BUILDS,
+                     "built_otherwise": way in BUILDS, "dependent_edges": s.dependent_edges,
                      "step_ops": step_ops(built[way][1]),
                      "step_depth": s.step_depth, "build_s": round(seconds, 1),
                      "kinds": kinds, "eager_kernels": eager,

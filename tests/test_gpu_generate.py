@@ -1236,6 +1236,8 @@ def test_a_compiled_step_launched_dependently_keeps_its_programmatic_edges(cuda)
         assert stats.graphed and stats.compiled
         entry = next(e for key, e in _CACHES[model].entries.items() if key[2])
         edges = [k for *_, k in entry.loop.capture.ir.edges() if k == "programmatic"]
+        # (built: those out of kernels launched dependently, grape.passes.dependent_launch)
+        assert 0 <= stats.dependent_edges < len(edges) or stats.dependent_edges == len(edges) == 0
         built[on] = (stats.step_nodes, len(edges), out)
         clear_cache(model)
     hopper = torch.cuda.get_device_capability()[0] >= 9

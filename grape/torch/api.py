@@ -148,6 +148,9 @@ class GenerationStats:
     # because their weights had changed in place
     weight_copy_bytes: int = 0
     weight_copies_refreshed: int = 0
+    # the step's programmatic edges as built: each lets a kernel launch while the one before
+    # it finishes (compile=True on Hopper and later; grape.passes.dependent_launch)
+    dependent_edges: int = 0
 
 
 @dataclass(frozen=True)
@@ -857,5 +860,6 @@ def _graphed_generate(model: torch.nn.Module, prompt: _Prompt, options: Options,
                         if "body" in entry.loop.concurrency else len(entry.loop.capture.ir)),
             streamed_while_running=0 if feed is None else feed.while_running,
             compiled=compiled, experts_switched_from=entry.experts_switched_from,
-            weight_copy_bytes=copies, weight_copies_refreshed=refreshed))
+            weight_copy_bytes=copies, weight_copies_refreshed=refreshed,
+            dependent_edges=entry.loop.programmatic_edges.get("body", 0)))
         return result

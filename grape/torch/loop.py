@@ -85,6 +85,8 @@ class DeviceLoop:
             accesses=concurrent)
         # "body" and "prologue": their DAGs (concurrent=True), with what they cost in precision
         self.concurrency: dict[str, Concurrency] = {}
+        # "body" and "prologue": the programmatic (PDL) edges each is built with
+        self.programmatic_edges: dict[str, int] = {}
         body_ir = self._dag("body", self.capture)
         prologue_ir = None if self.prologue is None else self._dag("prologue", self.prologue)
         go = Buffer("grape:running", 1, BufferRole.INTERNAL, address=running.data_ptr())
@@ -99,12 +101,17 @@ class DeviceLoop:
         self.executable: Executable = self.graph.instantiate()
 
     def _dag(self, name: str, captured: TorchCapture) -> KernelGraph:
+        if captured.accesses:
+            dag = self.concurrency[name] = concurrent_dag(captured.ir, captured.accesses,
+                                                          captured.allocations)
+            graph = dag.graph
+        else:
+            graph = captured.ir
         # (programmatic edges out of kernels not written for them cost: dependent_edges)
-        if not captured.accesses:
-            return dependent_edges(captured.ir)
-        dag = self.concurrency[name] = concurrent_dag(captured.ir, captured.accesses,
-                                                      captured.allocations)
-        return dependent_edges(dag.graph)
+        graph = dependent_edges(graph)
+        self.programmatic_edges[name] = sum(
+            kind == "programmatic" for *_, kind in graph.edges())
+        return graph
 
     def launch(self, stream: int | None = None) -> None:
         self.executable.launch(torch.cuda.current_stream().cuda_stream
