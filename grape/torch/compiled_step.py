@@ -151,7 +151,7 @@ class CompiledStep:
     weight_rows = True
     # Whether their Triton kernels launch dependently (programmatic dependent launch, where
     # this torch's Inductor has it: launches_dependently; Hopper and later). Against the same
-    # kernels with every edge full, the loops ran 4% (Llama shape) and 20% (GPT-2) faster
+    # kernels with every edge full, the loops took 4% (Llama shape) and 20% (GPT-2) less time
     # with the edges grape.passes.dependent_launch keeps (H100, benchmarks/README.md).
     dependent_launch = True
 
