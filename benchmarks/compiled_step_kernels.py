@@ -32,6 +32,10 @@ and the ways asked (``--ways``, all unless said):
   them less coordinate-descent tuning (each kernel's configuration from Inductor's own
   candidates), to see whether the tuning's choices are what makes two compilations of one
   step run at different speeds;
+- ``compiled_row_statistics``: ``compile=True`` with each one-row product whose row a norm
+  made reducing the norm's statistic again per output, in its own kernel
+  (``CompiledStep.row_statistics`` on: ``grape.torch.row_statistics``, an experiment, off by
+  default), where the other ways read the row a kernel of one block normalised first;
 - ``compiled_exact``: ``compile=True, exact_lengths=True``: each token's attention over the
   keys that exist, by FlashAttention's variable-length kernel reading the lengths on the
   device (``grape.torch.exact``), where the other ways attend over the whole cache, masked;
@@ -86,6 +90,7 @@ WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": Fals
         "compiled_pdl_full": (True, {"dependent_launch": True}, {}),
         "compiled_pdl_captured": (True, {"dependent_launch": True}, {}),
         "compiled_no_cd": (True, {}, {}),
+        "compiled_row_statistics": (True, {"row_statistics": True}, {}),
         "compiled_exact": (True, {}, {"exact_lengths": True}), "compiled": (True, {}, {})}
 
 
@@ -115,7 +120,7 @@ BUILDS = {
 # CompiledStep's switches and their defaults, put back after each way
 SWITCHES = {name: getattr(CompiledStep, name)
             for name in ("thin_matmuls", "grouped_queries", "row_kernels", "weight_rows",
-                          "dependent_launch")}
+                          "dependent_launch", "row_statistics")}
 
 
 def origin(name: str) -> str:

@@ -1246,6 +1246,33 @@ def test_a_compiled_step_launched_dependently_keeps_its_programmatic_edges(cuda)
     assert (built[True][2][:, 5:] == built[False][2][:, 5:]).float().mean() >= 0.75
 
 
+def test_a_compiled_step_reducing_its_rows_statistics_per_product_holds_fewer_kernels(cuda):
+    # CompiledStep.row_statistics (grape.torch.row_statistics): each one-row product whose row
+    # a norm made reduces the norm's statistic again per output, so that Inductor fuses it
+    # into the product's kernel and the norm's kernel of one block goes. Side by side with
+    # the step compiled without: fewer nodes in the step, tokens that mostly agree (the
+    # statistic summed in another order, by design).
+    import grape
+    from grape.torch.api import clear_cache, last_stats
+    from grape.torch.compiled_step import CompiledStep
+
+    model = _small_llama()
+    ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
+    built, default = {}, CompiledStep.row_statistics
+    for on in (False, True):
+        CompiledStep.row_statistics = on
+        try:
+            out = grape.generate(model, ids, max_new_tokens=16, do_sample=False, compile=True)
+        finally:
+            CompiledStep.row_statistics = default
+        stats = last_stats()
+        assert stats.graphed and stats.compiled
+        built[on] = (stats.step_nodes, out)
+        clear_cache(model)
+    assert built[True][0] < built[False][0], built
+    assert (built[True][1][:, 5:] == built[False][1][:, 5:]).float().mean() >= 0.75
+
+
 def test_a_compiled_step_attends_with_grouped_queries_without_copying_keys(cuda):
     # grape.torch.grouped_queries: a compiled decode step of a model with fewer key heads
     # than query heads reads its keys and values where they lie, the query heads a key head

@@ -34,6 +34,13 @@ turns it off).
 grape's own instead of Inductor's kernels (:mod:`grape.torch.triton_gemv`): an experiment,
 off by default, measured slower than Inductor's kernels on an H100.
 
+:attr:`CompiledStep.row_statistics` has each one-row product whose row a norm made reduce the
+norm's statistic again per output, so that Inductor fuses it into the product's kernel and the
+norm's kernel of one block goes (:mod:`grape.torch.row_statistics`; Inductor's Triton
+scheduling then makes 45 fewer kernels of the Llama shape's step, 25 fewer of GPT-2 small's:
+``benchmarks/triton_schedule.py``, without a GPU). An experiment, off until its kernels are
+timed on a GPU.
+
 Each executable grape builds (a batch, a prompt bucket, a length, a strategy) compiles the
 step at shapes of its own, once. Dynamo keeps at most ``recompile_limit`` (8) compilations of
 a function and runs it eagerly past that, saying so only in a log line: a server's ninth
@@ -110,11 +117,13 @@ def launches_dependently() -> bool:
     return hasattr(torch._inductor.config.triton, "enable_pdl")
 
 
-def _inductor_passes(thin: bool, rows: bool, pdl: bool = False) -> dict[str, Any] | None:
+def _inductor_passes(thin: bool, rows: bool, pdl: bool = False,
+                     statistics: bool = False) -> dict[str, Any] | None:
     """Inductor's configuration for a step's forward: ``thin``, :class:`ThinMatmuls` after
-    any post-grad pass already configured; ``rows``, :class:`OneRowKernels` after any
-    pre-grad pass (a user's own passes keep running); ``pdl``, programmatic dependent
-    launches (:data:`_PDL`). None: nothing to patch."""
+    any post-grad pass already configured (``statistics``: with its rows' statistics reduced
+    per output); ``rows``, :class:`OneRowKernels` after any pre-grad pass (a user's own
+    passes keep running); ``pdl``, programmatic dependent launches (:data:`_PDL`). None:
+    nothing to patch."""
     # (imported here: Inductor's pattern matcher takes most of a second to import, and a
     # process that never compiles a step should not pay for it)
     patches: dict[str, Any] = {_PDL: True} if pdl else {}
@@ -122,7 +131,7 @@ def _inductor_passes(thin: bool, rows: bool, pdl: bool = False) -> dict[str, Any
         from grape.torch.thin_matmuls import ThinMatmuls
 
         theirs = torch._inductor.config.post_grad_custom_pre_pass
-        patches["post_grad_custom_pre_pass"] = ThinMatmuls(theirs)
+        patches["post_grad_custom_pre_pass"] = ThinMatmuls(theirs, statistics)
     if rows:
         from grape.torch.triton_gemv import OneRowKernels
 
@@ -154,16 +163,22 @@ class CompiledStep:
     # kernels with every edge full, the loops took 4% (Llama shape) and 20% (GPT-2) less time
     # with the edges grape.passes.dependent_launch keeps (H100, benchmarks/README.md).
     dependent_launch = True
+    # Whether a one-row product whose row is normalised by statistics of that row (RMSNorm,
+    # LayerNorm) reduces them again per output in its own kernel, rather than reading the
+    # row a kernel of one block wrote first (grape.torch.row_statistics): an experiment, off
+    # until measured on a GPU.
+    row_statistics = False
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         self.model, self.options = model, options
         self.thin, self.grouped = self.thin_matmuls, self.grouped_queries
         self.rows = self.row_kernels
         self.pdl = self.dependent_launch and launches_dependently()
+        self.statistics = self.row_statistics and self.thin
         # (only in front of Inductor: another backend keeps the graph it is given)
         self.relays = (self.weight_rows and self.thin and not self.rows
                        and options.get("backend", "inductor") == "inductor")
-        forward = _inductor_passes(self.thin, self.rows, self.pdl)
+        forward = _inductor_passes(self.thin, self.rows, self.pdl, self.statistics)
         self.weights = self._backend() if self.relays else None
         self.prepared = _shaped(self._compile(self._prepared), forward, self.grouped,
                                 self.weights)
@@ -211,6 +226,8 @@ class CompiledStep:
         if self.relays:
             pass
         if self.pdl:
+            pass
+        if self.statistics:
             pass
         inputs = self.model.prepare_inputs_for_generation(ids, **kwargs)
         # (an encoder-decoder's decoder positions, where its preparation makes them from the

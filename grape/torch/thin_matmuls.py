@@ -33,6 +33,10 @@ retired (``benchmarks/one_row_products.py``, which keeps it beside its figures).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.pattern_matcher import (
@@ -45,6 +49,7 @@ from torch._inductor.pattern_matcher import (
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from grape.torch.inductor_passes import ChainedPass
+from grape.torch.row_statistics import inline_statistics
 
 __all__ = ["ROWS", "ThinMatmuls", "as_reductions"]
 
@@ -54,6 +59,9 @@ aten = torch.ops.aten
 ROWS = 1
 
 _PATTERNS = PatternMatcherPass(pass_name="grape_thin_matmuls")
+# Whether the pass now applying on this thread inlines its rows' statistics (as_reductions
+# sets it: the patterns' handlers are registered once, for every pass).
+_INLINE = threading.local()
 
 
 def _thin(a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -84,6 +92,36 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _product(a, b).to(a.dtype)
 
 
+def _inlined(rows: Callable[..., torch.Tensor], bias: bool) -> Callable[..., torch.Tensor]:
+    """The product (``bias``: biased) over the row as ``rows`` makes it for each output,
+    (outputs, in): each output's dot product with its weight row, in float32, the bias added
+    before the one rounding."""
+    def product(*args: torch.Tensor) -> torch.Tensor:
+        *leaves, b = args[1:] if bias else args
+        a = rows(*leaves)
+        out = (a.float() * b.t().float()).sum(dim=1)[None]
+        return (out + args[0].float() if bias else out).to(a.dtype)
+    return product
+
+
+def _replace(match: Match, a: torch.fx.Node, b: torch.fx.Node,
+             bias: torch.fx.Node | None) -> None:
+    counters["inductor"]["grape_thin_matmuls"] += 1
+    inline = (inline_statistics(a, b.meta["val"].shape[1])
+              if getattr(_INLINE, "on", False) else None)
+    if inline is not None:
+        rows, leaves = inline
+        counters["inductor"]["grape_row_statistics"] += 1
+        match.replace_by_example(_inlined(rows, bias is not None),
+                                 [*([bias] if bias is not None else []), *leaves, b])
+        return
+    if bias is None:
+        match.replace_by_example(_mm, [a, b])
+    else:
+        match.replace_by_example(_addmm, [bias, a, b])
+    _realized(a)
+
+
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # (the bias added before the one rounding, as a GEMM's epilogue adds it)
     return (_product(a, b) + bias.float()).to(a.dtype)
@@ -94,9 +132,7 @@ def _rewrite_mm(match: Match, a: torch.fx.Node, b: torch.fx.Node) -> None:
     # (Inductor's own decomposition does this where coordinate-descent tuning is on; done
     # here too, so that the step's kernels do not hang on that switch)
     if _thin(a, b):
-        counters["inductor"]["grape_thin_matmuls"] += 1
-        match.replace_by_example(_mm, [a, b])
-        _realized(a)
+        _replace(match, a, b, None)
 
 
 @register_graph_pattern(CallFunction(aten.addmm, Arg(), Arg(), Arg()),
@@ -105,24 +141,34 @@ def _rewrite_addmm(match: Match, bias: torch.fx.Node, a: torch.fx.Node,
                    b: torch.fx.Node) -> None:
     # (addmm with its default beta and alpha only: the pattern names no others)
     if _thin(a, b) and not match.nodes[-1].kwargs:
-        counters["inductor"]["grape_thin_matmuls"] += 1
-        match.replace_by_example(_addmm, [bias, a, b])
-        _realized(a)
+        _replace(match, a, b, bias)
 
 
-def as_reductions(graph: torch.fx.Graph) -> int:
+def as_reductions(graph: torch.fx.Graph, statistics: bool = False) -> int:
     """Rewrite ``graph``'s products of at most :data:`ROWS` rows by weights stored (out, in)
     as reductions; returns how many patterns matched (every ``mm`` and ``addmm``, rewritten
-    or not). Dynamo's ``counters["inductor"]["grape_thin_matmuls"]`` counts those rewritten."""
-    return _PATTERNS.apply(graph)
+    or not). Dynamo's ``counters["inductor"]["grape_thin_matmuls"]`` counts those rewritten.
+    ``statistics``: a product of one row normalised by statistics of that row reduces them
+    again per output, in its own kernel (:func:`grape.torch.row_statistics.inline_statistics`,
+    counted in ``counters["inductor"]["grape_row_statistics"]``), rather than reading the row
+    written first."""
+    _INLINE.on = statistics and ROWS == 1
+    try:
+        return _PATTERNS.apply(graph)
+    finally:
+        _INLINE.on = False
 
 
 class ThinMatmuls(ChainedPass):
     """:func:`as_reductions` as an Inductor post-grad pass, after ``before`` (a pass already
     configured, which keeps running; see :class:`ChainedPass` for its uuid)."""
 
+    def __init__(self, before: Any = None, statistics: bool = False) -> None:
+        super().__init__(before)
+        self.statistics = statistics
+
     def apply(self, graph: torch.fx.Graph) -> None:
-        as_reductions(graph)
+        as_reductions(graph, self.statistics)
 
     def salt(self) -> bytes:
-        return str(ROWS).encode()
+        return f"{ROWS} {self.statistics}".encode()

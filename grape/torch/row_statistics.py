@@ -1,0 +1,179 @@
+"""A one-row product's input normalised by statistics of its own row, recomputed by each
+output instead of written first by a kernel of one block.
+
+A decoder normalises the row before nearly every product of its step: RMSNorm's
+``x * rsqrt(mean(x**2) + eps) * w``, LayerNorm's mean and variance. Compiled, the statistic
+is a reduction of the one row, a kernel of one block that every product after it waits for:
+on the Llama shape of ``benchmarks/README.md`` 72 of the compiled step's 255 kernels ran one
+block each, 45 of them a norm's statistic (``compiled_step_kernels.py``'s ``step_ops``, H100),
+each held by its own latency.
+
+Each output of a product reduces over the same row the statistic reduces over. So the
+statistic can be reduced again, per output, from the row it reads, and the normalised row
+made in the product's own loop: ``a[j, i] = f(x[i], s[j])`` with ``s[j] = reduce_i g(x[i])``
+the same for every ``j``. :func:`inline_statistics` rewrites the row of a product that way,
+where every operation between the statistics and the row is pointwise, or a view that keeps
+the row one row, and gives the product's reduction over it. Inductor then fuses each
+statistic with the product reading it (two reductions over one range, as a softmax's are),
+so that the normalisation runs in the product's kernel: a product's blocks each read the row
+(a few KB, from L2) once more for the statistic. The products' weights, the larger read by
+far, are read once, as before.
+
+The rounding is the compiled step's own: the statistic is summed in another order than the
+kernel of one block summed it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+__all__ = ["inline_statistics"]
+
+# How far back from a product's row its statistics are looked for, in operations: a norm's
+# statistic lies about 10 back (RMSNorm's mean, LayerNorm's var_mean, with the casts between),
+# and what lies further is read as it is. (Walking further would climb the residual stream
+# back through every layer before: its adds are pointwise too.)
+DEPTH = 16
+
+# Views that, from one row to one row of as many elements, change nothing but the leading
+# dimensions of size 1 (a slice or a selection then takes the whole row: a step's logits of its
+# last position are its one position's)
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+          torch.ops.aten._unsafe_view.default, torch.ops.aten.unsqueeze.default,
+          torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+          torch.ops.aten.squeeze.default, torch.ops.aten.slice.Tensor,
+          torch.ops.aten.select.int, torch.ops.aten.alias.default}
+
+
+def _value(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _row(val: torch.Tensor | None) -> bool:
+    """One row: every dimension but the last of size 1 (a 0-d tensor is not a row here)."""
+    return val is not None and val.dim() >= 1 and all(d == 1 for d in val.shape[:-1])
+
+
+def _tagged(node: Node, tag: torch.Tag) -> bool:
+    return tag in getattr(node.target, "tags", ())
+
+
+def _names(node: Node) -> list[str]:
+    schema = getattr(node.target, "_schema", None)
+    return [a.name for a in schema.arguments] if schema is not None else []
+
+
+def _statistic(node: Node) -> bool:
+    """A reduction of a row to one number (whatever dimensions it names, a row has one), by
+    an operator that takes the dimensions and keeps them on request."""
+    if node.op != "call_function" or not {"self", "dim", "keepdim"} <= set(_names(node)):
+        return False
+    val, src = _value(node), node.args[0] if node.args else None
+    if isinstance(val, tuple) or node.target is torch.ops.aten.var_mean.correction:
+        vals = node.meta.get("val")
+        ok = isinstance(vals, tuple) and all(isinstance(v, torch.Tensor) and v.numel() == 1
+                                             for v in vals)
+    else:
+        ok = val is not None and val.numel() == 1
+    return (ok and _tagged(node, torch.Tag.reduction) and isinstance(src, Node)
+            and _row(_value(src)))
+
+
+def _passes(node: Node) -> bool:
+    """An operation the rewritten row may run per output: pointwise, a view of one row as one
+    row, or one of a statistic's results."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], Node) and _statistic(node.args[0])
+    val = _value(node)
+    if node.target in _VIEWS:
+        src = _value(node.args[0])
+        return (_row(val) or (val is not None and val.numel() == 1)) and src is not None and (
+            _row(src) or src.numel() == 1) and src.numel() == val.numel()
+    return _tagged(node, torch.Tag.pointwise) and val is not None and (
+        _row(val) or val.numel() == 1)
+
+
+def _plan(row: Node) -> tuple[list[Node], list[Node]] | None:
+    """The nodes to run again per output (in the graph's order) and the nodes they read
+    (leaves), for the product's row ``row``; None where it holds no statistic or is made
+    otherwise than :func:`_passes` allows."""
+    walked: set[Node] = set()
+    todo = [(row, 0)]
+    while todo:  # (breadth first: each node at its shortest distance from the row)
+        node, depth = todo.pop(0)
+        if node in walked or depth > DEPTH or not (_statistic(node) or _passes(node)):
+            continue  # (a leaf, read as it is)
+        walked.add(node)
+        todo.extend((a, depth + 1) for a in node.all_input_nodes)
+    if row not in walked:
+        return None
+    # Per output: the statistics and what depends on them; the rest is read as it is.
+    order = [n for n in row.graph.nodes if n in walked]
+    again: list[Node] = []
+    for node in order:
+        if _statistic(node) or any(a in again for a in node.all_input_nodes):
+            again.append(node)
+    if row not in again:
+        return None
+    members = set(again)
+    leaves = list(dict.fromkeys(a for n in again for a in n.all_input_nodes
+                                if a not in members))
+    for leaf in leaves:
+        val = _value(leaf)
+        if val is None or not (val.dim() == 0 or _row(val) or val.numel() == 1):
+            return None
+    return again, leaves
+
+
+def inline_statistics(row: Node, outputs: int
+                      ) -> tuple[Callable[..., torch.Tensor], list[Node]] | None:
+    """For the one-row input ``row`` of a product with ``outputs`` outputs: a function of the
+    returned leaves giving the row as each output would make it, ``(outputs, len)``, its
+    statistics reduced per output; None where ``row`` holds no statistic of its own row, or
+    is made otherwise than pointwise and by views of one row."""
+    plan = _plan(row)
+    if plan is None:
+        return None
+    again, leaves = plan
+
+    def flat(t: Any) -> Any:
+        # Every row as (1, len) and every single number as (1, 1), so that what is per
+        # output, (outputs, 1) or (outputs, len), broadcasts against it.
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            return t.reshape(1, -1)
+        return t
+
+    def rebuilt(*values: torch.Tensor) -> torch.Tensor:
+        env: dict[Node, Any] = {leaf: flat(v) for leaf, v in zip(leaves, values, strict=True)}
+
+        def arg(a: Any) -> Any:
+            return torch.fx.node.map_arg(a, lambda n: env[n])
+
+        for node in again:
+            if node.target is operator.getitem:
+                env[node] = env[node.args[0]][node.args[1]]
+            elif _statistic(node):
+                # (every argument by name: the row per output, reduced along its one
+                # dimension, kept as (outputs, 1))
+                src = env[node.args[0]]
+                given = arg(node.args)
+                kwargs = dict(zip(_names(node)[:len(given)], given, strict=True),
+                              **arg(node.kwargs))
+                kwargs.update(self=src.expand(outputs, src.shape[-1]), dim=[-1], keepdim=True)
+                env[node] = node.target(**kwargs)
+            elif node.target in _VIEWS:
+                env[node] = env[node.args[0]]  # one row stays one row per output
+            else:
+                env[node] = node.target(*arg(node.args), **arg(node.kwargs))
+        out = env[row]
+        return out.expand(outputs, out.shape[-1])
+
+    return rebuilt, leaves
