@@ -1211,35 +1211,50 @@ def test_a_graphed_callable_takes_keyword_and_nested_tensor_arguments(cuda):
     g.close()
 
 
+def _compiled_both_ways(model, ids, switch, record):
+    """``record(out, stats, entry)`` of ``grape.generate(compile=True)`` over ``ids`` (16 new
+    tokens, greedy) with ``CompiledStep``'s ``switch`` off, then on (put back after each),
+    each graphed and compiled, ``entry`` its executable, let go after ``record``:
+    ``{False: ..., True: ...}``."""
+    import grape
+    from grape.torch.api import _CACHES, clear_cache, last_stats
+    from grape.torch.compiled_step import CompiledStep
+
+    default, built = getattr(CompiledStep, switch), {}
+    for on in (False, True):
+        setattr(CompiledStep, switch, on)
+        try:
+            out = grape.generate(model, ids, max_new_tokens=16, do_sample=False, compile=True)
+        finally:
+            setattr(CompiledStep, switch, default)
+        stats = last_stats()
+        assert stats.graphed and stats.compiled
+        entry = next(e for key, e in _CACHES[model].entries.items() if key[2])
+        built[on] = record(out, stats, entry)
+        clear_cache(model)
+    return built
+
+
 def test_a_compiled_step_launched_dependently_keeps_its_programmatic_edges(cuda):
     # CompiledStep.dependent_launch: on Hopper and later, Inductor launches its Triton kernels
     # dependently (PDL); captured, those launches are programmatic edges, which grape's IR
     # keeps and its device loop builds. Side by side with the step compiled without: the same
     # nodes, edges made programmatic only with the switch, tokens that mostly agree (each
     # compilation tunes its own kernels).
-    import grape
-    from grape.torch.api import _CACHES, clear_cache, last_stats
-    from grape.torch.compiled_step import CompiledStep, launches_dependently
+    from grape.torch.compiled_step import launches_dependently
 
     if not launches_dependently():
         pytest.skip("this torch's Inductor has no programmatic dependent launch")
     model = _small_llama()
     ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
-    built, default = {}, CompiledStep.dependent_launch
-    for on in (False, True):
-        CompiledStep.dependent_launch = on
-        try:
-            out = grape.generate(model, ids, max_new_tokens=16, do_sample=False, compile=True)
-        finally:
-            CompiledStep.dependent_launch = default
-        stats = last_stats()
-        assert stats.graphed and stats.compiled
-        entry = next(e for key, e in _CACHES[model].entries.items() if key[2])
+
+    def record(out, stats, entry):
         edges = [k for *_, k in entry.loop.capture.ir.edges() if k == "programmatic"]
         # (built: those out of kernels launched dependently, grape.passes.dependent_launch)
         assert 0 <= stats.dependent_edges < len(edges) or stats.dependent_edges == len(edges) == 0
-        built[on] = (stats.step_nodes, len(edges), out)
-        clear_cache(model)
+        return stats.step_nodes, len(edges), out
+
+    built = _compiled_both_ways(model, ids, "dependent_launch", record)
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert built[False][1] == 0 and (built[True][1] > 0) == hopper, built
     assert built[True][0] == built[False][0], built
@@ -1251,24 +1266,11 @@ def test_a_compiled_step_reducing_its_rows_statistics_per_product_holds_fewer_ke
     # a norm made reduces the norm's statistic again per output, so that Inductor fuses it
     # into the product's kernel and the norm's kernel of one block goes. Side by side with
     # the step compiled without: fewer nodes in the step, tokens that mostly agree (the
-    # statistic summed in another order, by design).
-    import grape
-    from grape.torch.api import clear_cache, last_stats
-    from grape.torch.compiled_step import CompiledStep
-
+    # statistic summed in another order, by design). (Fewer, but slower: benchmarks/README.md.)
     model = _small_llama()
     ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
-    built, default = {}, CompiledStep.row_statistics
-    for on in (False, True):
-        CompiledStep.row_statistics = on
-        try:
-            out = grape.generate(model, ids, max_new_tokens=16, do_sample=False, compile=True)
-        finally:
-            CompiledStep.row_statistics = default
-        stats = last_stats()
-        assert stats.graphed and stats.compiled
-        built[on] = (stats.step_nodes, out)
-        clear_cache(model)
+    built = _compiled_both_ways(model, ids, "row_statistics",
+                                lambda out, stats, entry: (stats.step_nodes, out))
     assert built[True][0] < built[False][0], built
     assert (built[True][1][:, 5:] == built[False][1][:, 5:]).float().mean() >= 0.75
 
@@ -1280,29 +1282,19 @@ def test_a_compiled_step_attends_with_grouped_queries_without_copying_keys(cuda)
     # cache, keys and values: two kernels a layer). Side by side with the step compiled
     # without it: the same attention kernels, two nodes a layer fewer, tokens that mostly
     # agree (other kernels, by design).
-    import grape
     from grape.ir import Kernel
-    from grape.torch.api import _CACHES, clear_cache, last_stats
-    from grape.torch.compiled_step import CompiledStep
 
     model = _small_llama()
     layers = model.config.num_hidden_layers
     ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
-    built = {}
-    for grouped in (False, True):
-        CompiledStep.grouped_queries = grouped
-        try:
-            out = grape.generate(model, ids, max_new_tokens=16, do_sample=False, compile=True)
-        finally:
-            CompiledStep.grouped_queries = True
-        stats = last_stats()
-        assert stats.graphed and stats.compiled
-        entry = next(e for key, e in _CACHES[model].entries.items() if key[2])
+
+    def record(out, stats, entry):
         names = [op.name for _, op in entry.loop.capture.ir.ops() if isinstance(op, Kernel)]
         attention = [n for n in names if not n.startswith("triton") and any(
             s in n for s in ("flash", "fmha", "sdpa", "attention"))]
-        built[grouped] = (stats.step_nodes, len(attention), out)
-        clear_cache(model)
+        return stats.step_nodes, len(attention), out
+
+    built = _compiled_both_ways(model, ids, "grouped_queries", record)
     assert built[True][1] == built[False][1] == layers, built
     assert built[True][0] <= built[False][0] - 2 * layers, built
     assert (built[True][2][:, 5:] == built[False][2][:, 5:]).float().mean() >= 0.75
