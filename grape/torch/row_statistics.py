@@ -81,13 +81,11 @@ def _statistic(node: Node) -> bool:
     an operator that takes the dimensions and keeps them on request."""
     if node.op != "call_function" or not {"self", "dim", "keepdim"} <= set(_names(node)):
         return False
-    val, src = _value(node), node.args[0] if node.args else None
-    if isinstance(val, tuple) or node.target is torch.ops.aten.var_mean.correction:
-        vals = node.meta.get("val")
-        ok = isinstance(vals, tuple) and all(isinstance(v, torch.Tensor) and v.numel() == 1
-                                             for v in vals)
-    else:
-        ok = val is not None and val.numel() == 1
+    src = node.args[0] if node.args else None
+    # (each result one number: var_mean's two, or the one of mean, sum, amax)
+    vals = node.meta.get("val")
+    vals = vals if isinstance(vals, tuple) else (vals,)
+    ok = all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in vals)
     return (ok and _tagged(node, torch.Tag.reduction) and isinstance(src, Node)
             and _row(_value(src)))
 
