@@ -127,9 +127,9 @@ def _value(spec: Any, size: dict[str, int]) -> Any:
 
 
 def build(arch: str, size: dict[str, int], archs: dict[str, tuple[str, dict[str, Any]]] = ARCHS,
-          dtype: str | None = None):
-    """``arch`` from its config with random weights, on the GPU, in ``dtype`` (default: the
-    architecture's entry in DTYPES, else float16)."""
+          dtype: str | None = None, device: str = "cuda"):
+    """``arch`` from its config with random weights, on ``device`` (the GPU unless said), in
+    ``dtype`` (default: the architecture's entry in DTYPES, else float16)."""
     import torch
     import transformers
 
@@ -140,7 +140,7 @@ def build(arch: str, size: dict[str, int], archs: dict[str, tuple[str, dict[str,
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         config, dtype=getattr(torch, dtype or DTYPES.get(arch, "float16")))
-    return model.cuda().eval()
+    return model.to(device).eval()
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from generate import ARCHS, SIZES
+from generate import ARCHS, SIZES, build
 
 WAYS = {"compiled": {}, "row_statistics": {"row_statistics": True}}
 
@@ -62,20 +62,6 @@ def _recording(graphs: list[list[dict[str, Any]]]) -> Any:
         graphs.append(nodes)
         raise _Scheduled
     return codegen
-
-
-def _model(arch: str, size: str, dtype: str) -> torch.nn.Module:
-    import transformers
-    from generate import _value
-
-    model_type, extra = ARCHS[arch]
-    shape = SIZES[size]
-    config = transformers.AutoConfig.for_model(
-        model_type, **{**{k: _value(v, shape) for k, v in extra.items()}, **shape},
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(
-        config, dtype=getattr(torch, dtype)).eval()
 
 
 def schedule(model: torch.nn.Module, switches: dict[str, bool]) -> list[list[dict[str, Any]]]:
@@ -132,7 +118,7 @@ def main() -> None:
     except ImportError:
         parser.error("expected Triton importable (Inductor's Triton scheduling), found none: "
                      "pip install --target DIR triton, then PYTHONPATH=DIR")
-    model = _model(args.arch, args.size, args.dtype)
+    model = build(args.arch, SIZES[args.size], dtype=args.dtype, device="cpu")
     rows = []
     for way in ways:
         print(f"[+] {way}", file=sys.stderr, flush=True)
