@@ -36,6 +36,10 @@ and the ways asked (``--ways``, all unless said):
   made reducing the norm's statistic again per output, in its own kernel
   (``CompiledStep.row_statistics`` on: ``grape.torch.row_statistics``, an experiment, off by
   default), where the other ways read the row a kernel of one block normalised first;
+- ``compiled_factored_statistics``: ``compile=True`` with each such product, where its row is
+  a sum of a few rows scaled by the statistics, reducing those rows and the statistics in
+  one loop and scaling after (``CompiledStep.factored_statistics`` on:
+  ``grape.torch.row_statistics.factor_statistics``, an experiment, off by default);
 - ``compiled_exact``: ``compile=True, exact_lengths=True``: each token's attention over the
   keys that exist, by FlashAttention's variable-length kernel reading the lengths on the
   device (``grape.torch.exact``), where the other ways attend over the whole cache, masked;
@@ -91,6 +95,7 @@ WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": Fals
         "compiled_pdl_captured": (True, {"dependent_launch": True}, {}),
         "compiled_no_cd": (True, {}, {}),
         "compiled_row_statistics": (True, {"row_statistics": True}, {}),
+        "compiled_factored_statistics": (True, {"factored_statistics": True}, {}),
         "compiled_exact": (True, {}, {"exact_lengths": True}), "compiled": (True, {}, {})}
 
 
@@ -120,7 +125,7 @@ BUILDS = {
 # CompiledStep's switches and their defaults, put back after each way
 SWITCHES = {name: getattr(CompiledStep, name)
             for name in ("thin_matmuls", "grouped_queries", "row_kernels", "weight_rows",
-                          "dependent_launch", "row_statistics")}
+                          "dependent_launch", "row_statistics", "factored_statistics")}
 
 
 def origin(name: str) -> str:

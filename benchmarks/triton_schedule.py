@@ -12,7 +12,9 @@ length), for each way asked:
 
 - ``compiled``: ``CompiledStep`` as ``grape.generate(compile=True)`` makes it;
 - ``row_statistics``: the same with ``CompiledStep.row_statistics`` on
-  (``grape.torch.row_statistics``).
+  (``grape.torch.row_statistics``);
+- ``factored_statistics``: the same with ``CompiledStep.factored_statistics`` on
+  (``grape.torch.row_statistics.factor_statistics``).
 
 What it cannot show: the grids (they come from autotuning, on the device), split
 reductions (Inductor sizes them by the device's multiprocessors; here the CPU's cores), and
@@ -41,7 +43,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from generate import ARCHS, SIZES, build
 
-WAYS = {"compiled": {}, "row_statistics": {"row_statistics": True}}
+WAYS = {"compiled": {}, "row_statistics": {"row_statistics": True},
+        "factored_statistics": {"factored_statistics": True}}
 
 
 class _Scheduled(Exception):

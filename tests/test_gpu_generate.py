@@ -1261,15 +1261,18 @@ def test_a_compiled_step_launched_dependently_keeps_its_programmatic_edges(cuda)
     assert (built[True][2][:, 5:] == built[False][2][:, 5:]).float().mean() >= 0.75
 
 
-def test_a_compiled_step_reducing_its_rows_statistics_per_product_holds_fewer_kernels(cuda):
-    # CompiledStep.row_statistics (grape.torch.row_statistics): each one-row product whose row
-    # a norm made reduces the norm's statistic again per output, so that Inductor fuses it
-    # into the product's kernel and the norm's kernel of one block goes. Side by side with
-    # the step compiled without: fewer nodes in the step, tokens that mostly agree (the
-    # statistic summed in another order, by design). (Fewer, but slower: benchmarks/README.md.)
+@pytest.mark.parametrize("switch", ["row_statistics", "factored_statistics"])
+def test_a_compiled_step_reducing_its_rows_statistics_per_product_holds_fewer_kernels(
+        cuda, switch):
+    # CompiledStep.row_statistics and .factored_statistics (grape.torch.row_statistics): each
+    # one-row product whose row a norm made reduces the norm's statistic again per output
+    # (before its dot products, or beside them, the statistic factored out as a scale), so
+    # that Inductor fuses it into the product's kernel and the norm's kernel of one block
+    # goes. Side by side with the step compiled without: fewer nodes in the step, tokens that
+    # mostly agree (the statistic summed in another order, by design).
     model = _small_llama()
     ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
-    built = _compiled_both_ways(model, ids, "row_statistics",
+    built = _compiled_both_ways(model, ids, switch,
                                 lambda out, stats, entry: (stats.step_nodes, out))
     assert built[True][0] < built[False][0], built
     assert (built[True][1][:, 5:] == built[False][1][:, 5:]).float().mean() >= 0.75

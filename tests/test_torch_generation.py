@@ -1710,6 +1710,22 @@ def test_a_compiled_step_can_reduce_its_rows_statistics_in_each_product(arch):
 
 
 @_NEEDS_CXX
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "opt"])
+def test_a_compiled_step_can_factor_its_rows_statistics_out_of_each_product(arch):
+    # grape.torch.row_statistics.factor_statistics in a compiled step
+    # (CompiledStep.factored_statistics): the same products as above (every one whose row a
+    # norm made) become sums of scaled dot products, RMSNorm's one, LayerNorm's three, with
+    # the statistics reduced per output beside them; the scores are those of the step that
+    # reads the normalised row, to float32's rounding.
+    m = _built(arch, CONFIGS[arch])
+    scores, factored = _off_and_on(m, "factored_statistics", "grape_factored_statistics")
+    layers = m.config.num_hidden_layers
+    normalised = {"gpt2": 2, "llama": 5, "opt": 4}[arch] * layers + 1
+    assert factored == {False: 0, True: normalised}
+    torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
+
+
+@_NEEDS_CXX
 def test_a_compiled_step_reads_weights_stored_in_out_from_copies_it_keeps_up_to_date():
     # grape.torch.weight_rows: GPT-2's Conv1D weights lie (in, out); the compiled one-row
     # step reads copies laid (out, in), which thin_matmuls makes reductions (without them,

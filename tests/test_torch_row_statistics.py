@@ -1,5 +1,6 @@
-"""A one-row product's input normalised by statistics of its own row, remade per output
-(grape.torch.row_statistics), on graphs traced as Inductor's passes see them."""
+"""A one-row product's input normalised by statistics of its own row, remade per output or
+factored into scaled rows (grape.torch.row_statistics), on graphs traced as Inductor's passes
+see them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from grape.torch.row_statistics import inline_statistics  # noqa: E402
+from grape.torch.row_statistics import TERMS, factor_statistics, inline_statistics  # noqa: E402
 
 H, OUTPUTS = 16, 5
 
@@ -102,3 +103,110 @@ def test_a_row_at_the_end_of_a_long_residual_stream_is_still_remade():
     assert len(leaves) <= 4  # (the stream's last sum, the weight, the statistic's input)
     torch.testing.assert_close(rows(*(values[leaf] for leaf in leaves)),
                                values[_row(gm)].reshape(1, H).expand(OUTPUTS, H))
+
+
+def _product(terms, weight):
+    """The products of the row that ``terms`` make with each row of ``weight`` (outputs, len),
+    as thin_matmuls forms them: the scales times the dot products of the rows."""
+    return sum((weight if rest is None else rest * weight).sum(1, keepdim=True)
+               * (1.0 if scale is None else scale) for scale, rest in terms).reshape(1, -1)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_a_normalised_row_is_factored_into_rows_scaled_by_its_statistics(norm):
+    # RMSNorm's row is one row (the input times the weight) scaled by the statistic; LayerNorm's
+    # three: the input times the weight scaled by rstd, the weight by -mean * rstd, and the
+    # bias. The product over them is the product over the normalised row. (The input is far
+    # from zero mean: LayerNorm's two first terms then nearly cancel, in float32.)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, H, generator=g) * 2 + 5
+    w, b = torch.randn(H, generator=g), torch.randn(H, generator=g)
+    weight = torch.randn(OUTPUTS, H, generator=g)
+    gm, values = _traced(_rms, x, w) if norm == "rms" else _traced(_layer_norm, x, w, b)
+    row = _row(gm)
+    factored, leaves = factor_statistics(row, OUTPUTS)
+    terms = factored(*(values[leaf] for leaf in leaves))
+    assert len(terms) == (1 if norm == "rms" else 3)
+    # every scale is per output, made of statistics reduced by each output; no rest reads one
+    scales = [s for s, _ in terms if s is not None]
+    assert len(scales) == (1 if norm == "rms" else 2)
+    assert all(s.shape == (OUTPUTS, 1) for s in scales)
+    assert all(r.shape == (1, H) and r.dtype == torch.float32 for _, r in terms)
+    assert not any("mean" in str(leaf.target) for leaf in leaves)
+    expected = values[row].reshape(1, H) @ weight.t()
+    torch.testing.assert_close(_product(terms, weight), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_half_precision_row_is_factored_in_float32():
+    # A norm that scales in half precision (its statistic in float32, cast back to half
+    # before it scales): factored, the rest (input times weight) is made in float32, so that
+    # a large input times a large weight does not overflow half before the scale brings it
+    # down.
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(1, 1, H, generator=g) * 3000).half()
+    w = (torch.randn(H, generator=g) * 40).half()
+
+    def halved(x, w):
+        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).half()
+        return (x * scale * w,)
+
+    gm, values = _traced(halved, x, w)
+    assert torch.isinf(x * w).any()  # (what the rest would be, made in half)
+    factored, leaves = factor_statistics(_row(gm), OUTPUTS)
+    [(scale, rest)] = factored(*(values[leaf] for leaf in leaves))
+    assert rest.dtype == torch.float32 and torch.isfinite(rest).all()
+    # (the product over the row made in float32 from the same half scale: half's own
+    # roundings of the row are what the factored form leaves out)
+    weight = torch.randn(OUTPUTS, H, generator=g)
+    half_scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).half()
+    assert scale.shape == (OUTPUTS, 1) and (scale == half_scale.reshape(1, 1)).all()
+    expected = (x.float() * half_scale.float() * w.float()).reshape(1, H) @ weight.t()
+    torch.testing.assert_close(_product([(scale.float(), rest)], weight), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_not_linear_in_its_normalised_rows_is_not_factored():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, H, generator=g), torch.randn(H, generator=g)
+
+    def squared(x, w):  # (the normalised row times itself: its square is no sum of scaled rows)
+        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (n * n * w,)
+
+    def activated(x, w):  # (a nonlinear function of the normalised row)
+        return (torch.tanh(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) * w,)
+
+    def divided(x, w):  # (a row divided by a row made from the statistic)
+        return (w / (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)),)
+
+    for fn in (activated, divided):
+        gm, _ = _traced(fn, x, w)
+        assert factor_statistics(_row(gm), OUTPUTS) is None
+        # (remade per output, it still is: every operation on the way is pointwise)
+        assert inline_statistics(_row(gm), OUTPUTS) is not None
+    # the square is linear in each factor: one term times one term, still one term
+    gm, values = _traced(squared, x, w)
+    factored, leaves = factor_statistics(_row(gm), OUTPUTS)
+    terms = factored(*(values[leaf] for leaf in leaves))
+    weight = torch.randn(OUTPUTS, H, generator=g)
+    torch.testing.assert_close(_product(terms, weight), values[_row(gm)] @ weight.t(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_of_more_terms_than_a_loop_should_hold_is_not_factored():
+    # Each term is one more dot product in the product's loop: past TERMS, the row is left.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, H, generator=g)
+    ws = [torch.randn(H, generator=g) for _ in range(TERMS + 1)]
+
+    def centred(x, *ws):  # ((x - mean) times (w0 + ... ), each w a term of its own)
+        n = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True) + 1e-6)
+        total = n * ws[0]
+        for w in ws[1:]:
+            total = total + n * w
+        return (total,)
+
+    gm, _ = _traced(centred, x, *ws)
+    assert factor_statistics(_row(gm), OUTPUTS) is None
+    gm, _ = _traced(centred, x, *ws[:1])
+    assert factor_statistics(_row(gm), OUTPUTS) is not None

@@ -117,12 +117,13 @@ def launches_dependently() -> bool:
 
 
 def _inductor_passes(thin: bool, rows: bool, pdl: bool = False,
-                     statistics: bool = False) -> dict[str, Any] | None:
+                     statistics: bool = False, factored: bool = False
+                     ) -> dict[str, Any] | None:
     """Inductor's configuration for a step's forward: ``thin``, :class:`ThinMatmuls` after
     any post-grad pass already configured (``statistics``: with its rows' statistics reduced
-    per output); ``rows``, :class:`OneRowKernels` after any pre-grad pass (a user's own
-    passes keep running); ``pdl``, programmatic dependent launches (:data:`_PDL`). None:
-    nothing to patch."""
+    per output; ``factored``: factored out as scales); ``rows``, :class:`OneRowKernels`
+    after any pre-grad pass (a user's own passes keep running); ``pdl``, programmatic
+    dependent launches (:data:`_PDL`). None: nothing to patch."""
     # (imported here: Inductor's pattern matcher takes most of a second to import, and a
     # process that never compiles a step should not pay for it)
     patches: dict[str, Any] = {_PDL: True} if pdl else {}
@@ -130,7 +131,7 @@ def _inductor_passes(thin: bool, rows: bool, pdl: bool = False,
         from grape.torch.thin_matmuls import ThinMatmuls
 
         theirs = torch._inductor.config.post_grad_custom_pre_pass
-        patches["post_grad_custom_pre_pass"] = ThinMatmuls(theirs, statistics)
+        patches["post_grad_custom_pre_pass"] = ThinMatmuls(theirs, statistics, factored)
     if rows:
         from grape.torch.triton_gemv import OneRowKernels
 
@@ -167,6 +168,10 @@ class CompiledStep:
     # row a kernel of one block wrote first (grape.torch.row_statistics): an experiment, off
     # (fewer kernels, but GPT-2 small's step took 50% more time on an H100).
     row_statistics = False
+    # Whether such a product, where its row is a sum of a few rows scaled by the statistics
+    # (RMSNorm's one, LayerNorm's three), reduces those rows and the statistics in one loop
+    # and scales after (grape.torch.row_statistics.factor_statistics): an experiment, off.
+    factored_statistics = False
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         self.model, self.options = model, options
@@ -174,10 +179,12 @@ class CompiledStep:
         self.rows = self.row_kernels
         self.pdl = self.dependent_launch and launches_dependently()
         self.statistics = self.row_statistics and self.thin
+        self.factored = self.factored_statistics and self.thin
         # (only in front of Inductor: another backend keeps the graph it is given)
         self.relays = (self.weight_rows and self.thin and not self.rows
                        and options.get("backend", "inductor") == "inductor")
-        forward = _inductor_passes(self.thin, self.rows, self.pdl, self.statistics)
+        forward = _inductor_passes(self.thin, self.rows, self.pdl, self.statistics,
+                                   self.factored)
         self.weights = self._backend() if self.relays else None
         self.prepared = _shaped(self._compile(self._prepared), forward, self.grouped,
                                 self.weights)
@@ -227,6 +234,8 @@ class CompiledStep:
         if self.pdl:
             pass
         if self.statistics:
+            pass
+        if self.factored:
             pass
         inputs = self.model.prepare_inputs_for_generation(ids, **kwargs)
         # (an encoder-decoder's decoder positions, where its preparation makes them from the

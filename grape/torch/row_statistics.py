@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-__all__ = ["inline_statistics"]
+__all__ = ["TERMS", "factor_statistics", "inline_statistics"]
 
 # How far back from a product's row its statistics are looked for, in operations: a norm's
 # statistic lies about 10 back (RMSNorm's mean, LayerNorm's var_mean, with the casts between),
@@ -138,6 +138,24 @@ def _plan(row: Node) -> tuple[list[Node], list[Node]] | None:
     return again, leaves
 
 
+def _statistic_per_output(node: Node, src: torch.Tensor, arg: Callable[[Any], Any],
+                          outputs: int) -> Any:
+    # (every argument by name: the row per output, reduced along its one dimension, kept as
+    # (outputs, 1))
+    given = arg(node.args)
+    kwargs = dict(zip(_names(node)[:len(given)], given, strict=True), **arg(node.kwargs))
+    kwargs.update(self=src.expand(outputs, src.shape[-1]), dim=[-1], keepdim=True)
+    return node.target(**kwargs)
+
+
+def _flat(t: Any) -> Any:
+    # Every row as (1, len) and every single number as (1, 1), so that what is per output,
+    # (outputs, 1) or (outputs, len), broadcasts against it.
+    if isinstance(t, torch.Tensor) and t.dim() >= 1:
+        return t.reshape(1, -1)
+    return t
+
+
 def inline_statistics(row: Node, outputs: int
                       ) -> tuple[Callable[..., torch.Tensor], list[Node]] | None:
     """For the one-row input ``row`` of a product with ``outputs`` outputs: a function of the
@@ -149,15 +167,8 @@ def inline_statistics(row: Node, outputs: int
         return None
     again, leaves = plan
 
-    def flat(t: Any) -> Any:
-        # Every row as (1, len) and every single number as (1, 1), so that what is per
-        # output, (outputs, 1) or (outputs, len), broadcasts against it.
-        if isinstance(t, torch.Tensor) and t.dim() >= 1:
-            return t.reshape(1, -1)
-        return t
-
     def rebuilt(*values: torch.Tensor) -> torch.Tensor:
-        env: dict[Node, Any] = {leaf: flat(v) for leaf, v in zip(leaves, values, strict=True)}
+        env: dict[Node, Any] = {leaf: _flat(v) for leaf, v in zip(leaves, values, strict=True)}
 
         def arg(a: Any) -> Any:
             return torch.fx.node.map_arg(a, lambda n: env[n])
@@ -166,14 +177,7 @@ def inline_statistics(row: Node, outputs: int
             if node.target is operator.getitem:
                 env[node] = env[node.args[0]][node.args[1]]
             elif _statistic(node):
-                # (every argument by name: the row per output, reduced along its one
-                # dimension, kept as (outputs, 1))
-                src = env[node.args[0]]
-                given = arg(node.args)
-                kwargs = dict(zip(_names(node)[:len(given)], given, strict=True),
-                              **arg(node.kwargs))
-                kwargs.update(self=src.expand(outputs, src.shape[-1]), dim=[-1], keepdim=True)
-                env[node] = node.target(**kwargs)
+                env[node] = _statistic_per_output(node, env[node.args[0]], arg, outputs)
             elif node.target in _VIEWS:
                 env[node] = env[node.args[0]]  # one row stays one row per output
             else:
@@ -182,3 +186,136 @@ def inline_statistics(row: Node, outputs: int
         return out.expand(outputs, out.shape[-1])
 
     return rebuilt, leaves
+
+
+# ----------------------------------------------------------------------------------------
+# Factored: the statistics as scales of the product's outputs, reduced in its one loop.
+#
+# Measured above, the row remade per output costs each block of a product a reduction of the
+# statistic before its dot products can start: two passes, a barrier between. But a product
+# is linear in its row. Where the row is a sum of a few terms, each a scale made of the
+# statistics (one number per row) times a row made without them, the product is that sum of
+# scales times the dot products of those rows:
+#
+#   RMSNorm    w * (x * r)               -> r * dot(x * w, W[j])
+#   LayerNorm  (x - m) * r * g + b       -> r * dot(x * g, W[j]) - m * r * dot(g, W[j])
+#                                            + dot(b, W[j])
+#
+# Every dot product and every statistic (reduced per output, as above) then reduces over the
+# same range independently of the others: one loop of several accumulators, the scales
+# applied after it.
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+# Operations through which a row made from statistics stays a sum of scaled rows (each
+# checked further in _linear); a cast is taken as no rounding at all: the rows are summed in
+# float32
+_LINEAR = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default,
+           aten.div.Tensor, prims.convert_element_type.default}
+
+# The most terms (scaled rows, each one more dot product in the product's loop) a factored row
+# may have: LayerNorm's three
+TERMS = 4
+
+# A term: (scale, rest), the scale (outputs, 1) or (1, 1) or a number, the rest (1, len) in
+# float32; None for either is one (a rest of one: the weight row's own sum)
+Term = tuple[Any, torch.Tensor | None]
+
+
+def _is_row(node: Any) -> bool:
+    """A row of more than one element (not a single number)."""
+    val = _value(node)
+    return _row(val) and val.numel() > 1
+
+
+def _terms(again: list[Node]) -> dict[Node, int] | None:
+    """How many terms each row of ``again`` (those made from statistics) is the sum of; None
+    where one of them is not linear in those rows, or where a statistic or a single number
+    is made from one of them."""
+    terms: dict[Node, int] = {}
+    for node in again:
+        formed = [a for a in node.all_input_nodes if a in terms]
+        if not _is_row(node):
+            if formed:  # (a single number, or a statistic, of a row made from statistics)
+                return None
+            continue
+        if node.target in _VIEWS or node.target is prims.convert_element_type.default:
+            terms[node] = terms[node.args[0]]
+            continue
+        if node.target not in _LINEAR or node.kwargs:  # (add's and sub's alpha among them)
+            return None
+        counts = [terms.get(a, 1) if isinstance(a, Node) else 1 for a in node.args]
+        if node.target is aten.mul.Tensor:
+            terms[node] = counts[0] * counts[1]
+        elif node.target is aten.div.Tensor:
+            if isinstance(node.args[1], Node) and node.args[1] in terms:
+                return None  # (divided by a row made from statistics: not linear)
+            terms[node] = counts[0]
+        else:
+            terms[node] = sum(counts)
+        if terms[node] > TERMS:
+            return None
+    return terms
+
+
+def _times(p: Any, q: Any) -> Any:
+    return q if p is None else p if q is None else p * q
+
+
+def factor_statistics(row: Node, outputs: int
+                      ) -> tuple[Callable[..., list[Term]], list[Node]] | None:
+    """For the one-row input ``row`` of a product with ``outputs`` outputs: a function of the
+    returned leaves giving the row as a sum of at most :data:`TERMS` terms ``(scale, rest)``,
+    each scale made of the row's statistics reduced per output, ``(outputs, 1)``, each rest a
+    row made without them (see above); None where ``row`` holds no statistic of its own row,
+    or is not such a sum."""
+    plan = _plan(row)
+    if plan is None:
+        return None
+    again, leaves = plan
+    counted = _terms(again)
+    if counted is None or row not in counted:
+        return None
+
+    def factored(*values: torch.Tensor) -> list[Term]:
+        env: dict[Node, Any] = {leaf: _flat(v) for leaf, v in zip(leaves, values, strict=True)}
+
+        def arg(a: Any) -> Any:
+            return torch.fx.node.map_arg(a, lambda n: env[n])
+
+        def form(a: Any) -> list[Term]:
+            if isinstance(a, Node) and a in counted:
+                return env[a]
+            value = env[a] if isinstance(a, Node) else a
+            return [(None, value.float())] if _is_row(a) else [(value, None)]
+
+        for node in again:
+            if node not in counted:  # (a statistic, or a single number made from them)
+                if node.target is operator.getitem:
+                    env[node] = env[node.args[0]][node.args[1]]
+                elif _statistic(node):
+                    env[node] = _statistic_per_output(node, env[node.args[0]], arg, outputs)
+                elif node.target in _VIEWS:
+                    env[node] = env[node.args[0]]
+                else:
+                    env[node] = node.target(*arg(node.args), **arg(node.kwargs))
+            elif node.target in _VIEWS or node.target is prims.convert_element_type.default:
+                env[node] = env[node.args[0]]
+            elif node.target is aten.neg.default:
+                env[node] = [(_times(s, -1.0), r) for s, r in form(node.args[0])]
+            elif node.target is aten.add.Tensor:
+                env[node] = form(node.args[0]) + form(node.args[1])
+            elif node.target is aten.sub.Tensor:
+                env[node] = form(node.args[0]) + [(_times(s, -1.0), r)
+                                                  for s, r in form(node.args[1])]
+            elif node.target is aten.mul.Tensor:
+                env[node] = [(_times(s, t), _times(r, q)) for s, r in form(node.args[0])
+                             for t, q in form(node.args[1])]
+            else:  # div: by a row or a number made without statistics (_terms checked)
+                [(t, q)] = form(node.args[1])
+                env[node] = [(s if t is None else _times(s, 1.0 / t),
+                              r if q is None else (torch.ones_like(q) if r is None else r) / q)
+                             for s, r in form(node.args[0])]
+        return env[row]
+
+    return factored, leaves

@@ -50,7 +50,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from grape.torch import row_statistics
 from grape.torch.inductor_passes import ChainedPass
-from grape.torch.row_statistics import inline_statistics
+from grape.torch.row_statistics import Term, factor_statistics, inline_statistics
 
 __all__ = ["ROWS", "ThinMatmuls", "as_reductions"]
 
@@ -60,8 +60,9 @@ aten = torch.ops.aten
 ROWS = 1
 
 _PATTERNS = PatternMatcherPass(pass_name="grape_thin_matmuls")
-# Whether the pass now applying on this thread inlines its rows' statistics (as_reductions
-# sets it: the patterns' handlers are registered once, for every pass).
+# Whether the pass now applying on this thread remakes its rows' statistics per output
+# (``recomputed``) or factors them out as scales (``factored``): as_reductions sets them, the
+# patterns' handlers being registered once, for every pass.
 _INLINE = threading.local()
 
 
@@ -105,11 +106,38 @@ def _inlined(rows: Callable[..., torch.Tensor], bias: bool) -> Callable[..., tor
     return product
 
 
+def _factored(terms: Callable[..., list[Term]], bias: bool) -> Callable[..., torch.Tensor]:
+    """The product (``bias``: biased) over the row as ``terms`` makes it, a sum of scaled
+    rows: each output the sum of its scales times its dot products with the rows, in float32,
+    the bias added before the one rounding (every dot product and statistic one reduction
+    over the same range, which Inductor runs in one loop)."""
+    def product(*args: torch.Tensor) -> torch.Tensor:
+        *leaves, b = args[1:] if bias else args
+        w = b.t().float()  # (outputs, in)
+        out: Any = None
+        for scale, rest in terms(*leaves):
+            dot = (w if rest is None else rest * w).sum(dim=1, keepdim=True)
+            part = dot if scale is None else dot * scale
+            out = part if out is None else out + part
+        out = out.reshape(1, -1)
+        return (out + args[0].float() if bias else out).to(b.dtype)
+    return product
+
+
 def _replace(match: Match, a: torch.fx.Node, b: torch.fx.Node,
              bias: torch.fx.Node | None) -> None:
     counters["inductor"]["grape_thin_matmuls"] += 1
-    inline = (inline_statistics(a, b.meta["val"].shape[1])
-              if getattr(_INLINE, "on", False) else None)
+    outputs = b.meta["val"].shape[1]
+    factored = (factor_statistics(a, outputs)
+                if getattr(_INLINE, "factored", False) else None)
+    if factored is not None:
+        terms, leaves = factored
+        counters["inductor"]["grape_factored_statistics"] += 1
+        match.replace_by_example(_factored(terms, bias is not None),
+                                 [*([bias] if bias is not None else []), *leaves, b])
+        return
+    inline = (inline_statistics(a, outputs)
+              if getattr(_INLINE, "recomputed", False) else None)
     if inline is not None:
         rows, leaves = inline
         counters["inductor"]["grape_row_statistics"] += 1
@@ -145,35 +173,41 @@ def _rewrite_addmm(match: Match, bias: torch.fx.Node, a: torch.fx.Node,
         _replace(match, a, b, bias)
 
 
-def as_reductions(graph: torch.fx.Graph, statistics: bool = False) -> int:
+def as_reductions(graph: torch.fx.Graph, statistics: bool = False,
+                  factored: bool = False) -> int:
     """Rewrite ``graph``'s products of at most :data:`ROWS` rows by weights stored (out, in)
     as reductions; returns how many patterns matched (every ``mm`` and ``addmm``, rewritten
     or not). Dynamo's ``counters["inductor"]["grape_thin_matmuls"]`` counts those rewritten.
     ``statistics``: a product of one row normalised by statistics of that row reduces them
     again per output, in its own kernel (:func:`grape.torch.row_statistics.inline_statistics`,
     counted in ``counters["inductor"]["grape_row_statistics"]``), rather than reading the row
-    written first."""
-    _INLINE.on = statistics and ROWS == 1
+    written first. ``factored``: where such a row is a sum of a few rows scaled by the
+    statistics (:func:`grape.torch.row_statistics.factor_statistics`), the product reduces
+    each of those rows and the statistics in one loop and scales after, in place of the
+    above (counted in ``counters["inductor"]["grape_factored_statistics"]``)."""
+    _INLINE.recomputed = statistics and ROWS == 1
+    _INLINE.factored = factored and ROWS == 1
     try:
         return _PATTERNS.apply(graph)
     finally:
-        _INLINE.on = False
+        _INLINE.recomputed = _INLINE.factored = False
 
 
 class ThinMatmuls(ChainedPass):
     """:func:`as_reductions` as an Inductor post-grad pass, after ``before`` (a pass already
     configured, which keeps running; see :class:`ChainedPass` for its uuid)."""
 
-    def __init__(self, before: Any = None, statistics: bool = False) -> None:
+    def __init__(self, before: Any = None, statistics: bool = False,
+                 factored: bool = False) -> None:
         super().__init__(before)
-        self.statistics = statistics
+        self.statistics, self.factored = statistics, factored
 
     def apply(self, graph: torch.fx.Graph) -> None:
-        as_reductions(graph, self.statistics)
+        as_reductions(graph, self.statistics, self.factored)
 
     def salt(self) -> bytes:
-        salt = f"{ROWS} {self.statistics}".encode()
-        if self.statistics:  # (what it rewrites with lies in a module of its own)
+        salt = f"{ROWS} {self.statistics} {self.factored}".encode()
+        if self.statistics or self.factored:  # (what it rewrites with lies in a module of its own)
             with open(row_statistics.__file__, "rb") as f:
                 salt += f.read()
         return salt
