@@ -39,6 +39,10 @@ norm's statistic again per output, so that Inductor fuses it into the product's 
 norm's kernel of one block goes (:mod:`grape.torch.row_statistics`). An experiment, off:
 GPT-2 small's step held 106 nodes instead of 130 but took 0.586 ms a token against 0.390
 (H100, side by side), the products paying for the statistic in every block.
+:attr:`CompiledStep.factored_statistics` has each such product whose row is a sum of a few
+rows scaled by the statistics (RMSNorm's one, LayerNorm's three) reduce those rows and the
+statistics in one loop and scale after, with no pass over the row before its dot products
+(:func:`grape.torch.row_statistics.factor_statistics`). An experiment, off.
 
 Each executable grape builds (a batch, a prompt bucket, a length, a strategy) compiles the
 step at shapes of its own, once. Dynamo keeps at most ``recompile_limit`` (8) compilations of
