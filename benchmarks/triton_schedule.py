@@ -17,8 +17,12 @@ length), for each way asked:
   (``grape.torch.row_statistics.factor_statistics``).
 
 What it cannot show: the grids (they come from autotuning, on the device), split
-reductions (Inductor sizes them by the device's multiprocessors; here the CPU's cores), and
-the kernels' times. A GPU decides those: ``benchmarks/compiled_step_kernels.py``.
+reductions (Inductor sizes them by the device's multiprocessors; here the CPU's cores), the
+kernels' times, and how a GPU's ``cat`` is made: Inductor lowers every ``cat`` on a CPU as a
+``ConcatKernel``, one kernel per input, where on a GPU its heuristics may compute it
+pointwise, in one (``torch._inductor.lowering.cat``). The pointwise counts overstate a GPU's
+where a step concatenates: Llama's rotary embeddings, four kernels a layer here. A GPU
+decides those: ``benchmarks/compiled_step_kernels.py``.
 Written against torch 2.13's scheduler (``Scheduler.codegen``, ``BaseSchedulerNode.group``).
 
 Run (CPU): PYTHONPATH=DIR python benchmarks/triton_schedule.py [--size llama2048x22]
