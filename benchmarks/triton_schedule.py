@@ -136,11 +136,12 @@ def main() -> None:
         rows.append({"way": way, "graphs": len(graphs), **summary(forward)})
     print(f"{args.arch} {args.size}, {args.dtype}: the step's forward as Inductor's Triton "
           f"scheduling fuses it (no GPU: sizes, not grids)")
-    print(f"{'way':<16}{'kernels':>9}{'reductions':>12}{'of 1 output':>13}{'pointwise':>11}"
+    width = max(len(r["way"]) for r in rows) + 2
+    print(f"{'way':<{width}}{'kernels':>9}{'reductions':>12}{'of 1 output':>13}{'pointwise':>11}"
           f"{'extern':>8}")
     for r in rows:
         k = r["by_kind"]
-        print(f"{r['way']:<16}{r['kernels']:>9}{k.get('reduction', 0):>12}"
+        print(f"{r['way']:<{width}}{r['kernels']:>9}{k.get('reduction', 0):>12}"
               f"{r['reductions_of_one_output']:>13}{k.get('pointwise', 0):>11}"
               f"{k.get('extern', 0):>8}")
     if args.out:
