@@ -210,3 +210,31 @@ def test_a_row_of_more_terms_than_a_loop_should_hold_is_not_factored():
     assert factor_statistics(_row(gm), OUTPUTS) is None
     gm, _ = _traced(centred, x, *ws[:1])
     assert factor_statistics(_row(gm), OUTPUTS) is not None
+
+
+def test_a_row_divided_by_its_statistics_is_factored():
+    # The other way norms are written: divided by the deviation rather than times its
+    # reciprocal square root; the division by a number made of the statistics is a scale.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, H, generator=g) + 2
+    w = torch.randn(H, generator=g)
+
+    def divided(x, w):
+        centred = x - x.mean(-1, keepdim=True)
+        return (centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5) * w,)
+
+    gm, values = _traced(divided, x, w)
+    # (the second statistic reads the centred row, itself made from the first: not factored)
+    assert factor_statistics(_row(gm), OUTPUTS) is None
+
+    def deviation(x, w):
+        return ((x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True) + 1e-5)
+                * w,)
+
+    gm, values = _traced(deviation, x, w)
+    factored, leaves = factor_statistics(_row(gm), OUTPUTS)
+    terms = factored(*(values[leaf] for leaf in leaves))
+    assert len(terms) == 2
+    weight = torch.randn(OUTPUTS, H, generator=g)
+    torch.testing.assert_close(_product(terms, weight), values[_row(gm)] @ weight.t(),
+                               rtol=1e-5, atol=1e-5)

@@ -28,6 +28,11 @@ ms a token against 0.390, its tokens those of the step without, 128 of 128. Each
 product now reduces the statistic (LayerNorm's mean and variance) across its threads before
 its own dot products: the head's 25,129 blocks of two outputs each did so 25,129 times. So
 ``CompiledStep.row_statistics`` is off.
+
+:func:`factor_statistics` is the form without that second pass: where the row is a sum of a
+few rows scaled by numbers made of the statistics (RMSNorm's one, LayerNorm's three), the
+product reduces those rows and the statistics in one loop and scales after (see below;
+``CompiledStep.factored_statistics``, off: scheduled on a CPU, not yet timed on a GPU).
 """
 
 from __future__ import annotations
