@@ -1693,35 +1693,23 @@ def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
 
 
 @_NEEDS_CXX
+@pytest.mark.parametrize("switch", ["row_statistics", "factored_statistics"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "opt"])
-def test_a_compiled_step_can_reduce_its_rows_statistics_in_each_product(arch):
-    # grape.torch.row_statistics in a compiled step (CompiledStep.row_statistics): every
-    # one-row product whose row a norm made (Llama's RMSNorm before q, k, v, gate and up;
-    # LayerNorm before GPT-2's c_attn and c_fc and OPT's q, k, v and fc1; the final norm
-    # before the head) reduces the norm's statistics again per output, and no other product
-    # does; the scores are those of the step that reads the normalised row, to float32's
-    # rounding.
+def test_a_compiled_step_can_reduce_its_rows_statistics_in_each_product(arch, switch):
+    # grape.torch.row_statistics in a compiled step: every one-row product whose row a norm
+    # made (Llama's RMSNorm before q, k, v, gate and up; LayerNorm before GPT-2's c_attn and
+    # c_fc and OPT's q, k, v and fc1; the final norm before the head) reduces the norm's
+    # statistics again per output, and no other product does: with the row remade per output
+    # (CompiledStep.row_statistics), or as a sum of scaled dot products, RMSNorm's one,
+    # LayerNorm's three (CompiledStep.factored_statistics). The scores are those of the step
+    # that reads the normalised row, to float32's rounding.
     m = _built(arch, CONFIGS[arch])
-    scores, inlined = _off_and_on(m, "row_statistics", "grape_row_statistics")
+    counter = {"row_statistics": "grape_row_statistics",
+               "factored_statistics": "grape_factored_statistics"}[switch]
+    scores, rewritten = _off_and_on(m, switch, counter)
     layers = m.config.num_hidden_layers
     normalised = {"gpt2": 2, "llama": 5, "opt": 4}[arch] * layers + 1
-    assert inlined == {False: 0, True: normalised}
-    torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
-
-
-@_NEEDS_CXX
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "opt"])
-def test_a_compiled_step_can_factor_its_rows_statistics_out_of_each_product(arch):
-    # grape.torch.row_statistics.factor_statistics in a compiled step
-    # (CompiledStep.factored_statistics): the same products as above (every one whose row a
-    # norm made) become sums of scaled dot products, RMSNorm's one, LayerNorm's three, with
-    # the statistics reduced per output beside them; the scores are those of the step that
-    # reads the normalised row, to float32's rounding.
-    m = _built(arch, CONFIGS[arch])
-    scores, factored = _off_and_on(m, "factored_statistics", "grape_factored_statistics")
-    layers = m.config.num_hidden_layers
-    normalised = {"gpt2": 2, "llama": 5, "opt": 4}[arch] * layers + 1
-    assert factored == {False: 0, True: normalised}
+    assert rewritten == {False: 0, True: normalised}
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
 
 

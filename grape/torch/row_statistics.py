@@ -143,10 +143,21 @@ def _plan(row: Node) -> tuple[list[Node], list[Node]] | None:
     return again, leaves
 
 
-def _statistic_per_output(node: Node, src: torch.Tensor, arg: Callable[[Any], Any],
-                          outputs: int) -> Any:
-    # (every argument by name: the row per output, reduced along its one dimension, kept as
-    # (outputs, 1))
+def _per_output(node: Node, env: dict[Node, Any], outputs: int) -> Any:
+    """``node`` (of a plan's ``again``) run on what ``env`` holds for its inputs: a statistic
+    reduced per output, kept as (outputs, 1); one of its results; a view (one row stays one
+    row); any other operation as it is."""
+    def arg(a: Any) -> Any:
+        return torch.fx.node.map_arg(a, lambda n: env[n])
+
+    if node.target is operator.getitem:
+        return env[node.args[0]][node.args[1]]
+    if node.target in _VIEWS:
+        return env[node.args[0]]
+    if not _statistic(node):
+        return node.target(*arg(node.args), **arg(node.kwargs))
+    # (every argument by name, the row per output and reduced along its one dimension)
+    src = env[node.args[0]]
     given = arg(node.args)
     kwargs = dict(zip(_names(node)[:len(given)], given, strict=True), **arg(node.kwargs))
     kwargs.update(self=src.expand(outputs, src.shape[-1]), dim=[-1], keepdim=True)
@@ -174,19 +185,8 @@ def inline_statistics(row: Node, outputs: int
 
     def rebuilt(*values: torch.Tensor) -> torch.Tensor:
         env: dict[Node, Any] = {leaf: _flat(v) for leaf, v in zip(leaves, values, strict=True)}
-
-        def arg(a: Any) -> Any:
-            return torch.fx.node.map_arg(a, lambda n: env[n])
-
         for node in again:
-            if node.target is operator.getitem:
-                env[node] = env[node.args[0]][node.args[1]]
-            elif _statistic(node):
-                env[node] = _statistic_per_output(node, env[node.args[0]], arg, outputs)
-            elif node.target in _VIEWS:
-                env[node] = env[node.args[0]]  # one row stays one row per output
-            else:
-                env[node] = node.target(*arg(node.args), **arg(node.kwargs))
+            env[node] = _per_output(node, env, outputs)
         out = env[row]
         return out.expand(outputs, out.shape[-1])
 
@@ -285,9 +285,6 @@ def factor_statistics(row: Node, outputs: int
     def factored(*values: torch.Tensor) -> list[Term]:
         env: dict[Node, Any] = {leaf: _flat(v) for leaf, v in zip(leaves, values, strict=True)}
 
-        def arg(a: Any) -> Any:
-            return torch.fx.node.map_arg(a, lambda n: env[n])
-
         def form(a: Any) -> list[Term]:
             if isinstance(a, Node) and a in counted:
                 return env[a]
@@ -296,14 +293,7 @@ def factor_statistics(row: Node, outputs: int
 
         for node in again:
             if node not in counted:  # (a statistic, or a single number made from them)
-                if node.target is operator.getitem:
-                    env[node] = env[node.args[0]][node.args[1]]
-                elif _statistic(node):
-                    env[node] = _statistic_per_output(node, env[node.args[0]], arg, outputs)
-                elif node.target in _VIEWS:
-                    env[node] = env[node.args[0]]
-                else:
-                    env[node] = node.target(*arg(node.args), **arg(node.kwargs))
+                env[node] = _per_output(node, env, outputs)
             elif node.target in _VIEWS or node.target is prims.convert_element_type.default:
                 env[node] = env[node.args[0]]
             elif node.target is aten.neg.default:

@@ -124,26 +124,23 @@ def _factored(terms: Callable[..., list[Term]], bias: bool) -> Callable[..., tor
     return product
 
 
+# The rewrites of a product's normalised row, in the order tried: the switch in _INLINE, the
+# row's form, the counter, the product over that form
+_STATISTICS = (("factored", factor_statistics, "grape_factored_statistics", _factored),
+               ("recomputed", inline_statistics, "grape_row_statistics", _inlined))
+
+
 def _replace(match: Match, a: torch.fx.Node, b: torch.fx.Node,
              bias: torch.fx.Node | None) -> None:
     counters["inductor"]["grape_thin_matmuls"] += 1
-    outputs = b.meta["val"].shape[1]
-    factored = (factor_statistics(a, outputs)
-                if getattr(_INLINE, "factored", False) else None)
-    if factored is not None:
-        terms, leaves = factored
-        counters["inductor"]["grape_factored_statistics"] += 1
-        match.replace_by_example(_factored(terms, bias is not None),
-                                 [*([bias] if bias is not None else []), *leaves, b])
-        return
-    inline = (inline_statistics(a, outputs)
-              if getattr(_INLINE, "recomputed", False) else None)
-    if inline is not None:
-        rows, leaves = inline
-        counters["inductor"]["grape_row_statistics"] += 1
-        match.replace_by_example(_inlined(rows, bias is not None),
-                                 [*([bias] if bias is not None else []), *leaves, b])
-        return
+    for switch, form, counter, product in _STATISTICS:
+        made = form(a, b.meta["val"].shape[1]) if getattr(_INLINE, switch, False) else None
+        if made is not None:
+            fn, leaves = made
+            counters["inductor"][counter] += 1
+            match.replace_by_example(product(fn, bias is not None),
+                                     [*([bias] if bias is not None else []), *leaves, b])
+            return
     if bias is None:
         match.replace_by_example(_mm, [a, b])
     else:
