@@ -213,7 +213,7 @@ def inline_statistics(row: Node, outputs: int
 aten, prims = torch.ops.aten, torch.ops.prims
 
 # Operations through which a row made from statistics stays a sum of scaled rows (each
-# checked further in _linear); a cast is taken as no rounding at all: the rows are summed in
+# checked further in _terms); a cast is taken as no rounding at all: the rows are summed in
 # float32
 _LINEAR = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default,
            aten.div.Tensor, prims.convert_element_type.default}
