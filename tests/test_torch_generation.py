@@ -1714,6 +1714,29 @@ def test_a_compiled_step_can_reduce_its_rows_statistics_in_each_product(arch, sw
 
 
 @_NEEDS_CXX
+@pytest.mark.parametrize("switch", ["row_statistics", "factored_statistics"])
+def test_a_compiled_step_reduces_its_rows_statistics_where_inductor_decomposed_its_products(
+        switch):
+    # On a GPU, Inductor decomposes a one-row mm into a multiply and a sum while it traces
+    # the step, before grape's post-grad pass: a Llama's bias-free products reach the pass in
+    # that form, not as mm. Their normalised rows are rewritten there all the same (5 a layer
+    # and the head), with the scores of the step without, to float32's rounding. (Before
+    # this, an H100's Llama step compiled to the same 255 kernels with either switch.)
+    from grape.torch.gpu_decompositions import one_row_mm_as_on_a_gpu
+
+    m = _built("llama", CONFIGS["llama"])
+    counter = {"row_statistics": "grape_row_statistics",
+               "factored_statistics": "grape_factored_statistics"}[switch]
+    with one_row_mm_as_on_a_gpu():
+        scores, rewritten = _off_and_on(m, switch, counter)
+        _, plain = _off_and_on(m, "thin_matmuls", "grape_thin_matmuls")
+    assert rewritten == {False: 0, True: 5 * m.config.num_hidden_layers + 1}
+    # (the decomposed products are Inductor's reductions already: the plain pass leaves them)
+    assert plain == {False: 0, True: 0}
+    torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
+
+
+@_NEEDS_CXX
 def test_a_compiled_step_reads_weights_stored_in_out_from_copies_it_keeps_up_to_date():
     # grape.torch.weight_rows: GPT-2's Conv1D weights lie (in, out); the compiled one-row
     # step reads copies laid (out, in), which thin_matmuls makes reductions (without them,

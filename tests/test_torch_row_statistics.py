@@ -238,3 +238,62 @@ def test_a_row_divided_by_its_statistics_is_factored():
     weight = torch.randn(OUTPUTS, H, generator=g)
     torch.testing.assert_close(_product(terms, weight), values[_row(gm)] @ weight.t(),
                                rtol=1e-5, atol=1e-5)
+
+
+def _traced_as_for_a_gpu(fn, *shapes, dtype):
+    """``fn`` over fake CUDA tensors of ``shapes`` traced with Inductor's decompositions under
+    coordinate-descent tuning (compile=True's mode), as a GPU's post-grad passes receive it:
+    a one-row ``mm`` decomposed into a multiply and a sum over float32 casts."""
+    from torch._inductor import config
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        args = [torch.empty(*shape, device="cuda", dtype=dtype) for shape in shapes]
+    with config.patch(coordinate_descent_tuning=True):
+        return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+
+
+def _normalised_product(norm):
+    def product(x, w, g):
+        if norm == "rms":
+            x32 = x.float()
+            row = g * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        else:
+            row = torch.nn.functional.layer_norm(x, (H,), g, g * 0.5)
+        return (row @ w.t(),)
+    return product
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_a_product_inductor_decomposed_for_a_gpu_is_factored_too(norm, dtype):
+    # On a GPU, Inductor's decomposition of a one-row mm runs while the graph is traced, so
+    # grape's pass sees a multiply and a sum, not an mm (torch._inductor.decomposition.mm;
+    # the CPU keeps its mm). The factored form is found there too, its result the float32
+    # sum the cast after it rounds; without a switch the pass leaves Inductor's form alone.
+    from torch._dynamo.utils import counters
+
+    from grape.torch.thin_matmuls import as_reductions
+
+    fn = _normalised_product(norm)
+    gm = _traced_as_for_a_gpu(fn, (1, H), (OUTPUTS, H), (H,), dtype=dtype)
+    targets = [n.target for n in gm.graph.nodes]
+    assert torch.ops.aten.mm.default not in targets
+    assert torch.ops.aten.sum.dim_IntList in targets
+    counters.clear()
+    as_reductions(gm.graph)
+    assert [n.target for n in gm.graph.nodes] == targets
+    assert counters["inductor"]["grape_thin_matmuls"] == 0
+    as_reductions(gm.graph, factored=True)
+    assert counters["inductor"]["grape_factored_statistics"] == 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    # (run on the CPU's tensors: the graph names no device)
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(1, H, generator=g).to(dtype) + 3.0,
+            torch.randn(OUTPUTS, H, generator=g).to(dtype), torch.randn(H, generator=g).to(dtype))
+    [made], [expected] = gm(*args), fn(*args)
+    assert made.dtype == expected.dtype == dtype
+    tolerance = 2e-3 if dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(made.float(), expected.float(), rtol=tolerance, atol=tolerance)

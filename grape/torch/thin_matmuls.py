@@ -27,6 +27,12 @@ What is not rewritten, and why:
 An earlier form that rewrote every one-row product, whatever its layout, was measured and
 retired (``benchmarks/one_row_products.py``, which keeps it beside its figures).
 
+On a GPU under coordinate-descent tuning, Inductor decomposes a one-row ``mm`` while it
+traces the graph, before any post-grad pass (``torch._inductor.decomposition.mm``): a
+bias-free product arrives as a multiply and a sum over float32 casts. It is a reduction
+already, and is left so, unless a switch rewrites its row's statistics, which are found in
+that form as in an ``mm``'s (:func:`_rewrite_decomposed_mm`).
+
 :class:`ThinMatmuls` is the pass in the form Inductor's configuration takes
 (``post_grad_custom_pre_pass``); ``CompiledStep`` patches it in while it compiles.
 """
@@ -94,23 +100,25 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _product(a, b).to(a.dtype)
 
 
-def _inlined(rows: Callable[..., torch.Tensor], bias: bool) -> Callable[..., torch.Tensor]:
+def _inlined(rows: Callable[..., torch.Tensor], bias: bool,
+             dtype: torch.dtype) -> Callable[..., torch.Tensor]:
     """The product (``bias``: biased) over the row as ``rows`` makes it for each output,
     (outputs, in): each output's dot product with its weight row, in float32, the bias added
-    before the one rounding."""
+    before the one rounding to ``dtype``."""
     def product(*args: torch.Tensor) -> torch.Tensor:
         *leaves, b = args[1:] if bias else args
         a = rows(*leaves)
         out = (a.float() * b.t().float()).sum(dim=1)[None]
-        return (out + args[0].float() if bias else out).to(a.dtype)
+        return (out + args[0].float() if bias else out).to(dtype)
     return product
 
 
-def _factored(terms: Callable[..., list[Term]], bias: bool) -> Callable[..., torch.Tensor]:
+def _factored(terms: Callable[..., list[Term]], bias: bool,
+              dtype: torch.dtype) -> Callable[..., torch.Tensor]:
     """The product (``bias``: biased) over the row as ``terms`` makes it, a sum of scaled
     rows: each output the sum of its scales times its dot products with the rows, in float32,
-    the bias added before the one rounding (every dot product and statistic one reduction
-    over the same range, which Inductor runs in one loop)."""
+    the bias added before the one rounding to ``dtype`` (every dot product and statistic one
+    reduction over the same range, which Inductor runs in one loop)."""
     def product(*args: torch.Tensor) -> torch.Tensor:
         *leaves, b = args[1:] if bias else args
         w = b.t().float()  # (outputs, in)
@@ -120,7 +128,7 @@ def _factored(terms: Callable[..., list[Term]], bias: bool) -> Callable[..., tor
             part = dot if scale is None else dot * scale
             out = part if out is None else out + part
         out = out.reshape(1, -1)
-        return (out + args[0].float() if bias else out).to(b.dtype)
+        return (out + args[0].float() if bias else out).to(dtype)
     return product
 
 
@@ -130,17 +138,26 @@ _STATISTICS = (("factored", factor_statistics, "grape_factored_statistics", _fac
                ("recomputed", inline_statistics, "grape_row_statistics", _inlined))
 
 
-def _replace(match: Match, a: torch.fx.Node, b: torch.fx.Node,
-             bias: torch.fx.Node | None) -> None:
-    counters["inductor"]["grape_thin_matmuls"] += 1
+def _over_statistics(match: Match, a: torch.fx.Node, b: torch.fx.Node,
+                     bias: torch.fx.Node | None, dtype: torch.dtype) -> bool:
+    """Rewrite the matched product of row ``a`` by ``b`` (its result in ``dtype``) by the
+    first of the switched-on forms in _STATISTICS that takes its row; whether one did."""
     for switch, form, counter, product in _STATISTICS:
         made = form(a, b.meta["val"].shape[1]) if getattr(_INLINE, switch, False) else None
         if made is not None:
             fn, leaves = made
             counters["inductor"][counter] += 1
-            match.replace_by_example(product(fn, bias is not None),
+            match.replace_by_example(product(fn, bias is not None, dtype),
                                      [*([bias] if bias is not None else []), *leaves, b])
-            return
+            return True
+    return False
+
+
+def _replace(match: Match, a: torch.fx.Node, b: torch.fx.Node,
+             bias: torch.fx.Node | None) -> None:
+    counters["inductor"]["grape_thin_matmuls"] += 1
+    if _over_statistics(match, a, b, bias, a.meta["val"].dtype):
+        return
     if bias is None:
         match.replace_by_example(_mm, [a, b])
     else:
@@ -168,6 +185,41 @@ def _rewrite_addmm(match: Match, bias: torch.fx.Node, a: torch.fx.Node,
     # (addmm with its default beta and alpha only: the pattern names no others)
     if _thin(a, b) and not match.nodes[-1].kwargs:
         _replace(match, a, b, bias)
+
+
+def _unconverted(node: Any) -> Any:
+    """``node``'s input where ``node`` only casts a floating tensor to float32 (as a
+    decomposition computing in float32 casts its operands), else ``node``."""
+    if (isinstance(node, torch.fx.Node)
+            and node.target is torch.ops.prims.convert_element_type.default
+            and node.args[1] == torch.float32 and isinstance(node.args[0], torch.fx.Node)):
+        value = node.args[0].meta.get("val")
+        if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
+            return node.args[0]
+    return node
+
+
+@register_graph_pattern(
+    CallFunction(aten.sum.dim_IntList,
+                 CallFunction(aten.mul.Tensor, CallFunction(aten.unsqueeze.default, Arg(), 2),
+                              CallFunction(aten.unsqueeze.default, Arg(), 0)),
+                 Arg()),
+    pass_dict=_PATTERNS)
+def _rewrite_decomposed_mm(match: Match, a: torch.fx.Node, b: torch.fx.Node,
+                           dims: Any) -> None:
+    # A one-row mm as Inductor's own decomposition already made it while the graph was
+    # traced, before any post-grad pass: on GPUs under coordinate-descent tuning
+    # (torch._inductor.decomposition.mm), ``(a.unsqueeze(2) * b.unsqueeze(0)).sum(dim=1)``
+    # over both operands cast to float32, the sum rounded after. Such a product is already
+    # a reduction; it is rewritten only where its row's statistics are (recomputed or
+    # factored), its result still the float32 sum the cast after it rounds. (Without this,
+    # a bias-free product never reached the statistics' forms on a GPU: the pattern above
+    # matches only on devices where mm is not decomposed.)
+    if dims != [1] or match.output_node().kwargs:
+        return
+    row, weight = _unconverted(a), _unconverted(b)
+    if _thin(row, weight):
+        _over_statistics(match, row, weight, None, match.output_node().meta["val"].dtype)
 
 
 def as_reductions(graph: torch.fx.Graph, statistics: bool = False,
