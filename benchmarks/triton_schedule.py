@@ -16,6 +16,12 @@ length), for each way asked:
 - ``factored_statistics``: the same with ``CompiledStep.factored_statistics`` on
   (``grape.torch.row_statistics.factor_statistics``).
 
+Inductor decomposes a one-row ``mm`` before grape's passes on a GPU, not on a CPU
+(``grape.torch.gpu_decompositions``): the script decomposes it as a GPU does, so that the
+passes see the graph they see there. (Its results before that, kept in
+``results/triton_schedule_cpu/`` as ``*_mm_kept.json``, showed Llama's statistics rewritten
+where an H100's compilation never rewrote them.)
+
 What it cannot show: the grids (they come from autotuning, on the device), split
 reductions (Inductor sizes them by the device's multiprocessors; here the CPU's cores), the
 kernels' times, and how a GPU's ``cat`` is made: Inductor lowers every ``cat`` on a CPU as a
@@ -76,6 +82,7 @@ def schedule(model: torch.nn.Module, switches: dict[str, bool]) -> list[list[dic
     one-row prompt with a ``CompiledStep`` made with ``switches``."""
     from grape.torch.compiled_step import CompiledStep
     from grape.torch.decoding import TokenDecoder
+    from grape.torch.gpu_decompositions import one_row_mm_as_on_a_gpu
     from grape.torch.options import resolve
 
     ids = torch.randint(3, 500, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -88,6 +95,8 @@ def schedule(model: torch.nn.Module, switches: dict[str, bool]) -> list[list[dic
                                                          force_disable_caches=True))
         stack.enter_context(mock.patch("torch._inductor.scheduler.Scheduler.codegen",
                                        _recording(graphs)))
+        # (one-row products decomposed before grape's passes, as a GPU's compilation does)
+        stack.enter_context(one_row_mm_as_on_a_gpu())
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore")
         torch._dynamo.reset()
