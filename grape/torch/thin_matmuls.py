@@ -225,8 +225,10 @@ def _rewrite_decomposed_mm(match: Match, a: torch.fx.Node, b: torch.fx.Node,
 def as_reductions(graph: torch.fx.Graph, statistics: bool = False,
                   factored: bool = False) -> int:
     """Rewrite ``graph``'s products of at most :data:`ROWS` rows by weights stored (out, in)
-    as reductions; returns how many patterns matched (every ``mm`` and ``addmm``, rewritten
-    or not). Dynamo's ``counters["inductor"]["grape_thin_matmuls"]`` counts those rewritten.
+    as reductions; returns how many patterns matched (every ``mm`` and ``addmm``, and every
+    one-row ``mm`` Inductor decomposed, rewritten or not). Dynamo's
+    ``counters["inductor"]["grape_thin_matmuls"]`` counts the ``mm`` and ``addmm`` rewritten;
+    the decomposed ones are rewritten only where their row's statistics are.
     ``statistics``: a product of one row normalised by statistics of that row reduces them
     again per output, in its own kernel (:func:`grape.torch.row_statistics.inline_statistics`,
     counted in ``counters["inductor"]["grape_row_statistics"]``), rather than reading the row
