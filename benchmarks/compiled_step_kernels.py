@@ -100,6 +100,14 @@ WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": Fals
 
 
 
+def _rewrites() -> dict[str, int]:
+    """Dynamo's counts of grape's graph rewrites so far in this process (``grape_*``: the
+    thin-matmul pass's, the statistics forms', grape's GEMV's)."""
+    from torch._dynamo.utils import counters
+
+    return {k: v for k, v in counters["inductor"].items() if k.startswith("grape_")}
+
+
 def _blocks(op: Any) -> int:
     return op.grid[0] * op.grid[1] * op.grid[2] if isinstance(op, Kernel) else 0
 
@@ -201,10 +209,14 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
         try:
             if compile and model in _CACHES:  # (a compiled step of this way's own)
                 _CACHES[model].compiled = None
-            began = time.perf_counter()
+            began, before = time.perf_counter(), _rewrites()
             with BUILDS[way]() if way in BUILDS else contextlib.nullcontext():
                 grape.generate(model, ids, compile=compile, seed=7, **given, **kw)
             seconds = time.perf_counter() - began
+            # (what grape's passes rewrote while this way compiled: 0 where Inductor's cache
+            # served a graph compiled before, whose passes did not run again)
+            rewrites = {k: v - before.get(k, 0) for k, v in _rewrites().items()
+                        if v != before.get(k, 0)}
             s = last_stats()
             entries = _CACHES[model].entries
             key = next(iter(entries))  # (each way's entry is taken out once built and timed)
@@ -225,10 +237,11 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
                      "built_otherwise": way in BUILDS, "dependent_edges": s.dependent_edges,
                      "step_ops": step_ops(built[way][1]),
                      "step_depth": s.step_depth, "build_s": round(seconds, 1),
-                     "kinds": kinds, "eager_kernels": eager,
+                     "kinds": kinds, "eager_kernels": eager, "rewrites": rewrites,
                      "inductor_kernels": inductor, "rounds_ms": []}
         print(f"{strategy} {way}: graphed {s.graphed} compiled {s.compiled} nodes "
-              f"{s.step_nodes} depth {s.step_depth} built in {seconds:.1f} s {kinds}",
+              f"{s.step_nodes} depth {s.step_depth} built in {seconds:.1f} s {kinds} "
+              f"rewrites {rewrites}",
               flush=True)
     for _ in range(rounds):
         for way in ways:
