@@ -1268,21 +1268,21 @@ def test_a_compiled_step_launched_dependently_keeps_its_programmatic_edges(cuda)
     assert (built[True][2][:, 5:] == built[False][2][:, 5:]).float().mean() >= 0.75
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("switch", ["row_statistics", "factored_statistics"])
 def test_a_compiled_step_reducing_its_rows_statistics_per_product_holds_fewer_kernels(
-        cuda, switch):
+        cuda, switch, arch):
     # CompiledStep.row_statistics and .factored_statistics (grape.torch.row_statistics): each
     # one-row product whose row a norm made reduces the norm's statistic again per output
     # (before its dot products, or beside them, the statistic factored out as a scale), so
     # that Inductor fuses it into the product's kernel and the norm's kernel of one block
     # goes. Side by side with the step compiled without: fewer nodes in the step, tokens that
-    # mostly agree (the statistic summed in another order, by design). A GPT-2, whose
-    # normalised products (Conv1D's, relaid) are addmm, which reach grape's pass on a GPU as
-    # they are (GPT-2 small: 130 nodes, 108 factored, H100). A Llama's are bias-free mm,
-    # which Inductor decomposes on a GPU before the pass; they reach the statistics' forms
-    # only since grape matches that form too (thin_matmuls._rewrite_decomposed_mm), not yet
-    # run on a GPU.
-    model = _small_gpt2()
+    # mostly agree (the statistic summed in another order, by design). A GPT-2's normalised
+    # products (Conv1D's, relaid) are addmm, which reach grape's pass on a GPU as they are
+    # (GPT-2 small: 130 nodes, 108 factored, H100). A Llama's are bias-free mm, which
+    # Inductor decomposes on a GPU before the pass (thin_matmuls._rewrite_decomposed_mm
+    # matches that form; before it, a small Llama's step held 28 nodes with either switch).
+    model = {"gpt2": _small_gpt2, "llama": _small_llama}[arch]()
     ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
     built = _compiled_both_ways(model, ids, switch,
                                 lambda out, stats, entry: (stats.step_nodes, out))
