@@ -176,8 +176,7 @@ class CompiledStep:
     # (RMSNorm's one, LayerNorm's three), reduces those rows and the statistics in one loop
     # and scales after (grape.torch.row_statistics.factor_statistics): an experiment, off
     # (GPT-2 small's step 0.456 against 0.420 ms a token on an H100, 108 nodes against 130;
-    # on a Llama step it reached no product on a GPU until thin_matmuls matched Inductor's
-    # decomposed mm, and is not timed since).
+    # the Llama shape's 1.461 against 1.368 on an H200, 236 nodes against 255).
     factored_statistics = False
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:

@@ -33,8 +33,9 @@ its own dot products: the head's 25,129 blocks of two outputs each did so 25,129
 few rows scaled by numbers made of the statistics (RMSNorm's one, LayerNorm's three), the
 product reduces those rows and the statistics in one loop and scales after (see below;
 ``CompiledStep.factored_statistics``, off: GPT-2 small's step took 0.456 against 0.420 ms a
-token on an H100; a Llama's bias-free products reach it on a GPU only since
-``thin_matmuls`` matches the one-row ``mm`` Inductor decomposes there, not yet timed).
+token on an H100; the Llama shape's, whose bias-free products reach it on a GPU through the
+one-row ``mm`` Inductor decomposes there (``thin_matmuls``), took 1.461 against 1.368 ms on
+an H200, 236 nodes against 255).
 """
 
 from __future__ import annotations
