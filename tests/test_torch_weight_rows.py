@@ -19,9 +19,10 @@ class _Products(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(8, 6, generator=generator))
         self.register_buffer("state", torch.randn(8, 6, generator=generator))
         self.linear = torch.nn.Linear(8, 6)
+        self.copies = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (torch.addmm(self.linear.bias, x, self.weight) + x @ self.weight
+        return self.copies * (torch.addmm(self.linear.bias, x, self.weight) + x @ self.weight
                 + torch.mm(x, self.state) + self.linear(x))
 
 
@@ -73,3 +74,16 @@ def test_a_graph_that_fails_to_compile_keeps_no_copies():
     with torch.no_grad(), pytest.raises(Exception, match="the compiler refused"):
         compiled(torch.randn(1, 8))
     assert backend.relaid == []
+
+
+def test_graphs_of_other_shapes_read_the_copy_made_for_the_first():
+    # (each executable's shapes compile a graph of their own: one copy serves them all)
+    torch._dynamo.reset()
+    module = _Products()
+    backend, compiled = _compiled(module)
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        for copies in (1, 2, 3):  # (an integer attribute Dynamo guards on: a graph each)
+            module.copies = copies
+            torch.testing.assert_close(compiled(x), module(x))
+    assert len(backend.relaid) == 1 and backend.relaid[0].source is module.weight

@@ -14,11 +14,12 @@ transpose. The product sees the same values and shape, with a ``Linear`` weight'
 and ``thin_matmuls`` makes it the reduction along contiguous rows it makes of a ``Linear``'s
 (on an OPT of width 1024, such reductions ran the step 0.514 against 0.789 ms a token).
 
-The copies cost their weights' bytes again, for as long as the compiled step lives. They are
-not the weights: each :class:`RelaidWeight` is refreshed from its weight when the weight has
-changed in place since (its version counter moved: ``load_state_dict``, an optimizer's step)
-by :meth:`WeightRows.refresh`, which a compiled step calls before it runs and
-``grape.generate`` before each launch that holds it. A weight given another tensor
+The copies cost their weights' bytes again, once for all the graphs a compiled step compiles
+(one per executable's shapes: each used to make copies of its own), for as long as the step
+lives. They are not the weights: each :class:`RelaidWeight` is refreshed from its weight when
+the weight has changed in place since (its version counter moved: ``load_state_dict``, an
+optimizer's step) by :meth:`WeightRows.refresh`, which a compiled step calls before it runs
+and ``grape.generate`` before each launch that holds it. A weight given another tensor
 (``param.data = ...``) is not followed, as no captured graph follows it.
 """
 
@@ -82,12 +83,15 @@ def _stored_in_out(weight: Any, rows: Any) -> bool:
 
 
 def relay(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-          most_rows: int) -> list[RelaidWeight]:
+          most_rows: int, known: dict[Any, RelaidWeight] | None = None
+          ) -> list[RelaidWeight]:
     """Give ``gm``'s products of at most ``most_rows`` rows by an input weight stored
     (in, out) a copy of it laid (out, in), registered on ``gm`` as a buffer and read through
     its transpose (one copy per weight, whatever the products reading it). ``example_inputs``
     are the real tensors of ``gm``'s placeholders, in order, as a ``torch.compile`` backend
-    is given them. Returns the copies made."""
+    is given them; ``known``: copies made for earlier graphs, by their weights' storage,
+    reused and extended. Returns the copies made that ``known`` did not hold."""
+    known = {} if known is None else known
     inputs = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs,
                       strict=False))
     relaid: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -106,9 +110,15 @@ def relay(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         if count is None or count > most_rows or not _stored_in_out(real, rows):
             continue
         if weight not in relaid:
-            name = f"_grape_weight_rows_{len(made)}"
-            with torch.no_grad():
-                copy = real.detach().t().contiguous()
+            name = f"_grape_weight_rows_{len(relaid)}"
+            # (by storage, not identity: a parameter given another tensor is another weight)
+            key = (real.data_ptr(), tuple(real.shape), real.dtype)
+            if key not in known:
+                with torch.no_grad():
+                    copy = real.detach().t().contiguous()
+                known[key] = RelaidWeight(real, copy, real._version)
+                made.append(known[key])
+            copy = known[key].copy
             gm.register_buffer(name, copy)
             if hasattr(gm, "_param_name_to_source"):
                 # (AOTAutograd lifts a Dynamo graph's buffers as inputs and looks up where
@@ -124,9 +134,8 @@ def relay(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                 laid.meta["example_value"] = fake.fake_mode.from_tensor(copy)
                 viewed.meta["example_value"] = laid.meta["example_value"].t()
             relaid[weight] = viewed
-            made.append(RelaidWeight(real, copy, real._version))
         node.replace_input_with(weight, relaid[weight])
-    if made:
+    if relaid:
         gm.graph.lint()
         gm.recompile()
     return made
@@ -134,18 +143,23 @@ def relay(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
 class WeightRows:
     """A ``torch.compile`` backend: :func:`relay` over each graph, then ``compile`` (Inductor
-    as ``torch.compile``'s ``mode`` and ``dynamic`` configure it). :attr:`relaid` holds every
-    copy made, for :meth:`refresh`."""
+    as ``torch.compile``'s ``mode`` and ``dynamic`` configure it). One copy serves every graph
+    that reads it (each executable's shapes compile a graph of their own); :attr:`relaid`
+    holds each copy made, for :meth:`refresh`."""
 
     def __init__(self, compile: Callable[[torch.fx.GraphModule, list[Any]], Any],
                  most_rows: int) -> None:
         self.compile, self.most_rows = compile, most_rows
         self.relaid: list[RelaidWeight] = []
+        self._known: dict[Any, RelaidWeight] = {}
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        made = relay(gm, example_inputs, self.most_rows)
+        # (copies made for this graph are kept once it compiled: a compilation that fails
+        # drops them with it)
+        known = dict(self._known)
+        made = relay(gm, example_inputs, self.most_rows, known)
         compiled = self.compile(gm, example_inputs)
-        # (kept once the graph compiled: a compilation that fails drops its copies with it)
+        self._known = known
         self.relaid.extend(made)
         if made:
             _LOG.info("grape: %d one-row products' weights stored (in, out) are read from "
