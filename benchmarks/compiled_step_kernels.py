@@ -40,6 +40,10 @@ and the ways asked (``--ways``, all unless said):
   a sum of a few rows scaled by the statistics, reducing those rows and the statistics in
   one loop and scaling after (``CompiledStep.factored_statistics`` on:
   ``grape.torch.row_statistics.factor_statistics``, an experiment, off by default);
+- ``compiled_sibling_products``: ``compile=True`` with the products that share their rows and
+  differ in size (a layer's query, key and value where keys have fewer heads) as one
+  product by a copy of their weights stacked (``CompiledStep.sibling_products`` on:
+  ``grape.torch.sibling_products``, an experiment, off by default);
 - ``compiled_exact``: ``compile=True, exact_lengths=True``: each token's attention over the
   keys that exist, by FlashAttention's variable-length kernel reading the lengths on the
   device (``grape.torch.exact``), where the other ways attend over the whole cache, masked;
@@ -96,6 +100,7 @@ WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": Fals
         "compiled_no_cd": (True, {}, {}),
         "compiled_row_statistics": (True, {"row_statistics": True}, {}),
         "compiled_factored_statistics": (True, {"factored_statistics": True}, {}),
+        "compiled_sibling_products": (True, {"sibling_products": True}, {}),
         "compiled_exact": (True, {}, {"exact_lengths": True}), "compiled": (True, {}, {})}
 
 
@@ -133,7 +138,8 @@ BUILDS = {
 # CompiledStep's switches and their defaults, put back after each way
 SWITCHES = {name: getattr(CompiledStep, name)
             for name in ("thin_matmuls", "grouped_queries", "row_kernels", "weight_rows",
-                          "dependent_launch", "row_statistics", "factored_statistics")}
+                          "dependent_launch", "row_statistics", "factored_statistics",
+                          "sibling_products")}
 
 
 def origin(name: str) -> str:
@@ -237,11 +243,12 @@ def measure(model: torch.nn.Module, strategy: str, rounds: int, batch: int,
                      "built_otherwise": way in BUILDS, "dependent_edges": s.dependent_edges,
                      "step_ops": step_ops(built[way][1]),
                      "step_depth": s.step_depth, "build_s": round(seconds, 1),
+                     "weight_copy_bytes": s.weight_copy_bytes,
                      "kinds": kinds, "eager_kernels": eager, "rewrites": rewrites,
                      "inductor_kernels": inductor, "rounds_ms": []}
         print(f"{strategy} {way}: graphed {s.graphed} compiled {s.compiled} nodes "
               f"{s.step_nodes} depth {s.step_depth} built in {seconds:.1f} s {kinds} "
-              f"rewrites {rewrites}",
+              f"rewrites {rewrites} weight copies {s.weight_copy_bytes / 1e6:.1f} MB",
               flush=True)
     for _ in range(rounds):
         for way in ways:

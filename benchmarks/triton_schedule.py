@@ -14,7 +14,9 @@ length), for each way asked:
 - ``row_statistics``: the same with ``CompiledStep.row_statistics`` on
   (``grape.torch.row_statistics``);
 - ``factored_statistics``: the same with ``CompiledStep.factored_statistics`` on
-  (``grape.torch.row_statistics.factor_statistics``).
+  (``grape.torch.row_statistics.factor_statistics``);
+- ``sibling_products``: the same with ``CompiledStep.sibling_products`` on
+  (``grape.torch.sibling_products``).
 
 Inductor decomposes a one-row ``mm`` before grape's passes on a GPU, not on a CPU
 (``grape.torch.gpu_decompositions``): the script decomposes it as a GPU does, so that the
@@ -54,7 +56,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from generate import ARCHS, SIZES, build
 
 WAYS = {"compiled": {}, "row_statistics": {"row_statistics": True},
-        "factored_statistics": {"factored_statistics": True}}
+        "factored_statistics": {"factored_statistics": True},
+        "sibling_products": {"sibling_products": True}}
 
 
 class _Scheduled(Exception):

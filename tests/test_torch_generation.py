@@ -1737,6 +1737,27 @@ def test_a_compiled_step_reduces_its_rows_statistics_where_inductor_decomposed_i
 
 
 @_NEEDS_CXX
+def test_a_compiled_step_reads_a_layers_query_key_and_value_as_one_stacked_product():
+    # grape.torch.sibling_products: a Llama with fewer key heads than query heads multiplies
+    # each layer's row by weights of two sizes; stacked, the three are one product (thin
+    # matmuls counts a reduction each: two fewer a layer), with the scores of the step that
+    # reads them apart, to float32's rounding. The gate and up projection, of one size, stay.
+    m = _built("llama", CONFIGS["llama"])
+    layers = m.config.num_hidden_layers
+    scores, rewritten = _off_and_on(m, "sibling_products", "grape_thin_matmuls")
+    assert rewritten == {False: 7 * layers + 1, True: 5 * layers + 1}
+    torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
+
+    decoder, ids, m_mask = _compiled_decoder(m, sibling_products=True)
+    decoder.generate_on_host(ids, m_mask)
+    attention = [layer.self_attn for layer in m.model.layers]
+    assert [s.sources for s in decoder.step_model.weights.stacked] == [
+        (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) for a in attention]
+    assert decoder.step_model.copied_bytes() == sum(
+        p.weight.nbytes for a in attention for p in (a.q_proj, a.k_proj, a.v_proj))
+
+
+@_NEEDS_CXX
 def test_a_compiled_step_reads_weights_stored_in_out_from_copies_it_keeps_up_to_date():
     # grape.torch.weight_rows: GPT-2's Conv1D weights lie (in, out); the compiled one-row
     # step reads copies laid (out, in), which thin_matmuls makes reductions (without them,

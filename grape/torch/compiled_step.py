@@ -178,6 +178,11 @@ class CompiledStep:
     # (GPT-2 small's step 0.456 against 0.420 ms a token on an H100, 108 nodes against 130;
     # the Llama shape's 1.461 against 1.368 on an H200, 236 nodes against 255).
     factored_statistics = False
+    # Whether their products that share their rows with outputs of different sizes (a
+    # layer's query, key and value where keys have fewer heads) read one copy of their
+    # weights stacked, as one product (grape.torch.sibling_products): an experiment, off.
+    # The copies cost those weights' bytes again.
+    sibling_products = False
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         self.model, self.options = model, options
@@ -187,11 +192,12 @@ class CompiledStep:
         self.statistics = self.row_statistics and self.thin
         self.factored = self.factored_statistics and self.thin
         # (only in front of Inductor: another backend keeps the graph it is given)
-        self.relays = (self.weight_rows and self.thin and not self.rows
-                       and options.get("backend", "inductor") == "inductor")
+        inductor = options.get("backend", "inductor") == "inductor"
+        self.relays = self.weight_rows and self.thin and not self.rows and inductor
+        self.stacks = self.sibling_products and not self.rows and inductor
         forward = _inductor_passes(self.thin, self.rows, self.pdl, self.statistics,
                                    self.factored)
-        self.weights = self._backend() if self.relays else None
+        self.weights = self._backend() if self.relays or self.stacks else None
         self.prepared = _shaped(self._compile(self._prepared), forward, self.grouped,
                                 self.weights)
         self._forward: Any = None
@@ -199,17 +205,18 @@ class CompiledStep:
 
     def _backend(self) -> WeightRows:
         """Inductor as ``torch.compile`` configures it from these options, behind
-        :func:`grape.torch.weight_rows.relay`."""
+        :func:`grape.torch.weight_rows.relay` (where the step relays weights) and
+        :func:`grape.torch.sibling_products.stack` (where it stacks them)."""
         from grape.torch.thin_matmuls import ROWS
 
         inductor = torch._TorchCompileInductorWrapper(self.options.get("mode"),
                                                       self.options.get("options"),
                                                       self.options.get("dynamic"))
-        return WeightRows(inductor, ROWS)
+        return WeightRows(inductor, ROWS if self.relays else None, self.stacks)
 
     def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` under ``torch.compile`` with the step's options, through :attr:`weights`
-        where it relays weights."""
+        where it relays or stacks weights."""
         if self.weights is None:
             return torch.compile(fn, **self.options)
         rest = {k: v for k, v in self.options.items()
@@ -222,8 +229,8 @@ class CompiledStep:
         return 0 if self.weights is None else self.weights.refresh()
 
     def copied_bytes(self) -> int:
-        """The device bytes of the relaid weights' copies."""
-        return 0 if self.weights is None else sum(r.copy.nbytes for r in self.weights.relaid)
+        """The device bytes of the relaid and stacked weights' copies."""
+        return 0 if self.weights is None else sum(r.copy.nbytes for r in self.weights.copies())
 
     def _prepared(self, ids: torch.Tensor, kwargs: dict[str, Any],
                   decoder_positions: torch.Tensor | None) -> torch.Tensor:
@@ -242,6 +249,8 @@ class CompiledStep:
         if self.statistics:
             pass
         if self.factored:
+            pass
+        if self.stacks:
             pass
         inputs = self.model.prepare_inputs_for_generation(ids, **kwargs)
         # (an encoder-decoder's decoder positions, where its preparation makes them from the

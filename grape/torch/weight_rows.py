@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from grape.torch.sibling_products import StackedWeight, stack
+
 __all__ = ["RelaidWeight", "WeightRows", "relay"]
 
 _LOG = logging.getLogger("grape")
@@ -142,31 +144,45 @@ def relay(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
 
 class WeightRows:
-    """A ``torch.compile`` backend: :func:`relay` over each graph, then ``compile`` (Inductor
-    as ``torch.compile``'s ``mode`` and ``dynamic`` configure it). One copy serves every graph
-    that reads it (each executable's shapes compile a graph of their own); :attr:`relaid`
-    holds each copy made, for :meth:`refresh`."""
+    """A ``torch.compile`` backend: :func:`relay` over each graph (unless ``most_rows`` is
+    None; where ``stacks``, :func:`grape.torch.sibling_products.stack` first), then
+    ``compile`` (Inductor as ``torch.compile``'s ``mode`` and ``dynamic`` configure it). One
+    copy serves every graph that reads it (each executable's shapes compile a graph of their
+    own); :attr:`relaid` and :attr:`stacked` hold each copy made, for :meth:`refresh`."""
 
     def __init__(self, compile: Callable[[torch.fx.GraphModule, list[Any]], Any],
-                 most_rows: int) -> None:
-        self.compile, self.most_rows = compile, most_rows
+                 most_rows: int | None, stacks: bool = False) -> None:
+        self.compile, self.most_rows, self.stacks = compile, most_rows, stacks
         self.relaid: list[RelaidWeight] = []
+        self.stacked: list[StackedWeight] = []
         self._known: dict[Any, RelaidWeight] = {}
+        self._known_stacks: dict[Any, StackedWeight] = {}
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         # (copies made for this graph are kept once it compiled: a compilation that fails
         # drops them with it)
-        known = dict(self._known)
-        made = relay(gm, example_inputs, self.most_rows, known)
+        known, known_stacks = dict(self._known), dict(self._known_stacks)
+        stacked = stack(gm, example_inputs, known_stacks) if self.stacks else []
+        made = ([] if self.most_rows is None
+                else relay(gm, example_inputs, self.most_rows, known))
         compiled = self.compile(gm, example_inputs)
-        self._known = known
+        self._known, self._known_stacks = known, known_stacks
         self.relaid.extend(made)
+        self.stacked.extend(stacked)
         if made:
             _LOG.info("grape: %d one-row products' weights stored (in, out) are read from "
                       "copies laid (out, in): %.1f MB", len(made),
                       sum(r.copy.nbytes for r in made) / 1e6)
+        if stacked:
+            _LOG.info("grape: products that share their rows read %d stacked copies of their "
+                      "weights: %.1f MB", len(stacked),
+                      sum(r.copy.nbytes for r in stacked) / 1e6)
         return compiled
 
+    def copies(self) -> list[RelaidWeight | StackedWeight]:
+        """Every copy the compiled graphs read."""
+        return [*self.relaid, *self.stacked]
+
     def refresh(self) -> int:
-        """Refresh every copy whose weight changed in place; how many did."""
-        return sum(r.refresh() for r in self.relaid)
+        """Refresh every copy whose weights changed in place; how many did."""
+        return sum(r.refresh() for r in self.copies())
