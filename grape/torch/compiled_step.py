@@ -182,7 +182,7 @@ class CompiledStep:
     # layer's query, key and value where keys have fewer heads) read one copy of their
     # weights stacked, as one product (grape.torch.sibling_products): an experiment, off.
     # The copies cost those weights' bytes again.
-    sibling_products = False
+    sibling_products = True
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         self.model, self.options = model, options
