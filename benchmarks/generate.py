@@ -35,7 +35,9 @@ Each entry: ``ms_per_token`` (a whole call's wall time over the new tokens, medi
 counted with ``torch.cuda.set_sync_debug_mode``, over the new tokens), ``copy_bytes_per_call``
 (grape: caller bytes copied into the loop's tensors: the prompt's mask into the full-length
 one), ``prefill_graphed`` and ``pointer_updates_per_call`` (grape: the prompt ran inside the
-launch; nodes re-pointed at caller tensors that moved, on the last call),
+launch; nodes re-pointed at caller tensors that moved, on the last call), ``weight_copy_bytes``
+(grape: the copies of weights its compiled step reads, ``grape.torch.weight_rows`` and
+``grape.torch.sibling_products``),
 ``tokens_identical`` (grape and ``hf_static`` against ``hf_static``'s tokens; null for
 sampling, whose random stream is grape's own by design: there ``same_seed_same_tokens`` and
 ``host_loop_tokens_identical`` say whether grape repeats itself and equals its own host loop,
@@ -245,7 +247,7 @@ def measure(model, arch: str, strategy: str, batch: int, args, eos: int | None,
                        prefill_graphed=stats.prefill_graphed,
                        pointer_updates_per_call=stats.pointer_updates,
                        step_nodes=stats.step_nodes, step_depth=stats.step_depth,
-                       compiled=stats.compiled)
+                       compiled=stats.compiled, weight_copy_bytes=stats.weight_copy_bytes)
         rows.append(row)
     if "hf_static" in tokens and strategy != "sample":
         for row in rows:
