@@ -43,7 +43,9 @@ and the ways asked (``--ways``, all unless said):
 - ``compiled_sibling_products``: ``compile=True`` with the products that share their rows and
   differ in size (a layer's query, key and value where keys have fewer heads) as one
   product by a copy of their weights stacked (``CompiledStep.sibling_products`` on:
-  ``grape.torch.sibling_products``, an experiment, off by default);
+  ``grape.torch.sibling_products``; the default since 93b9b87, so ``compiled`` is the same);
+- ``compiled_unstacked``: ``compile=True`` with ``CompiledStep.sibling_products`` off (the
+  step as it was before 93b9b87);
 - ``compiled_exact``: ``compile=True, exact_lengths=True``: each token's attention over the
   keys that exist, by FlashAttention's variable-length kernel reading the lengths on the
   device (``grape.torch.exact``), where the other ways attend over the whole cache, masked;
@@ -101,6 +103,7 @@ WAYS = {"eager": (False, {}, {}), "compiled_gemms": (True, {"thin_matmuls": Fals
         "compiled_row_statistics": (True, {"row_statistics": True}, {}),
         "compiled_factored_statistics": (True, {"factored_statistics": True}, {}),
         "compiled_sibling_products": (True, {"sibling_products": True}, {}),
+        "compiled_unstacked": (True, {"sibling_products": False}, {}),
         "compiled_exact": (True, {}, {"exact_lengths": True}), "compiled": (True, {}, {})}
 
 

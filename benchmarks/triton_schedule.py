@@ -16,7 +16,8 @@ length), for each way asked:
 - ``factored_statistics``: the same with ``CompiledStep.factored_statistics`` on
   (``grape.torch.row_statistics.factor_statistics``);
 - ``sibling_products``: the same with ``CompiledStep.sibling_products`` on
-  (``grape.torch.sibling_products``).
+  (``grape.torch.sibling_products``; the default since 93b9b87, ``compiled`` the same);
+- ``unstacked``: the same with it off (the step before 93b9b87).
 
 Inductor decomposes a one-row ``mm`` before grape's passes on a GPU, not on a CPU
 (``grape.torch.gpu_decompositions``): the script decomposes it as a GPU does, so that the
@@ -57,7 +58,8 @@ from generate import ARCHS, SIZES, build
 
 WAYS = {"compiled": {}, "row_statistics": {"row_statistics": True},
         "factored_statistics": {"factored_statistics": True},
-        "sibling_products": {"sibling_products": True}}
+        "sibling_products": {"sibling_products": True},
+        "unstacked": {"sibling_products": False}}
 
 
 class _Scheduled(Exception):

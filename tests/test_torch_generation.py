@@ -1686,9 +1686,13 @@ def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
     scores, rewritten = _off_and_on(m, "thin_matmuls", "grape_thin_matmuls")
     linears = sum(isinstance(x, torch.nn.Linear) for x in m.modules())
     conv1ds = sum(isinstance(x, Conv1D) for x in m.modules())
-    assert linears == (1 if arch == "gpt2" else 7 * m.config.num_hidden_layers + 1)
-    assert conv1ds == (4 * m.config.num_hidden_layers if arch == "gpt2" else 0)
-    assert rewritten == {False: 0, True: linears + conv1ds}
+    layers = m.config.num_hidden_layers
+    assert linears == (1 if arch == "gpt2" else 7 * layers + 1)
+    assert conv1ds == (4 * layers if arch == "gpt2" else 0)
+    # (a Llama layer's query, key and value, of two sizes, are one stacked product:
+    # grape.torch.sibling_products)
+    stacked = 2 * layers if arch == "llama" else 0
+    assert rewritten == {False: 0, True: linears + conv1ds - stacked}
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
 
 
@@ -1697,7 +1701,8 @@ def test_a_compiled_step_makes_its_one_row_products_reductions(arch):
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "opt"])
 def test_a_compiled_step_can_reduce_its_rows_statistics_in_each_product(arch, switch):
     # grape.torch.row_statistics in a compiled step: every one-row product whose row a norm
-    # made (Llama's RMSNorm before q, k, v, gate and up; LayerNorm before GPT-2's c_attn and
+    # made (Llama's RMSNorm before q, k and v, stacked as one product by
+    # grape.torch.sibling_products, and before gate and up; LayerNorm before GPT-2's c_attn and
     # c_fc and OPT's q, k, v and fc1; the final norm before the head) reduces the norm's
     # statistics again per output, and no other product does: with the row remade per output
     # (CompiledStep.row_statistics), or as a sum of scaled dot products, RMSNorm's one,
@@ -1708,7 +1713,7 @@ def test_a_compiled_step_can_reduce_its_rows_statistics_in_each_product(arch, sw
                "factored_statistics": "grape_factored_statistics"}[switch]
     scores, rewritten = _off_and_on(m, switch, counter)
     layers = m.config.num_hidden_layers
-    normalised = {"gpt2": 2, "llama": 5, "opt": 4}[arch] * layers + 1
+    normalised = {"gpt2": 2, "llama": 3, "opt": 4}[arch] * layers + 1
     assert rewritten == {False: 0, True: normalised}
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
 
@@ -1719,9 +1724,10 @@ def test_a_compiled_step_reduces_its_rows_statistics_where_inductor_decomposed_i
         switch):
     # On a GPU, Inductor decomposes a one-row mm into a multiply and a sum while it traces
     # the step, before grape's post-grad pass: a Llama's bias-free products reach the pass in
-    # that form, not as mm. Their normalised rows are rewritten there all the same (5 a layer
-    # and the head), with the scores of the step without, to float32's rounding. (Before
-    # this, an H100's Llama step compiled to the same 255 kernels with either switch.)
+    # that form, not as mm. Their normalised rows are rewritten there all the same (3 a layer:
+    # q, k and v stacked as one, gate, up; and the head), with the scores of the step
+    # without, to float32's rounding. (Before this, an H100's Llama step compiled to the same
+    # 255 kernels with either switch.)
     from grape.torch.gpu_decompositions import one_row_mm_as_on_a_gpu
 
     m = _built("llama", CONFIGS["llama"])
@@ -1730,7 +1736,7 @@ def test_a_compiled_step_reduces_its_rows_statistics_where_inductor_decomposed_i
     with one_row_mm_as_on_a_gpu():
         scores, rewritten = _off_and_on(m, switch, counter)
         _, plain = _off_and_on(m, "thin_matmuls", "grape_thin_matmuls")
-    assert rewritten == {False: 0, True: 5 * m.config.num_hidden_layers + 1}
+    assert rewritten == {False: 0, True: 3 * m.config.num_hidden_layers + 1}
     # (the decomposed products are Inductor's reductions already: the plain pass leaves them)
     assert plain == {False: 0, True: 0}
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-5, atol=1e-5)
