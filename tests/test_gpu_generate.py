@@ -1290,6 +1290,27 @@ def test_a_compiled_step_reducing_its_rows_statistics_per_product_holds_fewer_ke
     assert (built[True][1][:, 5:] == built[False][1][:, 5:]).float().mean() >= 0.75
 
 
+def test_a_compiled_step_stacks_a_layers_query_key_and_value_as_one_product(cuda):
+    # grape.torch.sibling_products: a model with fewer key heads than query heads multiplies
+    # each layer's row by weights of two sizes, which Inductor does not fuse; the step reads
+    # them as one product by a copy of the three weights stacked. Side by side with the step
+    # compiled without: the copies' bytes counted, no more nodes, tokens that mostly agree
+    # (other kernels, by design).
+    model = _small_llama()
+    attention = [layer.self_attn for layer in model.model.layers]
+    ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def record(out, stats, entry):
+        return stats.step_nodes, stats.weight_copy_bytes, out
+
+    built = _compiled_both_ways(model, ids, "sibling_products", record)
+    assert built[False][1] == 0, built
+    assert built[True][1] == sum(p.weight.nbytes for a in attention
+                                 for p in (a.q_proj, a.k_proj, a.v_proj)), built
+    assert built[True][0] <= built[False][0], built
+    assert (built[True][2][:, 5:] == built[False][2][:, 5:]).float().mean() >= 0.75
+
+
 def test_a_compiled_step_attends_with_grouped_queries_without_copying_keys(cuda):
     # grape.torch.grouped_queries: a compiled decode step of a model with fewer key heads
     # than query heads reads its keys and values where they lie, the query heads a key head
