@@ -183,7 +183,10 @@ def stack(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             with gm.graph.inserting_after(whole):
                 part = gm.graph.call_function(torch.narrow,
                                               (whole, -1, start, weight.shape[0]))
-            part.meta.update({k: v for k, v in product.meta.items() if k != "example_value"})
+            # (where it came from, for kernel names and error messages; not what it was: a
+            # pass matching linear calls by their source would take the slice for one)
+            part.meta.update({k: product.meta[k] for k in ("stack_trace", "nn_module_stack")
+                              if k in product.meta})
             if "example_value" in whole.meta:
                 part.meta["example_value"] = whole.meta["example_value"].narrow(
                     -1, start, weight.shape[0])
