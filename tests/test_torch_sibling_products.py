@@ -109,3 +109,26 @@ def test_a_graph_that_fails_to_compile_keeps_no_stacked_copies():
     with torch.no_grad(), pytest.raises(Exception, match="the compiler refused"):
         compiled(torch.randn(1, 8))
     assert backend.stacked == [] and backend._known_stacks == {}
+
+
+def test_a_group_whose_smallest_weight_is_large_is_left_as_it_is():
+    # (sibling_products.SMALLEST: products that read enough to fill the GPU gain a launch a
+    # layer at most from stacking, and the copies would cost their bytes again)
+    from grape.torch.sibling_products import stack
+
+    torch._dynamo.reset()
+    module = _Layer()
+    kept = []
+
+    def backend(gm, example_inputs):
+        smallest = module.k.weight.nbytes  # (the key's and value's: 2 x 8 floats)
+        kept.append(stack(gm, example_inputs, smallest=smallest - 1))
+        kept.append(stack(gm, example_inputs, smallest=smallest))
+        return gm.forward
+
+    compiled = torch.compile(module, backend=backend, dynamic=False)
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), module(x))
+    assert kept[0] == [] and [s.sources for s in kept[1]] == [
+        (module.q.weight, module.k.weight, module.v.weight)]

@@ -10,13 +10,14 @@ product as 8 blocks of 128 threads (2 MB of weights), beside the query's 512 blo
 
 :func:`stack` rewrites a step's graph (Dynamo's, before Inductor lowers it) so that the
 ``Linear`` products that share their input, whose weights are parameters of one layout and
-whose output sizes differ, read one weight: a copy of theirs stacked along the outputs (and
-their biases stacked the same), made once as the step compiles. Each product's result is
-then a slice of the stacked one's, along its last dimension: the values each output's dot
-product gives are those of the same row and weight row, in a kernel sized to all of them.
-Products of one size are left to Inductor: stacked, their neighbours no longer fuse into
-their kernel (the Llama shape's step scheduled 316 kernels against 298 with the gate and up
-products stacked too, 294 without them: ``benchmarks/triton_schedule.py``, CPU).
+whose output sizes differ, read one weight, where the smallest of them is small enough that
+its product is held by its latency (:data:`SMALLEST`): a copy of theirs stacked along the
+outputs (and their biases stacked the same), made once as the step compiles. Each product's
+result is then a slice of the stacked one's, along its last dimension: the values each
+output's dot product gives are those of the same row and weight row, in a kernel sized to all
+of them. Products of one size are left to Inductor: stacked, their neighbours no longer fuse
+into their kernel (the Llama shape's step scheduled 316 kernels against 298 with the gate and
+up products stacked too, 294 without them: ``benchmarks/triton_schedule.py``, CPU).
 Inductor's own batch fusion (``batch_linear_lhs``) makes the same product but concatenates
 the weights inside the graph, each call: a decode step would copy them every token.
 
@@ -41,7 +42,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["StackedWeight", "stack"]
+__all__ = ["SMALLEST", "StackedWeight", "stack"]
+
+# The largest weight a group's smallest product may read for the group to be stacked. A
+# one-row product by a small weight is held by its own latency, not by reading it: on an H200,
+# in a graph, the Llama shape's key product (1 MB) took 1.84 us, a seventh of the rate its
+# up product (23 MB, 5.53 us) read at (benchmarks/README.md, one_row_products.py). Where
+# every weight of a group is larger, stacking saves a launch a layer at most and copies tens
+# of megabytes a layer (a 70B Llama's query, key and value: 168 MB a layer), so it is not
+# done.
+SMALLEST = 4 << 20
 
 # ``nn.Linear``'s call in a Dynamo graph (``F.linear`` is the same builtin).
 _LINEAR = torch._C._nn.linear
@@ -126,11 +136,12 @@ def _attribute(gm: torch.fx.GraphModule, before: torch.fx.Node, name: str,
 
 
 def stack(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-          known: dict[tuple[Any, ...], StackedWeight] | None = None) -> list[StackedWeight]:
+          known: dict[tuple[Any, ...], StackedWeight] | None = None,
+          smallest: int = SMALLEST) -> list[StackedWeight]:
     """Rewrite ``gm``'s ``linear`` products that share their input, whose weights are
-    parameters of one dtype and layout (and biases all parameters, or all none) and whose
-    output sizes differ, into one product by their weights stacked, each result a slice of
-    its. ``example_inputs`` are the
+    parameters of one dtype and layout (and biases all parameters, or all none), whose
+    output sizes differ and whose smallest weight holds at most ``smallest`` bytes, into one
+    product by their weights stacked, each result a slice of its. ``example_inputs`` are the
     real tensors of ``gm``'s placeholders, in order, as a ``torch.compile`` backend is given
     them; ``known``: copies made for earlier graphs, by the weights they stack, reused and
     extended. Returns the copies this graph reads that ``known`` did not hold."""
@@ -155,6 +166,8 @@ def stack(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         weights = [inputs[_linear(p)[1]] for p in products]
         if len({w.shape[0] for w in weights}) == 1:
             continue  # (one size: Inductor fuses them, and what follows, by itself)
+        if min(w.nbytes for w in weights) > smallest:
+            continue  # (every product reads enough to fill the GPU: copies for little)
         fake = next((v.meta["example_value"].fake_mode for v in products
                      if hasattr(v.meta.get("example_value"), "fake_mode")), None)
         stacked = []
