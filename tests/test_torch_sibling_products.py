@@ -132,3 +132,20 @@ def test_a_group_whose_smallest_weight_is_large_is_left_as_it_is():
         torch.testing.assert_close(compiled(x), module(x))
     assert kept[0] == [] and [s.sources for s in kept[1]] == [
         (module.q.weight, module.k.weight, module.v.weight)]
+
+
+def test_a_graph_with_an_autocast_region_is_left_as_it_is():
+    # (the stacked product would sit in or out of the region, and its dtype with it)
+    class _Autocast(_Layer):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                q = self.q(x)
+            return q[..., :2].float() * self.k(x) + self.v(x)
+
+    torch._dynamo.reset()
+    module = _Autocast()
+    backend, compiled = _compiled(module)
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), module(x))
+    assert backend.stacked == []

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SMALLEST", "StackedWeight", "stack"]
+__all__ = ["SMALLEST", "StackedWeight", "read_copy", "stack"]
 
 # The largest weight a group's smallest product may read for the group to be stacked. A
 # one-row product by a small weight is held by its own latency, not by reading it: on an H200,
@@ -53,8 +53,10 @@ __all__ = ["SMALLEST", "StackedWeight", "stack"]
 # done.
 SMALLEST = 4 << 20
 
-# ``nn.Linear``'s call in a Dynamo graph (``F.linear`` is the same builtin).
+# ``nn.Linear``'s call in a Dynamo graph (``F.linear`` is the same builtin), and an autocast
+# region's start there.
 _LINEAR = torch._C._nn.linear
+_AUTOCAST = torch.amp.autocast_mode._enter_autocast
 
 
 @dataclass
@@ -118,9 +120,10 @@ def _stackable(weight: Any, bias: Any, x: Any) -> bool:
                                   and bias.is_contiguous())))
 
 
-def _attribute(gm: torch.fx.GraphModule, before: torch.fx.Node, name: str,
-               tensor: torch.Tensor, fake_mode: Any) -> torch.fx.Node:
-    """``tensor`` registered on ``gm`` as buffer ``name``, read by a node before ``before``."""
+def read_copy(gm: torch.fx.GraphModule, before: torch.fx.Node, name: str,
+              tensor: torch.Tensor, fake_mode: Any) -> torch.fx.Node:
+    """``tensor`` (a copy grape made, of weights) registered on ``gm`` as buffer ``name``,
+    read by a node before ``before`` (with a fake value in ``fake_mode``, where given)."""
     gm.register_buffer(name, tensor)
     if hasattr(gm, "_param_name_to_source"):
         # (AOTAutograd lifts a Dynamo graph's buffers as inputs and looks up where each came
@@ -146,6 +149,8 @@ def stack(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     them; ``known``: copies made for earlier graphs, by the weights they stack, reused and
     extended. Returns the copies this graph reads that ``known`` did not hold."""
     known = {} if known is None else known
+    if any(n.op == "call_function" and n.target is _AUTOCAST for n in gm.graph.nodes):
+        return []  # (a product moved into or out of an autocast region would change dtype)
     inputs = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs,
                       strict=False))
     groups: dict[tuple[torch.fx.Node, bool], list[torch.fx.Node]] = {}
@@ -182,7 +187,7 @@ def stack(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                 known[key] = StackedWeight.of(sources)
                 made.append(known[key])
             name = f"_grape_stacked_{part}_{len(known)}_{products[0].name}"
-            stacked.append(_attribute(gm, products[0], name, known[key].copy, fake))
+            stacked.append(read_copy(gm, products[0], name, known[key].copy, fake))
         x = _linear(products[0])[0]
         with gm.graph.inserting_before(products[0]):
             whole = gm.graph.call_function(_LINEAR, (x, *stacked))

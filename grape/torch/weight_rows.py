@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from grape.torch.sibling_products import StackedWeight, stack
+from grape.torch.sibling_products import StackedWeight, read_copy, stack
 
 __all__ = ["RelaidWeight", "WeightRows", "relay"]
 
@@ -120,20 +120,12 @@ def relay(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                     copy = real.detach().t().contiguous()
                 known[key] = RelaidWeight(real, copy, real._version)
                 made.append(known[key])
-            copy = known[key].copy
-            gm.register_buffer(name, copy)
-            if hasattr(gm, "_param_name_to_source"):
-                # (AOTAutograd lifts a Dynamo graph's buffers as inputs and looks up where
-                # each came from; this one comes from no user code)
-                from torch._dynamo.source import ConstantSource
-
-                gm._param_name_to_source[name] = ConstantSource(name)
-            with gm.graph.inserting_before(node):  # (placeholders stay first)
-                laid = gm.graph.get_attr(name)
-                viewed = gm.graph.call_function(torch.t, (laid,))
             fake = weight.meta.get("example_value")
-            if fake is not None and hasattr(fake, "fake_mode"):
-                laid.meta["example_value"] = fake.fake_mode.from_tensor(copy)
+            fake_mode = getattr(fake, "fake_mode", None)
+            laid = read_copy(gm, node, name, known[key].copy, fake_mode)  # (placeholders first)
+            with gm.graph.inserting_before(node):
+                viewed = gm.graph.call_function(torch.t, (laid,))
+            if fake_mode is not None:
                 viewed.meta["example_value"] = laid.meta["example_value"].t()
             relaid[weight] = viewed
         node.replace_input_with(weight, relaid[weight])
