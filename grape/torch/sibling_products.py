@@ -5,8 +5,8 @@ A Llama layer multiplies its normalised row by the query's, key's and value's we
 one kernel, with what follows them (the key and value products and their writes into the
 cache; the gate and up products and ``silu(gate) * up``), but not reductions of different
 sizes: the query's product (2048 outputs on the Llama shape) stays a kernel apart from the
-key's and value's (256 each). On an H200 the compiled Llama step launched the key and value
-product as 8 blocks of 128 threads (2 MB of weights), beside the query's 512 blocks.
+key's and value's (256 each). On an H200 the compiled Llama step launched each layer's key
+and value product (2 MB of weights) as a kernel of its own, of 8 to 128 blocks.
 
 :func:`stack` rewrites a step's graph (Dynamo's, before Inductor lowers it) so that the
 ``Linear`` products that share their input, whose weights are parameters of one layout and
