@@ -338,7 +338,7 @@ def wav2vec2_audio(lengths: list[int]) -> Workload:
 def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
             derive_every: int | None = None, save_to: Path | None = None,
             derive_period: int = 1, same_places: bool | None = None,
-            verify_unread: bool = False) -> dict[str, object]:
+            verify_unread: bool = False, derive_start: int | None = None) -> dict[str, object]:
     if update == "graph":
         w = replace(w, name=f"{w.name} (whole-graph updates)", slug=f"{w.slug}_whole")
     elif update == "device":
@@ -360,7 +360,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     family = capture_family(step, sorted(lengths, reverse=True),
                             params=w.params, update=update, derive_every=derive_every,
                             derive_period=derive_period, same_places=same_places,
-                            verify_unread=verify_unread,
+                            verify_unread=verify_unread, derive_start=derive_start,
                             progress=lambda line: _log(f"  {label} family: {line}"))
     _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
     family_device_bytes = free_before_family - _device_bytes()[0]
@@ -477,6 +477,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         "reserved_after_family": reserved2,
         "derive_every": derive_every,
         "derive_period": derive_period if derive_every is not None else None,
+        "derive_start": derive_start if derive_every is not None else None,
         "same_places": family.places is not None,
     }
     if family.places is not None:  # captures moved to a reference capture's places
@@ -676,6 +677,10 @@ def main() -> None:
     parser.add_argument("--derive-period", type=int, default=1, metavar="P",
                         help="with --derive-every: derive a length only from lengths equal "
                              "to it modulo P (kernels chosen by a length's alignment)")
+    parser.add_argument("--derive-start", type=int, default=None, metavar="S",
+                        help="with --derive-every: sample one length in S first, and finer, "
+                             "down to --derive-every, only where lengths stay underived "
+                             "(capture_family's derive_start)")
     parser.add_argument("--same-places", action=argparse.BooleanOptionalAction, default=None,
                         help="move every capture's temporaries to the places of the first "
                              "capture that allocated alike (grape.passes.places); default: "
@@ -740,7 +745,7 @@ def main() -> None:
             results.append(measure(w, args.traces, args.update, args.derive_every,
                                    None if args.no_fresh else Path(saved),
                                    args.derive_period, args.same_places,
-                                   args.verify_unread))
+                                   args.verify_unread, args.derive_start))
             write()
             if not args.no_fresh:
                 results[-1].update(_in_fresh_process("shared_pool", workload_args, [],

@@ -62,6 +62,9 @@ parser.add_argument("--same-places", action="store_true",
 parser.add_argument("--derive-every", type=int, default=None, metavar="K",
                     help="capture as a deriving family does: one length in K (period 8), "
                          "places moved, the rest derived")
+parser.add_argument("--derive-start", type=int, default=None, metavar="S",
+                    help="with --derive-every: sample one length in S first, finer where "
+                         "lengths stay underived (capture_family's derive_start)")
 parser.add_argument("--decoder", default=None, metavar="ARCH[:SIZE]",
                     help="another architecture of generate.py (as families.py takes it)")
 parser.add_argument("--profile", metavar="PATH",
@@ -123,7 +126,7 @@ if profiler:
 family = family_module.capture_family(
     w.step, sorted(w.shapes, reverse=True), params=w.params, prepare=False,
     same_places=SAME_PLACES, derive_every=DERIVE_EVERY, derive_period=8 if DERIVE_EVERY else 1,
-    update=args.update, verify_unread=args.verify_unread,
+    update=args.update, verify_unread=args.verify_unread, derive_start=args.derive_start,
     progress=lambda line: print(f"  family: {line}", flush=True))
 total = time.perf_counter() - t
 free1, reserved1 = _device_bytes()

@@ -275,14 +275,16 @@ def test_nothing_is_derived_across_a_change_of_kernel():
 
 
 def test_derive_lengths_refuses_bad_arguments():
-    with pytest.raises(GrapeError, match="expected lengths, every >= 1, checks >= 0 and "
-                                         "period >= 1, found 0 lengths, every=8, checks=1, "
-                                         "period=1"):
+    with pytest.raises(GrapeError, match="expected lengths, every >= 1, checks >= 0, period >= 1 "
+                                         "and start >= every, found 0 lengths, every=8, "
+                                         "checks=1, period=1, start=8"):
         derive_lengths(step, [])
     with pytest.raises(GrapeError, match="every=0"):
         derive_lengths(step, [1, 2], every=0)
     with pytest.raises(GrapeError, match="period=0"):
         derive_lengths(step, [1, 2], period=0)
+    with pytest.raises(GrapeError, match="every=8, checks=1, period=1, start=4"):
+        derive_lengths(step, [1, 2], start=4)
 
 
 def test_kernels_that_change_every_few_lengths_are_located_and_the_runs_between_derived():

@@ -109,6 +109,9 @@ class Sampled:
     loose_ends: dict[str, tuple[int, int, dict[str, Slots], dict[str, Slots]]] = field(
         default_factory=dict)
     again: dict[int, KernelGraph] = field(default_factory=dict)  # those second captures
+    # Derivations a finer sampling of their stretch replaced, each with whether a held-out
+    # check had refuted it (``start``); not in ``derivations``.
+    superseded: list[tuple[Derivation, bool]] = field(default_factory=list)
     # ``verify``'s calls: (length, what it compared, its answer), what it compared being
     # "unread slots" (a sample with candidate slots swapped for the template's bytes) or
     # "derived" (a held-out length's derived graph against its capture).
@@ -195,8 +198,8 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                    every: int = 8, checks: int = 1, period: int = 1,
                    progress: Callable[[str], None] = lambda line: None,
                    again: Callable[[int], KernelGraph] | None = None,
-                   verify: Callable[[int, KernelGraph, KernelGraph], bool] | None = None
-                   ) -> Sampled:
+                   verify: Callable[[int, KernelGraph, KernelGraph], bool] | None = None,
+                   start: int | None = None) -> Sampled:
     """The graphs at ``lengths``, most derived rather than captured.
 
     ``capture(n)`` gives the graph at length ``n``. The lengths are split into their residue
@@ -243,10 +246,11 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         ``every`` or ``period`` below 1, ``checks`` below 0, or no lengths.
     """
     want = sorted(set(lengths))
-    if not want or every < 1 or checks < 0 or period < 1:
-        raise GrapeError(f"expected lengths, every >= 1, checks >= 0 and period >= 1, found "
-                         f"{len(want)} lengths, every={every}, checks={checks}, "
-                         f"period={period}")
+    start = every if start is None else start
+    if not want or every < 1 or checks < 0 or period < 1 or start < every:
+        raise GrapeError(f"expected lengths, every >= 1, checks >= 0, period >= 1 and start >= "
+                         f"every, found {len(want)} lengths, every={every}, checks={checks}, "
+                         f"period={period}, start={start}")
     if checks == 0:
         # A regular staircase sampled once a step lies on a line: a pointer jumping every 40
         # lengths, sampled every 32, derived 93 lengths of 256, all wrong (a CPU test).
@@ -254,6 +258,9 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                       "capture, and a number that steps as often as the samples do derives "
                       "wrongly; give checks >= 1", stacklevel=2)
     out = Sampled()
+    # The captured lengths derivations are fitted to. A held-out check is one only once its
+    # stretch is sampled again, finer: it then stands where a capture was needed anyway.
+    samples: set[int] = set()
 
     def take(n: int) -> KernelGraph:
         out.graphs[n] = capture(n)
@@ -262,21 +269,21 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
             progress(f"captured {len(out.captured)} lengths")
         return out.graphs[n]
 
+    def sample(n: int) -> KernelGraph:
+        samples.add(n)
+        return out.graphs[n] if n in out.graphs else take(n)
+
+    sampled = _Subset(out.graphs, samples)
     classes = [c for c in ([n for n in want if n % period == r] for r in range(period)) if c]
-    for n in sorted({n for c in classes for n in c[::every] + c[-1:]}, reverse=True):
-        take(n)
+    for n in sorted({n for c in classes for n in c[::start] + c[-1:]}, reverse=True):
+        sample(n)
     seen: dict[tuple[int, int], str | None] = {}
-    for c in classes:
-        _refine(c, out.graphs, take, seen, out.topologies)
+    loose = _LooseByTopology(out, again or capture)
 
-    def runs_of(c: list[int]) -> list[list[int]]:
-        return _runs({n: out.graphs[n] for n in c if n in out.graphs}, seen=seen,
-                     prints=out.topologies)
-
-    runs = [(c, run) for c in classes for run in runs_of(c) if len(run) >= MIN_SUPPORT]
-    loose = _loose_by_topology([run for _, run in runs], out, again or capture)
-    trusted: list[tuple[list[int], Derivation]] = []
-    for c, run in runs:
+    def settle(c: list[int], run: list[int]) -> tuple[Derivation, bool, list[int]]:
+        """``run``'s derivation, after the captures where its forms part, the runs that show
+        slots unread and its held-out checks: (derivation, whether a check refuted it, the
+        run with the captures where forms parted)."""
         d = derive({n: out.graphs[n] for n in run}, loose(out.graphs[run[0]]))
         for _ in range(TIE_BREAKS):
             # Where two forms both fit the samples and part between them (samples one a
@@ -289,6 +296,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
             out.tie_breaks.append(n)
             if _differs(out.graphs[run[0]], run[0], take(n), n) is not None:
                 break  # not one structure there after all: the capture is kept, not fitted
+            samples.add(n)
             run = sorted([*run, n])
             d = derive({m: out.graphs[m] for m in run}, loose(out.graphs[run[0]]))
         if verify is not None:
@@ -325,8 +333,46 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
             refuted = refuted or bool(out.checked[n])
         if refuted:
             out.refused.append((d.lengths[0], d.lengths[-1]))
-        else:
-            trusted.append((c, d))
+        return d, refuted, run
+
+    # Sampled at ``start``, then finer where the samples leave lengths underived, down to
+    # ``every``: each round settles the runs its samples make (a run whose samples did not
+    # change keeps what it settled), and halves the gaps wider than ``every`` in the runs a
+    # check refuted (all of them) or whose lengths are held back (those holding them).
+    settled: dict[tuple[int, ...], tuple[Derivation, bool, list[int]]] = {}
+    while True:
+        for c in classes:
+            _refine(c, sampled, sample, seen, out.topologies)
+        runs = [(c, run) for c in classes
+                for run in _runs(_Subset(out.graphs, samples & set(c)), seen=seen,
+                                 prints=out.topologies)
+                if len(run) >= MIN_SUPPORT]
+        loose.learn([run for _, run in runs])
+        finer: set[int] = set()
+        for c, run in runs:
+            if tuple(run) not in settled:
+                settled[tuple(run)] = result = settle(c, run)
+                settled[tuple(result[2])] = result  # with its tie-breaks: the next round's run
+            d, refuted, run = settled[tuple(run)]
+            wide = [(a, b) for a, b in pairwise(run)
+                    if sum(a < n < b for n in c) >= every]
+            if not refuted:
+                under = set(n for n in c if run[0] < n < run[-1] and n not in out.graphs)
+                under -= set(d.covered(under))
+                wide = [(a, b) for a, b in wide if any(a < n < b for n in under)]
+            if wide:
+                del out.derivations[next(i for i, e in enumerate(out.derivations) if e is d)]
+                out.superseded.append((d, refuted))
+                if refuted:  # not refused for good: its stretch is sampled again
+                    out.refused.remove((d.lengths[0], d.lengths[-1]))
+                finer.update(_middle([n for n in c if a < n < b]) for a, b in wide)
+        if not finer:
+            break
+        progress(f"sampling finer: {len(finer)} lengths where {len(samples)} samples left "
+                 f"lengths underived")
+        for n in sorted(finer, reverse=True):
+            sample(n)
+    trusted = [(c, settled[tuple(run)][0]) for c, run in runs if not settled[tuple(run)][1]]
     # What each trusted derivation covers, found for all its lengths at once, and what held
     # back the lengths inside it that it does not.
     covering = []
@@ -478,7 +524,8 @@ def _shown_elsewhere(d: Derivation, out: Sampled) -> set[tuple[str, int]]:
     that place (a graph of the same structure)."""
     refused = set(out.refused)
     found: set[tuple[str, int]] = set()
-    for e in out.derivations:
+    stood = [*out.derivations, *(e for e, refuted in out.superseded if not refuted)]
+    for e in stood:
         if not e.unread or (e.lengths[0], e.lengths[-1]) in refused:
             continue
         try:
@@ -582,30 +629,58 @@ def _host_words(d: Derivation, length: int, captured: KernelGraph) -> list[tuple
     return sorted(words)
 
 
-def _loose_by_topology(runs: list[list[int]], out: Sampled,
-                       capture: Callable[[int], KernelGraph]
-                       ) -> Callable[[KernelGraph], dict[str, Slots]]:
-    """Capture the smallest and largest sampled length of each topology of ``runs`` again
-    (counted in ``out.repeated``) and find the slots loose at both (:func:`loose_slots`); the
-    function returned gives them for any graph of one of those topologies, by its own nodes."""
-    ends: dict[str, list[int]] = {}
-    for run in runs:
-        ends.setdefault(out.topologies[run[0]], []).extend((run[0], run[-1]))
-    found: dict[str, tuple[KernelGraph, dict[str, Slots]]] = {}
-    for topology, lengths in ends.items():
-        small, large = min(lengths), max(lengths)
-        again = {}
-        for n in dict.fromkeys((small, large)):
-            again[n] = out.again[n] = capture(n)
-            out.repeated.append(n)
-        at_small = loose_slots(out.graphs[small], again[small])
-        at_large = loose_slots(out.graphs[large], again[large])
-        out.loose_ends[topology] = (small, large, at_small, at_large)
-        found[topology] = (out.graphs[small], _both(out.graphs[small], at_small,
-                                                    out.graphs[large], at_large))
+class _LooseByTopology:
+    """The slots loose in each topology's graphs: the smallest and largest sampled length of
+    each topology :meth:`learn` is shown are captured again (counted in ``out.repeated``),
+    and a slot is loose where it is loose at both (:func:`loose_slots`). A topology learns its
+    ends once, from the first runs that show it (a later round's finer samples lie between
+    them); calling the object gives the slots for any graph of a learnt topology, by its own
+    nodes."""
 
-    def loose(graph: KernelGraph) -> dict[str, Slots]:
-        reference, slots = found[fingerprint(graph, launch=False)]
+    def __init__(self, out: Sampled, capture: Callable[[int], KernelGraph]) -> None:
+        self.out, self.capture = out, capture
+        self.found: dict[str, tuple[KernelGraph, dict[str, Slots]]] = {}
+
+    def learn(self, runs: list[list[int]]) -> None:
+        out = self.out
+        ends: dict[str, list[int]] = {}
+        for run in runs:
+            if (topology := out.topologies[run[0]]) not in self.found:
+                ends.setdefault(topology, []).extend((run[0], run[-1]))
+        for topology, lengths in ends.items():
+            small, large = min(lengths), max(lengths)
+            again = {}
+            for n in dict.fromkeys((small, large)):
+                again[n] = out.again[n] = self.capture(n)
+                out.repeated.append(n)
+            at_small = loose_slots(out.graphs[small], again[small])
+            at_large = loose_slots(out.graphs[large], again[large])
+            out.loose_ends[topology] = (small, large, at_small, at_large)
+            self.found[topology] = (out.graphs[small], _both(out.graphs[small], at_small,
+                                                             out.graphs[large], at_large))
+
+    def __call__(self, graph: KernelGraph) -> dict[str, Slots]:
+        reference, slots = self.found[fingerprint(graph, launch=False)]
         pairs = match(reference, graph)
         return {pairs[node]: s for node, s in slots.items() if s}
-    return loose
+
+
+class _Subset(Mapping):
+    """The graphs of ``lengths`` (a set that may grow) among ``graphs``, as a mapping."""
+
+    def __init__(self, graphs: Mapping[int, KernelGraph], lengths: set[int]) -> None:
+        self.graphs, self.lengths = graphs, lengths
+
+    def __getitem__(self, n: int) -> KernelGraph:
+        if n not in self.lengths:
+            raise KeyError(n)
+        return self.graphs[n]
+
+    def __contains__(self, n: object) -> bool:
+        return n in self.lengths
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self.lengths))
+
+    def __len__(self) -> int:
+        return len(self.lengths)

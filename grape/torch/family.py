@@ -367,7 +367,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                    update: str = "nodes", derive_every: int | None = None,
                    checks: int = 1, derive_period: int = 1, warmup: int = 1,
                    prepare: bool = True, same_places: bool | None = None,
-                   verify_unread: bool = False) -> Family:
+                   verify_unread: bool = False, derive_start: int | None = None) -> Family:
     """Capture ``step(shape)`` for each shape (largest first) into one family.
 
     ``update`` says how an executable is brought to a shape: ``"nodes"`` updates the nodes
@@ -506,7 +506,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     sampled = None
     if derive_every is not None:
         sampled = derive_lengths(captured, shapes, every=derive_every, checks=checks,
-                                 period=derive_period, progress=progress,
+                                 period=derive_period, progress=progress, start=derive_start,
                                  again=captured_elsewhere,
                                  verify=runs_alike if verify_unread else None)
         progress(f"sampled and derived in {time.perf_counter() - began:.2f} s: "
