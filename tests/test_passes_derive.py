@@ -906,3 +906,76 @@ def _columns_agree_with_lengths(derivations, lengths) -> None:
             assert derived == [v for v in one if v is not None], key
         assert d.disputed(lengths) == [n for n in lengths
                                        if any(d._disputed_at(key, n) for key in d.quotients)]
+
+
+def _bent(n: int) -> KernelGraph:
+    """``step`` whose constant word leaves its line at 600 for another slope (a kernel's
+    split count that starts growing with the length)."""
+    return step(n, constant=64 if n < 600 else 64 + (n - 600))
+
+
+def _uniform_and_coarse(make, lengths, every=8, start=128, **kw):
+    got = {}
+    for s in (None, start):
+        capture, calls = _recorder(make)
+        got[s] = derive_lengths(capture, lengths, every=every, start=s, checks=1, **kw), calls
+        assert all(got[s][0].graphs[n] == make(n) for n in got[s][0].derived), s
+    return got[None], got[start]
+
+
+def test_a_coarse_start_captures_a_tenth_where_the_numbers_are_simple():
+    (uniform, calls), (coarse, few) = _uniform_and_coarse(step, range(1, 1025))
+    # One length in 128 (9 samples, a check, the two ends again): every length derived that
+    # one in 8 derived, and more (fewer samples, fewer lengths captured to be samples)
+    assert len(few) <= 12 and len(calls) > 10 * len(few)
+    assert set(uniform.derived) <= set(coarse.derived)
+    assert not coarse.superseded and not coarse.refused
+
+
+def test_a_coarse_start_samples_finer_only_where_lengths_stay_underived():
+    # The bend leaves the lengths between its two neighbouring samples underived: those gaps,
+    # and only those, are halved down to one in 8.
+    (uniform, calls), (coarse, few) = _uniform_and_coarse(_bent, range(1, 1025))
+    assert coarse.superseded and not any(refuted for _, refuted in coarse.superseded)
+    assert len(few) < len(calls) / 4
+    assert len(coarse.derived) >= len(uniform.derived)
+    assert not any(d.covers(600) and d.covers(599) for d in coarse.derivations)
+    # Finer samples sit between the coarse ones around 600, nowhere else
+    finer = set(coarse.captured) - set(range(1, 1025, 128)) - {1024} - set(coarse.checked)
+    assert finer and all(512 < n < 768 for n in finer), sorted(finer)
+
+
+def test_a_coarse_start_refused_by_every_check_ends_as_a_uniform_one_does():
+    def odd(n):  # off its line at every length no sample sits on: only a check can tell
+        return step(n) if n % 8 == 1 or n == 100 else step(n, square=True)
+
+    (uniform, _), (coarse, _) = _uniform_and_coarse(odd, range(1, 101), start=32)
+    for got in (uniform, coarse):
+        assert got.refused and got.derived == [] and sorted(got.captured) == list(range(1, 101))
+    # Sampled finer (where its forms parted, then between) before a check refused it for good
+    assert coarse.superseded and coarse.superseded[-1][1]
+
+
+def test_a_coarse_start_bisects_a_change_of_kernel_as_a_uniform_one_does():
+    def switching(n):
+        return step(n, function="attn@0x1" if n < 530 else "attn_split@0x2")
+
+    (uniform, calls), (coarse, few) = _uniform_and_coarse(switching, range(1, 1025))
+    for got in (uniform, coarse):
+        assert {529, 530} <= set(got.captured) and not got.refused
+    assert len(few) < len(calls) / 4
+
+
+def test_a_coarse_start_cannot_see_a_number_off_its_line_between_its_samples():
+    # What no sample or check lands on, no check refuses (derive_lengths says so): a constant
+    # that holds another value at 300..309 only is caught one length in 8 and missed one in
+    # 128. Sparser samples trade captures for that risk.
+    def excursion(n):
+        return step(n, constant=99 if 300 <= n < 310 else 64)
+
+    capture, _ = _recorder(excursion)
+    uniform = derive_lengths(capture, range(1, 1025), every=8, checks=1)
+    coarse = derive_lengths(capture, range(1, 1025), every=8, start=128, checks=1)
+    assert all(uniform.graphs[n] == excursion(n) for n in uniform.derived)
+    wrong = [n for n in coarse.derived if coarse.graphs[n] != excursion(n)]
+    assert wrong == list(range(300, 310))

@@ -394,7 +394,10 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     others, grids and padded sizes, derived as such; a length captured where such a form and
     a line both fit and part). On the H200, GPT-2 small over 1..1023 at one length in 16
     captured 81 lengths and derived 942 (benchmarks/README.md, run 34).
-    :attr:`Family.sampled` says which were which.
+    :attr:`Family.sampled` says which were which. ``derive_start``: sample one length in that
+    many first, and finer (down to ``derive_every``) only where lengths stay underived
+    (``derive_lengths``' ``start``: fewer captures, and a short excursion off a line is more
+    likely to go unseen).
 
     ``warmup``: eager runs of ``step(shape)`` before each capture (lazy initialisation must not
     happen inside one); 0 where running the step changes state the caller keeps (a training
