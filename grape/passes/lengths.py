@@ -377,6 +377,9 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                 if refuted:  # not refused for good: its stretch is sampled again
                     out.refused.remove((d.lengths[0], d.lengths[-1]))
                 finer.update(_middle([n for n in c if a < n < b]) for a, b in wide)
+                # Its held-out checks are captures already: samples of the finer run (a
+                # refuting one where the forms it refuted fail)
+                samples.update(n for n in out.checked if run[0] < n < run[-1] and n in c)
         if not finer:
             break
         progress(f"sampling finer: {len(finer)} lengths where {len(samples)} samples left "
