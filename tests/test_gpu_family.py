@@ -214,6 +214,51 @@ def test_runs_alike_tells_a_word_a_kernel_reads_from_a_graph_run_again(decode, s
     del decode_capture, fill_capture
 
 
+def test_a_comparison_kept_for_several_graphs_sets_their_nodes_in_one_executable(decode):
+    """grape.cuda.compare.Comparison: one graph built, run and kept; graphs of its structure
+    compared by setting their differing nodes in its executable (and setting them back), each
+    answer the one a fresh runs_alike gives, the memory left as found; another structure is
+    built whole."""
+    import dataclasses
+    import struct
+
+    from grape.cuda.compare import Comparison, runs_alike
+    from grape.errors import GrapeError
+    from grape.passes.families import match
+    from grape.torch.capture import capture
+
+    _, step, _ = decode
+    y = torch.empty(4096, device="cuda")
+    fill_capture = capture(lambda: y.fill_(3.0))
+    fill = fill_capture.ir
+    three = struct.pack("<f", 3.0)
+    ((node, op),) = [(n, k) for n, k in fill.kernels() if three in k.args]
+    at = op.args.index(three)
+
+    def filling(value: float):
+        args = op.args[:at] + struct.pack("<f", value) + op.args[at + 4:]
+        return fill.with_ops({node: dataclasses.replace(op, args=args)})
+
+    y.fill_(1.0)
+    again = capture(lambda: y.fill_(3.0))  # its own node ids, the same structure
+    with Comparison(fill) as comparison:
+        answers = [comparison.alike(filling(4.0)), comparison.alike(fill),
+                   comparison.alike(filling(3.0)), comparison.alike(filling(5.0)),
+                   comparison.alike(again.ir, match(fill, again.ir))]
+        assert comparison.updated == 5
+        assert torch.equal(y, torch.ones_like(y))
+        decode_capture = capture(lambda: step(33))
+        # Another structure: built whole, and refused for its buffers, as runs_alike does
+        with pytest.raises(GrapeError, match="expected the graphs to compare to share"):
+            comparison.alike(decode_capture.ir)
+        assert comparison.updated == 5
+    assert answers == [False, True, True, False, True]
+    assert answers[:4] == [runs_alike(fill, g) for g in (filling(4.0), fill, filling(3.0),
+                                                         filling(5.0))]
+    assert torch.equal(y, torch.ones_like(y))
+    del fill_capture, again, decode_capture
+
+
 def test_a_family_with_words_shown_unread_by_running_derives_only_what_runs_right():
     # verify_unread: argument slots no form explains, run with the template's bytes at the
     # samples where they differ, loose where every run agrees; derived lengths checked against

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from grape.cuda.build import Executable, Graph, Update, can_disable
-from grape.cuda.compare import runs_alike as compare
+from grape.cuda.compare import Comparison
 from grape.cuda.switch import DeviceSwitch
 from grape.errors import GrapeError, GraphError, UnsupportedError
 from grape.familyio import SavedFamily, graph_with, save_family
@@ -485,6 +485,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
 
     def captured(shape: Hashable) -> KernelGraph:
         nonlocal blocks
+        forget_comparison()  # a capture's warm-up changes the state compared from
         cap, ir = taken(shape)
         torch_graphs[shape] = cap.torch_graph
         blocks = cap.blocks
@@ -493,14 +494,32 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     def captured_elsewhere(shape: Hashable) -> KernelGraph:
         """``shape`` captured once more on another thread, to find the argument words that
         hold the host's leftovers (``derive_lengths``' ``again``); not kept."""
+        forget_comparison()
         return on_another_thread(lambda: taken(shape)[1])
+
+    # The captured graph last compared with, kept built and run (``Comparison``) while no
+    # capture changes the state between: derivation compares one sample with several
+    # versions of it as it halves the words it tries.
+    comparing: list[Comparison] = []
+
+    def forget_comparison() -> None:
+        while comparing:
+            comparing.pop().close()
 
     def runs_alike(length: int, graph: KernelGraph, captured: KernelGraph) -> bool:
         """``derive_lengths``' ``verify``: a graph that cannot be compared shows nothing."""
         t = time.perf_counter()
         try:
-            return compare(captured, graph, capture_stream().cuda_stream)
+            if not comparing or comparing[0].first is not captured:
+                forget_comparison()
+                comparing.append(Comparison(captured, capture_stream().cuda_stream))
+            try:
+                pairs = match(captured, graph)
+            except GraphError:
+                pairs = None  # built whole, and compared as such
+            return comparing[0].alike(graph, pairs)
         except GrapeError as e:
+            forget_comparison()
             progress(f"length {length}: not compared by running ({e})")
             return False
         finally:
@@ -508,10 +527,13 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
 
     sampled = None
     if derive_every is not None:
-        sampled = derive_lengths(captured, shapes, every=derive_every, checks=checks,
-                                 period=derive_period, progress=progress, start=derive_start,
-                                 again=captured_elsewhere,
-                                 verify=runs_alike if verify_unread else None)
+        try:
+            sampled = derive_lengths(captured, shapes, every=derive_every, checks=checks,
+                                     period=derive_period, progress=progress, start=derive_start,
+                                     again=captured_elsewhere,
+                                     verify=runs_alike if verify_unread else None)
+        finally:
+            forget_comparison()
         progress(f"sampled and derived in {time.perf_counter() - began:.2f} s: "
                  f"{spent['capturing']:.2f} s capturing "
                  f"{len(sampled.captured) + len(sampled.repeated)} graphs, "

@@ -1,0 +1,172 @@
+"""grape.cuda.compare.Comparison's bookkeeping, without a device: the executable, the saved
+state and a run stood in for, a run's result being what the kernels it holds read (the GPU
+test ``test_a_comparison_kept_for_several_graphs_sets_their_nodes_in_one_executable`` runs the
+real thing)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cuda.bindings", reason="cuda-bindings is not installed")
+
+from grape.cuda import compare
+from grape.errors import GrapeError
+from grape.ir import Buffer, BufferRole, Kernel, KernelGraph, Param
+
+READ = slice(0, 4)  # the argument bytes a stand-in kernel reads; the rest are never read
+
+
+def _graph(values: list[int], prefix: str = "k") -> KernelGraph:
+    """A chain of kernels, each with a read word (its value) and an unread one."""
+    g = KernelGraph()
+    g.add_buffer(Buffer("out", 64, BufferRole.OUTPUT, address=0x1000))
+    last = None
+    for i, v in enumerate(values):
+        node = f"{prefix}{i}"
+        g.add(node, Kernel(f"fn{i}@0x{i + 1:x}", f"fn{i}", grid=(1, 1, 1), block=(32, 1, 1),
+                           args=v.to_bytes(4, "little") + bytes(4),
+                           params=(Param(0, 4), Param(4, 4))),
+              after=[last] if last else [])
+        last = node
+    return g
+
+
+class _Executable:
+    def __init__(self, graph: _Graph) -> None:
+        self.ops = dict(graph.ir.ops())
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Graph:
+    built: ClassVar[list[KernelGraph]] = []
+
+    def __init__(self, ir: KernelGraph) -> None:
+        self.ir = ir
+
+    @classmethod
+    def build(cls, ir: KernelGraph) -> _Graph:
+        cls.built.append(ir)
+        return cls(ir)
+
+    def instantiate(self, stream=0) -> _Executable:
+        return _Executable(self)
+
+    def prepare(self, ops):
+        for node, op in ops.items():
+            if node not in self.ir.dag:
+                raise GrapeError(f"no node {node!r}")
+            if op.attributes != self.ir.op(node).attributes:
+                raise compare.UnsupportedError("attributes")
+        return [(node, op) for node, op in ops.items()]
+
+    @staticmethod
+    def apply(executable: _Executable, updates) -> None:
+        for node, op in updates:
+            executable.ops[node] = op
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+class _Saved:
+    restored = 0
+
+    def __init__(self, buffers) -> None:
+        pass
+
+    def restore(self) -> None:
+        _Saved.restored += 1
+
+    def free(self) -> None:
+        pass
+
+
+def _left_by(executable: _Executable, buffers, stream) -> list[np.ndarray]:
+    """What a run leaves: the words the kernels read, in the executable's order."""
+    return [np.frombuffer(b"".join(op.args[READ] for _, op in sorted(executable.ops.items())),
+                          dtype=np.uint8)]
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    _Graph.built = []
+    monkeypatch.setattr(compare, "Graph", _Graph)
+    monkeypatch.setattr(compare, "_Saved", _Saved)
+    monkeypatch.setattr(compare, "_left_by", _left_by)
+    monkeypatch.setattr(compare, "synchronize", lambda: None)
+    return _Graph
+
+
+def _with_word(g: KernelGraph, node: str, at: int, value: int) -> KernelGraph:
+    op = g.op(node)
+    args = op.args[:at] + value.to_bytes(4, "little") + op.args[at + 4:]
+    return g.with_ops({node: dataclasses.replace(op, args=args)})
+
+
+def test_graphs_of_one_structure_are_compared_in_the_first_ones_executable(standins):
+    first = _graph([1, 2, 3])
+    with compare.Comparison(first) as c:
+        assert c.alike(_with_word(first, "k1", 4, 99))  # an unread word: alike
+        assert not c.alike(_with_word(first, "k1", 0, 99))  # a read one: not
+        assert c.alike(first)
+        # Each comparison set its nodes back: the executable runs the first graph again
+        assert dict(c.executable.ops) == dict(first.ops())
+        assert c.updated == 3 and standins.built == [first]  # nothing else built
+
+
+def test_another_graphs_node_ids_are_taken_through_the_pairs_given(standins):
+    first, renamed = _graph([1, 2, 3]), _graph([1, 2, 3], prefix="other")
+    pairs = {f"k{i}": f"other{i}" for i in range(3)}
+    with compare.Comparison(first) as c:
+        assert c.alike(renamed, pairs)
+        assert not c.alike(_with_word(renamed, "other2", 0, 7), pairs)
+        assert c.updated == 2 and standins.built == [first]
+        # Without pairs, other ids: built whole, and still compared right
+        assert c.alike(renamed)
+        assert standins.built == [first, renamed] and c.updated == 2
+
+
+def test_a_change_the_executable_cannot_take_builds_the_graph_whole(standins):
+    first = _graph([1, 2])
+    op = first.op("k0")
+    clustered = first.with_ops({"k0": dataclasses.replace(
+        op, attributes=(("cluster", (2, 1, 1)),))})
+    with compare.Comparison(first) as c:
+        assert c.alike(clustered)  # reads the same words, so alike, but built to be run
+        assert standins.built == [first, clustered] and c.updated == 0
+
+
+def test_a_graph_with_other_buffers_is_refused_in_one_line(standins):
+    first = _graph([1])
+    other = _graph([1])
+    other.buffers["out"] = Buffer("out", 64, BufferRole.OUTPUT, address=0x2000)
+    with compare.Comparison(first) as c, pytest.raises(
+            GrapeError, match="expected the graphs to compare to share their buffers, found "
+                              "'out' only in the second or laid out otherwise"):
+        c.alike(other)
+
+
+def test_runs_alike_is_one_comparison(standins):
+    first = _graph([5, 6])
+    assert compare.runs_alike(first, _with_word(first, "k0", 4, 1))
+    assert not compare.runs_alike(first, _with_word(first, "k0", 0, 1))
+    assert standins.built == [first, first]  # one build a call, none for the second graph
