@@ -117,8 +117,11 @@ def _derived_right(sampled, step, fam, out, lengths) -> list[int]:
     lengths (a spread of them, and the first two 7 mod 8) bitwise as PyTorch's own graphs of
     them. The derived lengths, for the caller to report."""
     assert sorted(sampled.captured + sampled.derived) == sorted(lengths)
+    # (or a coarse start's run it refuted, sampled finer since)
+    refuted = [*sampled.refused, *((d.lengths[0], d.lengths[-1])
+                                   for d, was in sampled.superseded if was)]
     for n in (n for n, diff in sampled.checked.items() if diff):
-        assert any(first <= n <= last for first, last in sampled.refused), n
+        assert any(first <= n <= last for first, last in refuted), n
     derived = sorted(sampled.derived)
     for n in derived[:: max(1, len(derived) // 8)] + [n for n in derived if n % 8 == 7][:2]:
         assert same_as_graph(graph_of(step, n), fam, n, out), f"derived KV length {n}"
@@ -277,6 +280,30 @@ def test_a_family_with_words_shown_unread_by_running_derives_only_what_runs_righ
         shown = [d for d in fam.sampled.derivations if d.unread]
         print(f"derived {len(derived)} of {len(lengths)}; runs {fam.sampled.verified}; "
               f"{len(shown)} derivations with slots shown unread")
+    finally:
+        fam.close()
+
+
+def test_a_family_sampled_coarse_first_and_confirmed_by_running_derives_what_runs_right():
+    # derive_start: one length in 64 of each class first, finer only where lengths stay
+    # underived; derive_confirm: one derived length in 8 run against the step run eagerly.
+    # Derived lengths checked against PyTorch's own graphs bitwise as above.
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    from grape.torch.family import capture_family
+    from tests.family_process import decode
+
+    model, step, out = decode(positions=256)
+    lengths = list(range(255, 0, -1))
+    fam = capture_family(step, lengths, params=dict(model.named_parameters()),
+                         derive_every=8, derive_start=64, checks=1, derive_period=8,
+                         verify_unread=True, derive_confirm=True)
+    try:
+        derived = _derived_right(fam.sampled, step, fam, out, lengths)
+        sampled = fam.sampled
+        assert sampled.confirmed or not derived  # a trusted stretch is run, whatever it shows
+        print(f"derived {len(derived)} of {len(lengths)}, {len(sampled.captured)} captured; "
+              f"confirms {sampled.confirmed}; superseded {len(sampled.superseded)}")
     finally:
         fam.close()
 

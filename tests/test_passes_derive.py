@@ -979,3 +979,43 @@ def test_a_coarse_start_cannot_see_a_number_off_its_line_between_its_samples():
     assert all(uniform.graphs[n] == excursion(n) for n in uniform.derived)
     wrong = [n for n in coarse.derived if coarse.graphs[n] != excursion(n)]
     assert wrong == list(range(300, 310))
+
+
+def test_confirming_by_running_sees_what_a_coarse_start_cannot():
+    # confirm (capture_family runs a derived graph against the step run eagerly) at one length
+    # in ``every`` of those derived: the excursion a coarse start missed shows in a run, its
+    # length is captured and refutes the coarse run, which is sampled finer.
+    def excursion(n):
+        return step(n, constant=99 if 300 <= n < 310 else 64)
+
+    capture, calls = _recorder(excursion)
+    ran = []
+
+    def confirm(n, graph, template):
+        assert set(graph.dag) == set(template.dag)  # the template's nodes, for its executable
+        ran.append(n)
+        return graph == excursion(n)  # the run agrees where the graph is the program's
+
+    got = derive_lengths(capture, range(1, 1025), every=8, start=128, checks=1, confirm=confirm)
+    assert all(got.graphs[n] == excursion(n) for n in got.derived)
+    assert len(got.derived) > 900 and not got.refused
+    assert [n for n, agrees in got.confirmed if not agrees] and all(
+        300 <= n < 310 for n, agrees in got.confirmed if not agrees)
+    uniform, uniform_calls = _recorder(excursion)
+    derive_lengths(uniform, range(1, 1025), every=8, checks=1)
+    assert len(calls) < len(uniform_calls) / 2  # runs in place of most captures
+
+
+def test_confirms_stop_where_running_disagrees_with_a_byte_for_byte_capture():
+    # A runner that never agrees (a step whose eager kernels differ from its captured ones):
+    # the first length it refuses is captured, is the derived graph byte for byte, and no
+    # later length is run or refused for it.
+    capture, _ = _recorder(step)
+    lines = []
+    got = derive_lengths(capture, range(1, 1025), every=8, start=128, checks=1,
+                         confirm=lambda n, graph, template: False, progress=lines.append)
+    ((n, agrees),) = got.confirmed
+    assert not agrees and got.checked[n] == [] and n in got.captured
+    assert not got.refused and len(got.derived) > 1000
+    assert all(got.graphs[m] == step(m) for m in got.derived)
+    assert any("running cannot confirm derived lengths here" in line for line in lines)

@@ -144,29 +144,52 @@ class Comparison:
         GrapeError
             ``second`` names a buffer ``first`` does not have, or one lies elsewhere.
         """
+        try:
+            alike = _same(self.left, self._run(second, pairs))
+            self.saved.restore()
+            if alike:  # first again: a graph that runs otherwise twice shows nothing
+                alike = _same(self.left,
+                              _left_by(self.executable, self.buffers, self.stream))
+        finally:
+            self.saved.restore()
+        return alike
+
+    def left_by(self, second: KernelGraph, pairs: Mapping[str, str] | None = None
+                ) -> list[np.ndarray]:
+        """What ``second`` leaves in :attr:`buffers` run from the saved state (restored
+        after), as :meth:`alike` runs it: for a caller that compares it with something else
+        (``capture_family``'s ``derive_confirm``: the step run eagerly)."""
+        try:
+            return self._run(second, pairs)
+        finally:
+            self.saved.restore()
+
+    def read(self) -> list[np.ndarray]:
+        """:attr:`buffers` as they are now (after something else ran from the saved state);
+        :meth:`restore` puts the saved state back."""
+        synchronize()
+        return _read(self.buffers)
+
+    def restore(self) -> None:
+        self.saved.restore()
+
+    def _run(self, second: KernelGraph, pairs: Mapping[str, str] | None) -> list[np.ndarray]:
+        """``second`` run from the state now, its buffers read (not restored)."""
         first, buffers, stream = self.first, self.buffers, self.stream
         for b in second.buffers.values():
             if b.role is not BufferRole.PARAMETER and first.buffers.get(b.id) != b:
                 raise GrapeError(f"expected the graphs to compare to share their buffers, found "
                                  f"{b.id!r} only in the second or laid out otherwise")
+        set_to, back = self._updates(second, pairs)
+        if set_to is None:
+            with Graph.build(second) as other, other.instantiate(stream) as theirs:
+                return _left_by(theirs, buffers, stream)
+        Graph.apply(self.executable, set_to)
         try:
-            set_to, back = self._updates(second, pairs)
-            if set_to is None:
-                with Graph.build(second) as other, other.instantiate(stream) as theirs:
-                    alike = _same(self.left, _left_by(theirs, buffers, stream))
-            else:
-                Graph.apply(self.executable, set_to)
-                try:
-                    alike = _same(self.left, _left_by(self.executable, buffers, stream))
-                finally:
-                    Graph.apply(self.executable, back)
-                self.updated += 1
-            self.saved.restore()
-            if alike:  # first again: a graph that runs otherwise twice shows nothing
-                alike = _same(self.left, _left_by(self.executable, buffers, stream))
+            return _left_by(self.executable, buffers, stream)
         finally:
-            self.saved.restore()
-        return alike
+            Graph.apply(self.executable, back)
+            self.updated += 1
 
     def _updates(self, second: KernelGraph, pairs: Mapping[str, str] | None
                  ) -> tuple[list[Update] | None, list[Update]]:

@@ -109,6 +109,8 @@ class Sampled:
     loose_ends: dict[str, tuple[int, int, dict[str, Slots], dict[str, Slots]]] = field(
         default_factory=dict)
     again: dict[int, KernelGraph] = field(default_factory=dict)  # those second captures
+    # ``confirm``'s calls: (derived length run, whether it ran as the program does there).
+    confirmed: list[tuple[int, bool]] = field(default_factory=list)
     # Derivations a finer sampling of their stretch replaced, each with whether a held-out
     # check had refuted it (``start``); not in ``derivations``.
     superseded: list[tuple[Derivation, bool]] = field(default_factory=list)
@@ -199,7 +201,9 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                    progress: Callable[[str], None] = lambda line: None,
                    again: Callable[[int], KernelGraph] | None = None,
                    verify: Callable[[int, KernelGraph, KernelGraph], bool] | None = None,
-                   start: int | None = None) -> Sampled:
+                   start: int | None = None,
+                   confirm: Callable[[int, KernelGraph, KernelGraph], bool] | None = None
+                   ) -> Sampled:
     """The graphs at ``lengths``, most derived rather than captured.
 
     ``capture(n)`` gives the graph at length ``n``. The lengths are split into their residue
@@ -235,6 +239,16 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     above's, ``start`` apart: a number off its line for fewer lengths than the samples are
     apart is seen only where a sample or check lands on it (a CPU test: ten lengths derived
     wrong at 128, none at 8).
+
+    ``confirm(n, graph, template)``, where given, says whether the derived ``graph`` at
+    length ``n`` (of ``template``'s structure and node ids, a captured graph) runs as the
+    program does at ``n``, without capturing it (``capture_family`` runs it against the step
+    run eagerly). Each trusted run that no finer sampling will replace is confirmed at one in
+    ``every`` of the lengths it derives, the lengths sampling at ``every`` would have
+    captured; one that runs otherwise is captured and checked as a held-out length is, and
+    refutes the run where the bytes differ (it is then sampled finer, or refused). With
+    ``start``, that restores the density of uniform sampling's evidence at the price of runs
+    rather than captures (a CPU test: the excursion above caught).
 
     ``verify(n, graph, captured)``, where given, says whether running ``graph`` leaves what
     running ``captured`` (the capture at length ``n``) leaves, bit for bit: it lets words that
@@ -351,6 +365,34 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     # change keeps what it settled), and halves the gaps wider than ``every`` in the runs a
     # check refuted (all of them) or whose lengths are held back (those holding them).
     settled: dict[tuple[int, ...], tuple[Derivation, bool, list[int]]] = {}
+    confirmed: set[tuple[int, ...]] = set()  # runs whose lengths ``confirm`` has run
+    running_confirms = [confirm is not None]  # off once a capture shows running cannot tell
+
+    def confirms(c: list[int], d: Derivation) -> bool:
+        """``confirm`` at the lengths of ``d``'s stretch that sampling at ``every`` would
+        have captured (spread, one in ``every`` of those it derives and nothing captured):
+        False at the first that runs otherwise, which is then captured and checked as a
+        held-out length is. Where that capture agrees byte for byte, the derived graph is the
+        captured one and running it against the program shows nothing: confirms stop."""
+        if not running_confirms[0]:
+            return True
+        rest = d.covered(n for n in c if d.lengths[0] < n < d.lengths[-1]
+                         and n not in out.graphs)
+        for n in _spread(rest, len(rest) // every):
+            agrees = confirm(n, d.graph_at(n), d.template)
+            out.confirmed.append((n, agrees))
+            if agrees:
+                continue
+            out.checked[n] = d.check(n, take(n))
+            if out.checked[n]:
+                return False
+            running_confirms[0] = False
+            progress(f"length {n}: the derived graph is the captured one byte for "
+                     f"byte, yet ran otherwise than the program: running cannot confirm "
+                     f"derived lengths here, and stops")
+            return True
+        return True
+
     while True:
         for c in classes:
             _refine(c, sampled, sample, seen, out.topologies)
@@ -364,13 +406,20 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
             if tuple(run) not in settled:
                 settled[tuple(run)] = result = settle(c, run)
                 settled[tuple(result[2])] = result  # with its tie-breaks: the next round's run
-            d, refuted, run = settled[tuple(run)]
-            wide = [(a, b) for a, b in pairwise(run)
-                    if sum(a < n < b for n in c) >= every]
+            key = tuple(run)
+            d, refuted, run = settled[key]
+            gaps = [(a, b) for a, b in pairwise(run) if sum(a < n < b for n in c) >= every]
+            wide = gaps
             if not refuted:
                 under = set(n for n in c if run[0] < n < run[-1] and n not in out.graphs)
                 under -= set(d.covered(under))
                 wide = [(a, b) for a, b in wide if any(a < n < b for n in under)]
+            if not refuted and not wide and confirm is not None and key not in confirmed:
+                confirmed.add(key)
+                if not confirms(c, d):
+                    settled[key] = settled[tuple(run)] = (d, True, run)
+                    out.refused.append((d.lengths[0], d.lengths[-1]))
+                    refuted, wide = True, gaps
             if wide:
                 del out.derivations[next(i for i, e in enumerate(out.derivations) if e is d)]
                 out.superseded.append((d, refuted))
@@ -420,6 +469,11 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         shown = sum(bool(d.unread) for d in out.derivations)
         unread = (f"; {len(out.verified)} runs to show slots unread, {shown} derivations "
                   f"with slots shown so")
+    if out.confirmed:
+        otherwise = sum(not agrees for _, agrees in out.confirmed)
+        unread += f"; {len(out.confirmed)} derived lengths run to confirm, {otherwise} otherwise"
+    if out.superseded:
+        unread += f"; {len(out.superseded)} stretches sampled finer"
     progress(f"{len(want)} lengths: {len(out.captured)} captured "
              f"(and {len(out.repeated)} again for loose slots; {len(out.tie_breaks)} where two "
              f"forms parted{unread}), {len(out.derived)} derived, "
