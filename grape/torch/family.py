@@ -550,24 +550,24 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         try:
             comparison = comparison_of(template)
             live = blocks if isinstance(blocks, list) else []
-            own = [i for i, b in enumerate(comparison.buffers)
+            own = [b for b in comparison.buffers
                    if any(a <= b.address < a + size for a, size in live)]
             if not own:  # nothing the eager step keeps to compare: no evidence either way
                 progress(f"length {length}: not confirmed by running (the graph names none "
                          f"of the step's live tensors)")
                 return False
-            graphed = comparison.left_by(graph)
+            graphed = comparison.left_by(graph, buffers=own)
             rng = torch.cuda.get_rng_state()
             try:
                 stream = capture_stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     step(length)
-                eager = comparison.read()
+                eager = comparison.read(own)
             finally:
                 torch.cuda.set_rng_state(rng)
                 comparison.restore()
-            return all(np.array_equal(graphed[i], eager[i]) for i in own)
+            return all(np.array_equal(x, y) for x, y in zip(graphed, eager, strict=True))
         except GrapeError as e:
             forget_comparison()
             progress(f"length {length}: not confirmed by running ({e})")
