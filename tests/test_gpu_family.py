@@ -262,10 +262,10 @@ def test_a_comparison_kept_for_several_graphs_sets_their_nodes_in_one_executable
     del fill_capture, again, decode_capture
 
 
-def test_a_family_with_words_shown_unread_by_running_derives_only_what_runs_right():
-    # verify_unread: argument slots no form explains, run with the template's bytes at the
-    # samples where they differ, loose where every run agrees; derived lengths checked against
-    # PyTorch's own graphs bitwise as in the test above.
+def _family_of_255(**options):
+    """GPT-2 small's decode family over KV lengths 255..1 (``tests.family_process``), derived
+    by residue class modulo 8 with one held-out check a stretch and ``options``, and what
+    ``_derived_right`` asserts of it: (the family, its derived lengths). The caller closes it."""
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
     from grape.torch.family import capture_family
@@ -273,12 +273,23 @@ def test_a_family_with_words_shown_unread_by_running_derives_only_what_runs_righ
 
     model, step, out = decode(positions=256)
     lengths = list(range(255, 0, -1))
-    fam = capture_family(step, lengths, params=dict(model.named_parameters()),
-                         derive_every=4, checks=1, derive_period=8, verify_unread=True)
+    fam = capture_family(step, lengths, params=dict(model.named_parameters()), checks=1,
+                         derive_period=8, **options)
     try:
-        derived = _derived_right(fam.sampled, step, fam, out, lengths)
+        return fam, _derived_right(fam.sampled, step, fam, out, lengths)
+    except BaseException:
+        fam.close()
+        raise
+
+
+def test_a_family_with_words_shown_unread_by_running_derives_only_what_runs_right():
+    # verify_unread: argument slots no form explains, run with the template's bytes at the
+    # samples where they differ, loose where every run agrees; derived lengths checked against
+    # PyTorch's own graphs bitwise as in the test above.
+    fam, derived = _family_of_255(derive_every=4, verify_unread=True)
+    try:
         shown = [d for d in fam.sampled.derivations if d.unread]
-        print(f"derived {len(derived)} of {len(lengths)}; runs {fam.sampled.verified}; "
+        print(f"derived {len(derived)} of 255; runs {fam.sampled.verified}; "
               f"{len(shown)} derivations with slots shown unread")
     finally:
         fam.close()
@@ -288,21 +299,12 @@ def test_a_family_sampled_coarse_first_and_confirmed_by_running_derives_what_run
     # derive_start: one length in 64 of each class first, finer only where lengths stay
     # underived; derive_confirm: one derived length in 8 run against the step run eagerly.
     # Derived lengths checked against PyTorch's own graphs bitwise as above.
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA device")
-    from grape.torch.family import capture_family
-    from tests.family_process import decode
-
-    model, step, out = decode(positions=256)
-    lengths = list(range(255, 0, -1))
-    fam = capture_family(step, lengths, params=dict(model.named_parameters()),
-                         derive_every=8, derive_start=64, checks=1, derive_period=8,
-                         verify_unread=True, derive_confirm=True)
+    fam, derived = _family_of_255(derive_every=8, derive_start=64, verify_unread=True,
+                                  derive_confirm=True)
     try:
-        derived = _derived_right(fam.sampled, step, fam, out, lengths)
         sampled = fam.sampled
         assert sampled.confirmed or not derived  # a trusted stretch is run, whatever it shows
-        print(f"derived {len(derived)} of {len(lengths)}, {len(sampled.captured)} captured; "
+        print(f"derived {len(derived)} of 255, {len(sampled.captured)} captured; "
               f"confirms {sampled.confirmed}; superseded {len(sampled.superseded)}")
     finally:
         fam.close()
