@@ -19,6 +19,7 @@ from grape.cuda.check import call, check_status
 from grape.cuda.context import synchronize
 from grape.errors import GrapeError, UnsupportedError
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory
+from grape.passes.families import same_ids
 
 __all__ = ["Comparison", "runs_alike", "watched"]
 
@@ -202,7 +203,8 @@ class Comparison:
         a change the driver cannot make in place, such as a kernel's attributes)."""
         first = self.first
         if pairs is None:
-            if set(first.dag) != set(second.dag):
+            # Captures number their nodes alike whatever they hold: ids alone say nothing
+            if not same_ids(first, second):
                 return None, []
             pairs = {node: node for node in first.dag}
         changed = {node: second.op(pairs[node]) for node in first.dag

@@ -588,7 +588,8 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         progress(f"sampled and derived in {time.perf_counter() - began:.2f} s: "
                  f"{spent['capturing']:.2f} s capturing "
                  f"{len(sampled.captured) + len(sampled.repeated)} graphs, "
-                 f"{spent['running']:.2f} s running {len(sampled.verified)} comparisons")
+                 f"{spent['running']:.2f} s running {len(sampled.verified)} comparisons"
+                 f"{f' and {len(sampled.confirmed)} confirms' if sampled.confirmed else ''}")
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
     variants: dict[str, Variants] = {}
