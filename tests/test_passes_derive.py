@@ -1019,3 +1019,26 @@ def test_confirms_stop_where_running_disagrees_with_a_byte_for_byte_capture():
     assert not got.refused and len(got.derived) > 1000
     assert all(got.graphs[m] == step(m) for m in got.derived)
     assert any("running cannot confirm derived lengths here" in line for line in lines)
+
+
+def test_a_capture_where_forms_parted_that_runs_another_kernel_cuts_its_run():
+    # The padded count above, with another kernel at 504 and 512 only: the capture taken where
+    # the line and the staircase part (512) runs it. The run spans a change its samples missed:
+    # it is settled again with that capture as a sample, the change bisected, both sides
+    # derived. (Before, the run's held-out check at 504 refused all of its class: 197 captures.)
+    def padded(n: int) -> KernelGraph:
+        g = KernelGraph()
+        g.add_buffer(Buffer("out", 1 << 20, BufferRole.INTERNAL, address=0x10000))
+        args = n.to_bytes(4, "little") + (16 * -(-n // 16)).to_bytes(4, "little")
+        function = "attn_split@0x6" if n in (504, 512) else "attn@0x5"
+        g.add("attn", Kernel(function, "attn", grid=(1, 1, 1), block=(128, 1, 1), args=args,
+                             params=(Param(0, 4), Param(4, 4))))
+        return g
+
+    for start in (None, 64):
+        capture, calls = _recorder(padded)
+        got = derive_lengths(capture, range(1, 1024), every=16, period=8, checks=1,
+                             start=start)
+        assert 512 in got.tie_breaks and got.checked[512]  # another function there
+        assert not got.refused and all(got.graphs[n] == padded(n) for n in got.derived)
+        assert {504, 512} <= set(got.captured) and len(calls) < 100, start

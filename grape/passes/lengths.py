@@ -268,7 +268,8 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     Raises
     ------
     GrapeError
-        ``every`` or ``period`` below 1, ``checks`` below 0, or no lengths.
+        ``every`` or ``period`` below 1, ``checks`` below 0, ``start`` below ``every``, or
+        no lengths.
     """
     want = sorted(set(lengths))
     start = every if start is None else start
@@ -319,8 +320,15 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
             if n is None:
                 break
             out.tie_breaks.append(n)
-            if _differs(out.graphs[run[0]], run[0], take(n), n) is not None:
-                break  # not one structure there after all: the capture is kept, not fitted
+            if (why := _differs(out.graphs[run[0]], run[0], take(n), n)) is not None:
+                # Not one structure there after all: the run spans a change its samples
+                # missed, and no derivation of it holds across that. Refuted (sampled finer,
+                # where the change is then found, or refused), never trusted over it.
+                samples.add(n)
+                out.checked[n] = [f"a capture where forms parted: {why}"]
+                out.derivations.append(d)
+                out.refused.append((d.lengths[0], d.lengths[-1]))
+                return d, True, run
             samples.add(n)
             run = sorted([*run, n])
             d = derive({m: out.graphs[m] for m in run}, loose(out.graphs[run[0]]))
@@ -402,6 +410,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                 if len(run) >= MIN_SUPPORT]
         loose.learn([run for _, run in runs])
         finer: set[int] = set()
+        again = False  # a run superseded: the next round settles what replaces it
         for c, run in runs:
             if tuple(run) not in settled:
                 settled[tuple(run)] = result = settle(c, run)
@@ -420,7 +429,11 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                     settled[key] = settled[tuple(run)] = (d, True, run)
                     out.refused.append((d.lengths[0], d.lengths[-1]))
                     refuted, wide = True, gaps
-            if wide:
+            # A sample inside the run's span that the run does not hold (a capture where its
+            # forms parted, of another structure): the samples cut the span anew next round.
+            reshaped = any(run[0] < n < run[-1] for n in samples.difference(run) if n in c)
+            if wide or reshaped:
+                again = True
                 del out.derivations[next(i for i, e in enumerate(out.derivations) if e is d)]
                 out.superseded.append((d, refuted))
                 if refuted:  # not refused for good: its stretch is sampled again
@@ -429,10 +442,11 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                 # Its held-out checks are captures already: samples of the finer run (a
                 # refuting one where the forms it refuted fail)
                 samples.update(n for n in out.checked if run[0] < n < run[-1] and n in c)
-        if not finer:
+        if not again:
             break
-        progress(f"sampling finer: {len(finer)} lengths where {len(samples)} samples left "
-                 f"lengths underived")
+        if finer:
+            progress(f"sampling finer: {len(finer)} lengths where {len(samples)} samples left "
+                     f"lengths underived")
         for n in sorted(finer, reverse=True):
             sample(n)
     trusted = [(c, settled[tuple(run)][0]) for c, run in runs if not settled[tuple(run)][1]]
