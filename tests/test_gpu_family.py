@@ -174,6 +174,26 @@ def test_lengths_are_derived_by_residue_class_and_compute_what_their_own_graphs_
         fam.close()
 
 
+def _filling(y):
+    """``y.fill_(3.0)`` captured (kept: its graph's pool holds the memory its IR names), and
+    a function giving its IR with the fill's value word set to another value."""
+    import dataclasses
+    import struct
+
+    from grape.torch.capture import capture
+
+    fill_capture = capture(lambda: y.fill_(3.0))
+    fill = fill_capture.ir
+    three = struct.pack("<f", 3.0)
+    ((node, op),) = [(n, k) for n, k in fill.kernels() if three in k.args]
+    at = op.args.index(three)
+
+    def filling(value: float):
+        args = op.args[:at] + struct.pack("<f", value) + op.args[at + 4:]
+        return fill.with_ops({node: dataclasses.replace(op, args=args)})
+    return fill_capture, filling
+
+
 @pytest.mark.parametrize("saved_on", ["device", "host"])
 def test_runs_alike_tells_a_word_a_kernel_reads_from_a_graph_run_again(decode, saved_on,
                                                                        monkeypatch):
@@ -181,8 +201,6 @@ def test_runs_alike_tells_a_word_a_kernel_reads_from_a_graph_run_again(decode, s
     found it; a fill whose value word is changed does not agree, and leaves its buffer as it
     found it too. The state between runs is kept on the device, or on the host where the
     device has no room (an allocation refused as out of memory)."""
-    import dataclasses
-    import struct
 
     from cuda.bindings import driver
 
@@ -203,13 +221,8 @@ def test_runs_alike_tells_a_word_a_kernel_reads_from_a_graph_run_again(decode, s
     assert torch.equal(out, before)
 
     y = torch.empty(4096, device="cuda")
-    fill_capture = capture(lambda: y.fill_(3.0))
-    fill = fill_capture.ir
-    three = struct.pack("<f", 3.0)
-    ((node, op),) = [(n, k) for n, k in fill.kernels() if three in k.args]
-    at = op.args.index(three)
-    four = op.args[:at] + struct.pack("<f", 4.0) + op.args[at + 4:]
-    changed = fill.with_ops({node: dataclasses.replace(op, args=four)})
+    fill_capture, filling = _filling(y)
+    fill, changed = fill_capture.ir, filling(4.0)
     y.fill_(1.0)
     assert not runs_alike(fill, changed)
     assert torch.equal(y, torch.ones_like(y))
@@ -222,8 +235,6 @@ def test_a_comparison_kept_for_several_graphs_sets_their_nodes_in_one_executable
     compared by setting their differing nodes in its executable (and setting them back), each
     answer the one a fresh runs_alike gives, the memory left as found; another structure is
     built whole."""
-    import dataclasses
-    import struct
 
     from grape.cuda.compare import Comparison, runs_alike
     from grape.errors import GrapeError
@@ -232,16 +243,8 @@ def test_a_comparison_kept_for_several_graphs_sets_their_nodes_in_one_executable
 
     _, step, _ = decode
     y = torch.empty(4096, device="cuda")
-    fill_capture = capture(lambda: y.fill_(3.0))
+    fill_capture, filling = _filling(y)
     fill = fill_capture.ir
-    three = struct.pack("<f", 3.0)
-    ((node, op),) = [(n, k) for n, k in fill.kernels() if three in k.args]
-    at = op.args.index(three)
-
-    def filling(value: float):
-        args = op.args[:at] + struct.pack("<f", value) + op.args[at + 4:]
-        return fill.with_ops({node: dataclasses.replace(op, args=args)})
-
     y.fill_(1.0)
     again = capture(lambda: y.fill_(3.0))  # its own node ids, the same structure
     with Comparison(fill) as comparison:

@@ -519,22 +519,29 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         while comparing:
             comparing.pop().close()
 
-    def runs_alike(length: int, graph: KernelGraph, captured: KernelGraph) -> bool:
-        """``derive_lengths``' ``verify``: a graph that cannot be compared shows nothing."""
+    def running(length: int, what: str, run: Callable[[], bool]) -> bool:
+        """One of derivation's runs on the GPU, timed: a run that cannot be made shows
+        nothing (False), and the comparison kept for it goes."""
         t = time.perf_counter()
         try:
+            return run()
+        except GrapeError as e:
+            forget_comparison()
+            progress(f"length {length}: not {what} by running ({e})")
+            return False
+        finally:
+            spent["running"] += time.perf_counter() - t
+
+    def runs_alike(length: int, graph: KernelGraph, captured: KernelGraph) -> bool:
+        """``derive_lengths``' ``verify``."""
+        def run() -> bool:
             comparison = comparison_of(captured)
             try:
                 pairs = match(captured, graph)
             except GraphError:
                 pairs = None  # built whole, and compared as such
             return comparison.alike(graph, pairs)
-        except GrapeError as e:
-            forget_comparison()
-            progress(f"length {length}: not compared by running ({e})")
-            return False
-        finally:
-            spent["running"] += time.perf_counter() - t
+        return running(length, "compared", run)
 
     def comparison_of(template: KernelGraph) -> Comparison:
         if not comparing or comparing[0].first is not template:
@@ -546,16 +553,14 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         """``derive_lengths``' ``confirm``: ``graph`` run in ``template``'s executable and
         ``step(length)`` run eagerly, each from the same state, leave the step's own tensors
         (the live blocks every capture names) alike bit for bit."""
-        t = time.perf_counter()
-        try:
+        def run() -> bool:
             comparison = comparison_of(template)
             live = blocks if isinstance(blocks, list) else []
             own = [b for b in comparison.buffers
                    if any(a <= b.address < a + size for a, size in live)]
             if not own:  # nothing the eager step keeps to compare: no evidence either way
-                progress(f"length {length}: not confirmed by running (the graph names none "
-                         f"of the step's live tensors)")
-                return False
+                raise GrapeError("expected the graph to name some of the step's live "
+                                 "tensors, found none")
             graphed = comparison.left_by(graph, buffers=own)
             rng = torch.cuda.get_rng_state()
             try:
@@ -568,12 +573,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                 torch.cuda.set_rng_state(rng)
                 comparison.restore()
             return all(np.array_equal(x, y) for x, y in zip(graphed, eager, strict=True))
-        except GrapeError as e:
-            forget_comparison()
-            progress(f"length {length}: not confirmed by running ({e})")
-            return False
-        finally:
-            spent["running"] += time.perf_counter() - t
+        return running(length, "confirmed", run)
 
     sampled = None
     if derive_every is not None:
