@@ -1042,3 +1042,20 @@ def test_a_capture_where_forms_parted_that_runs_another_kernel_cuts_its_run():
         assert 512 in got.tie_breaks and got.checked[512]  # another function there
         assert not got.refused and all(got.graphs[n] == padded(n) for n in got.derived)
         assert {504, 512} <= set(got.captured) and len(calls) < 100, start
+
+
+def test_a_confirm_finds_a_slot_shown_unread_that_the_program_reads():
+    # Running showed the leftover unread (a stand-in that lies: _reads ignores it), but the
+    # program reads it: a confirm's derived graph, holding the template's bytes there, runs
+    # otherwise; its capture, byte for byte the same but for that slot, runs as the program
+    # does. The stretch is refuted rather than confirms stopped, and no length is derived
+    # with bytes the program would not run alike.
+    def runs_as_program(n, graph, template):
+        return graph.op("attn").args == leftover(n).op("attn").args
+
+    got = derive_lengths(leftover, range(1, 257), every=8, checks=2, verify=_reads,
+                         confirm=runs_as_program)
+    ((n, agrees),) = got.confirmed  # the first run refutes its stretch (refused: one in 8)
+    assert not agrees and got.checked[n] == ["attn"]  # the node whose slots were shown unread
+    assert got.refused == [(1, 256)]
+    assert all(runs_as_program(m, got.graphs[m], None) for m in got.derived)

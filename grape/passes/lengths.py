@@ -380,8 +380,10 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         """``confirm`` at the lengths of ``d``'s stretch that sampling at ``every`` would
         have captured (spread, one in ``every`` of those it derives and nothing captured):
         False at the first that runs otherwise, which is then captured and checked as a
-        held-out length is. Where that capture agrees byte for byte, the derived graph is the
-        captured one and running it against the program shows nothing: confirms stop."""
+        held-out length is. Where that capture agrees byte for byte (but for loose and unread
+        slots), the capture is run too: where it runs as the program does, slots shown unread
+        are read after all (refuted); where it does not, running cannot tell anything here,
+        and confirms stop."""
         if not running_confirms[0]:
             return True
         rest = d.covered(n for n in c if d.lengths[0] < n < d.lengths[-1]
@@ -391,13 +393,20 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
             out.confirmed.append((n, agrees))
             if agrees:
                 continue
-            out.checked[n] = d.check(n, take(n))
+            captured = take(n)
+            out.checked[n] = d.check(n, captured)
             if out.checked[n]:
                 return False
+            # The bytes agree but for loose and unread slots: the capture itself, run as the
+            # derived graph was, says whether those slots are read after all (the derived
+            # graph is wrong) or the program's eager run is not its captured one.
+            if confirm(n, captured, d.template):
+                out.checked[n] = sorted(d.unread) or ["ran otherwise than its capture"]
+                return False
             running_confirms[0] = False
-            progress(f"length {n}: the derived graph is the captured one byte for "
-                     f"byte, yet ran otherwise than the program: running cannot confirm "
-                     f"derived lengths here, and stops")
+            progress(f"length {n}: its capture, byte for byte the derived graph, ran "
+                     f"otherwise than the program run eagerly: running cannot confirm derived "
+                     f"lengths here, and stops")
             return True
         return True
 
