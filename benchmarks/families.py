@@ -338,8 +338,7 @@ def wav2vec2_audio(lengths: list[int]) -> Workload:
 def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
             derive_every: int | None = None, save_to: Path | None = None,
             derive_period: int = 1, same_places: bool | None = None,
-            verify_unread: bool = False, derive_start: int | None = None,
-            derive_confirm: bool = False) -> dict[str, object]:
+            verify_unread: bool = False, derive_start: int | None = None) -> dict[str, object]:
     if update == "graph":
         w = replace(w, name=f"{w.name} (whole-graph updates)", slug=f"{w.slug}_whole")
     elif update == "device":
@@ -362,7 +361,6 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
                             params=w.params, update=update, derive_every=derive_every,
                             derive_period=derive_period, same_places=same_places,
                             verify_unread=verify_unread, derive_start=derive_start,
-                            derive_confirm=derive_confirm,
                             progress=lambda line: _log(f"  {label} family: {line}"))
     _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
     family_device_bytes = free_before_family - _device_bytes()[0]
@@ -480,7 +478,6 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         "derive_every": derive_every,
         "derive_period": derive_period if derive_every is not None else None,
         "derive_start": derive_start if derive_every is not None else None,
-        "derive_confirm": derive_confirm,
         "same_places": family.places is not None,
     }
     if family.places is not None:  # captures moved to a reference capture's places
@@ -512,8 +509,6 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
                       # derive_start: runs sampled finer (and whether a check refuted each)
                       stretches_sampled_finer=[[d.lengths[0], d.lengths[-1], was] for d, was
                                                in family.sampled.superseded],
-                      # derive_confirm: derived lengths run against the eager step
-                      confirms=[list(c) for c in family.sampled.confirmed],
                       # which of the lengths checked bitwise were derived, not captured
                       bitwise_lengths_derived=sorted(set(sample) & set(family.sampled.derived)))
     if trace_dir is not None:
@@ -689,10 +684,6 @@ def main() -> None:
                         help="with --derive-every: sample one length in S first, and finer, "
                              "down to --derive-every, only where lengths stay underived "
                              "(capture_family's derive_start)")
-    parser.add_argument("--derive-confirm", action="store_true",
-                        help="with --derive-every: run one derived length in N of each trusted "
-                             "stretch against the step run eagerly (capture_family's "
-                             "derive_confirm)")
     parser.add_argument("--same-places", action=argparse.BooleanOptionalAction, default=None,
                         help="move every capture's temporaries to the places of the first "
                              "capture that allocated alike (grape.passes.places); default: "
@@ -757,8 +748,7 @@ def main() -> None:
             results.append(measure(w, args.traces, args.update, args.derive_every,
                                    None if args.no_fresh else Path(saved),
                                    args.derive_period, args.same_places,
-                                   args.verify_unread, args.derive_start,
-                                   args.derive_confirm))
+                                   args.verify_unread, args.derive_start))
             write()
             if not args.no_fresh:
                 results[-1].update(_in_fresh_process("shared_pool", workload_args, [],

@@ -65,9 +65,6 @@ parser.add_argument("--derive-every", type=int, default=None, metavar="K",
 parser.add_argument("--derive-start", type=int, default=None, metavar="S",
                     help="with --derive-every: sample one length in S first, finer where "
                          "lengths stay underived (capture_family's derive_start)")
-parser.add_argument("--derive-confirm", action="store_true",
-                    help="with --derive-every: confirm derived lengths by running them against "
-                         "the eager step (capture_family's derive_confirm)")
 parser.add_argument("--decoder", default=None, metavar="ARCH[:SIZE]",
                     help="another architecture of generate.py (as families.py takes it)")
 parser.add_argument("--profile", metavar="PATH",
@@ -130,7 +127,6 @@ family = family_module.capture_family(
     w.step, sorted(w.shapes, reverse=True), params=w.params, prepare=False,
     same_places=SAME_PLACES, derive_every=DERIVE_EVERY, derive_period=8 if DERIVE_EVERY else 1,
     update=args.update, verify_unread=args.verify_unread, derive_start=args.derive_start,
-    derive_confirm=args.derive_confirm,
     progress=lambda line: print(f"  family: {line}", flush=True))
 total = time.perf_counter() - t
 free1, reserved1 = _device_bytes()

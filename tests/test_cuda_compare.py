@@ -182,20 +182,3 @@ def test_runs_alike_is_one_comparison(standins):
     assert compare.runs_alike(first, _with_word(first, "k0", 4, 1))
     assert not compare.runs_alike(first, _with_word(first, "k0", 0, 1))
     assert standins.built == [first, first]  # one build a call, none for the second graph
-
-
-def test_what_a_graph_leaves_is_read_for_a_caller_that_compares_it_elsewhere(standins,
-                                                                           monkeypatch):
-    # capture_family's derive_confirm: a derived graph's result, then the eager step's, each
-    # from the saved state, in the buffers the caller names.
-    monkeypatch.setattr(compare, "_read", lambda buffers: [b.id for b in buffers])
-    first = _graph([1, 2])
-    with compare.Comparison(first) as c:
-        before = _Saved.restored
-        left = c.left_by(_with_word(first, "k0", 0, 9))
-        assert left[0].tobytes()[:4] == (9).to_bytes(4, "little")  # the second's words ran
-        assert _Saved.restored == before + 1  # the state put back after
-        assert dict(c.executable.ops) == dict(first.ops())  # and the executable
-        assert c.read([first.buffers["out"]]) == ["out"]
-        c.restore()
-        assert _Saved.restored == before + 2

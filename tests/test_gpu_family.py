@@ -298,17 +298,14 @@ def test_a_family_with_words_shown_unread_by_running_derives_only_what_runs_righ
         fam.close()
 
 
-def test_a_family_sampled_coarse_first_and_confirmed_by_running_derives_what_runs_right():
+def test_a_family_sampled_coarse_first_derives_what_runs_right():
     # derive_start: one length in 64 of each class first, finer only where lengths stay
-    # underived; derive_confirm: one derived length in 8 run against the step run eagerly.
-    # Derived lengths checked against PyTorch's own graphs bitwise as above.
-    fam, derived = _family_of_255(derive_every=8, derive_start=64, verify_unread=True,
-                                  derive_confirm=True)
+    # underived. Derived lengths checked against PyTorch's own graphs bitwise as above.
+    fam, derived = _family_of_255(derive_every=8, derive_start=64, verify_unread=True)
     try:
         sampled = fam.sampled
-        assert sampled.confirmed or not derived  # a trusted stretch is run, whatever it shows
         print(f"derived {len(derived)} of 255, {len(sampled.captured)} captured; "
-              f"confirms {sampled.confirmed}; superseded {len(sampled.superseded)}")
+              f"superseded {len(sampled.superseded)}")
     finally:
         fam.close()
 

@@ -981,46 +981,6 @@ def test_a_coarse_start_cannot_see_a_number_off_its_line_between_its_samples():
     assert wrong == list(range(300, 310))
 
 
-def test_confirming_by_running_sees_what_a_coarse_start_cannot():
-    # confirm (capture_family runs a derived graph against the step run eagerly) at one length
-    # in ``every`` of those derived: the excursion a coarse start missed shows in a run, its
-    # length is captured and refutes the coarse run, which is sampled finer.
-    def excursion(n):
-        return step(n, constant=99 if 300 <= n < 310 else 64)
-
-    capture, calls = _recorder(excursion)
-    ran = []
-
-    def confirm(n, graph, template):
-        assert set(graph.dag) == set(template.dag)  # the template's nodes, for its executable
-        ran.append(n)
-        return graph == excursion(n)  # the run agrees where the graph is the program's
-
-    got = derive_lengths(capture, range(1, 1025), every=8, start=128, checks=1, confirm=confirm)
-    assert all(got.graphs[n] == excursion(n) for n in got.derived)
-    assert len(got.derived) > 900 and not got.refused
-    assert [n for n, agrees in got.confirmed if not agrees] and all(
-        300 <= n < 310 for n, agrees in got.confirmed if not agrees)
-    uniform, uniform_calls = _recorder(excursion)
-    derive_lengths(uniform, range(1, 1025), every=8, checks=1)
-    assert len(calls) < len(uniform_calls) / 2  # runs in place of most captures
-
-
-def test_confirms_stop_where_running_disagrees_with_a_byte_for_byte_capture():
-    # A runner that never agrees (a step whose eager kernels differ from its captured ones):
-    # the first length it refuses is captured, is the derived graph byte for byte, and no
-    # later length is run or refused for it.
-    capture, _ = _recorder(step)
-    lines = []
-    got = derive_lengths(capture, range(1, 1025), every=8, start=128, checks=1,
-                         confirm=lambda n, graph, template: False, progress=lines.append)
-    ((n, agrees),) = got.confirmed
-    assert not agrees and got.checked[n] == [] and n in got.captured
-    assert not got.refused and len(got.derived) > 1000
-    assert all(got.graphs[m] == step(m) for m in got.derived)
-    assert any("running cannot confirm derived lengths here" in line for line in lines)
-
-
 def test_a_capture_where_forms_parted_that_runs_another_kernel_cuts_its_run():
     # The padded count above, with another kernel at 504 and 512 only: the capture taken where
     # the line and the staircase part (512) runs it. The run spans a change its samples missed:
@@ -1042,20 +1002,3 @@ def test_a_capture_where_forms_parted_that_runs_another_kernel_cuts_its_run():
         assert 512 in got.tie_breaks and got.checked[512]  # another function there
         assert not got.refused and all(got.graphs[n] == padded(n) for n in got.derived)
         assert {504, 512} <= set(got.captured) and len(calls) < 100, start
-
-
-def test_a_confirm_finds_a_slot_shown_unread_that_the_program_reads():
-    # Running showed the leftover unread (a stand-in that lies: _reads ignores it), but the
-    # program reads it: a confirm's derived graph, holding the template's bytes there, runs
-    # otherwise; its capture, byte for byte the same but for that slot, runs as the program
-    # does. The stretch is refuted rather than confirms stopped, and no length is derived
-    # with bytes the program would not run alike.
-    def runs_as_program(n, graph, template):
-        return graph.op("attn").args == leftover(n).op("attn").args
-
-    got = derive_lengths(leftover, range(1, 257), every=8, checks=2, verify=_reads,
-                         confirm=runs_as_program)
-    ((n, agrees),) = got.confirmed  # the first run refutes its stretch (refused: one in 8)
-    assert not agrees and got.checked[n] == ["attn"]  # the node whose slots were shown unread
-    assert got.refused == [(1, 256)]
-    assert all(runs_as_program(m, got.graphs[m], None) for m in got.derived)

@@ -175,21 +175,6 @@ def test_a_family_without_a_cuda_device_is_one_clear_error(monkeypatch):
         family.load_family(lambda shape: None, "any.family.json.gz")
 
 
-def test_a_family_confirmed_by_running_needs_derivation_and_a_step_that_may_run_again(
-        monkeypatch):
-    from grape.errors import GrapeError
-    from grape.torch import family
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(GrapeError, match=r"^expected derive_confirm with derive_every and "
-                                         r"warmup >= 1 \(it runs the step eagerly, as a "
-                                         r"warm-up does\), found derive_every=None, warmup=1$"):
-        family.capture_family(lambda shape: None, [2, 1], derive_confirm=True)
-    with pytest.raises(GrapeError, match="found derive_every=4, warmup=0$"):
-        family.capture_family(lambda shape: None, [2, 1], derive_confirm=True,
-                              derive_every=4, warmup=0)
-
-
 def test_work_on_another_thread_keeps_the_callers_modes_and_raises_its_errors_here():
     import threading
 

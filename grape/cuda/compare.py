@@ -155,32 +155,9 @@ class Comparison:
             self.saved.restore()
         return alike
 
-    def left_by(self, second: KernelGraph, pairs: Mapping[str, str] | None = None,
-                buffers: list[Buffer] | None = None) -> list[np.ndarray]:
-        """What ``second`` leaves in ``buffers`` (some of :attr:`buffers`; default all) run
-        from the saved state (restored after), as :meth:`alike` runs it: for a caller that
-        compares it with something else (``capture_family``'s ``derive_confirm``: the step
-        run eagerly)."""
-        try:
-            return self._run(second, pairs, buffers)
-        finally:
-            self.saved.restore()
-
-    def read(self, buffers: list[Buffer] | None = None) -> list[np.ndarray]:
-        """``buffers`` (default :attr:`buffers`) as they are now (after something else ran
-        from the saved state); :meth:`restore` puts the saved state back."""
-        synchronize()
-        return _read(self.buffers if buffers is None else buffers)
-
-    def restore(self) -> None:
-        self.saved.restore()
-
-    def _run(self, second: KernelGraph, pairs: Mapping[str, str] | None,
-             buffers: list[Buffer] | None = None) -> list[np.ndarray]:
-        """``second`` run from the state now, ``buffers`` (default all watched) read, the
-        state not restored."""
-        first, stream = self.first, self.stream
-        buffers = self.buffers if buffers is None else buffers
+    def _run(self, second: KernelGraph, pairs: Mapping[str, str] | None) -> list[np.ndarray]:
+        """``second`` run from the state now, its buffers read (the state not restored)."""
+        first, buffers, stream = self.first, self.buffers, self.stream
         for b in second.buffers.values():
             if b.role is not BufferRole.PARAMETER and first.buffers.get(b.id) != b:
                 raise GrapeError(f"expected the graphs to compare to share their buffers, found "

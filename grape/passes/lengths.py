@@ -109,8 +109,6 @@ class Sampled:
     loose_ends: dict[str, tuple[int, int, dict[str, Slots], dict[str, Slots]]] = field(
         default_factory=dict)
     again: dict[int, KernelGraph] = field(default_factory=dict)  # those second captures
-    # ``confirm``'s calls: (derived length run, whether it ran as the program does there).
-    confirmed: list[tuple[int, bool]] = field(default_factory=list)
     # Derivations a finer sampling of their stretch replaced, each with whether a held-out
     # check had refuted it (``start``); not in ``derivations``.
     superseded: list[tuple[Derivation, bool]] = field(default_factory=list)
@@ -201,9 +199,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                    progress: Callable[[str], None] = lambda line: None,
                    again: Callable[[int], KernelGraph] | None = None,
                    verify: Callable[[int, KernelGraph, KernelGraph], bool] | None = None,
-                   start: int | None = None,
-                   confirm: Callable[[int, KernelGraph, KernelGraph], bool] | None = None
-                   ) -> Sampled:
+                   start: int | None = None) -> Sampled:
     """The graphs at ``lengths``, most derived rather than captured.
 
     ``capture(n)`` gives the graph at length ``n``. The lengths are split into their residue
@@ -238,17 +234,10 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     12 captures for 1,024 lengths at 128 where 8 took 132). The price is the paragraph
     above's, ``start`` apart: a number off its line for fewer lengths than the samples are
     apart is seen only where a sample or check lands on it (a CPU test: ten lengths derived
-    wrong at 128, none at 8).
-
-    ``confirm(n, graph, template)``, where given, says whether the derived ``graph`` at
-    length ``n`` (of ``template``'s structure and node ids, a captured graph) runs as the
-    program does at ``n``, without capturing it (``capture_family`` runs it against the step
-    run eagerly). Each trusted run that no finer sampling will replace is confirmed at one in
-    ``every`` of the lengths it derives, the lengths sampling at ``every`` would have
-    captured; one that runs otherwise is captured and checked as a held-out length is, and
-    refutes the run where the bytes differ (it is then sampled finer, or refused). With
-    ``start``, that restores the density of uniform sampling's evidence at the price of runs
-    rather than captures (a CPU test: the excursion above caught).
+    wrong at 128, none at 8). Running derived lengths against the step run eagerly, to buy
+    that evidence back without captures, was tried on an H100 and did not work: the eager
+    step's bits differed from its own capture's (GPT-2 and Llama steps), so eager is no
+    bitwise reference (benchmarks/README.md, "Sampling coarse first").
 
     ``verify(n, graph, captured)``, where given, says whether running ``graph`` leaves what
     running ``captured`` (the capture at length ``n``) leaves, bit for bit: it lets words that
@@ -373,43 +362,6 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     # change keeps what it settled), and halves the gaps wider than ``every`` in the runs a
     # check refuted (all of them) or whose lengths are held back (those holding them).
     settled: dict[tuple[int, ...], tuple[Derivation, bool, list[int]]] = {}
-    confirmed: set[tuple[int, ...]] = set()  # runs whose lengths ``confirm`` has run
-    running_confirms = [confirm is not None]  # off once a capture shows running cannot tell
-
-    def confirms(c: list[int], d: Derivation) -> bool:
-        """``confirm`` at the lengths of ``d``'s stretch that sampling at ``every`` would
-        have captured (spread, one in ``every`` of those it derives and nothing captured):
-        False at the first that runs otherwise, which is then captured and checked as a
-        held-out length is. Where that capture agrees byte for byte (but for loose and unread
-        slots), the capture is run too: where it runs as the program does, slots shown unread
-        are read after all (refuted); where it does not, running cannot tell anything here,
-        and confirms stop."""
-        if not running_confirms[0]:
-            return True
-        rest = d.covered(n for n in c if d.lengths[0] < n < d.lengths[-1]
-                         and n not in out.graphs)
-        for n in _spread(rest, len(rest) // every):
-            agrees = confirm(n, d.graph_at(n), d.template)
-            out.confirmed.append((n, agrees))
-            if agrees:
-                continue
-            captured = take(n)
-            out.checked[n] = d.check(n, captured)
-            if out.checked[n]:
-                return False
-            # The bytes agree but for loose and unread slots: the capture itself, run as the
-            # derived graph was, says whether those slots are read after all (the derived
-            # graph is wrong) or the program's eager run is not its captured one.
-            if confirm(n, captured, d.template):
-                out.checked[n] = sorted(d.unread) or ["ran otherwise than its capture"]
-                return False
-            running_confirms[0] = False
-            progress(f"length {n}: its capture, byte for byte the derived graph, ran "
-                     f"otherwise than the program run eagerly: running cannot confirm derived "
-                     f"lengths here, and stops")
-            return True
-        return True
-
     while True:
         for c in classes:
             _refine(c, sampled, sample, seen, out.topologies)
@@ -424,20 +376,12 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
             if tuple(run) not in settled:
                 settled[tuple(run)] = result = settle(c, run)
                 settled[tuple(result[2])] = result  # with its tie-breaks: the next round's run
-            key = tuple(run)
-            d, refuted, run = settled[key]
-            gaps = [(a, b) for a, b in pairwise(run) if sum(a < n < b for n in c) >= every]
-            wide = gaps
+            d, refuted, run = settled[tuple(run)]
+            wide = [(a, b) for a, b in pairwise(run) if sum(a < n < b for n in c) >= every]
             if not refuted:
                 under = set(n for n in c if run[0] < n < run[-1] and n not in out.graphs)
                 under -= set(d.covered(under))
                 wide = [(a, b) for a, b in wide if any(a < n < b for n in under)]
-            if not refuted and not wide and confirm is not None and key not in confirmed:
-                confirmed.add(key)
-                if not confirms(c, d):
-                    settled[key] = settled[tuple(run)] = (d, True, run)
-                    out.refused.append((d.lengths[0], d.lengths[-1]))
-                    refuted, wide = True, gaps
             # A sample inside the run's span that the run does not hold (a capture where its
             # forms parted, of another structure): the samples cut the span anew next round.
             reshaped = any(run[0] < n < run[-1] for n in samples.difference(run) if n in c)
@@ -492,9 +436,6 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
         shown = sum(bool(d.unread) for d in out.derivations)
         unread = (f"; {len(out.verified)} runs to show slots unread, {shown} derivations "
                   f"with slots shown so")
-    if out.confirmed:
-        otherwise = sum(not agrees for _, agrees in out.confirmed)
-        unread += f"; {len(out.confirmed)} derived lengths run to confirm, {otherwise} otherwise"
     if out.superseded:
         unread += f"; {len(out.superseded)} stretches sampled finer"
     progress(f"{len(want)} lengths: {len(out.captured)} captured "
