@@ -68,6 +68,7 @@ def main() -> None:
               f"(+{len(got.repeated)} again), {len(got.derived):3} derived ({wrong} wrong), "
               f"host {seconds:.2f} s", flush=True)
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
