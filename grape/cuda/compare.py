@@ -111,6 +111,9 @@ class Comparison:
     compares one sample again and again while it halves the words it tries
     (``grape.passes.lengths._unread``), each comparison having built and instantiated both
     graphs, and run ``first`` twice (0.23 to 0.25 s a comparison on the H200's Llama shape).
+    Measured on an H100 it saved no time there: 218 to 243 ms a comparison, since most of
+    them take another sample (a new ``Comparison``) and most of each goes to reading every
+    buffer to the host and comparing it (benchmarks/README.md, "Sampling coarse first").
 
     The state must not change between comparisons but by their own runs: a capture or an
     eager step between two writes a cache's row, and ``first``'s result would be stale; make

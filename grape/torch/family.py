@@ -508,35 +508,24 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         while comparing:
             comparing.pop().close()
 
-    def running(length: int, what: str, run: Callable[[], bool]) -> bool:
-        """One of derivation's runs on the GPU, timed: a run that cannot be made shows
-        nothing (False), and the comparison kept for it goes."""
+    def runs_alike(length: int, graph: KernelGraph, captured: KernelGraph) -> bool:
+        """``derive_lengths``' ``verify``: a graph that cannot be compared shows nothing."""
         t = time.perf_counter()
         try:
-            return run()
-        except GrapeError as e:
-            forget_comparison()
-            progress(f"length {length}: not {what} by running ({e})")
-            return False
-        finally:
-            spent["running"] += time.perf_counter() - t
-
-    def runs_alike(length: int, graph: KernelGraph, captured: KernelGraph) -> bool:
-        """``derive_lengths``' ``verify``."""
-        def run() -> bool:
-            comparison = comparison_of(captured)
+            if not comparing or comparing[0].first is not captured:
+                forget_comparison()
+                comparing.append(Comparison(captured, capture_stream().cuda_stream))
             try:
                 pairs = match(captured, graph)
             except GraphError:
                 pairs = None  # built whole, and compared as such
-            return comparison.alike(graph, pairs)
-        return running(length, "compared", run)
-
-    def comparison_of(template: KernelGraph) -> Comparison:
-        if not comparing or comparing[0].first is not template:
+            return comparing[0].alike(graph, pairs)
+        except GrapeError as e:
             forget_comparison()
-            comparing.append(Comparison(template, capture_stream().cuda_stream))
-        return comparing[0]
+            progress(f"length {length}: not compared by running ({e})")
+            return False
+        finally:
+            spent["running"] += time.perf_counter() - t
 
     sampled = None
     if derive_every is not None:
