@@ -211,3 +211,43 @@ def test_a_host_sync_breaks_the_capture_and_says_so(kit):
     with pytest.raises(CaptureError, match="found the capture broken: CUDA_ERROR_STREAM_CAPTURE"
                                            ".*while waiting for the capturing stream"):
         capture(issue)
+
+
+@pytest.mark.parametrize("kept_on", ["device", "host"])
+def test_a_comparison_sees_one_byte_changed_anywhere_in_any_buffer(kept_on, monkeypatch):
+    """grape.cuda.compare's kernel: buffers at odd addresses and of odd sizes (the bytes
+    the 16-byte loads leave), large and tiny, each changed in one byte at its start, middle
+    and end, seen; put back, unseen again. The same of the host's way, where the device has
+    no room for the copy."""
+    from grape.cuda import compare
+    from grape.cuda.check import call
+    from grape.cuda.compare import _Left
+    from grape.cuda.context import current_context
+    from grape.ir import Buffer
+
+    if kept_on == "host":
+        monkeypatch.setattr(compare._Copy, "of", classmethod(lambda cls, buffers: None))
+    current_context()
+    base = int(call(driver.cuMemAlloc, 1 << 22, doing="allocating the buffers"))
+    try:
+        call(driver.cuMemsetD8, base, 7, 1 << 22, doing="filling the buffers")
+        spans = [(1, 37), (64, 4096), (8192, 16 * 1000 + 3), (65536 + 3, 1), (1 << 20, 3 << 20)]
+        buffers = [Buffer(f"b{i}", size, BufferRole.INTERNAL, address=base + at)
+                   for i, (at, size) in enumerate(spans)]
+        left = _Left(buffers, 0)
+        assert (left.table is not None) == (kept_on == "device")
+        try:
+            assert left.again()
+            for b in buffers:
+                for at in sorted({0, b.size // 2, b.size - 1}):
+                    call(driver.cuMemsetD8, b.address + at, 8, 1, doing="changing a byte")
+                    assert not left.again(), (b.id, at)
+                    call(driver.cuMemsetD8, b.address + at, 7, 1, doing="putting it back")
+                    assert left.again(), (b.id, at)
+            # A byte just outside every buffer is not theirs
+            call(driver.cuMemsetD8, base, 9, 1, doing="changing a byte outside")
+            assert left.again()
+        finally:
+            left.free()
+    finally:
+        driver.cuMemFree(base)

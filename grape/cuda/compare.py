@@ -10,13 +10,15 @@ with the shape, where no second capture can show it (``derive_lengths``' ``verif
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cache
 
 import numpy as np
 from cuda.bindings import driver
 
 from grape.cuda.build import Executable, Graph, Update
 from grape.cuda.check import call, check_status
-from grape.cuda.context import synchronize
+from grape.cuda.context import read_device, synchronize
+from grape.cuda.nvrtc import Module, launch
 from grape.errors import GrapeError, UnsupportedError
 from grape.ir import Buffer, BufferRole, KernelGraph, Memory
 from grape.passes.families import same_ids
@@ -35,50 +37,187 @@ def watched(graph: KernelGraph) -> list[Buffer]:
     return out
 
 
-class _Saved:
-    """The watched buffers' contents before the runs, put back after each: kept on the device
-    where it has room (copied there and back at the device's bandwidth), else on the host.
-    On the H200 the host's copies and their comparison took about half of a Llama-shaped
-    family's 0.7 s comparisons (a profile of 27)."""
+_ALIGN = 256  # each buffer's copy starts so aligned: the comparing kernel reads 16 bytes at once
 
-    def __init__(self, buffers: list[Buffer]) -> None:
-        self.buffers = buffers
-        self.device: int | None = None
-        self.places: list[int] = []  # each buffer's copy on the device
-        self.host: list[np.ndarray] = []
-        status, address = driver.cuMemAlloc(max(1, sum(b.size for b in buffers)))
+SOURCE = r"""
+// Row k of table: (a, b, n): n bytes at a and n at b; differ[k] becomes 1 where they are not
+// equal. Blocks take rows by blockIdx.y and bytes by a grid-stride loop, 16 at a time where
+// both sides are 16-byte aligned.
+extern "C" __global__ void grape_differ(const unsigned long long* table, int rows,
+                                        unsigned* differ) {
+    for (int k = blockIdx.y; k < rows; k += gridDim.y) {
+        const unsigned char* a = (const unsigned char*)table[3 * k];
+        const unsigned char* b = (const unsigned char*)table[3 * k + 1];
+        unsigned long long n = table[3 * k + 2];
+        unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+        unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+        unsigned long long tail = 0;
+        bool odd = false;
+        if ((((unsigned long long)a | (unsigned long long)b) & 15) == 0) {
+            const uint4* x = (const uint4*)a;
+            const uint4* y = (const uint4*)b;
+            for (unsigned long long w = i; w < n / 16; w += stride) {
+                uint4 p = x[w], q = y[w];
+                odd |= (p.x != q.x) | (p.y != q.y) | (p.z != q.z) | (p.w != q.w);
+            }
+            tail = n / 16 * 16;
+        }
+        for (unsigned long long j = tail + i; j < n; j += stride)
+            odd |= a[j] != b[j];
+        if (odd) differ[k] = 1;
+    }
+}
+"""
+
+_THREADS = 256
+
+
+@cache
+def _module() -> Module:
+    return Module(SOURCE, name="grape_compare.cu")
+
+
+class _Copy:
+    """Copies of the watched buffers in one device allocation, each at a 256-byte aligned
+    place: taken and put back at the device's bandwidth (copies between device buffers go on
+    the legacy stream, which PyTorch's non-blocking streams do not wait for, so each waits for
+    the device). :meth:`of` gives None where the device has no room."""
+
+    def __init__(self, buffers: list[Buffer], address: int) -> None:
+        self.buffers, self.address = buffers, address
+        sizes = [-(-b.size // _ALIGN) * _ALIGN for b in buffers]
+        self.places = [address + o for o in np.cumsum([0] + sizes[:-1]).tolist()]
+
+    @classmethod
+    def of(cls, buffers: list[Buffer]) -> _Copy | None:
+        status, address = driver.cuMemAlloc(max(1, sum(-(-b.size // _ALIGN) * _ALIGN
+                                                        for b in buffers)))
         if status == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-            self.host = _read(buffers)
-            return
+            return None
         check_status(status, "allocating room for the buffers to compare")
-        self.device = int(address)
-        offsets = np.cumsum([0] + [b.size for b in buffers[:-1]], dtype=np.int64).tolist()
-        self.places = [self.device + o for o in offsets]
-        try:
-            for b, at in zip(buffers, self.places, strict=True):
-                call(driver.cuMemcpyDtoD, at, b.address, b.size,
-                     doing=f"saving buffer {b.id!r}")
-            # Copies between device buffers go on the legacy stream, which PyTorch's streams
-            # (non-blocking) do not wait for: done before any run.
-            synchronize()
-        except BaseException:
-            self.free()
-            raise
+        return cls(buffers, int(address))
 
-    def restore(self) -> None:
-        if self.device is None:
-            for b, data in zip(self.buffers, self.host, strict=True):
-                call(driver.cuMemcpyHtoD, b.address, data.ctypes.data, b.size,
-                     doing=f"restoring buffer {b.id!r}")
-            return
+    def take(self) -> None:
+        for b, at in zip(self.buffers, self.places, strict=True):
+            call(driver.cuMemcpyDtoD, at, b.address, b.size, doing=f"copying buffer {b.id!r}")
+        synchronize()
+
+    def put_back(self) -> None:
         for b, at in zip(self.buffers, self.places, strict=True):
             call(driver.cuMemcpyDtoD, b.address, at, b.size, doing=f"restoring buffer {b.id!r}")
         synchronize()
 
     def free(self) -> None:
-        if self.device is not None:
-            call(driver.cuMemFree, self.device, doing="freeing the saved buffers")
-            self.device = None
+        if self.address is not None:
+            call(driver.cuMemFree, self.address, doing="freeing the buffers' copies")
+            self.address = None
+
+
+class _Saved:
+    """The watched buffers' contents before the runs, put back after each: kept on the device
+    where it has room, else on the host."""
+
+    def __init__(self, buffers: list[Buffer]) -> None:
+        self.buffers = buffers
+        self.copy = _Copy.of(buffers)
+        self.host: list[np.ndarray] = []
+        if self.copy is None:
+            self.host = _read(buffers)
+            return
+        try:
+            self.copy.take()
+        except BaseException:
+            self.free()
+            raise
+
+    def restore(self) -> None:
+        if self.copy is not None:
+            self.copy.put_back()
+            return
+        for b, data in zip(self.buffers, self.host, strict=True):
+            call(driver.cuMemcpyHtoD, b.address, data.ctypes.data, b.size,
+                 doing=f"restoring buffer {b.id!r}")
+
+    def free(self) -> None:
+        if self.copy is not None:
+            self.copy.free()
+
+
+class _Left:
+    """What a run left in the watched buffers, kept to tell whether a later run leaves the
+    same (:meth:`again`). Kept on the device where it has room and compared there by one
+    kernel, which reads both sides at the device's bandwidth and hands back a word a buffer;
+    else read to the host and compared there. On an H100 the host's way took most of a
+    Llama-shaped family's comparisons: 93 reads of every buffer (2.9 s) and numpy's compares
+    (2.1 s) in 31 comparisons under cProfile (benchmarks/README.md, "Sampling coarse first")."""
+
+    def __init__(self, buffers: list[Buffer], stream: int) -> None:
+        self.buffers, self.stream = buffers, stream
+        self.host: list[np.ndarray] = []
+        self.table: int | None = None
+        self.copy = _Copy.of(buffers)
+        if self.copy is None:
+            self.host = _read(buffers)
+            return
+        try:
+            self.copy.take()
+            self._table()
+        except BaseException:
+            self.free()
+            raise
+
+    def _table(self) -> None:
+        rows = np.array([(b.address, at, b.size) for b, at in
+                         zip(self.buffers, self.copy.places, strict=True)],
+                        dtype=np.uint64).reshape(-1, 3)
+        flags = 4 * max(1, len(self.buffers))
+        status, address = driver.cuMemAlloc(rows.nbytes + flags)
+        if status == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:  # the host's way, then
+            self.host = self._host_copy()
+            self.copy.free()
+            self.copy = None
+            return
+        check_status(status, "allocating the comparison's table")
+        self.table, self.flags = int(address), int(address) + rows.nbytes
+        if rows.nbytes:
+            call(driver.cuMemcpyHtoD, self.table, rows.ctypes.data, rows.nbytes,
+                 doing="copying the comparison's table")
+        largest = max((b.size for b in self.buffers), default=1)
+        self.grid = (max(1, min(512, -(-largest // (16 * _THREADS)))),
+                     max(1, min(len(self.buffers), 65535)), 1)
+
+    def _host_copy(self) -> list[np.ndarray]:
+        """The copy read to the host (room on the device ran out after it was taken)."""
+        out = []
+        for b, at in zip(self.buffers, self.copy.places, strict=True):
+            host = np.empty(b.size, dtype=np.uint8)
+            call(driver.cuMemcpyDtoH, host.ctypes.data, at, b.size,
+                 doing=f"reading the copy of buffer {b.id!r}")
+            out.append(host)
+        return out
+
+    def again(self) -> bool:
+        """Whether the watched buffers hold now, after a run queued on the stream, what they
+        held when this was made."""
+        if self.copy is None:
+            synchronize()
+            return _same(self.host, _read(self.buffers))
+        if not self.buffers:
+            return True
+        call(driver.cuMemsetD32Async, self.flags, 0, len(self.buffers), self.stream,
+             doing="clearing the comparison's flags")
+        launch(_module().function("grape_differ"), self.grid, (_THREADS, 1, 1),
+               [self.table, np.int32(len(self.buffers)), self.flags], self.stream)
+        synchronize()
+        flags = np.frombuffer(read_device(self.flags, 4 * len(self.buffers)), dtype=np.uint32)
+        return not flags.any()
+
+    def free(self) -> None:
+        if self.table is not None:
+            call(driver.cuMemFree, self.table, doing="freeing the comparison's table")
+            self.table = None
+        if self.copy is not None:
+            self.copy.free()
 
 
 def _read(buffers: list[Buffer]) -> list[np.ndarray]:
@@ -95,10 +234,10 @@ def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _left_by(executable: Executable, buffers: list[Buffer], stream: int) -> list[np.ndarray]:
+def _launched(executable: Executable, stream: int) -> None:
+    """``executable`` run on ``stream``, waited for."""
     executable.launch(stream)
     synchronize()
-    return _read(buffers)
 
 
 class Comparison:
@@ -128,10 +267,12 @@ class Comparison:
         self.saved = _Saved(self.buffers)
         self.built: Graph | None = None
         self.executable: Executable | None = None
+        self.left: _Left | None = None
         try:
             self.built = Graph.build(first)
             self.executable = self.built.instantiate(stream)
-            self.left = _left_by(self.executable, self.buffers, stream)
+            _launched(self.executable, stream)
+            self.left = _Left(self.buffers, stream)
             self.saved.restore()
         except BaseException:
             self.close()
@@ -149,18 +290,19 @@ class Comparison:
             ``second`` names a buffer ``first`` does not have, or one lies elsewhere.
         """
         try:
-            alike = _same(self.left, self._run(second, pairs))
+            self._run(second, pairs)
+            alike = self.left.again()
             self.saved.restore()
             if alike:  # first again: a graph that runs otherwise twice shows nothing
-                alike = _same(self.left,
-                              _left_by(self.executable, self.buffers, self.stream))
+                _launched(self.executable, self.stream)
+                alike = self.left.again()
         finally:
             self.saved.restore()
         return alike
 
-    def _run(self, second: KernelGraph, pairs: Mapping[str, str] | None) -> list[np.ndarray]:
-        """``second`` run from the state now, its buffers read (the state not restored)."""
-        first, buffers, stream = self.first, self.buffers, self.stream
+    def _run(self, second: KernelGraph, pairs: Mapping[str, str] | None) -> None:
+        """``second`` run from the state now (the state not restored)."""
+        first, stream = self.first, self.stream
         for b in second.buffers.values():
             if b.role is not BufferRole.PARAMETER and first.buffers.get(b.id) != b:
                 raise GrapeError(f"expected the graphs to compare to share their buffers, found "
@@ -168,10 +310,11 @@ class Comparison:
         set_to, back = self._updates(second, pairs)
         if set_to is None:
             with Graph.build(second) as other, other.instantiate(stream) as theirs:
-                return _left_by(theirs, buffers, stream)
+                _launched(theirs, stream)
+            return
         Graph.apply(self.executable, set_to)
         try:
-            return _left_by(self.executable, buffers, stream)
+            _launched(self.executable, stream)
         finally:
             Graph.apply(self.executable, back)
             self.updated += 1
@@ -201,6 +344,8 @@ class Comparison:
             self.saved.restore()
         finally:
             self.saved.free()
+            if self.left is not None:
+                self.left.free()
             for r in (self.executable, self.built):
                 if r is not None:
                     r.close()
