@@ -182,6 +182,7 @@ class _Left:
         if rows.nbytes:
             call(driver.cuMemcpyHtoD, self.table, rows.ctypes.data, rows.nbytes,
                  doing="copying the comparison's table")
+        self.func = _module().function("grape_differ")
         largest = max((b.size for b in self.buffers), default=1)
         self.grid = (max(1, min(512, -(-largest // (16 * _THREADS)))),
                      max(1, min(len(self.buffers), 65535)), 1)
@@ -206,7 +207,7 @@ class _Left:
             return True
         call(driver.cuMemsetD32Async, self.flags, 0, len(self.buffers), self.stream,
              doing="clearing the comparison's flags")
-        launch(_module().function("grape_differ"), self.grid, (_THREADS, 1, 1),
+        launch(self.func, self.grid, (_THREADS, 1, 1),
                [self.table, np.int32(len(self.buffers)), self.flags], self.stream)
         synchronize()
         flags = np.frombuffer(read_device(self.flags, 4 * len(self.buffers)), dtype=np.uint32)
