@@ -247,18 +247,15 @@ class Comparison:
     state, which is restored after each. Where the other graph is of ``first``'s structure
     (``pairs`` says which node is which, or their ids agree), its differing nodes are set in
     ``first``'s executable and set back after, in place of building and instantiating it:
-    a swapped argument word or a derived length changes a few nodes of a thousand. Derivation
-    compares one sample again and again while it halves the words it tries
-    (``grape.passes.lengths._unread``), each comparison having built and instantiated both
-    graphs, and run ``first`` twice (0.23 to 0.25 s a comparison on the H200's Llama shape).
-    Measured on an H100 it saved no time there: 218 to 243 ms a comparison, since most of
-    them take another sample (a new ``Comparison``) and most of each goes to reading every
-    buffer to the host and comparing it (benchmarks/README.md, "Sampling coarse first").
+    a swapped argument word or a derived length changes a few nodes of a thousand. What a
+    run leaves is compared on the device (:class:`_Left`), where the host's reads and numpy
+    took most of a comparison (218 to 243 ms each on an H100's Llama shape, most of them
+    with a new ``Comparison``: benchmarks/README.md, "Sampling coarse first").
 
     The state must not change between comparisons but by their own runs: a capture or an
     eager step between two writes a cache's row, and ``first``'s result would be stale; make
     another ``Comparison`` then. Close it (or use it as a context) to free its executable,
-    its graph and the saved state.
+    its graph, the saved state and what ``first`` left.
     """
 
     def __init__(self, first: KernelGraph, stream: int = 0) -> None:
@@ -370,8 +367,9 @@ def runs_alike(first: KernelGraph, second: KernelGraph, stream: int = 0,
     the capture of its length, moved to one reference's places). The device is synchronised
     around each run; ``first`` is built and instantiated once, and ``second`` runs as
     ``first``'s executable with its differing nodes set where it is of ``first``'s structure
-    (``pairs``, or the same node ids), else built and instantiated too; every executable is
-    freed before returning. :class:`Comparison` keeps ``first`` for many comparisons.
+    (``pairs``, or the same node ids), else built and instantiated too; what each leaves is
+    compared on the device where it has room for a copy, else on the host; every executable
+    is freed before returning. :class:`Comparison` keeps ``first`` for many comparisons.
 
     Raises
     ------
