@@ -92,6 +92,9 @@ class _Saved:
     def __init__(self, buffers) -> None:
         pass
 
+    def retake(self) -> None:
+        pass
+
     def restore(self) -> None:
         _Saved.restored += 1
 
@@ -109,6 +112,9 @@ def _launched(executable: _Executable, stream) -> None:
 
 class _Left:
     def __init__(self, buffers, stream) -> None:
+        self.kept = _device[0]
+
+    def retake(self) -> None:
         self.kept = _device[0]
 
     def again(self) -> bool:
@@ -195,3 +201,30 @@ def test_runs_alike_is_one_comparison(standins):
     assert compare.runs_alike(first, _with_word(first, "k0", 4, 1))
     assert not compare.runs_alike(first, _with_word(first, "k0", 0, 1))
     assert standins.built == [first, first]  # one build a call, none for the second graph
+
+
+def test_a_comparison_takes_another_first_of_its_structure_in_its_executable(standins):
+    first = _graph([1, 2, 3])
+    other_length = _with_word(first, "k2", 0, 30)  # the next sample: a read word changed
+    with compare.Comparison(first) as c:
+        assert c.rebase(other_length) and c.first is other_length and c.rebased == 1
+        # compared with the new first now: its own graph agrees, the old first does not
+        assert c.alike(other_length) and not c.alike(first)
+        assert c.alike(_with_word(other_length, "k0", 4, 5))  # an unread word of it
+        assert standins.built == [first]  # nothing built but the first executable
+        # The same first again (a capture changed the state since): taken anew too
+        assert c.rebase(other_length) and c.rebased == 2
+
+
+def test_a_first_of_another_structure_or_memory_is_not_taken_in(standins):
+    first = _graph([1, 2])
+    renamed = _graph([1, 2], prefix="other")  # one structure, other ids: no pairs to go by
+    moved = _graph([1, 2])
+    moved.buffers["out"] = Buffer("out", 64, BufferRole.OUTPUT, address=0x2000)
+    clustered = first.with_ops({"k0": dataclasses.replace(
+        first.op("k0"), attributes=(("cluster", (2, 1, 1)),))})
+    with compare.Comparison(first) as c:
+        for g in (renamed, moved, clustered):
+            assert not c.rebase(g)
+        assert c.first is first and c.rebased == 0
+        assert c.alike(first) and not c.alike(_with_word(first, "k1", 0, 9))

@@ -234,7 +234,8 @@ def test_a_comparison_kept_for_several_graphs_sets_their_nodes_in_one_executable
     """grape.cuda.compare.Comparison: one graph built, run and kept; graphs of its structure
     compared by setting their differing nodes in its executable (and setting them back), each
     answer the one a fresh runs_alike gives, the memory left as found; another structure is
-    built whole."""
+    built whole. Another first of its structure is taken into the executable (rebase), from
+    the state as it is then."""
 
     from grape.cuda.compare import Comparison, runs_alike
     from grape.errors import GrapeError
@@ -258,10 +259,17 @@ def test_a_comparison_kept_for_several_graphs_sets_their_nodes_in_one_executable
         with pytest.raises(GrapeError, match="expected the graphs to compare to share"):
             comparison.alike(decode_capture.ir)
         assert comparison.updated == 5
+        # Another first of the structure, from a state changed since: taken in, not built
+        y.fill_(2.0)
+        assert comparison.rebase(filling(4.0)) and comparison.rebased == 1
+        assert not comparison.rebase(decode_capture.ir)  # another structure and memory
+        rebased = [comparison.alike(filling(4.0)), comparison.alike(fill)]
+        assert torch.equal(y, torch.full_like(y, 2.0))
+    assert rebased == [True, False]
     assert answers == [False, True, True, False, True]
     assert answers[:4] == [runs_alike(fill, g) for g in (filling(4.0), fill, filling(3.0),
                                                          filling(5.0))]
-    assert torch.equal(y, torch.ones_like(y))
+    assert torch.equal(y, torch.full_like(y, 2.0))
     del fill_capture, again, decode_capture
 
 

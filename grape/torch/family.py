@@ -487,7 +487,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
 
     def captured(shape: Hashable) -> KernelGraph:
         nonlocal blocks
-        forget_comparison()  # a capture's warm-up changes the state compared from
+        moved_on[0] = True  # a capture's warm-up changes the state compared from
         cap, ir = taken(shape)
         torch_graphs[shape] = cap.torch_graph
         blocks = cap.blocks
@@ -496,13 +496,15 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     def captured_elsewhere(shape: Hashable) -> KernelGraph:
         """``shape`` captured once more on another thread, to find the argument words that
         hold the host's leftovers (``derive_lengths``' ``again``); not kept."""
-        forget_comparison()
+        moved_on[0] = True
         return on_another_thread(lambda: taken(shape)[1])
 
-    # The captured graph last compared with, kept built and run (``Comparison``) while no
-    # capture changes the state between: derivation compares one sample with several
-    # versions of it as it halves the words it tries.
+    # The captured graph last compared with, kept built and run (``Comparison``): derivation
+    # compares one sample with several versions of it as it halves the words it tries, and
+    # the next sample, of its structure, is set in the same executable (``rebase``), from
+    # the state the captures since left (``moved_on``).
     comparing: list[Comparison] = []
+    moved_on = [False]
 
     def forget_comparison() -> None:
         while comparing:
@@ -512,9 +514,11 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         """``derive_lengths``' ``verify``: a graph that cannot be compared shows nothing."""
         t = time.perf_counter()
         try:
-            if not comparing or comparing[0].first is not captured:
-                forget_comparison()
-                comparing.append(Comparison(captured, capture_stream().cuda_stream))
+            if not comparing or comparing[0].first is not captured or moved_on[0]:
+                if not (comparing and comparing[0].rebase(captured)):
+                    forget_comparison()
+                    comparing.append(Comparison(captured, capture_stream().cuda_stream))
+                moved_on[0] = False
             try:
                 pairs = match(captured, graph)
             except GraphError:
