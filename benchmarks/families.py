@@ -355,7 +355,6 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     family_thread_state = (thread_state_bytes(step, order[-1], capture_stream())
                            if derive_every is not None else 0)
     free_before_family, _ = _device_bytes()
-    reserved_a = torch.cuda.memory_reserved()
     allocated_a = torch.cuda.memory_allocated()
     family = capture_family(step, sorted(lengths, reverse=True),
                             params=w.params, update=update, derive_every=derive_every,
@@ -364,6 +363,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
                             progress=lambda line: _log(f"  {label} family: {line}"))
     _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
     family_device_bytes = free_before_family - _device_bytes()[0]
+    reserved_after_family = torch.cuda.memory_reserved()
     # Of the pool's growth, what live tensors hold (the rest: free blocks the pool keeps). The
     # pool grew by about 1 GB for 255 GPT-2 lengths, where per-shape graphs sharing one pool
     # held 0.22 GB all told: this says whether something keeps tensors alive or the pool
@@ -415,7 +415,6 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     free1, reserved1 = _device_bytes()
     naive_pool = reserved1 - reserved0
     naive_graph = (free0 - free1) - naive_pool
-    reserved2 = reserved_a + family.pool_bytes
 
     sample = _sample(lengths)
     identical = [_same_as(w, naive[n].replay, family.run, n) for n in sample]
@@ -474,7 +473,7 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
         "step_ms_family_first_pass": family_cold,
         "step_ms_naive_synced": naive_sync, "step_ms_family_synced": family_sync,
         "bitwise_identical": {str(n): same for n, same in zip(sample, identical, strict=True)},
-        "reserved_after_family": reserved2,
+        "reserved_after_family": reserved_after_family,
         "derive_every": derive_every,
         "derive_period": derive_period if derive_every is not None else None,
         "derive_start": derive_start if derive_every is not None else None,

@@ -120,6 +120,14 @@ class _Places:
         return line
 
 
+def _pool_bytes(pool: Any) -> int:
+    """What the family's shared pool holds: its segments, all made while it captured. The
+    allocator's reserved growth over the capture, counted before, took in its other caching
+    too: on an H100's Llama-shaped family it came out at -38 MiB (the eager pass's blocks
+    released while the family captured)."""
+    return sum(size for _, size in pool_segments(pool))
+
+
 @dataclass
 class Family:
     step: Callable[[Hashable], Any]
@@ -127,7 +135,7 @@ class Family:
     group_of: dict[Hashable, str]
     # each executable's shapes, as the versions they take of its template's nodes
     variants: dict[str, Variants]
-    pool_bytes: int  # the shared pool's growth over the whole capture
+    pool_bytes: int  # the shared pool's segments at the end of the capture (_pool_bytes)
     capture_s: float  # capture, reading into the IR, deltas and instantiation, all shapes
     keep: list[Any] = field(default_factory=list)  # the torch graph that holds the pool
     # Each changed node's versions as prepared driver calls, by (executable, node), made for
@@ -465,7 +473,6 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
                          f"{odd!r}")
     began = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
-    reserved = torch.cuda.memory_reserved()
     torch_graphs: dict[Hashable, Any] = {}
     # The step's live tensors, found once (after the first warm-up) for every capture: a saved
     # family then moves to another process tensor by tensor (capture's ``blocks``).
@@ -624,7 +631,7 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         progress(f"built {rebuilt} executables again with the alternates of kernels whose "
                  f"launch attributes change ({_count_alternates(variants)} alternates)")
     torch.cuda.synchronize()
-    family = Family(step, groups, group_of, variants, torch.cuda.memory_reserved() - reserved,
+    family = Family(step, groups, group_of, variants, _pool_bytes(pool),
                     0.0, keep, graphs=graphs, update=update, sampled=sampled,
                     scratch=scratch_of([g.template for g in groups.values()],
                                        pool_segments(pool, idle=True)), places=places)
@@ -688,7 +695,6 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
     saved = read_family(path)
     saved.check(environment(params), str(path))
     pool = torch.cuda.graph_pool_handle()
-    reserved = torch.cuda.memory_reserved()
     groups: dict[str, _Group] = {}
     group_of: dict[Hashable, str] = {}
     variants: dict[str, Variants] = {}
@@ -809,7 +815,7 @@ def load_family(step: Callable[[Hashable], Any], path: str | Path,
                 f"shapes run here and from the captures, moved {moved_later} more)"
                 if learned else ""))
     torch.cuda.synchronize()
-    family = Family(step, groups, group_of, variants, torch.cuda.memory_reserved() - reserved,
+    family = Family(step, groups, group_of, variants, _pool_bytes(pool),
                     0.0, keep, update=update, captured_here=len(captured),
                     not_moved=not_moved, scratch=frozenset(b.id for b in scratch.values()))
     if prepare:
