@@ -105,3 +105,33 @@ def test_running_shows_each_candidate_at_a_sample_where_it_differs_in_few_runs(g
     assert again.unread == candidates  # every candidate differed at some sample and was run
     assert len(runs) == 4 and len({n for n, _ in runs}) == 4
     assert again.coverage(INSIDE)[0] == INSIDE
+
+
+def test_derivations_remembered_within_a_scope_are_the_ones_made_afresh(graphs):
+    """grape.passes.memo: derive inside ``remembering`` (as derive_lengths runs it) gives
+    what it gives outside, asked again, and asked with one sample's node changed (what
+    showing words unread derives), where only that node is fitted anew; match's answers
+    and refusals are remembered alike."""
+    import dataclasses
+
+    from grape.errors import GraphError
+    from grape.passes.memo import remembering
+
+    samples, loose = graphs["sample"], _loose(graphs)
+    runs = {n: samples[n] for n in RUN}
+    last = RUN[-1]
+    node, op = next((n, o) for n, o in samples[last].kernels()
+                    if len(o.args) >= 8 and any(o is not samples[m].op(n) for m in RUN[:-1]))
+    changed = dict(runs)
+    changed[last] = samples[last].with_ops(
+        {node: dataclasses.replace(op, args=bytes([op.args[0] ^ 1]) + op.args[1:])})
+    fresh = [derive(runs, loose), derive(changed, loose)]
+    with remembering():
+        remembered = [derive(runs, loose), derive(runs, loose), derive(changed, loose)]
+        assert match(samples[RUN[0]], samples[last]) == match(samples[RUN[0]], samples[last])
+        other = KernelGraph()
+        for _ in range(2):
+            with pytest.raises(GraphError, match="expected graphs of one structure"):
+                match(samples[RUN[0]], other)
+    assert remembered == [fresh[0], fresh[0], fresh[1]]
+    assert fresh[0] != fresh[1]  # the change shows

@@ -101,13 +101,13 @@ from collections.abc import (
 from dataclasses import dataclass, field
 from fractions import Fraction
 from itertools import pairwise
-from typing import Any
 
 import numpy as np
 
 from grape.errors import GraphError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span
 from grape.passes.families import match
+from grape.passes.memo import recall
 from grape.passes.variants import NodeVersions, Variants
 
 __all__ = ["Derivation", "Quotient", "Segment", "derive", "loose_at_both", "loose_slots",
@@ -802,6 +802,65 @@ class Derivation:
         return out
 
 
+@dataclass(frozen=True)
+class _Share:
+    """One node's share of a derivation: its stray slots, its dividers' slots, the numbers
+    of it that vary as (length, value) points, their fits and their widths in bits."""
+
+    stray: Slots
+    dividers: Slots
+    series: dict[str, list[tuple[int, int]]]
+    fits: dict[str, list[Segment]]
+    bits: dict[str, int]
+
+
+def _node_share(node: str, seen: list[Op], lengths: tuple[int, ...], loose: Slots
+                ) -> _Share | None:
+    """:func:`derive`'s work on one node, its versions ``seen`` at ``lengths``: None where
+    nothing of it varies (about half a Llama step's nodes).
+
+    Raises
+    ------
+    GraphError
+        The node differs in something that is not a number between two lengths.
+    """
+    first = seen[0]
+    if all(op == first for op in seen[1:]):
+        return None
+    stray = stray_slots(seen)
+    skip = loose | stray
+    one_kernel = isinstance(first, Kernel) and all(
+        isinstance(op, Kernel) and len(op.args) == len(first.args) for op in seen)
+    varying = _varying(seen) if one_kernel else None
+    dividers: Slots = frozenset()
+    if varying and (dividers := _dividers(seen, skip, varying)):
+        skip = skip | {o + k for o in dividers for k in (0, 4)}
+    per = []  # the node's numbers at each length
+    fixed_first = None
+    for length, op in zip(lengths, seen, strict=True):
+        fixed, numbers = _flatten(op, skip, slots=varying)
+        if fixed_first is None:
+            fixed_first = fixed
+        elif fixed != fixed_first:
+            what = _first_difference(fixed_first, fixed)
+            raise GraphError(f"expected node {node!r} to differ in numbers only between "
+                             f"lengths {lengths[0]} and {length}, found its {what} changed")
+        per.append(numbers)
+    # Only numbers that vary are fitted, and most do not (a weight's pointer): a number's
+    # values are gathered into points only once they are seen to differ.
+    series, fits, bits = {}, {}, {}
+    for what in dict.fromkeys(k for numbers in per for k in numbers):
+        values = [numbers.get(what) for numbers in per]
+        if values.count(values[0]) != len(values):
+            points = [(length, v) for length, v in zip(lengths, values, strict=True)
+                      if v is not None]
+            series[what] = points
+            if len({v for _, v in points}) > 1:
+                fits[what] = _segments(points)
+                bits[what] = _bits(what, first)  # the template's
+    return _Share(stray, dividers, series, fits, bits)
+
+
 def derive(samples: Mapping[int, KernelGraph],
            loose: Mapping[str, Slots] | None = None) -> Derivation:
     """Fit every varying number of ``samples`` (graphs by length, one structure) to the length.
@@ -823,7 +882,6 @@ def derive(samples: Mapping[int, KernelGraph],
     template = samples[lengths[0]]
     loose = {node: slots for node, slots in (loose or {}).items() if slots}
     series: dict[tuple[str, str], list[tuple[int, int]]] = {}
-    fixed_at: dict[str, Any] = {}
     ops: dict[str, list[Op]] = {node: [] for node in template.dag.nodes}
     for length in lengths:
         graph = samples[length]
@@ -840,41 +898,28 @@ def derive(samples: Mapping[int, KernelGraph],
             seen.append(graph.op(pairs[node]))
     dividers: dict[str, Slots] = {}
     bits: dict[tuple[str, str], int] = {}
-    for node, seen in ops.items():
-        first = seen[0]
-        if all(op == first for op in seen[1:]):
-            continue  # nothing of it varies (about half a Llama step's nodes): nothing to fit
-        if stray := stray_slots(seen):
-            loose[node] = loose.get(node, frozenset()) | stray
-        skip = loose.get(node, frozenset())
-        one_kernel = isinstance(seen[0], Kernel) and all(
-            isinstance(op, Kernel) and len(op.args) == len(seen[0].args) for op in seen)
-        varying = _varying(seen) if one_kernel else None
-        if varying and (found := _dividers(seen, skip, varying)):
-            dividers[node] = found
-            skip = skip | {o + k for o in found for k in (0, 4)}
-        per = []  # the node's numbers at each length
-        for length, op in zip(lengths, seen, strict=True):
-            fixed, numbers = _flatten(op, skip, slots=varying)
-            if fixed_at.setdefault(node, fixed) != fixed:
-                what = _first_difference(fixed_at[node], fixed)
-                raise GraphError(f"expected node {node!r} to differ in numbers only between "
-                                 f"lengths {lengths[0]} and {length}, found its {what} "
-                                 f"changed")
-            per.append(numbers)
-        # Only numbers that vary are fitted, and most do not (a weight's pointer): a number's
-        # values are gathered into points only once they are seen to differ.
-        for what in dict.fromkeys(k for numbers in per for k in numbers):
-            values = [numbers.get(what) for numbers in per]
-            if values.count(values[0]) != len(values):
-                series[(node, what)] = [(length, v) for length, v
-                                        in zip(lengths, values, strict=True) if v is not None]
     fits = {}
-    for key, points in series.items():
+    for key, points in series.items():  # the buffers'
         if len({v for _, v in points}) > 1:
             fits[key] = _segments(points)
-            if not key[0].startswith("buffer:"):
-                bits[key] = _bits(key[1], template.op(key[0]))
+    for node, seen in ops.items():
+        # A node's share depends on its versions and loose slots alone: derivation's rounds
+        # and checks ask it of the same versions again (grape.passes.memo)
+        mine = loose.get(node, frozenset())
+        share = recall("derive node", tuple(seen), (lengths, mine),
+                       lambda node=node, seen=seen, mine=mine: _node_share(
+                           node, seen, lengths, mine))
+        if share is None:
+            continue
+        if share.stray:
+            loose[node] = mine | share.stray
+        if share.dividers:
+            dividers[node] = share.dividers
+        for what, points in share.series.items():
+            series[(node, what)] = points
+        for what, segments in share.fits.items():
+            fits[(node, what)] = segments
+            bits[(node, what)] = share.bits[what]
     return Derivation(template, lengths, fits, loose, dividers, bits,
                       _quotients(series, fits))
 

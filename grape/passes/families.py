@@ -20,32 +20,15 @@ Examples
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Mapping
 
 import networkx as nx
 
 from grape.errors import GraphError
 from grape.ir import Conditional, KernelGraph, fingerprint, node_hashes
+from grape.passes.memo import recall
 
-__all__ = ["canonical_order", "group", "match", "matches_remembered", "same_ids"]
-
-# The innermost :func:`matches_remembered` scope's answers: (id, id) -> (graph, graph, answer)
-_remembered: list[dict[tuple[int, int], tuple[KernelGraph, KernelGraph, dict | str]]] = []
-
-
-@contextlib.contextmanager
-def matches_remembered() -> Iterator[None]:
-    """Within it, :func:`match` answers each pair of graph objects once (the graphs must not
-    change inside it). Derivation matches the same samples again and again, in every round,
-    check and comparison: on an H100's Llama-shaped family, 296 structure checks of 1,086-node
-    graphs took 1.9 s of a profile's 35 s (benchmarks/README.md, "Sampling coarse first")."""
-    memo: dict = {}
-    _remembered.append(memo)
-    try:
-        yield
-    finally:
-        _remembered.remove(memo)
+__all__ = ["canonical_order", "group", "match", "same_ids"]
 
 
 def group(graphs: Mapping[Hashable, KernelGraph]) -> dict[str, list[Hashable]]:
@@ -87,7 +70,8 @@ def same_ids(template: KernelGraph, other: KernelGraph) -> bool:
 
 def match(template: KernelGraph, other: KernelGraph) -> dict[str, str]:
     """Each node of ``template`` and the node of ``other`` in its place (a new dict each call;
-    remembered within :func:`matches_remembered`).
+    remembered within ``grape.passes.memo.remembering``: on an H100's Llama-shaped family,
+    296 structure checks of 1,086-node graphs took 1.9 s of a profile's 35 s).
 
     Raises
     ------
@@ -95,19 +79,18 @@ def match(template: KernelGraph, other: KernelGraph) -> dict[str, str]:
         The two graphs differ in structure (a node's kind, or an edge), so no executable of one
         can be brought to the other by updating parameters.
     """
-    if not _remembered:
+    answer = recall("match", (template, other), (), lambda: _answer(template, other))
+    if isinstance(answer, str):
+        raise GraphError(answer)
+    return dict(answer)
+
+
+def _answer(template: KernelGraph, other: KernelGraph) -> dict[str, str] | str:
+    """:func:`_match`'s pairs, or its error's message (remembered as well)."""
+    try:
         return _match(template, other)
-    memo, key = _remembered[-1], (id(template), id(other))
-    # the graphs are held with the answer: an id is another graph's once its own is gone
-    if (hit := memo.get(key)) is None or hit[0] is not template or hit[1] is not other:
-        try:
-            answer: dict | str = _match(template, other)
-        except GraphError as e:
-            answer = str(e)
-        memo[key] = hit = (template, other, answer)
-    if isinstance(hit[2], str):
-        raise GraphError(hit[2])
-    return dict(hit[2])
+    except GraphError as e:
+        return str(e)
 
 
 def _match(template: KernelGraph, other: KernelGraph) -> dict[str, str]:

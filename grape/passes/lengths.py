@@ -34,7 +34,8 @@ from grape.passes.derive import (
     loose_slots,
     stray_slots,
 )
-from grape.passes.families import match, matches_remembered
+from grape.passes.families import match
+from grape.passes.memo import remembering
 
 __all__ = ["Graphs", "Sampled", "derive_lengths"]
 
@@ -194,7 +195,7 @@ def _spread(candidates: list[int], k: int) -> list[int]:
     return sorted({candidates[(2 * i + 1) * len(candidates) // (2 * k)] for i in range(k)})
 
 
-@matches_remembered()  # the samples are matched in every round, check and comparison
+@remembering()  # samples matched and fitted again in every round, check and comparison
 def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int], *,
                    every: int = 8, checks: int = 1, period: int = 1,
                    progress: Callable[[str], None] = lambda line: None,
