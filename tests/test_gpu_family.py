@@ -287,6 +287,8 @@ def _family_of_255(**options):
     fam = capture_family(step, lengths, params=dict(model.named_parameters()), checks=1,
                          derive_period=8, **options)
     try:
+        # the shared pool's own segments (the allocator's reserved growth was negative once)
+        assert 0 < fam.pool_bytes <= torch.cuda.memory_reserved()
         return fam, _derived_right(fam.sampled, step, fam, out, lengths)
     except BaseException:
         fam.close()
