@@ -180,7 +180,7 @@ class _Left:
         flags = 4 * max(1, len(self.buffers))
         status, address = driver.cuMemAlloc(rows.nbytes + flags)
         if status == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:  # the host's way, then
-            self.host = self._host_copy()
+            self.host = _read(self.buffers)  # what the copy just took
             self.copy.free()
             self.copy = None
             return
@@ -193,16 +193,6 @@ class _Left:
         largest = max((b.size for b in self.buffers), default=1)
         self.grid = (max(1, min(512, -(-largest // (16 * _THREADS)))),
                      max(1, min(len(self.buffers), 65535)), 1)
-
-    def _host_copy(self) -> list[np.ndarray]:
-        """The copy read to the host (room on the device ran out after it was taken)."""
-        out = []
-        for b, at in zip(self.buffers, self.copy.places, strict=True):
-            host = np.empty(b.size, dtype=np.uint8)
-            call(driver.cuMemcpyDtoH, host.ctypes.data, at, b.size,
-                 doing=f"reading the copy of buffer {b.id!r}")
-            out.append(host)
-        return out
 
     def retake(self) -> None:
         """What the buffers hold now (after a run), in place of what they held."""
