@@ -86,7 +86,7 @@ class _Graph:
         pass
 
 
-class _Saved:
+class _Kept:
     restored = 0
 
     def __init__(self, buffers) -> None:
@@ -96,7 +96,7 @@ class _Saved:
         pass
 
     def restore(self) -> None:
-        _Saved.restored += 1
+        _Kept.restored += 1
 
     def free(self) -> None:
         pass
@@ -128,7 +128,7 @@ class _Left:
 def standins(monkeypatch):
     _Graph.built = []
     monkeypatch.setattr(compare, "Graph", _Graph)
-    monkeypatch.setattr(compare, "_Saved", _Saved)
+    monkeypatch.setattr(compare, "_Kept", _Kept)
     monkeypatch.setattr(compare, "_launched", _launched)
     monkeypatch.setattr(compare, "_Left", _Left)
     monkeypatch.setattr(compare, "synchronize", lambda: None)

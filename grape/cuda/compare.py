@@ -113,9 +113,10 @@ class _Copy:
             self.address = None
 
 
-class _Saved:
-    """The watched buffers' contents before the runs, put back after each: kept on the device
-    where it has room, else on the host."""
+class _Kept:
+    """The watched buffers' contents, kept on the device where it has room, else on the host:
+    the state before the runs, put back after each (:meth:`restore`), and, as :class:`_Left`,
+    what a run left."""
 
     def __init__(self, buffers: list[Buffer]) -> None:
         self.buffers = buffers
@@ -131,7 +132,7 @@ class _Saved:
             raise
 
     def retake(self) -> None:
-        """The buffers' contents now, in place of those saved."""
+        """The buffers' contents now, in place of those kept."""
         if self.copy is not None:
             self.copy.take()
         else:
@@ -150,7 +151,7 @@ class _Saved:
             self.copy.free()
 
 
-class _Left:
+class _Left(_Kept):
     """What a run left in the watched buffers, kept to tell whether a later run leaves the
     same (:meth:`again`). Kept on the device where it has room and compared there by one
     kernel, which reads both sides at the device's bandwidth and hands back a word a buffer;
@@ -159,19 +160,14 @@ class _Left:
     (2.1 s) in 31 comparisons under cProfile (benchmarks/README.md, "Sampling coarse first")."""
 
     def __init__(self, buffers: list[Buffer], stream: int) -> None:
-        self.buffers, self.stream = buffers, stream
-        self.host: list[np.ndarray] = []
-        self.table: int | None = None
-        self.copy = _Copy.of(buffers)
-        if self.copy is None:
-            self.host = _read(buffers)
-            return
-        try:
-            self.copy.take()
-            self._table()
-        except BaseException:
-            self.free()
-            raise
+        self.stream, self.table = stream, None
+        super().__init__(buffers)
+        if self.copy is not None:
+            try:
+                self._table()
+            except BaseException:
+                self.free()
+                raise
 
     def _table(self) -> None:
         rows = np.array([(b.address, at, b.size) for b, at in
@@ -194,13 +190,6 @@ class _Left:
         self.grid = (max(1, min(512, -(-largest // (16 * _THREADS)))),
                      max(1, min(len(self.buffers), 65535)), 1)
 
-    def retake(self) -> None:
-        """What the buffers hold now (after a run), in place of what they held."""
-        if self.copy is not None:
-            self.copy.take()
-        else:
-            self.host = _read(self.buffers)
-
     def again(self) -> bool:
         """Whether the watched buffers hold now, after a run queued on the stream, what they
         held when this was made."""
@@ -221,8 +210,7 @@ class _Left:
         if self.table is not None:
             call(driver.cuMemFree, self.table, doing="freeing the comparison's table")
             self.table = None
-        if self.copy is not None:
-            self.copy.free()
+        super().free()
 
 
 def _read(buffers: list[Buffer]) -> list[np.ndarray]:
@@ -266,7 +254,7 @@ class Comparison:
         self.first, self.stream = first, stream
         self.buffers = watched(first)
         synchronize()
-        self.saved = _Saved(self.buffers)
+        self.saved = _Kept(self.buffers)
         self.built: Graph | None = None
         self.executable: Executable | None = None
         self.left: _Left | None = None
