@@ -228,3 +228,19 @@ def test_a_first_of_another_structure_or_memory_is_not_taken_in(standins):
             assert not c.rebase(g)
         assert c.first is first and c.rebased == 0
         assert c.alike(first) and not c.alike(_with_word(first, "k1", 0, 9))
+
+
+def test_a_rebase_that_fails_closes_the_comparison_once(standins, monkeypatch):
+    first = _graph([1, 2])
+    c = compare.Comparison(first)
+    restored = _Kept.restored
+
+    def failing(executable, stream):
+        raise GrapeError("the device failed")
+
+    monkeypatch.setattr(compare, "_launched", failing)
+    with pytest.raises(GrapeError, match="the device failed"):
+        c.rebase(_with_word(first, "k1", 0, 7))
+    assert c.closed and c.executable.closed
+    c.close()  # its owner closes it too: nothing is put back or freed twice
+    assert _Kept.restored == restored + 1

@@ -149,6 +149,7 @@ class _Kept:
     def free(self) -> None:
         if self.copy is not None:
             self.copy.free()
+            self.copy = None
 
 
 class _Left(_Kept):
@@ -252,6 +253,7 @@ class Comparison:
 
     def __init__(self, first: KernelGraph, stream: int = 0) -> None:
         self.first, self.stream = first, stream
+        self.closed = False
         self.buffers = watched(first)
         synchronize()
         self.saved = _Kept(self.buffers)
@@ -358,6 +360,11 @@ class Comparison:
         return set_to, back
 
     def close(self) -> None:
+        """Put the saved state back and free everything; once (a failed :meth:`rebase` closes
+        it, and its owner may close it again)."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.saved.restore()
         finally:
