@@ -246,9 +246,10 @@ class Comparison:
     with a new ``Comparison``: benchmarks/README.md, "Sampling coarse first").
 
     The state must not change between comparisons but by their own runs: a capture or an
-    eager step between two writes a cache's row, and ``first``'s result would be stale; make
-    another ``Comparison`` then. Close it (or use it as a context) to free its executable,
-    its graph, the saved state and what ``first`` left.
+    eager step between two writes a cache's row, and ``first``'s result would be stale:
+    :meth:`rebase` it then (on ``first`` or the next graph of its structure). Close it (or
+    use it as a context) to free its executable, its graph, the saved state and what
+    ``first`` left.
     """
 
     def __init__(self, first: KernelGraph, stream: int = 0) -> None:
