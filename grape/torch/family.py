@@ -493,8 +493,8 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
         return cap, ir
 
     def captured(shape: Hashable) -> KernelGraph:
-        nonlocal blocks
-        moved_on[0] = True  # a capture's warm-up changes the state compared from
+        nonlocal blocks, moved_on
+        moved_on = True  # a capture's warm-up changes the state compared from
         cap, ir = taken(shape)
         torch_graphs[shape] = cap.torch_graph
         blocks = cap.blocks
@@ -503,34 +503,38 @@ def capture_family(step: Callable[[Hashable], Any], shapes: Iterable[Hashable],
     def captured_elsewhere(shape: Hashable) -> KernelGraph:
         """``shape`` captured once more on another thread, to find the argument words that
         hold the host's leftovers (``derive_lengths``' ``again``); not kept."""
-        moved_on[0] = True
+        nonlocal moved_on
+        moved_on = True
         return on_another_thread(lambda: taken(shape)[1])
 
     # The captured graph last compared with, kept built and run (``Comparison``): derivation
     # compares one sample with several versions of it as it halves the words it tries, and
     # the next sample, of its structure, is set in the same executable (``rebase``), from
     # the state the captures since left (``moved_on``).
-    comparing: list[Comparison] = []
-    moved_on = [False]
+    comparing: Comparison | None = None
+    moved_on = False
 
     def forget_comparison() -> None:
-        while comparing:
-            comparing.pop().close()
+        nonlocal comparing
+        if comparing is not None:
+            comparing, kept = None, comparing
+            kept.close()
 
     def runs_alike(length: int, graph: KernelGraph, captured: KernelGraph) -> bool:
         """``derive_lengths``' ``verify``: a graph that cannot be compared shows nothing."""
+        nonlocal comparing, moved_on
         t = time.perf_counter()
         try:
-            if not comparing or comparing[0].first is not captured or moved_on[0]:
-                if not (comparing and comparing[0].rebase(captured)):
+            if comparing is None or comparing.first is not captured or moved_on:
+                if not (comparing is not None and comparing.rebase(captured)):
                     forget_comparison()
-                    comparing.append(Comparison(captured, capture_stream().cuda_stream))
-                moved_on[0] = False
+                    comparing = Comparison(captured, capture_stream().cuda_stream)
+                moved_on = False
             try:
                 pairs = match(captured, graph)
             except GraphError:
                 pairs = None  # built whole, and compared as such
-            return comparing[0].alike(graph, pairs)
+            return comparing.alike(graph, pairs)
         except GrapeError as e:
             forget_comparison()
             progress(f"length {length}: not compared by running ({e})")
