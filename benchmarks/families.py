@@ -58,6 +58,7 @@ size or another, built from a config with random weights, in place of GPT-2 smal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import re
@@ -73,6 +74,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from sampling_replay import recording
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from grape.cuda.build import Graph
@@ -338,7 +340,8 @@ def wav2vec2_audio(lengths: list[int]) -> Workload:
 def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
             derive_every: int | None = None, save_to: Path | None = None,
             derive_period: int = 1, same_places: bool | None = None,
-            verify_unread: bool = False, derive_start: int | None = None) -> dict[str, object]:
+            verify_unread: bool = False, derive_start: int | None = None,
+            record_to: Path | None = None) -> dict[str, object]:
     if update == "graph":
         w = replace(w, name=f"{w.name} (whole-graph updates)", slug=f"{w.slug}_whole")
     elif update == "device":
@@ -356,11 +359,14 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
                            if derive_every is not None else 0)
     free_before_family, _ = _device_bytes()
     allocated_a = torch.cuda.memory_allocated()
-    family = capture_family(step, sorted(lengths, reverse=True),
-                            params=w.params, update=update, derive_every=derive_every,
-                            derive_period=derive_period, same_places=same_places,
-                            verify_unread=verify_unread, derive_start=derive_start,
-                            progress=lambda line: _log(f"  {label} family: {line}"))
+    # What derive_lengths was given, kept by reference while timed and written at the end,
+    # for a replay of the host's part on any machine (sampling_replay.py).
+    with recording() if record_to is not None else contextlib.nullcontext() as sampling:
+        family = capture_family(step, sorted(lengths, reverse=True),
+                                params=w.params, update=update, derive_every=derive_every,
+                                derive_period=derive_period, same_places=same_places,
+                                verify_unread=verify_unread, derive_start=derive_start,
+                                progress=lambda line: _log(f"  {label} family: {line}"))
     _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
     family_device_bytes = free_before_family - _device_bytes()[0]
     reserved_after_family = torch.cuda.memory_reserved()
@@ -525,6 +531,9 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     for e in extra:
         e.close()
     family.close()
+    if sampling is not None:
+        for path in sampling.save(record_to / w.slug):
+            _log(f"  {label}: sampling recorded in {path}")
     return result
 
 
@@ -702,6 +711,9 @@ def main() -> None:
     parser.add_argument("--fresh-timeout", type=float, default=600.0, metavar="S",
                         help="give up on a fresh process's part after S seconds (reported)")
     # Internal: one fresh process's part, for one workload; prints one JSON line.
+    parser.add_argument("--record-sampling", type=Path, default=None, metavar="DIR",
+                        help="record what the family's sampling was given, for "
+                             "sampling_replay.py to replay on the host (DIR/<workload>/)")
     parser.add_argument("--part", choices=("shared_pool", "warm_start"), help=argparse.SUPPRESS)
     parser.add_argument("--from", dest="saved", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -747,7 +759,8 @@ def main() -> None:
             results.append(measure(w, args.traces, args.update, args.derive_every,
                                    None if args.no_fresh else Path(saved),
                                    args.derive_period, args.same_places,
-                                   args.verify_unread, args.derive_start))
+                                   args.verify_unread, args.derive_start,
+                                   args.record_sampling))
             write()
             if not args.no_fresh:
                 results[-1].update(_in_fresh_process("shared_pool", workload_args, [],
