@@ -898,12 +898,14 @@ def _columns_agree_with_lengths(derivations, lengths) -> None:
     lengths = list(lengths)
     at = np.asarray(lengths, dtype=np.int64)
     for d in derivations:
+        table = d._table(at)  # every number's stretches at once, as coverage takes them
         for key in d.fits:
-            values, ok = d._column(key, at)
             one = [d._value(key, n) for n in lengths]
-            assert ok.tolist() == [v is not None for v in one], key
-            derived = [int(v) for v, good in zip(values, ok, strict=True) if good]
-            assert derived == [v for v in one if v is not None], key
+            for values, ok in (d._column(key, at), d._column(key, at, table)):
+                assert ok.tolist() == [v is not None for v in one], key
+                derived = [int(v) for v, good in zip(values, ok, strict=True) if good]
+                assert derived == [v for v in one if v is not None], key
+        assert d.covered(lengths) == [n for n in lengths if d.covers(n)]
         assert d.disputed(lengths) == [n for n in lengths
                                        if any(d._disputed_at(key, n) for key in d.quotients)]
 
