@@ -150,9 +150,13 @@ def _segments(points: list[tuple[int, int]]) -> list[Segment]:
                                1))
             break
         (x0, y0), (x1, y1) = points[i], points[j]
-        slope = Fraction(y1 - y0, x1 - x0)
-        while j + 1 < len(points) and y0 + slope * (points[j + 1][0] - x0) == points[j + 1][1]:
+        rise, run = y1 - y0, x1 - x0
+        # On the line where (y - y0) / (x - x0) == rise / run: compared cross-multiplied, in
+        # integers (a Fraction a point cost most of a derivation's fitting)
+        while j + 1 < len(points) and (points[j + 1][1] - y0) * run == rise * (
+                points[j + 1][0] - x0):
             j += 1
+        slope = Fraction(rise, run)
         out.append(Segment(x0, points[j][0], slope, y0 - slope * x0, j - i + 1))
         i = j + 1
     return out
@@ -218,39 +222,35 @@ def _length_steps(points: Sequence[tuple[int, int]]) -> tuple[Quotient, ...]:
     return tuple(out)
 
 
-def _quotients(series: Mapping[tuple[str, str], list[tuple[int, int]]],
-               fits: Mapping[tuple[str, str], list[Segment]]
-               ) -> dict[tuple[str, str], tuple[Quotient, ...]]:
-    """For each fitted grid dimension or argument number, the node's other varying argument
-    numbers it is a rounded-up quotient of at every sample, as ``ceil(x / d)`` or as the
-    values' greatest common divisor times that (a size or stride padded to a multiple: a
-    ``where`` over GPT-2's attention mask read 512 bytes per 256 positions begun on the H200);
-    module docstring."""
-    numbers: dict[str, list[str]] = {}
-    for where, what in fits:
-        if what.startswith("a"):
-            numbers.setdefault(where, []).append(what)
+def _quotients(series: Mapping[str, list[tuple[int, int]]],
+               fits: Mapping[str, list[Segment]]) -> dict[str, tuple[Quotient, ...]]:
+    """One node's numbers (``series`` and ``fits`` by number, ``buffer:`` entries apart): for
+    each fitted grid dimension or argument number, the node's other varying argument numbers
+    it is a rounded-up quotient of at every sample, as ``ceil(x / d)`` or as the values'
+    greatest common divisor times that (a size or stride padded to a multiple: a ``where``
+    over GPT-2's attention mask read 512 bytes per 256 positions begun on the H200); module
+    docstring. A node's alone, so that a derivation remembers it with the node's share."""
+    numbers = [what for what in fits if what.startswith("a")]
     out = {}
-    for (where, what), _ in fits.items():
+    for what in fits:
         if not what.startswith(("grid", "a")):
             continue
-        values = series[(where, what)]
+        values = series[what]
         scales = sorted({1, math.gcd(*(v for _, v in values))} - {0})
         found = []
-        for source in numbers.get(where, ()):
-            if source == what or series[(where, source)] == values:
+        for source in numbers:
+            if source == what or series[source] == values:
                 continue  # itself, or a number equal to it at every sample: nothing to add
-            points = [(x, v) for (_, x), (_, v) in zip(series[(where, source)], values,
-                                                          strict=True)]
+            points = [(x, v) for (_, x), (_, v) in zip(series[source], values, strict=True)]
             found += [q for scale in scales if (q := _quotient(source, points, scale))]
         if found:
-            out[(where, what)] = tuple(found)
+            out[what] = tuple(found)
     # Staircases in the length itself, for numbers no one trusted line explains.
-    for key, segments in fits.items():
+    for what, segments in fits.items():
         one_line = len(segments) == 1 and segments[0].support >= MIN_SUPPORT
-        if (key not in out and not key[0].startswith("buffer:") and not one_line
-                and len(series[key]) > MIN_SUPPORT and (steps := _length_steps(series[key]))):
-            out[key] = steps
+        if (what not in out and not one_line and len(series[what]) > MIN_SUPPORT
+                and (steps := _length_steps(series[what]))):
+            out[what] = steps
     return out
 
 
@@ -971,14 +971,14 @@ class Derivation:
 
 @dataclass(frozen=True)
 class _Share:
-    """One node's share of a derivation: its stray slots, its dividers' slots, the numbers
-    of it that vary as (length, value) points, their fits and their widths in bits."""
+    """One node's share of a derivation: its stray slots, its dividers' slots, the fits of
+    its numbers that vary, their widths in bits and their quotient forms."""
 
     stray: Slots
     dividers: Slots
-    series: dict[str, list[tuple[int, int]]]
     fits: dict[str, list[Segment]]
     bits: dict[str, int]
+    quotients: dict[str, tuple[Quotient, ...]]
 
 
 def _node_share(node: str, seen: list[Op], lengths: tuple[int, ...], loose: Slots
@@ -1025,7 +1025,7 @@ def _node_share(node: str, seen: list[Op], lengths: tuple[int, ...], loose: Slot
             if len({v for _, v in points}) > 1:
                 fits[what] = _segments(points)
                 bits[what] = _bits(what, first)  # the template's
-    return _Share(stray, dividers, series, fits, bits)
+    return _Share(stray, dividers, fits, bits, _quotients(series, fits))
 
 
 def derive(samples: Mapping[int, KernelGraph],
@@ -1048,7 +1048,7 @@ def derive(samples: Mapping[int, KernelGraph],
     lengths = tuple(sorted(samples))
     template = samples[lengths[0]]
     loose = {node: slots for node, slots in (loose or {}).items() if slots}
-    series: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    series: dict[tuple[str, str], list[tuple[int, int]]] = {}  # the buffers' numbers
     ops: dict[str, list[Op]] = {node: [] for node in template.dag.nodes}
     for length in lengths:
         graph = samples[length]
@@ -1065,6 +1065,7 @@ def derive(samples: Mapping[int, KernelGraph],
             seen.append(graph.op(pairs[node]))
     dividers: dict[str, Slots] = {}
     bits: dict[tuple[str, str], int] = {}
+    quotients: dict[tuple[str, str], tuple[Quotient, ...]] = {}
     fits = {}
     for key, points in series.items():  # the buffers'
         if len({v for _, v in points}) > 1:
@@ -1082,13 +1083,12 @@ def derive(samples: Mapping[int, KernelGraph],
             loose[node] = mine | share.stray
         if share.dividers:
             dividers[node] = share.dividers
-        for what, points in share.series.items():
-            series[(node, what)] = points
         for what, segments in share.fits.items():
             fits[(node, what)] = segments
             bits[(node, what)] = share.bits[what]
-    return Derivation(template, lengths, fits, loose, dividers, bits,
-                      _quotients(series, fits))
+        for what, forms in share.quotients.items():
+            quotients[(node, what)] = forms
+    return Derivation(template, lengths, fits, loose, dividers, bits, quotients)
 
 
 def place_derived(variants: Variants, d: Derivation, lengths: Sequence[int], base: Hashable,
