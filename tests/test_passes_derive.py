@@ -1004,3 +1004,17 @@ def test_a_capture_where_forms_parted_that_runs_another_kernel_cuts_its_run():
         assert 512 in got.tie_breaks and got.checked[512]  # another function there
         assert not got.refused and all(got.graphs[n] == padded(n) for n in got.derived)
         assert {504, 512} <= set(got.captured) and len(calls) < 100, start
+
+
+def test_a_topology_found_again_by_its_structure_is_its_fingerprint():
+    from grape.ir import Empty, fingerprint
+    from grape.passes.lengths import _topology
+
+    known: dict = {}
+    a, b = step(8), step(200)  # numbers apart, one structure: hashed once
+    assert _topology(a, known) == fingerprint(a, launch=False) == _topology(b, known)
+    assert len(known) == 1
+    c = step(8)
+    c.add("after", Empty(), after=["copy"])  # another structure: hashed, and apart
+    assert _topology(c, known) == fingerprint(c, launch=False) != _topology(a, known)
+    assert len(known) == 2

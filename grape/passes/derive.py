@@ -1139,7 +1139,7 @@ def _differs(a: KernelGraph, at: int, b: KernelGraph, bt: int) -> str | None:
                 f"lengths {at} and {bt} only")
     for node, op in a.ops():
         other = b.op(pairs[node])
-        mine, theirs = (_flatten(op, fixed_only=True)[0], _flatten(other, fixed_only=True)[0])
+        mine, theirs = _fixed(op), _fixed(other)
         if mine != theirs and (stray := stray_slots((op, other))):
             # looked for only where something differs: most nodes differ in nothing fixed
             mine, theirs = (_flatten(op, stray, fixed_only=True)[0],
@@ -1148,6 +1148,13 @@ def _differs(a: KernelGraph, at: int, b: KernelGraph, bt: int) -> str | None:
             return (f"expected node {node!r} to differ in numbers only between lengths {at} "
                     f"and {bt}, found its {_first_difference(mine, theirs)} changed")
     return None
+
+
+def _fixed(op: Op) -> tuple:
+    """What of ``op`` must stay equal across lengths (:func:`_flatten`'s ``fixed_only``),
+    remembered (``grape.passes.memo``): each capture is compared with its neighbours on both
+    sides, and again as samples are added between them."""
+    return recall("fixed", (op,), (), lambda: _flatten(op, fixed_only=True)[0])
 
 
 _FIXED_NAMES = ("kind", "function", "name", "attributes", "parameter layout", "handles",

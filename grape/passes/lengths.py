@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from grape.errors import GrapeError, GraphError
-from grape.ir import Kernel, KernelGraph, Op, fingerprint
+from grape.ir import Conditional, Kernel, KernelGraph, Op, fingerprint
 from grape.passes.derive import (
     _ADDRESS_HIGH,
     MIN_SUPPORT,
@@ -121,19 +121,22 @@ class Sampled:
 
 def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | None = None,
           seen: dict[tuple[int, int], str | None] | None = None,
-          prints: dict[int, str] | None = None) -> list[list[int]]:
+          prints: dict[int, str] | None = None, known: dict | None = None
+          ) -> list[list[int]]:
     """Captured lengths, ascending, cut wherever the next one's graph differs in more than
     numbers (another topology, another kernel function): lengths between two runs belong to
     neither, so nothing is derived across a change. Each cut's lengths and reason are appended
     to ``cuts`` where given; ``seen`` keeps what neighbouring pairs gave (comparing two graphs
-    of thousands of nodes takes a while, and refinement asks again and again)."""
+    of thousands of nodes takes a while, and refinement asks again and again), ``prints``
+    each length's topology and ``known`` the topologies by structure (:func:`_topology`)."""
     seen = {} if seen is None else seen
     prints = {} if prints is None else prints
+    known = {} if known is None else known
     runs: list[list[int]] = []
     last_topology = None
     for n in sorted(graphs):
         if n not in prints:
-            prints[n] = fingerprint(graphs[n], launch=False)
+            prints[n] = _topology(graphs[n], known)
         topology = prints[n]
         why: str | None = "another topology"
         if runs and topology == last_topology:
@@ -155,9 +158,24 @@ def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | 
     return runs
 
 
+def _topology(graph: KernelGraph, known: dict) -> str:
+    """``fingerprint(graph, launch=False)``, found again without hashing where an earlier
+    graph had the same nodes (ids and kinds) and edges (``known``: fingerprints by that
+    structure): the walk names one step's nodes alike in every capture, and a Llama step's
+    1,086 nodes took 36 ms a fingerprint (an H100, profiled). Conditional nodes' bodies are
+    part of their topology: a graph with one is hashed."""
+    if any(isinstance(op, Conditional) for _, op in graph.dag.nodes(data="op")):
+        return fingerprint(graph, launch=False)
+    structure = ("structure", tuple((n, op.kind) for n, op in graph.dag.nodes(data="op")),
+                 tuple(graph.dag.edges(data="kind")))
+    if structure not in known:
+        known[structure] = fingerprint(graph, launch=False)
+    return known[structure]
+
+
 def _refine(want: list[int], graphs: Mapping[int, KernelGraph],
             take: Callable[[int], KernelGraph], seen: dict[tuple[int, int], str | None],
-            prints: dict[int, str]) -> None:
+            prints: dict[int, str], known: dict) -> None:
     """Capture more lengths where the samples alone cannot carry a derivation: between two runs
     (a change of topology or kernel somewhere in the gap: bisected until the change lies between
     neighbouring lengths, so each run reaches it) and inside a run of fewer than MIN_SUPPORT
@@ -167,7 +185,8 @@ def _refine(want: list[int], graphs: Mapping[int, KernelGraph],
     another attention or GEMM kernel every few KV lengths) leaves runs of one or two samples,
     and nothing is derived at all. Each change costs about log2(every) captures."""
     while True:
-        runs = _runs({n: graphs[n] for n in want if n in graphs}, seen=seen, prints=prints)
+        runs = _runs({n: graphs[n] for n in want if n in graphs}, seen=seen, prints=prints,
+                     known=known)
         todo = set()
         for left, right in pairwise(runs):
             todo.add(_middle([n for n in want if left[-1] < n < right[0]]))
@@ -295,13 +314,14 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     for n in sorted({n for c in classes for n in c[::start] + c[-1:]}, reverse=True):
         sample(n)
     seen: dict[tuple[int, int], str | None] = {}
+    known: dict[tuple, str] = {}  # topologies by structure (_topology)
     loose = _LooseByTopology(out, again or capture)
 
     def settle(c: list[int], run: list[int]) -> tuple[Derivation, bool, list[int]]:
         """``run``'s derivation, after the captures where its forms part, the runs that show
         slots unread and its held-out checks: (derivation, whether a check refuted it, the
         run with the captures where forms parted)."""
-        d = derive({n: out.graphs[n] for n in run}, loose(out.graphs[run[0]]))
+        d = derive({n: out.graphs[n] for n in run}, loose(run[0]))
         for _ in range(TIE_BREAKS):
             # Where two forms both fit the samples and part between them (samples one a
             # staircase's step apart lie on a line too), a capture where they part says which
@@ -322,7 +342,7 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
                 return d, True, run
             samples.add(n)
             run = sorted([*run, n])
-            d = derive({m: out.graphs[m] for m in run}, loose(out.graphs[run[0]]))
+            d = derive({m: out.graphs[m] for m in run}, loose(run[0]))
         if verify is not None:
             d = _unread(d, [n for n in c if d.lengths[0] < n < d.lengths[-1]
                             and n not in out.graphs], out, verify)
@@ -366,10 +386,10 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     settled: dict[tuple[int, ...], tuple[Derivation, bool, list[int]]] = {}
     while True:
         for c in classes:
-            _refine(c, sampled, sample, seen, out.topologies)
+            _refine(c, sampled, sample, seen, out.topologies, known)
         runs = [(c, run) for c in classes
                 for run in _runs(_Subset(out.graphs, samples & set(c)), seen=seen,
-                                 prints=out.topologies)
+                                 prints=out.topologies, known=known)
                 if len(run) >= MIN_SUPPORT]
         loose.learn([run for _, run in runs])
         finer: set[int] = set()
@@ -427,7 +447,8 @@ def derive_lengths(capture: Callable[[int], KernelGraph], lengths: Iterable[int]
     # The cuts between captured lengths (their pairs were compared already, in ``seen``).
     captured = set(out.captured)
     for c in classes:
-        _runs({n: out.graphs[n] for n in c if n in captured}, out.cuts, seen, out.topologies)
+        _runs({n: out.graphs[n] for n in c if n in captured}, out.cuts, seen, out.topologies,
+              known)
     held = ""
     if out.held_back:
         (kernel, number), count = out.held_back.most_common(1)[0]
@@ -693,8 +714,10 @@ class _LooseByTopology:
             self.found[topology] = (out.graphs[small], _both(out.graphs[small], at_small,
                                                              out.graphs[large], at_large))
 
-    def __call__(self, graph: KernelGraph) -> dict[str, Slots]:
-        reference, slots = self.found[fingerprint(graph, launch=False)]
+    def __call__(self, length: int) -> dict[str, Slots]:
+        """The loose slots of captured ``length``'s nodes."""
+        graph = self.out.graphs[length]
+        reference, slots = self.found[self.out.topologies[length]]
         pairs = match(reference, graph)
         return {pairs[node]: s for node, s in slots.items() if s}
 
