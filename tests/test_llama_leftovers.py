@@ -135,3 +135,27 @@ def test_derivations_remembered_within_a_scope_are_the_ones_made_afresh(graphs):
                 match(samples[RUN[0]], other)
     assert remembered == [fresh[0], fresh[0], fresh[1]]
     assert fresh[0] != fresh[1]  # the change shows
+
+
+def test_a_kernels_numbers_read_a_column_at_a_time_are_those_read_a_version_at_a_time(graphs):
+    """derive reads a kernel node's argument slots from one array of all its versions
+    (``_kernel_numbers``); on real captures, stray pointers and leftovers among them, that
+    gives every number ``_flatten`` gives version by version, in its order."""
+    from grape.passes.derive import _flatten, _kernel_numbers, _varying
+
+    samples, loose = graphs["sample"], _loose(graphs)
+    template = samples[RUN[0]]
+    pairs = {n: match(template, samples[n]) for n in RUN}
+    compared = 0
+    for node, _ in template.kernels():
+        seen = [samples[n].op(pairs[n][node]) for n in RUN]
+        if len({len(o.args) for o in seen}) != 1:
+            continue
+        skip = loose.get(node, frozenset()) | stray_slots(seen)
+        varying, rows = _varying(seen)
+        per = [_flatten(o, skip, slots=varying)[1] for o in seen]
+        expected = {what: [mine[what] for mine in per] for what in per[0]}
+        got = _kernel_numbers(node, seen, RUN, skip, varying, rows)
+        assert list(got) == list(expected) and got == expected, node
+        compared += bool(varying) and bool(skip)
+    assert compared > 10  # nodes with both varying slots and slots left out were among them

@@ -281,13 +281,53 @@ def _divider(divisor: int) -> tuple[int, int]:
     return ((1 << 32) * ((1 << shift) - divisor)) // divisor + 1, shift
 
 
-def _varying(ops: list[Kernel]) -> list[int]:
+def _varying(ops: list[Kernel]) -> tuple[list[int], np.ndarray]:
     """The argument slots whose bytes are not the same at every sample (``ops``: one kernel,
-    arguments of one length), found with numpy: kernels carry hundreds of slots, few vary."""
+    arguments of one length), found with numpy: kernels carry hundreds of slots, few vary;
+    and every sample's slots, a row each (uint32; a trailing part of a slot zero-padded, as
+    :func:`_u32` reads it)."""
     width = len(ops[0].args) + (-len(ops[0].args)) % 4
     rows = np.frombuffer(b"".join(op.args.ljust(width, b"\0") for op in ops),
                          dtype="<u4").reshape(len(ops), -1)
-    return (np.flatnonzero((rows != rows[0]).any(axis=0)) * 4).tolist()
+    return (np.flatnonzero((rows != rows[0]).any(axis=0)) * 4).tolist(), rows
+
+
+def _kernel_numbers(node: str, seen: list[Kernel], lengths: Sequence[int], skip: Slots,
+                    varying: list[int], rows: np.ndarray) -> dict[str, list[int]]:
+    """One kernel node's numbers at each of its versions ``seen`` (one argument length), by
+    name in :func:`_flatten`'s order: what :func:`_flatten` gives a version at a time, with
+    the argument slots read from ``rows`` (:func:`_varying`) a column each rather than a
+    version and slot at a time.
+
+    Raises
+    ------
+    GraphError
+        Something that is no number differs between two versions.
+    """
+    fixed_first = _flatten(seen[0], skip, fixed_only=True)[0]
+    for length, op in zip(lengths[1:], seen[1:], strict=True):
+        if (fixed := _flatten(op, skip, fixed_only=True)[0]) != fixed_first:
+            what = _first_difference(fixed_first, fixed)
+            raise GraphError(f"expected node {node!r} to differ in numbers only between "
+                             f"lengths {lengths[0]} and {length}, found its {what} changed")
+    numbers = {f"grid{i}": [op.grid[i] for op in seen] for i in range(3)}
+    numbers |= {f"block{i}": [op.block[i] for op in seen] for i in range(3)}
+    numbers["shared_mem"] = [op.shared_mem for op in seen]
+    # The pointers left once ``skip`` is: at the same offsets in every version (they are
+    # part of what must stay equal), though a version may have more under ``skip``.
+    pointers = [op.pointers if not skip else
+                [p for p in op.pointers if not skip.intersection(_slots(p.offset, 8))]
+                for op in seen]
+    taken = set(skip)
+    for j, p in enumerate(pointers[0]):
+        o = p.offset
+        numbers[f"w{o}"] = [int.from_bytes(op.args[o:o + 8], "little") for op in seen]
+        numbers[f"p{o}"] = [mine[j].target.offset for mine in pointers]
+        taken.update(_slots(o, 8))
+    for o in varying:
+        if o not in taken:
+            numbers[f"a{o}"] = rows[:, o // 4].tolist()
+    return numbers
 
 
 def _dividers(ops: list[Kernel], skip: Slots, varying: Iterable[int]) -> Slots:
@@ -998,26 +1038,31 @@ def _node_share(node: str, seen: list[Op], lengths: tuple[int, ...], loose: Slot
     skip = loose | stray
     one_kernel = isinstance(first, Kernel) and all(
         isinstance(op, Kernel) and len(op.args) == len(first.args) for op in seen)
-    varying = _varying(seen) if one_kernel else None
+    varying, rows = _varying(seen) if one_kernel else (None, None)
     dividers: Slots = frozenset()
     if varying and (dividers := _dividers(seen, skip, varying)):
         skip = skip | {o + k for o in dividers for k in (0, 4)}
-    per = []  # the node's numbers at each length
-    fixed_first = None
-    for length, op in zip(lengths, seen, strict=True):
-        fixed, numbers = _flatten(op, skip, slots=varying)
-        if fixed_first is None:
-            fixed_first = fixed
-        elif fixed != fixed_first:
-            what = _first_difference(fixed_first, fixed)
-            raise GraphError(f"expected node {node!r} to differ in numbers only between "
-                             f"lengths {lengths[0]} and {length}, found its {what} changed")
-        per.append(numbers)
+    if one_kernel:
+        numbers = _kernel_numbers(node, seen, lengths, skip, varying, rows)
+    else:
+        per = []  # the node's numbers at each length
+        fixed_first = None
+        for length, op in zip(lengths, seen, strict=True):
+            fixed, mine = _flatten(op, skip, slots=varying)
+            if fixed_first is None:
+                fixed_first = fixed
+            elif fixed != fixed_first:
+                what = _first_difference(fixed_first, fixed)
+                raise GraphError(f"expected node {node!r} to differ in numbers only between "
+                                 f"lengths {lengths[0]} and {length}, found its {what} "
+                                 f"changed")
+            per.append(mine)
+        numbers = {what: [mine.get(what) for mine in per]
+                   for what in dict.fromkeys(k for mine in per for k in mine)}
     # Only numbers that vary are fitted, and most do not (a weight's pointer): a number's
     # values are gathered into points only once they are seen to differ.
     series, fits, bits = {}, {}, {}
-    for what in dict.fromkeys(k for numbers in per for k in numbers):
-        values = [numbers.get(what) for numbers in per]
+    for what, values in numbers.items():
         if values.count(values[0]) != len(values):
             points = [(length, v) for length, v in zip(lengths, values, strict=True)
                       if v is not None]
