@@ -28,7 +28,7 @@ from grape.errors import GraphError
 from grape.ir import Conditional, KernelGraph, fingerprint, node_hashes
 from grape.passes.memo import recall
 
-__all__ = ["canonical_order", "group", "match", "same_ids"]
+__all__ = ["canonical_order", "group", "match", "same_ids", "structure"]
 
 
 def group(graphs: Mapping[Hashable, KernelGraph]) -> dict[str, list[Hashable]]:
@@ -50,6 +50,26 @@ def canonical_order(graph: KernelGraph, hashes: Mapping[str, str] | None = None)
     return list(nx.lexicographical_topological_sort(graph.dag, key=lambda n: (hashes[n], n)))
 
 
+Structure = tuple[frozenset, frozenset]  # (node id, kind) pairs and (from, to, kind) edges
+
+
+def structure(graph: KernelGraph) -> Structure | None:
+    """``graph``'s nodes as (id, kind) and its edges as (from, to, kind), as sets: two graphs
+    with equal structures are one topology under their own ids (:func:`same_ids`). None where
+    the graph has a conditional node, whose bodies would need comparing too. Remembered
+    (``grape.passes.memo``): a family's derivation compares each capture with several."""
+    return recall("structure", (graph,), (), lambda: _structure(graph))
+
+
+def _structure(graph: KernelGraph) -> Structure | None:
+    nodes = []
+    for node, op in graph.dag.nodes(data="op"):
+        if isinstance(op, Conditional):
+            return None
+        nodes.append((node, op.kind))
+    return frozenset(nodes), frozenset(graph.dag.edges(data="kind"))
+
+
 def same_ids(template: KernelGraph, other: KernelGraph) -> bool:
     """Whether two graphs are one structure under their own node ids: the same ids, each of
     the same kind, joined by the same edges (no conditional nodes, whose bodies would need
@@ -57,15 +77,10 @@ def same_ids(template: KernelGraph, other: KernelGraph) -> bool:
     so captures of one topology usually are; their :func:`match` is then every node to
     itself, which is what the canonical orders would give (identical labelled graphs hash
     alike, node by node, and ties go to the id), found without hashing."""
-    a, b = template.dag, other.dag
-    if len(a) != len(b) or a.number_of_edges() != b.number_of_edges():
+    if len(template.dag) != len(other.dag):
         return False
-    ops = b.nodes
-    for node, op in a.nodes(data="op"):
-        theirs = ops.get(node)
-        if theirs is None or type(theirs["op"]) is not type(op) or isinstance(op, Conditional):
-            return False
-    return template.edges() == other.edges()
+    mine = structure(template)
+    return mine is not None and mine == structure(other)
 
 
 def match(template: KernelGraph, other: KernelGraph) -> dict[str, str]:

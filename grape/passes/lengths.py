@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from grape.errors import GrapeError, GraphError
-from grape.ir import Conditional, Kernel, KernelGraph, Op, fingerprint
+from grape.ir import Kernel, KernelGraph, Op, fingerprint
 from grape.passes.derive import (
     _ADDRESS_HIGH,
     MIN_SUPPORT,
@@ -34,7 +34,7 @@ from grape.passes.derive import (
     loose_slots,
     stray_slots,
 )
-from grape.passes.families import match
+from grape.passes.families import match, structure
 from grape.passes.memo import remembering
 
 __all__ = ["Graphs", "Sampled", "derive_lengths"]
@@ -161,16 +161,15 @@ def _runs(graphs: Mapping[int, KernelGraph], cuts: list[tuple[int, int, str]] | 
 def _topology(graph: KernelGraph, known: dict) -> str:
     """``fingerprint(graph, launch=False)``, found again without hashing where an earlier
     graph had the same nodes (ids and kinds) and edges (``known``: fingerprints by that
-    structure): the walk names one step's nodes alike in every capture, and a Llama step's
-    1,086 nodes took 36 ms a fingerprint (an H100, profiled). Conditional nodes' bodies are
-    part of their topology: a graph with one is hashed."""
-    if any(isinstance(op, Conditional) for _, op in graph.dag.nodes(data="op")):
+    :func:`structure`): the walk names one step's nodes alike in every capture, and a Llama
+    step's 1,086 nodes took 36 ms a fingerprint (an H100, profiled). A graph with a
+    conditional node (whose bodies are part of its topology) is hashed."""
+    key = structure(graph)
+    if key is None:
         return fingerprint(graph, launch=False)
-    structure = ("structure", tuple((n, op.kind) for n, op in graph.dag.nodes(data="op")),
-                 tuple(graph.dag.edges(data="kind")))
-    if structure not in known:
-        known[structure] = fingerprint(graph, launch=False)
-    return known[structure]
+    if key not in known:
+        known[key] = fingerprint(graph, launch=False)
+    return known[key]
 
 
 def _refine(want: list[int], graphs: Mapping[int, KernelGraph],
