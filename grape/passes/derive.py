@@ -106,7 +106,7 @@ import numpy as np
 
 from grape.errors import GraphError, UnsupportedError
 from grape.ir import Kernel, KernelGraph, Memcpy, Memset, Op, Pointer, Span
-from grape.passes.families import match
+from grape.passes.families import match, same_ids
 from grape.passes.memo import recall
 from grape.passes.variants import NodeVersions, Variants
 
@@ -1182,9 +1182,11 @@ def _differs(a: KernelGraph, at: int, b: KernelGraph, bt: int) -> str | None:
         extra = sorted(set(a.buffers) ^ set(b.buffers))
         return (f"expected the same buffers at every length, found {extra[0]!r} at one of "
                 f"lengths {at} and {bt} only")
+    if same_ids(a, b) and _fixed_parts(a) == _fixed_parts(b):
+        return None  # node for node under the same ids (most neighbouring captures)
     for node, op in a.ops():
         other = b.op(pairs[node])
-        mine, theirs = _fixed(op), _fixed(other)
+        mine, theirs = _flatten(op, fixed_only=True)[0], _flatten(other, fixed_only=True)[0]
         if mine != theirs and (stray := stray_slots((op, other))):
             # looked for only where something differs: most nodes differ in nothing fixed
             mine, theirs = (_flatten(op, stray, fixed_only=True)[0],
@@ -1195,11 +1197,14 @@ def _differs(a: KernelGraph, at: int, b: KernelGraph, bt: int) -> str | None:
     return None
 
 
-def _fixed(op: Op) -> tuple:
-    """What of ``op`` must stay equal across lengths (:func:`_flatten`'s ``fixed_only``),
-    remembered (``grape.passes.memo``): each capture is compared with its neighbours on both
-    sides, and again as samples are added between them."""
-    return recall("fixed", (op,), (), lambda: _flatten(op, fixed_only=True)[0])
+def _fixed_parts(graph: KernelGraph) -> tuple:
+    """What of each of ``graph``'s nodes must stay equal across lengths (:func:`_flatten`'s
+    ``fixed_only``), in the graph's node order, made once and remembered
+    (``grape.passes.memo``): each capture is compared with its neighbours on both sides, and
+    again as samples are added between them, and two graphs under the same ids then compare
+    as two tuples."""
+    return recall("fixed parts", (graph,), (), lambda: tuple(
+        _flatten(op, fixed_only=True)[0] for _, op in graph.ops()))
 
 
 _FIXED_NAMES = ("kind", "function", "name", "attributes", "parameter layout", "handles",
