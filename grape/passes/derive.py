@@ -877,15 +877,19 @@ class Derivation:
 
     def _numbers(self, length: int) -> dict[str, dict[str, int]]:
         """Every fitted number at ``length``, by node (or ``buffer:<id>``)."""
-        if missing := self.uncovered(length):
+        numbers: dict[str, dict[str, int]] = {}
+        missing = []
+        for where, what in self.fits:
+            value = self._value((where, what), length)
+            if value is None:
+                missing.append((where, what))
+            numbers.setdefault(where, {})[what] = value
+        if missing:
             where, what = missing[0]
             raise UnsupportedError(
                 f"expected every varying number of the graph to be derivable at length "
                 f"{length}, found {len(missing)} that are not (first: {what} of {where!r}; "
                 f"captured lengths {self.lengths[0]}..{self.lengths[-1]}): capture it")
-        numbers: dict[str, dict[str, int]] = {}
-        for (where, what), _ in self.fits.items():
-            numbers.setdefault(where, {})[what] = self._value((where, what), length)
         return numbers
 
     @property
