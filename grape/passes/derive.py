@@ -906,7 +906,7 @@ class Derivation:
                 out.setdefault(where, []).append(what)
         return out
 
-    def rows(self, node: str, lengths: Sequence[int]
+    def rows(self, node: str, lengths: Sequence[int], table: _Table | None = None
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Kernel node ``node`` at each of ``lengths``, as rows of arrays in the layout of
         ``grape.passes.variants``: argument bytes (lengths, bytes) uint8, launch dimensions
@@ -917,6 +917,8 @@ class Derivation:
         ------
         UnsupportedError
             Some length is not derivable (:meth:`graph_at`).
+
+        ``table``: :meth:`_table` at ``lengths``, made once for all the nodes placed.
         """
         t = self.template.op(node)
         count, width = len(lengths), len(t.args)
@@ -927,7 +929,7 @@ class Derivation:
         pointer = {p.offset: j for j, p in enumerate(t.pointers)}
         at = np.asarray(lengths, dtype=np.int64)
         for what in self.varying.get(node, ()):
-            values, ok = self._column((node, what), at)
+            values, ok = self._column((node, what), at, table)
             if not ok.all():
                 self._numbers(int(at[~ok][0]))  # raises, naming what is missing
             if what[0] in "aw":
@@ -1160,11 +1162,12 @@ def place_derived(variants: Variants, d: Derivation, lengths: Sequence[int], bas
     back = {theirs: variants.runs(mine, base) for mine, theirs in pairs.items()}
     lengths = list(lengths)
     made: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray] | list[Op]] = {}
+    table = d._table(np.asarray(lengths, dtype=np.int64))  # every number's stretches at once
     for node in d.varying:  # every length's numbers first: a length that fails adds nothing
         mine = back[node]
         versions = variants.nodes.get(mine) or NodeVersions(mine, variants.op(mine))
         if versions.takes_rows(d.template.op(node)):
-            made[node] = d.rows(node, lengths)
+            made[node] = d.rows(node, lengths, table)
         else:
             made[node] = [d.op_at(node, length) for length in lengths]
     numbers = {}
