@@ -368,6 +368,9 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
                                 verify_unread=verify_unread, derive_start=derive_start,
                                 progress=lambda line: _log(f"  {label} family: {line}"))
     _log(f"  {label} family: {len(family.groups)} executables in {family.capture_s:.1f} s")
+    if sampling is not None:  # written now, after the family's time was taken, kept if cut
+        for path in sampling.save(record_to / w.slug):
+            _log(f"  {label}: sampling recorded in {path}")
     family_device_bytes = free_before_family - _device_bytes()[0]
     reserved_after_family = torch.cuda.memory_reserved()
     # Of the pool's growth, what live tensors hold (the rest: free blocks the pool keeps). The
@@ -531,9 +534,6 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
     for e in extra:
         e.close()
     family.close()
-    if sampling is not None:
-        for path in sampling.save(record_to / w.slug):
-            _log(f"  {label}: sampling recorded in {path}")
     return result
 
 
