@@ -14,9 +14,7 @@ rounds, in milliseconds.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import re
 import subprocess
 import sys
 import time
@@ -25,10 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from grape.ir import KernelGraph  # noqa: E402
 from grape.passes.derive import derive  # noqa: E402
 from grape.passes.memo import remembering  # noqa: E402
-from tests.test_llama_leftovers import FOLDER, INSIDE, RUN, _loose  # noqa: E402
+from tests.test_llama_leftovers import INSIDE, RUN, _loose, load, one_node_changed  # noqa: E402
 
 
 def _best(fn, repeat: int) -> float:
@@ -45,18 +42,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    graphs: dict[str, dict[int, KernelGraph]] = {"sample": {}, "again": {}}
-    for path in FOLDER.glob("*.ir.json.gz"):
-        kind, length = re.fullmatch(r"([a-z]+)(\d+)\.ir\.json\.gz", path.name).groups()
-        graphs[kind][int(length)] = KernelGraph.load(path)
+    graphs = load()
     samples, loose = graphs["sample"], _loose(graphs)
-    runs = {n: samples[n] for n in RUN}
-    last = RUN[-1]
-    node, op = next((n, o) for n, o in samples[last].kernels()
-                    if len(o.args) >= 8 and any(o is not samples[m].op(n) for m in RUN[:-1]))
-    changed = dict(runs)
-    changed[last] = samples[last].with_ops(
-        {node: dataclasses.replace(op, args=bytes([op.args[0] ^ 1]) + op.args[1:])})
+    runs, changed = one_node_changed(samples)
 
     def again() -> None:
         with remembering():

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -25,20 +24,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from grape.ir import KernelGraph  # noqa: E402
 from grape.passes.derive import derive  # noqa: E402
 from grape.passes.lengths import _unread_candidates, derive_lengths  # noqa: E402
-from tests.test_llama_leftovers import FOLDER, RUN, _loose  # noqa: E402
+from tests.test_llama_leftovers import RUN, _loose, load  # noqa: E402
 
 WAYS = [(2, None), (4, None), (8, None), (2, 16), (4, 16), (2, 32)]  # (every, start)
 
 
 def model() -> tuple[object, list[int]]:
     """The derivation that stands in for capturing, and the lengths it covers."""
-    graphs: dict[str, dict[int, KernelGraph]] = {"sample": {}, "again": {}}
-    for path in FOLDER.glob("*.ir.json.gz"):
-        kind, length = re.fullmatch(r"([a-z]+)(\d+)\.ir\.json\.gz", path.name).groups()
-        graphs[kind][int(length)] = KernelGraph.load(path)
+    graphs = load()
     samples, loose = graphs["sample"], _loose(graphs)
     inside = [n for n in range(RUN[0] + 8, RUN[-1], 8) if n not in RUN]
     candidates = _unread_candidates(derive({n: samples[n] for n in RUN}, loose), inside) or {}

@@ -21,13 +21,35 @@ RUN = [8, 136, 256, 264, 392, 504]  # samples of the residue class 0 modulo 8
 INSIDE = list(range(RUN[0] + 8, RUN[-1], 8))  # the class's lengths between them
 
 
-@pytest.fixture(scope="module")
-def graphs() -> dict[str, dict[int, KernelGraph]]:
+def load() -> dict[str, dict[int, KernelGraph]]:
+    """The committed captures: ``"sample"`` and ``"again"`` (second captures), by length."""
     out: dict[str, dict[int, KernelGraph]] = {"sample": {}, "again": {}}
     for path in FOLDER.glob("*.ir.json.gz"):
         kind, length = re.fullmatch(r"([a-z]+)(\d+)\.ir\.json\.gz", path.name).groups()
         out[kind][int(length)] = KernelGraph.load(path)
     return out
+
+
+@pytest.fixture(scope="module")
+def graphs() -> dict[str, dict[int, KernelGraph]]:
+    return load()
+
+
+def one_node_changed(samples: dict[int, KernelGraph]
+                     ) -> tuple[dict[int, KernelGraph], dict[int, KernelGraph]]:
+    """The run's samples, and the same with one kernel node of the last sample changed in
+    its first argument byte (a node whose versions differ: what showing words unread
+    derives again)."""
+    import dataclasses
+
+    runs = {n: samples[n] for n in RUN}
+    last = RUN[-1]
+    node, op = next((n, o) for n, o in samples[last].kernels()
+                    if len(o.args) >= 8 and any(o is not samples[m].op(n) for m in RUN[:-1]))
+    changed = dict(runs)
+    changed[last] = samples[last].with_ops(
+        {node: dataclasses.replace(op, args=bytes([op.args[0] ^ 1]) + op.args[1:])})
+    return runs, changed
 
 
 def _loose(graphs) -> dict:
@@ -112,19 +134,12 @@ def test_derivations_remembered_within_a_scope_are_the_ones_made_afresh(graphs):
     what it gives outside, asked again, and asked with one sample's node changed (what
     showing words unread derives), where only that node is fitted anew; match's answers
     and refusals are remembered alike."""
-    import dataclasses
-
     from grape.errors import GraphError
     from grape.passes.memo import remembering
 
     samples, loose = graphs["sample"], _loose(graphs)
-    runs = {n: samples[n] for n in RUN}
+    runs, changed = one_node_changed(samples)
     last = RUN[-1]
-    node, op = next((n, o) for n, o in samples[last].kernels()
-                    if len(o.args) >= 8 and any(o is not samples[m].op(n) for m in RUN[:-1]))
-    changed = dict(runs)
-    changed[last] = samples[last].with_ops(
-        {node: dataclasses.replace(op, args=bytes([op.args[0] ^ 1]) + op.args[1:])})
     fresh = [derive(runs, loose), derive(changed, loose)]
     with remembering():
         remembered = [derive(runs, loose), derive(runs, loose), derive(changed, loose)]
