@@ -1022,3 +1022,20 @@ def test_a_topology_found_again_by_its_structure_is_its_fingerprint():
     c.add("after", Empty(), after=["copy"])  # another structure: hashed, and apart
     assert _topology(c, known) == fingerprint(c, launch=False) != _topology(a, known)
     assert len(known) == 2
+
+
+def test_two_captures_under_the_same_ids_are_compared_node_to_node_not_in_order():
+    # The same nodes and edges, made in another order, with the two kernels' functions
+    # swapped between the nodes: in order they look alike, node to node they differ.
+    from grape.passes.derive import _differs
+
+    def made(order, functions):
+        g = KernelGraph()
+        for node, function in zip(order, functions, strict=True):
+            g.add(node, Kernel(function, function, grid=(1, 1, 1), block=(32, 1, 1)))
+        return g
+
+    a = made(["x", "y"], ["f@0x1", "g@0x2"])
+    b = made(["y", "x"], ["f@0x1", "g@0x2"])  # y runs f, x runs g
+    assert "node 'x'" in _differs(a, 1, b, 2) and "function changed" in _differs(a, 1, b, 2)
+    assert _differs(a, 1, made(["x", "y"], ["f@0x1", "g@0x2"]), 2) is None

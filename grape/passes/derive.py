@@ -486,9 +486,9 @@ def loose_slots(graph: KernelGraph, again: KernelGraph) -> dict[str, Slots]:
 
 @dataclass(frozen=True)
 class _Stretches:
-    """Every trusted-or-not stretch of a derivation's numbers whose line is in integers small
-    enough for int64, as arrays of one entry per stretch, grouped by number (``rows``: each
-    number's first stretch's index, in the order of ``keys``)."""
+    """Every stretch, trusted or not, of a derivation's numbers whose lines are in integers
+    small enough for int64, as arrays of one entry per stretch, grouped by number
+    (``starts``: each number's first stretch, in the order of ``keys``)."""
 
     keys: dict[tuple[str, str], int]  # number -> its row in a table
     starts: np.ndarray  # each number's first stretch
@@ -1190,7 +1190,7 @@ def _differs(a: KernelGraph, at: int, b: KernelGraph, bt: int) -> str | None:
         return (f"expected the same buffers at every length, found {extra[0]!r} at one of "
                 f"lengths {at} and {bt} only")
     if same_ids(a, b) and _fixed_parts(a) == _fixed_parts(b):
-        return None  # node for node under the same ids (most neighbouring captures)
+        return None  # node to node under the same ids (most neighbouring captures)
     for node, op in a.ops():
         other = b.op(pairs[node])
         mine, theirs = _flatten(op, fixed_only=True)[0], _flatten(other, fixed_only=True)[0]
@@ -1204,14 +1204,13 @@ def _differs(a: KernelGraph, at: int, b: KernelGraph, bt: int) -> str | None:
     return None
 
 
-def _fixed_parts(graph: KernelGraph) -> tuple:
+def _fixed_parts(graph: KernelGraph) -> dict[str, tuple]:
     """What of each of ``graph``'s nodes must stay equal across lengths (:func:`_flatten`'s
-    ``fixed_only``), in the graph's node order, made once and remembered
-    (``grape.passes.memo``): each capture is compared with its neighbours on both sides, and
-    again as samples are added between them, and two graphs under the same ids then compare
-    as two tuples."""
-    return recall("fixed parts", (graph,), (), lambda: tuple(
-        _flatten(op, fixed_only=True)[0] for _, op in graph.ops()))
+    ``fixed_only``), by node, made once and remembered (``grape.passes.memo``): each capture
+    is compared with its neighbours on both sides, and again as samples are added between
+    them, and two graphs under the same ids then compare as two dictionaries."""
+    return recall("fixed parts", (graph,), (), lambda: {
+        node: _flatten(op, fixed_only=True)[0] for node, op in graph.ops()})
 
 
 _FIXED_NAMES = ("kind", "function", "name", "attributes", "parameter layout", "handles",
