@@ -359,8 +359,8 @@ def measure(w: Workload, trace_dir: Path | None = None, update: str = "nodes",
                            if derive_every is not None else 0)
     free_before_family, _ = _device_bytes()
     allocated_a = torch.cuda.memory_allocated()
-    # What derive_lengths was given, kept by reference while timed and written at the end,
-    # for a replay of the host's part on any machine (sampling_replay.py).
+    # What derive_lengths was given, kept by reference while timed and written once the family
+    # is made, for a replay of the host's part on any machine (sampling_replay.py).
     with recording() if record_to is not None else contextlib.nullcontext() as sampling:
         family = capture_family(step, sorted(lengths, reverse=True),
                                 params=w.params, update=update, derive_every=derive_every,
@@ -710,10 +710,10 @@ def main() -> None:
                              "loads) into DIR, to look into or load elsewhere")
     parser.add_argument("--fresh-timeout", type=float, default=600.0, metavar="S",
                         help="give up on a fresh process's part after S seconds (reported)")
-    # Internal: one fresh process's part, for one workload; prints one JSON line.
     parser.add_argument("--record-sampling", type=Path, default=None, metavar="DIR",
                         help="record what the family's sampling was given, for "
                              "sampling_replay.py to replay on the host (DIR/<workload>/)")
+    # Internal: one fresh process's part, for one workload; prints one JSON line.
     parser.add_argument("--part", choices=("shared_pool", "warm_start"), help=argparse.SUPPRESS)
     parser.add_argument("--from", dest="saved", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
